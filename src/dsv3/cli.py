@@ -1,0 +1,77 @@
+"""The `dsv3` command: a thin dispatcher over one sub-app per layer.
+
+Each subcommand lives in the layer it serves (``dsv3.network.cli``, ``dsv3.analysis.cli``, ...) and is
+imported only when asked for, so `dsv3 net ...` never pays for importing what `dsv3 train` needs.
+Bad input raised as :class:`DSV3Error` ends as one ``error: ...`` line on stderr and exit status 2.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+
+from dsv3.errors import DSV3Error
+
+# command -> (module path of a Typer app or a main(argv) callable, one-line help)
+COMMANDS: dict[str, tuple[str, str]] = {
+    "train": ("dsv3.train.cli:app", "Train a V3-architecture model (MLA, DeepSeekMoE, MTP) on a text corpus."),
+    "generate": ("dsv3.infer.cli:generate_app", "Generate text from a checkpoint (latent-cache decode, MTP)."),
+    "chat": ("dsv3.infer.cli:chat_app", "Chat with a checkpoint in the terminal."),
+    "serve": ("dsv3.infer.cli:serve_app", "Serve a checkpoint over an OpenAI-compatible HTTP API."),
+    "convert": ("dsv3.checkpoint_cli:app", "Convert a DeepSeek-format checkpoint between FP8 and BF16."),
+    "analyze": ("dsv3.analysis.cli:analyze_app", "Memory, FLOPs and speed bounds of any model on any hardware."),
+    "paper": ("dsv3.analysis.cli:paper_app", "The paper's tables side by side with our numbers."),
+    "study": ("dsv3.studies.cli:app", "Numerical studies: FP8 accumulation, FP8 training, LogFMT."),
+    "net": ("dsv3.network.cli:app", "Network topologies, their cost, and a flow-level simulator."),
+    "bench": ("dsv3.bench_cli:app", "Benchmarks: expert-parallel layer, decode speed."),
+}
+
+
+def _usage() -> str:
+    width = max(len(name) for name in COMMANDS)
+    lines = ["usage: dsv3 COMMAND [ARGS]...", "", "DeepSeek-V3 as one readable PyTorch codebase.", "", "commands:"]
+    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run `dsv3 COMMAND --help` for a command's options."]
+    return "\n".join(lines)
+
+
+def _load(target: str):
+    module_name, attr = target.split(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"error: unknown command {name!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    try:
+        app = _load(COMMANDS[name][0])
+        result = app(args=rest, prog_name=f"dsv3 {name}", standalone_mode=False)
+    except DSV3Error as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # click's usage errors arrive here with standalone_mode=False
+        import click
+
+        if isinstance(exc, click.exceptions.Exit):
+            return exc.exit_code
+        if isinstance(exc, click.ClickException):
+            exc.show()
+            return exc.exit_code
+        if isinstance(exc, click.exceptions.Abort):
+            print("aborted", file=sys.stderr)
+            return 1
+        raise
+    return result if isinstance(result, int) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
