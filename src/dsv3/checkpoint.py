@@ -1,0 +1,333 @@
+"""DeepSeek-format checkpoints: HF-layout safetensors in DeepSeek's tensor names.
+
+* Single file or shards with ``model.safetensors.index.json``; ``config.json`` beside them.
+* Routed experts one module per expert on disk (``mlp.experts.E.gate_proj.weight``), stacked in memory.
+* The MTP layer at ``model.layers.{num_hidden_layers}`` with its copies of the shared embedding and head
+  (``embed_tokens``, ``shared_head.head``), loaded and saved, not dropped.
+* FP8 block-scaled weights as DeepSeek ships them: float8_e4m3fn ``weight`` plus float32
+  ``weight_scale_inv`` per 128x128 block (edges padded), dequantized exactly on load, on the CPU.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from dsv3.config import ModelConfig
+from dsv3.errors import DSV3Error
+from dsv3.model.rope import inverse_frequencies
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+FP8_BLOCK = 128
+FP8_MAX = 448.0  # largest finite float8_e4m3fn
+_EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+
+
+# ---- FP8 128x128 block format -------------------------------------------------------------
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
+    """fp8 weight [N, K] * scale_inv [ceil(N/128), ceil(K/128)] per block -> float32 [N, K], exactly."""
+    n, k = weight.shape
+    scale = scale_inv.float().repeat_interleave(block, 0).repeat_interleave(block, 1)[:n, :k]
+    return weight.float() * scale
+
+
+def quantize_fp8_blocks(weight: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """float weight [N, K] -> (float8_e4m3fn [N, K], float32 scale_inv per 128x128 block), DeepSeek's
+    layout: scale_inv = amax / 448 of each block (zero-padded at the edges)."""
+    n, k = weight.shape
+    nb, kb = -(-n // block), -(-k // block)
+    padded = torch.zeros(nb * block, kb * block, dtype=torch.float32)
+    padded[:n, :k] = weight.float()
+    blocks = padded.view(nb, block, kb, block)
+    scale_inv = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
+    q = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return q.view(nb * block, kb * block)[:n, :k].contiguous(), scale_inv
+
+
+# ---- names: model state dict <-> checkpoint -------------------------------------------------
+
+def checkpoint_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
+    """(name, tensor) in DeepSeek's checkpoint naming, experts unstacked, MTP copies included."""
+    cfg: ModelConfig = model.config
+    state = model.state_dict()
+    for name, t in state.items():
+        stacked = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$", name)
+        if stacked:
+            for e in range(t.shape[0]):
+                yield f"{stacked[1]}.{e}.{stacked[2]}.weight", t[e]
+        elif not _is_mtp_copy(name, cfg):
+            yield name, t
+    for k in range(cfg.num_nextn_predict_layers):
+        prefix = f"model.layers.{cfg.num_hidden_layers + k}."
+        yield prefix + "embed_tokens.weight", state.get(prefix + "embed_tokens.weight",
+                                                        state["model.embed_tokens.weight"])
+        yield prefix + "shared_head.head.weight", state.get(prefix + "shared_head.head.weight",
+                                                            state["lm_head.weight"])
+
+
+def _is_mtp_copy(name: str, cfg: ModelConfig) -> bool:
+    m = re.match(r"^model\.layers\.(\d+)\.(.+)$", name)
+    return bool(m) and int(m[1]) >= cfg.num_hidden_layers and m[2] in _MTP_COPIES
+
+
+# ---- save ---------------------------------------------------------------------------------
+
+def save_pretrained(model, path: str | os.PathLike, dtype: torch.dtype | None = None,
+                    max_shard_bytes: int = 5 * 2**30, fp8: bool = False, rope_layout: str = "old") -> None:
+    """Write config.json and safetensors (sharded above ``max_shard_bytes``) into ``path``.
+
+    The folder is built beside the target and swapped in by rename, so a crash leaves either the old
+    checkpoint or the new one, never a mix. ``fp8=True`` stores 2-D projection weights in DeepSeek's FP8
+    block format (the router, norms, embedding and head stay in ``dtype``)."""
+    path = Path(path)
+    cfg: ModelConfig = model.config
+    if fp8:
+        cfg = cfg.replace(quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3",
+                                               "quant_method": "fp8", "weight_block_size": [128, 128]})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    try:
+        tensors = _prepare(checkpoint_tensors(model), dtype, fp8)
+        _write_shards(tensors, tmp, max_shard_bytes)
+        cfg.save_json(tmp / "config.json", rope_layout=rope_layout)
+        _swap_in(tmp, path)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _prepare(items, dtype, fp8) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, t in items:
+        t = t.detach().to("cpu")
+        if fp8 and fp8_quantizable(name, t):
+            out[name], out[name + "_scale_inv"] = quantize_fp8_blocks(t)
+            continue
+        keep_fp32 = name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias")
+        if dtype is not None and t.is_floating_point() and not keep_fp32:
+            t = t.to(dtype)
+        out[name] = t.contiguous().clone()  # clone: no shared storage in safetensors
+    return out
+
+
+def fp8_quantizable(name: str, t: torch.Tensor) -> bool:
+    """DeepSeek's FP8 checkpoints quantize the projection matrices of attention and FFNs only."""
+    if t.dim() != 2 or not name.endswith("_proj.weight") and not name.endswith("proj_with_mqa.weight"):
+        return False
+    return "eh_proj" not in name
+
+
+def _write_shards(tensors: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int) -> None:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    if len(shards) == 1:
+        save_file(shards[0], str(folder / SINGLE_NAME), metadata={"format": "pt"})
+        return
+    weight_map, total = {}, 0
+    for i, shard in enumerate(shards, 1):
+        fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / fname), metadata={"format": "pt"})
+        weight_map.update({n: fname for n in shard})
+        total += sum(t.numel() * t.element_size() for t in shard.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _swap_in(tmp: Path, path: Path) -> None:
+    """Replace ``path`` by ``tmp``; files in ``path`` that are not checkpoint files are kept."""
+    if not path.exists():
+        os.replace(tmp, path)
+        return
+    stale = [f for f in path.iterdir() if f.name.endswith(".safetensors") or f.name in (INDEX_NAME, "config.json")]
+    for f in stale:
+        if not (tmp / f.name).exists():
+            f.unlink()
+    for f in tmp.iterdir():
+        os.replace(f, path / f.name)
+    tmp.rmdir()
+
+
+# ---- load ---------------------------------------------------------------------------------
+
+def checkpoint_files(path: Path) -> list[Path]:
+    if (path / INDEX_NAME).exists():
+        try:
+            index = json.loads((path / INDEX_NAME).read_text())
+            names = sorted(set(index["weight_map"].values()))
+        except (json.JSONDecodeError, KeyError, TypeError) as exc:
+            raise DSV3Error(f"{path / INDEX_NAME} is not a valid safetensors index: {exc}") from None
+        missing = [n for n in names if not (path / n).exists()]
+        if missing:
+            raise DSV3Error(f"checkpoint shard(s) listed in the index are missing: {', '.join(missing)}")
+        return [path / n for n in names]
+    if (path / SINGLE_NAME).exists():
+        return [path / SINGLE_NAME]
+    found = sorted(path.glob("*.safetensors"))
+    if not found:
+        raise DSV3Error(f"no safetensors checkpoint in {path}")
+    return found
+
+
+def read_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every file, with a clear error for a truncated or corrupt file."""
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt") as handle:
+                for name in handle.keys():
+                    yield name, handle.get_tensor(name)
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+            raise DSV3Error(f"cannot read {f}: corrupt or truncated safetensors file ({exc})") from None
+
+
+def dequantized(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
+    """Pair FP8 weights with their ``weight_scale_inv`` and yield the exact float32 product."""
+    pending: dict[str, torch.Tensor] = {}
+    for name, t in items:
+        if name.endswith("_scale_inv"):
+            base = name[: -len("_scale_inv")]
+            if base in pending:
+                yield base, dequantize_fp8_blocks(pending.pop(base), t)
+            else:
+                pending[name] = t
+        elif t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            scale = pending.pop(name + "_scale_inv", None)
+            if scale is None:
+                pending[name] = t
+            else:
+                yield name, dequantize_fp8_blocks(t, scale)
+        else:
+            yield name, t
+    leftover = [n for n in pending if not n.endswith("_scale_inv")]
+    if leftover:
+        raise DSV3Error(f"FP8 tensors without a weight_scale_inv: {', '.join(sorted(leftover)[:5])}")
+
+
+def to_model_names(items: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """Checkpoint names -> model state-dict names: experts stacked, stale rotary buffers dropped."""
+    out: dict[str, torch.Tensor] = {}
+    experts: dict[str, dict[int, torch.Tensor]] = {}
+    for name, t in items:
+        if name.endswith("rotary_emb.inv_freq"):
+            continue
+        m = _EXPERT.match(name)
+        if m:
+            experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = t
+        else:
+            out[name] = t
+    for name, by_index in experts.items():
+        n = cfg.n_routed_experts
+        missing = sorted(set(range(n)) - set(by_index))
+        if missing or len(by_index) != n:
+            raise DSV3Error(f"checkpoint has experts {sorted(by_index)[:3]}... for {name} "
+                            f"but the config says {n}; missing: {missing[:8]}")
+        shapes = {tuple(t.shape) for t in by_index.values()}
+        if len(shapes) != 1:
+            raise DSV3Error(f"experts of {name} have different shapes: {sorted(shapes)}")
+        out[name] = torch.stack([by_index[i] for i in range(n)])
+    return out
+
+
+def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
+    """A :class:`Transformer` from a DeepSeek/HF-layout checkpoint folder (any dtype, FP8 included).
+
+    ``dtype=None`` keeps the stored floating dtype (FP8 weights become bfloat16); the router weight and
+    the correction bias always stay float32, as DeepSeek keeps them."""
+    from dsv3.model import Transformer
+
+    path = Path(path)
+    if not path.is_dir():
+        raise DSV3Error(f"checkpoint folder not found: {path}")
+    cfg = ModelConfig.from_json(path / "config.json")
+    tensors = to_model_names(dequantized(read_tensors(checkpoint_files(path))), cfg)
+    cfg = _without_absent_mtp(cfg, tensors)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    _attach_distinct_mtp_copies(model, tensors)
+    target_dtype = dtype or _stored_dtype(tensors)
+    _check_names_and_shapes(model, tensors)
+    state = {}
+    for name, t in tensors.items():
+        keep_fp32 = name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias")
+        state[name] = t.to(device=device, dtype=torch.float32 if keep_fp32 else target_dtype)
+    model.load_state_dict(state, strict=True, assign=True)
+    model.inv_freq = inverse_frequencies(cfg)[0].to(device)  # non-persistent buffers are still meta
+    for moe in model.moe_layers():
+        moe.expert_load = torch.zeros(cfg.n_routed_experts, device=device)
+    return model.eval()
+
+
+def _without_absent_mtp(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> ModelConfig:
+    """Checkpoints written by transformers drop the MTP layers that their config still announces;
+    load such a checkpoint as the main model alone rather than fail."""
+    first_mtp = f"model.layers.{cfg.num_hidden_layers}."
+    if cfg.num_nextn_predict_layers and not any(n.startswith(first_mtp) for n in tensors):
+        return cfg.replace(num_nextn_predict_layers=0)
+    return cfg
+
+
+def _stored_dtype(tensors: dict[str, torch.Tensor]) -> torch.dtype:
+    ref = tensors.get("model.embed_tokens.weight")
+    if ref is None or not ref.is_floating_point():
+        return torch.bfloat16
+    return ref.dtype
+
+
+def _attach_distinct_mtp_copies(model, tensors: dict[str, torch.Tensor]) -> None:
+    """The MTP layer's embedding/head copies: shared when they equal the main ones (DeepSeek's case),
+    otherwise kept as the layer's own so that nothing in the checkpoint is lost."""
+    from torch import nn
+
+    cfg = model.config
+    for k, layer in enumerate(model.mtp_layers):
+        prefix = f"model.layers.{cfg.num_hidden_layers + k}."
+        for suffix, main in (("embed_tokens.weight", "model.embed_tokens.weight"),
+                             ("shared_head.head.weight", "lm_head.weight")):
+            copy = tensors.get(prefix + suffix)
+            if copy is None:
+                continue
+            if main in tensors and copy.shape == tensors[main].shape and torch.equal(copy, tensors[main]):
+                del tensors[prefix + suffix]
+            elif suffix.startswith("embed"):
+                layer.embed_tokens = nn.Embedding(*copy.shape, device="meta")
+            else:
+                layer.shared_head.head = nn.Linear(copy.shape[1], copy.shape[0], bias=False, device="meta")
+
+
+def _check_names_and_shapes(model, tensors: dict[str, torch.Tensor]) -> None:
+    expected = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    missing = sorted(set(expected) - set(tensors))
+    unexpected = sorted(set(tensors) - set(expected))
+    wrong = sorted(f"{n} (checkpoint {tuple(tensors[n].shape)}, model {expected[n]})"
+                   for n in set(expected) & set(tensors) if tuple(tensors[n].shape) != expected[n])
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_few(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_few(unexpected)}")
+    if wrong:
+        problems.append(f"mis-shaped tensors: {_few(wrong)}")
+    if problems:
+        raise DSV3Error("checkpoint does not match its config.json:\n  - " + "\n  - ".join(problems))
+
+
+def _few(names: list[str], n: int = 6) -> str:
+    return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")

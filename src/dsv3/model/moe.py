@@ -1,0 +1,153 @@
+"""DeepSeekMoE (V3 §2.1.2): shared experts plus fine-grained routed experts, group-limited routing,
+aux-loss-free balancing through a selection-only bias, and the complementary sequence-wise balance loss.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv3.config import ModelConfig
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)). Dense layers and shared experts."""
+
+    def __init__(self, dim: int, inter_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(dim, inter_dim, bias=False)
+        self.up_proj = nn.Linear(dim, inter_dim, bias=False)
+        self.down_proj = nn.Linear(inter_dim, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """The gate: affinity scores, group-limited top-k selection, gate values.
+
+    ``e_score_correction_bias`` (fp32) shifts the scores used to *select* experts and to score groups
+    (noaux_tc); the gate values always come from the unbiased scores. Group limiting keeps the
+    ``topk_group`` best of ``n_group`` groups (one group per node in V3, so it is node-limited routing).
+    """
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
+        self.n_group, self.topk_group = cfg.n_group or 1, cfg.topk_group or 1
+        self.method, self.scoring = cfg.topk_method, cfg.scoring_func
+        self.norm_topk_prob, self.route_scale = cfg.norm_topk_prob, cfg.routed_scaling_factor
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32))
+        # Only noaux_tc (V3) has the bias; V2 checkpoints do not carry it.
+        bias = torch.zeros(cfg.n_routed_experts, dtype=torch.float32) if self.method == "noaux_tc" else None
+        self.register_buffer("e_score_correction_bias", bias)
+
+    def scores(self, x: torch.Tensor) -> torch.Tensor:
+        """Affinities s [N, E] in fp32 from x [N, D]."""
+        logits = F.linear(x.float(), self.weight.float())
+        return logits.sigmoid() if self.scoring == "sigmoid" else logits.softmax(dim=-1)
+
+    def select(self, scores: torch.Tensor) -> torch.Tensor:
+        """Expert indices [N, K]: top-k of the (biased) scores within the kept groups."""
+        choice = scores + self.e_score_correction_bias if self.method == "noaux_tc" else scores
+        if self.method != "greedy" and self.n_group > 1:
+            grouped = choice.unflatten(-1, (self.n_group, -1))  # [N, G, E/G]
+            if self.method == "noaux_tc":
+                group_score = grouped.topk(2, dim=-1).values.sum(-1)
+            else:
+                group_score = grouped.amax(dim=-1)
+            keep = group_score.topk(self.topk_group, dim=-1).indices  # [N, topk_group]
+            kept = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+            choice = grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).flatten(1)
+        return choice.topk(self.top_k, dim=-1).indices
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x [N, D] -> (expert indices [N, K], gate values [N, K] fp32, scores [N, E] fp32)."""
+        scores = self.scores(x)
+        with torch.no_grad():
+            idx = self.select(scores.detach())
+        weights = scores.gather(1, idx)
+        if self.norm_topk_prob and self.top_k > 1:
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return idx, weights * self.route_scale, scores
+
+
+class Experts(nn.Module):
+    """The routed experts as stacked SwiGLU weights, computed grouped: tokens sorted by expert, one
+    matmul per expert over a contiguous slice (no Python loop over tokens).
+    Checkpoints store them one module per expert (``experts.E.gate_proj.weight``); see checkpoint.py."""
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int):
+        super().__init__()
+        self.gate_proj = nn.Parameter(torch.empty(n_experts, inter_dim, dim))
+        self.up_proj = nn.Parameter(torch.empty(n_experts, inter_dim, dim))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, dim, inter_dim))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, D], idx/weights [N, K] -> sum_k weights * expert_idx(x): [N, D]."""
+        n_experts = self.gate_proj.shape[0]
+        flat = idx.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=n_experts).tolist()
+        token = order // idx.shape[1]
+        xs = x[token]  # [N*K, D], grouped by expert
+        outs = []
+        for e, chunk in enumerate(xs.split(counts)):
+            if chunk.shape[0]:
+                h = F.silu(chunk @ self.gate_proj[e].t()) * (chunk @ self.up_proj[e].t())
+                outs.append(h @ self.down_proj[e].t())
+        ys = torch.cat(outs) * weights.flatten()[order, None].to(x.dtype)
+        return torch.zeros_like(x).index_add_(0, token, ys)
+
+
+class MoE(nn.Module):
+    """Routed experts + shared experts, with the balancing state that training reads."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
+        self.aux_alpha = cfg.aux_loss_alpha
+        self.gate = Router(cfg)
+        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
+                               if cfg.n_shared_experts else None)
+        # Tokens routed to each expert since the last bias update (the load the aux-free rule reads).
+        self.register_buffer("expert_load", torch.zeros(cfg.n_routed_experts), persistent=False)
+        self.aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [B, T, D]."""
+        B, T, D = x.shape
+        flat = x.reshape(-1, D)
+        idx, weights, scores = self.gate(flat)
+        if self.training:
+            self.expert_load += torch.bincount(idx.flatten(), minlength=self.n_experts).to(self.expert_load)
+            self.aux_loss = self._sequence_balance_loss(idx.view(B, T, -1), scores.view(B, T, -1))
+        out = self.experts(flat, idx, weights).view(B, T, D)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def _sequence_balance_loss(self, idx: torch.Tensor, scores: torch.Tensor) -> torch.Tensor | None:
+        """alpha * sum_i f_i P_i per sequence, averaged over the batch (V3 eqs. 17-20)."""
+        if self.aux_alpha <= 0:
+            return None
+        B, T, _ = idx.shape
+        counts = torch.zeros(B, self.n_experts, device=idx.device).scatter_add_(
+            1, idx.flatten(1), torch.ones(B, T * self.top_k, device=idx.device))
+        f = counts * self.n_experts / (self.top_k * T)  # [B, E]
+        p = (scores / scores.sum(-1, keepdim=True)).mean(dim=1)  # [B, E]
+        return self.aux_alpha * (f * p).sum(-1).mean()
+
+    @torch.no_grad()
+    def update_bias(self, speed: float) -> dict[str, float]:
+        """Aux-loss-free balancing: b_i += speed * sign(mean load - load_i); resets the load counter.
+        Returns the max/mean load imbalance that the update saw."""
+        load = self.expert_load
+        mean = load.mean()
+        stats = {"max_over_mean": float(load.max() / mean) if mean > 0 else 0.0}
+        if speed > 0 and mean > 0 and self.gate.e_score_correction_bias is not None:
+            self.gate.e_score_correction_bias += speed * torch.sign(mean - load)
+        load.zero_()
+        return stats
