@@ -1,0 +1,11 @@
+"""`dsv3 bench NAME`: benchmarks that need the package (the peer comparisons live in benchmarks/)."""
+
+import typer
+
+from dsv3.infer import bench as decode_bench
+from dsv3.parallel import bench as ep_bench
+
+app = typer.Typer(help="Benchmarks: expert-parallel layer, decode speed.", no_args_is_help=True,
+                  add_completion=False)
+app.command("ep")(ep_bench.main)
+app.command("decode")(decode_bench.main)
