@@ -16,6 +16,7 @@ import re
 import shutil
 import tempfile
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -187,15 +188,22 @@ def checkpoint_files(path: Path) -> list[Path]:
     return found
 
 
+@contextmanager
+def open_safetensors(f: Path):
+    """``safe_open`` with one clear error for a truncated or corrupt file."""
+    try:
+        with safe_open(str(f), framework="pt") as handle:
+            yield handle
+    except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
+        raise DSV3Error(f"cannot read {f}: corrupt or truncated safetensors file ({exc})") from None
+
+
 def read_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of every file, with a clear error for a truncated or corrupt file."""
+    """Every tensor of every file, one at a time."""
     for f in files:
-        try:
-            with safe_open(str(f), framework="pt") as handle:
-                for name in handle.keys():
-                    yield name, handle.get_tensor(name)
-        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
-            raise DSV3Error(f"cannot read {f}: corrupt or truncated safetensors file ({exc})") from None
+        with open_safetensors(f) as handle:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
 
 
 def dequantized(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:

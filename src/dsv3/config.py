@@ -311,10 +311,10 @@ TRAINABLE_PRESETS: dict[str, dict[str, Any]] = {
         num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
         num_nextn_predict_layers=1, max_position_embeddings=1024, routed_scaling_factor=1.0,
     ),
-    # About 100M total parameters (about 35M activated); a GPU-sized but CPU-trainable V3.
+    # About 100M parameters with MTP (about 40M activated); a GPU-sized but CPU-trainable V3.
     "small": dict(
         vocab_size=16384, hidden_size=512, intermediate_size=1536, moe_intermediate_size=256,
-        num_hidden_layers=8, num_attention_heads=8, q_lora_rank=192, kv_lora_rank=128,
+        num_hidden_layers=6, num_attention_heads=8, q_lora_rank=192, kv_lora_rank=128,
         qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=32, n_shared_experts=1,
         num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
         num_nextn_predict_layers=1, max_position_embeddings=2048, routed_scaling_factor=2.5,

@@ -1,0 +1,28 @@
+"""`dsv3 convert SRC DST --to bf16|fp8`."""
+
+import json
+from pathlib import Path
+
+import typer
+
+app = typer.Typer(add_completion=False)
+
+
+@app.command()
+def convert(
+    src: Path = typer.Argument(..., help="Checkpoint folder to read (config.json + safetensors)."),
+    dst: Path = typer.Argument(..., help="Folder to write; must not exist unless --overwrite."),
+    to: str = typer.Option(..., "--to", help="bf16: dequantize FP8 blocks; fp8: quantize to 128x128 blocks."),
+    overwrite: bool = typer.Option(False, help="Replace DST if it exists."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON summary object."),
+) -> None:
+    """Convert a DeepSeek-format checkpoint between FP8 (block-scaled) and BF16, on a CPU, shard by shard."""
+    from dsv3.convert import convert_checkpoint
+
+    summary = convert_checkpoint(src, dst, to, overwrite=overwrite)
+    if as_json:
+        print(json.dumps(summary))
+    else:
+        print(f"wrote {dst}: {summary['tensors']} tensors in {summary['shards']} shard(s), "
+              f"{summary['quantized']} quantized, {summary['dequantized']} dequantized, "
+              f"{summary['bytes'] / 1e6:.1f} MB")

@@ -1,0 +1,120 @@
+"""FP8 <-> BF16 conversion of DeepSeek-format checkpoints, shard by shard, on the CPU.
+
+DeepSeek's own ``fp8_cast_bf16.py`` needs a GPU (Triton). Here each output shard is made from one
+input shard, so memory stays bounded by the largest shard; a weight whose ``weight_scale_inv`` lives in
+another shard is paired through the index. The result is built in a temporary folder beside the target
+and renamed into place at the end, so a failure leaves nothing half-written.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from rich.progress import Progress
+from safetensors.torch import save_file
+
+from dsv3.checkpoint import (
+    INDEX_NAME,
+    checkpoint_files,
+    dequantize_fp8_blocks,
+    fp8_quantizable,
+    open_safetensors,
+    quantize_fp8_blocks,
+    read_tensors,
+)
+from dsv3.config import ModelConfig
+from dsv3.errors import DSV3Error
+
+FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+
+
+def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: bool = False) -> dict:
+    """Convert ``src`` into ``dst`` with weights in ``to`` ("bf16" or "fp8"); returns a summary."""
+    src, dst = Path(src), Path(dst)
+    if to not in ("bf16", "fp8"):
+        raise DSV3Error(f"--to must be bf16 or fp8, got {to!r}")
+    if not src.is_dir():
+        raise DSV3Error(f"source checkpoint folder not found: {src}")
+    if dst.exists() and not overwrite:
+        raise DSV3Error(f"{dst} already exists (pass --overwrite to replace it)")
+    cfg = ModelConfig.from_json(src / "config.json")
+    files = checkpoint_files(src)
+    scale_home = _scale_locations(src, files)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.tmp-"))
+    summary = {"tensors": 0, "quantized": 0, "dequantized": 0, "shards": len(files), "bytes": 0}
+    try:
+        weight_map = {}
+        with Progress(transient=True) as progress:
+            task = progress.add_task("converting shards", total=len(files))
+            for f in files:
+                out = _convert_shard(f, scale_home, to, summary)
+                save_file(out, str(tmp / f.name), metadata={"format": "pt"})
+                weight_map.update({name: f.name for name in out})
+                summary["bytes"] += sum(t.numel() * t.element_size() for t in out.values())
+                progress.advance(task)
+        if len(files) > 1 or (src / INDEX_NAME).exists():
+            index = {"metadata": {"total_size": summary["bytes"]}, "weight_map": weight_map}
+            (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
+        cfg.replace(quantization_config=FP8_CONFIG if to == "fp8" else None,
+                    torch_dtype="bfloat16").save_json(tmp / "config.json")
+        for extra in src.iterdir():  # tokenizer, generation config, ...
+            if extra.is_file() and not extra.name.endswith(".safetensors") and extra.name not in (
+                    INDEX_NAME, "config.json"):
+                shutil.copy2(extra, tmp / extra.name)
+        if dst.exists():
+            shutil.rmtree(dst)
+        tmp.rename(dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return summary
+
+
+def _scale_locations(src: Path, files: list[Path]) -> dict[str, Path]:
+    """Which file holds each ``*_scale_inv`` tensor (from the index when there is one)."""
+    index = src / INDEX_NAME
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {n: src / f for n, f in weight_map.items() if n.endswith("_scale_inv")}
+    homes = {}
+    for f in files:
+        with open_safetensors(f) as handle:
+            homes.update({n: f for n in handle.keys() if n.endswith("_scale_inv")})
+    return homes
+
+
+def _convert_shard(f: Path, scale_home: dict[str, Path], to: str, summary: dict) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for name, t in read_tensors([f]):
+        if name.endswith("_scale_inv"):
+            if to == "fp8":
+                out[name] = t
+            continue
+        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            if to == "fp8":
+                out[name] = t
+                continue
+            scale = _load_scale(name + "_scale_inv", scale_home)
+            out[name] = dequantize_fp8_blocks(t, scale).to(torch.bfloat16)
+            summary["dequantized"] += 1
+        elif to == "fp8" and fp8_quantizable(name, t):
+            out[name], out[name + "_scale_inv"] = quantize_fp8_blocks(t)
+            summary["quantized"] += 1
+        else:
+            keep_fp32 = name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias")
+            out[name] = t if keep_fp32 or not t.is_floating_point() else t.to(torch.bfloat16)
+        summary["tensors"] += 1
+    return out
+
+
+def _load_scale(name: str, scale_home: dict[str, Path]) -> torch.Tensor:
+    home = scale_home.get(name)
+    if home is None:
+        raise DSV3Error(f"FP8 tensor {name[: -len('_scale_inv')]} has no {name} in the checkpoint")
+    with open_safetensors(home) as handle:
+        return handle.get_tensor(name)
