@@ -115,13 +115,16 @@ class MLA(nn.Module):
             [self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, H, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
+        # PyTorch's fused (flash) SDPA kernels want equal q/k/v head dims; padding V with zeros and
+        # slicing the output is exact and much cheaper than the unfused fallback.
+        v = F.pad(v, (0, q.shape[-1] - self.v_dim)) if self.v_dim < q.shape[-1] else v
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T|S, d]
         if mask is None and start_pos == 0 and k.shape[2] == T:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
         else:
             full = causal_mask(T, k.shape[2], start_pos, q.device, mask)
             out = F.scaled_dot_product_attention(q, k, v, attn_mask=full.unsqueeze(1), scale=self.scale)
-        return out.transpose(1, 2)
+        return out.transpose(1, 2)[..., : self.v_dim]
 
     def _absorbed(self, q_nope, q_pe, c_kv, k_pe, start_pos, mask) -> torch.Tensor:
         w_uk, w_uv = self._absorbed_weights()
