@@ -53,6 +53,16 @@ def _plots(plot_dir: Path | None, hardware, arch=None, kv_dtype: str = "bf16") -
     return paths
 
 
+def _meta_check(source) -> dict:
+    """DeepSeek configs: the analytic count against Transformer(cfg) built on the meta device."""
+    from dsv3.analysis.meta_check import cross_check
+    from dsv3.config import load_config
+
+    pairs = cross_check(load_config(source))
+    return {"agrees": all(a == m for a, m in pairs.values()),
+            "by_category": {c: {"analytic": a, "meta_model": m} for c, (a, m) in pairs.items()}}
+
+
 @analyze_app.command()
 def analyze_command(
     preset: Annotated[str | None, typer.Option(help="A preset: deepseek-v3, deepseek-v2, deepseek-v2-lite, "
@@ -92,6 +102,8 @@ def analyze_command(
                           mtp_acceptance=mtp_acceptance, train_tokens=train_tokens, mfu=mfu,
                           usd_per_gpu_hour=usd_per_gpu_hour)
     report = analyze(arch, devices, train_hw, opts)
+    if arch.attention.kind == "mla":
+        report["meta_check"] = _meta_check(preset if preset is not None else config)
     report["plots"] = _plots(plot_dir, devices, arch, kv_dtype)
     _emit(analyze_sections(report), report, as_json, markdown, f"dsv3 analyze: {arch.name}")
 

@@ -75,6 +75,12 @@ def analyze_sections(r: dict[str, Any]) -> list[Section]:
     speed = Section("Decode-speed bounds", ["quantity", "value"], [
         ["EP bound at 50 GB/s (TPOT / TPS)", _ep_cell(r["ep_bound"])], [mtp_label, f"{mtp['speedup']:.2f}x"]],
         [r["conventions"]["ep_bound"], r["conventions"]["mtp"]])
+    if "meta_check" in r:
+        check = r["meta_check"]
+        params.notes.append("cross-check against dsv3.model.Transformer on the meta device: " + (
+            "all categories agree" if check["agrees"] else "DISAGREES: " + ", ".join(
+                f"{c} {v['analytic']} vs {v['meta_model']}" for c, v in check["by_category"].items()
+                if v["analytic"] != v["meta_model"])))
     return [model, params, mem, fl, speed, _hardware_section(r), _training_section(r)]
 
 
