@@ -1,0 +1,163 @@
+"""FP8Linear: the three FP8 GEMMs with the V3 tiling, against float64 autograd and explicit references."""
+
+import pytest
+import torch
+from torch import nn
+
+from dsv3.errors import DSV3Error
+from dsv3.precision import fp8
+from dsv3.precision.fp8_linear import FP8Linear, convert_to_fp8, fp8_linear
+
+
+def make_inputs(m=96, k=320, n=192, seed=0, outliers=False):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(2, m // 2, k, generator=gen)
+    if outliers:
+        x[..., 5] *= 200.0  # a few channels far larger than the rest, as in real activations
+        x[..., 77] *= 120.0
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    dy = torch.randn(2, m // 2, n, generator=gen)
+    return x.bfloat16(), w, dy.bfloat16()
+
+
+def run(x, w, dy, scaling="fine", bias=None):
+    x = x.detach().requires_grad_(True)
+    w = w.detach().clone().requires_grad_(True)
+    b = None if bias is None else bias.detach().clone().requires_grad_(True)
+    y = fp8_linear(x, w, b, scaling)
+    y.backward(dy)
+    return y, x.grad, w.grad, None if b is None else b.grad
+
+
+def float64_reference(x, w, dy, bias=None):
+    x64 = x.double().requires_grad_(True)
+    w64 = w.double().requires_grad_(True)
+    y = x64 @ w64.t() + (0 if bias is None else bias.double())
+    y.backward(dy.double())
+    return y, x64.grad, w64.grad
+
+
+def rel(a, b):
+    return (torch.linalg.norm(a.double() - b.double()) / torch.linalg.norm(b.double())).item()
+
+
+def test_output_and_gradients_match_float64_within_fp8_tolerance():
+    x, w, dy = make_inputs()
+    bias = torch.randn(w.shape[0])
+    y, gx, gw, gb = run(x, w, dy, bias=bias)
+    y64, gx64, gw64 = float64_reference(x, w, dy, bias)
+    assert y.dtype == torch.bfloat16 and gx.dtype == torch.bfloat16 and gw.dtype == torch.float32
+    for got, want in ((y, y64), (gx, gx64), (gw, gw64)):
+        assert 1e-3 < rel(got, want) < 0.06  # E4M3 quantization error: a few percent, never zero
+    torch.testing.assert_close(gb, dy.float().sum(dim=(0, 1)), rtol=1e-6, atol=1e-5)
+
+
+def test_each_gemm_uses_the_v3_tiling_exactly():
+    """Rebuild Fprop, Dgrad and Wgrad from explicitly tiled operands; they must agree to FP32 rounding."""
+    x, w, dy = make_inputs(m=256, k=384, n=256, seed=3)
+    y, gx, gw, _ = run(x, w, dy)
+    x2, dy2 = x.reshape(-1, x.shape[-1]).float(), dy.reshape(-1, dy.shape[-1]).float()
+
+    def dq(t, block):
+        return fp8.dequantize(*fp8.quantize(t, block=block), block, torch.float64)
+
+    x_fwd, w_blk = dq(x2, (1, 128)), dq(w, (128, 128))
+    y_ref = x_fwd @ w_blk.t()
+    gx_ref = dq(dy2, (1, 128)) @ w_blk  # Dgrad: dy in 1x128 tiles, the same 128x128 weight blocks
+    x_cached = fp8.dequantize(*fp8.quantize(x2, block=(1, 128)), (1, 128))
+    gw_ref = dq(dy2, (128, 1)).t() @ dq(x_cached, (128, 1))  # Wgrad: both re-tiled 128x1 along tokens
+    assert rel(y.reshape(y_ref.shape), y_ref) < 4e-3  # BF16 output rounding only
+    assert rel(gx.reshape(gx_ref.shape), gx_ref) < 4e-3
+    assert rel(gw, gw_ref) < 1e-5  # FP32 output: the same numbers
+
+
+def test_fine_grained_scaling_beats_per_tensor_with_outlier_channels():
+    """Outliers 1e5x the rest push a per-tensor scale so high that ordinary values fall to subnormals."""
+    x, w, dy = make_inputs(seed=5)
+    x = x.float()
+    x[..., 5] *= 1e5  # both outlier channels live in the first 128-channel tile
+    x[..., 77] *= 3e4
+    x = x.bfloat16()
+    _, _, gw64 = float64_reference(x, w, dy)
+    _, _, fine_gw, _ = run(x, w, dy, "fine")
+    _, _, coarse_gw, _ = run(x, w, dy, "tensor")
+    clean = slice(128, None)  # weight columns whose input channels share no tile with an outlier
+    assert rel(fine_gw[:, clean], gw64[:, clean]) < 0.06
+    assert rel(coarse_gw[:, clean], gw64[:, clean]) > 3 * rel(fine_gw[:, clean], gw64[:, clean])
+
+
+def test_activation_is_cached_in_fp8():
+    x, w, _ = make_inputs(m=256, k=512, n=128)
+    saved = []
+
+    def pack(t):
+        saved.append(t)
+        return t
+
+    weight = nn.Parameter(w)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        fp8_linear(x.requires_grad_(True), weight)
+    activations = [t for t in saved if t.data_ptr() != weight.data_ptr()]
+    cached_bytes = sum(t.numel() * t.element_size() for t in activations)
+    assert any(t.dtype == torch.float8_e4m3fn and t.numel() == x.numel() for t in activations)
+    assert cached_bytes < 0.52 * x.numel() * x.element_size()  # 1 byte + 4/128 per element vs 2 bytes
+
+
+def test_module_replaces_nn_linear_with_the_same_parameters():
+    torch.manual_seed(0)
+    linear = nn.Linear(256, 128, bias=True)
+    module = FP8Linear.from_linear(linear)
+    assert module.weight is linear.weight and module.bias is linear.bias
+    x = torch.randn(4, 256).bfloat16()
+    assert rel(module(x), linear(x.float())) < 0.06
+    fresh = FP8Linear(256, 128)
+    assert fresh.weight.shape == (128, 128 * 2) and fresh.weight.dtype == torch.float32 and fresh.bias is None
+    bf16 = nn.Linear(128, 128).bfloat16()
+    assert FP8Linear.from_linear(bf16).weight.dtype == torch.float32  # master weights stay FP32
+
+
+def test_convert_to_fp8_swaps_linears_and_honours_skip():
+    model = nn.Sequential(nn.Embedding(10, 128))
+    model.add_module("mlp", nn.Sequential(nn.Linear(128, 256), nn.SiLU(), nn.Linear(256, 128)))
+    model.add_module("gate", nn.Linear(128, 8))
+    model.add_module("head", nn.Linear(128, 10))
+    names = convert_to_fp8(model, skip=lambda name: name in ("gate", "head"))
+    assert names == ["mlp.0", "mlp.2"]
+    assert isinstance(model.mlp[0], FP8Linear) and isinstance(model.mlp[2], FP8Linear)
+    assert type(model.gate) is nn.Linear and type(model.head) is nn.Linear
+    out = model.mlp(torch.randn(3, 128).bfloat16())
+    out.float().sum().backward()
+    assert model.mlp[0].weight.grad is not None and model.mlp[0].weight.grad.abs().sum() > 0
+
+
+def test_training_steps_lower_a_regression_loss():
+    torch.manual_seed(0)
+    teacher = torch.randn(64, 256) / 16
+    layer = FP8Linear(256, 64)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    losses = []
+    for _ in range(30):
+        x = torch.randn(128, 256)
+        loss = (layer(x.bfloat16()).float() - x @ teacher.t()).pow(2).sum(dim=1).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    assert losses[-1] < 0.05 * losses[0]
+
+
+@pytest.mark.parametrize("m,k,n", [(3, 200, 130), (1, 128, 1), (130, 129, 17)])
+def test_odd_shapes_run_and_stay_accurate(m, k, n):
+    x, w, dy = make_inputs(m=2 * m, k=k, n=n, seed=m + k)
+    y, gx, gw, _ = run(x, w, dy)
+    y64, gx64, gw64 = float64_reference(x, w, dy)
+    assert y.shape == y64.shape and gx.shape == x.shape and gw.shape == w.shape
+    for got, want in ((y, y64), (gx, gx64), (gw, gw64)):
+        assert rel(got, want) < 0.06
+
+
+def test_bad_arguments_are_clear_errors():
+    with pytest.raises(DSV3Error, match="scaling"):
+        FP8Linear(8, 8, scaling="row")
+    with pytest.raises(DSV3Error, match="features"):
+        fp8_linear(torch.randn(2, 7), torch.randn(3, 8))
