@@ -38,6 +38,7 @@ def _save(plt, fig, path: Path) -> Path:
     try:
         fig.tight_layout()
         fig.savefig(tmp, format="png")
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a plot is meant to be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -98,11 +99,12 @@ def plot_active_vs_total(out_dir: Path, extra: Architecture | None = None) -> Pa
     archs = public_architectures()
     if extra is not None and extra.name not in {a.name for a in archs}:
         archs.append(extra)
-    for arch in archs:
+    for i, arch in enumerate(archs):
         c = count_params(arch)
         total, active = c.total_params / 1e9, c.active_params / 1e9
         ax.scatter([total], [active], color="tab:red" if arch.is_moe else "tab:blue", s=20)
-        ax.annotate(arch.name, (total, active), textcoords="offset points", xytext=(4, 3), fontsize=7)
+        offset = (4, 3) if i % 2 == 0 else (4, -10)  # alternate, so neighbours of similar size stay legible
+        ax.annotate(arch.name, (total, active), textcoords="offset points", xytext=offset, fontsize=7)
     line = np.array([1, 1000])
     ax.loglog(line, line, ":", color="gray", label="dense (active = total)")
     ax.set_xlabel("total parameters (B)")
