@@ -25,6 +25,7 @@ paper_app = typer.Typer(add_completion=False, help="The paper's numbers side by 
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout and nothing else.")]
 MarkdownOpt = Annotated[bool, typer.Option("--markdown", help="Print Markdown tables.")]
+PriceOpt = Annotated[float | None, typer.Option(help="Rental USD per GPU-hour (default: the preset's, else 2).")]
 PlotDirOpt = Annotated[Path | None, typer.Option("--plot-dir", help="Write PNG plots into this folder.")]
 
 
@@ -70,12 +71,12 @@ def analyze_command(
     config: Annotated[Path | None, typer.Option(help="A HF config.json or a folder holding one.")] = None,
     seq_len: Annotated[int, typer.Option(help="Sequence length for training/prefill FLOPs.")] = 4096,
     context: Annotated[int | None, typer.Option(help="Decode context for KV cache and decode bounds "
-                                                     "[default: seq-len].")] = None,
+                                                     "(default: seq-len).")] = None,
     batch: Annotated[int, typer.Option(help="Sequences in the KV cache.")] = 1,
     kv_dtype: Annotated[str, typer.Option(help="KV cache dtype: bf16, fp16, fp8, int8, 4bit, fp32.")] = "bf16",
     weight_dtype: Annotated[str, typer.Option(help="Weight dtype for the local decode bound.")] = "4bit",
     hardware: Annotated[list[str] | None, typer.Option(help="Hardware preset or YAML/JSON file; repeatable "
-                                                            "[default: all presets].")] = None,
+                                                            "(default: all presets).")] = None,
     tokens_per_device: Annotated[int, typer.Option(help="EP bound: tokens per device per micro-batch.")] = 32,
     dispatch_bytes: Annotated[float, typer.Option(help="EP bound: bytes per dispatched element (FP8).")] = 1.0,
     combine_bytes: Annotated[float, typer.Option(help="EP bound: bytes per combined element (BF16).")] = 2.0,
@@ -84,7 +85,7 @@ def analyze_command(
     train_tokens: Annotated[float, typer.Option(help="Training tokens for the cost estimate.")] = 14.8e12,
     train_hardware: Annotated[str, typer.Option(help="Hardware preset or file for the training cost.")] = "h800",
     mfu: Annotated[float, typer.Option(help="Model FLOPs utilization (ISCA Table 4 causal: 0.3894).")] = 0.3894,
-    usd_per_gpu_hour: Annotated[float | None, typer.Option(help="Rental price [default: preset's, else 2].")] = None,
+    usd_per_gpu_hour: PriceOpt = None,
     as_json: JsonOpt = False,
     markdown: MarkdownOpt = False,
     plot_dir: PlotDirOpt = None,

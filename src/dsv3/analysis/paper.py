@@ -89,8 +89,8 @@ def _table1() -> list[PaperRow]:
                          "327.680 / 70.272, rounded by the paper"))
     rows.append(PaperRow(
         "Table 1: multiplier vs MLA", "LLaMA-3.1 405B", 7.28, kb["LLaMA-3.1 405B (GQA)"] / v3, "x",
-        "paper inconsistent with itself: its own 516.096 / 70.272 = 7.34x; 7.28 is about 512 / 70.272 = 7.286, "
-        "i.e. 516 read as 512"))
+        "paper inconsistent with itself: its own 516.096 / 70.272 = 7.34x; 7.28 matches 512 / 70.272 = 7.286 "
+        "(perhaps 516 KB was taken as 512)"))
     return rows
 
 
