@@ -161,3 +161,66 @@ def test_bad_arguments_are_clear_errors():
         FP8Linear(8, 8, scaling="row")
     with pytest.raises(DSV3Error, match="features"):
         fp8_linear(torch.randn(2, 7), torch.randn(3, 8))
+
+
+# --- `dsv3 study fp8`: quantization error and activation memory --------------------------------------
+
+
+def test_fine_scaling_protects_ordinary_channels_from_outliers():
+    from dsv3.studies import fp8_training as study
+
+    x = study.synthetic_activations(512, 1024, 1e4, 4, seed=0)
+    per_tensor, tile = study.error_metrics(x, "per-tensor"), study.error_metrics(x, "1x128")
+    assert study.outlier_channels(x.float()) == 4
+    assert per_tensor["median_channel_rel_rmse"] > 1.5 * tile["median_channel_rel_rmse"]
+    assert per_tensor["flushed_to_zero"] > 5 * tile["flushed_to_zero"]
+    clean = study.synthetic_activations(512, 1024, 0, 0, seed=0)
+    assert (
+        abs(study.error_metrics(clean, "per-tensor")["rel_rmse"] - study.error_metrics(clean, "1x128")["rel_rmse"])
+        < 0.005
+    )
+
+
+def test_fp8_activation_cache_halves_saved_memory():
+    from dsv3.studies import fp8_training as study
+
+    mem = study.activation_memory(tokens=256, dim=256, layers=3, seed=0)
+    assert mem["bf16_bytes"] == 3 * 256 * 256 * 2
+    assert mem["fp8_bytes"] / mem["bf16_bytes"] == pytest.approx(mem["expected_fp8_fraction"], rel=1e-6)
+
+
+def run_fp8_study(args, capsys):
+    import typer
+
+    from dsv3.studies import fp8_training as study
+
+    app = typer.Typer()
+    app.command()(study.main)
+    app(args=args, standalone_mode=False)
+    return capsys.readouterr().out
+
+
+def test_fp8_study_json_on_captured_activations(tmp_path, capsys):
+    import json
+
+    path = tmp_path / "acts.pt"
+    torch.save({"layer0.attn_out": torch.randn(2, 64, 256), "layer0.mlp_in": torch.randn(128, 384)}, path)
+    small = ["--tokens", "128", "--dim", "256", "--memory-layers", "1"]
+    result = json.loads(run_fp8_study(["--activations", str(path), "--json", *small], capsys))
+    assert [r["tensor"] for r in result["quantization_error"]] == ["layer0.attn_out", "layer0.mlp_in"]
+    assert result["quantization_error"][0]["shape"] == [128, 256]
+    assert set(result["quantization_error"][1]["schemes"]) == {"per-tensor", "per-row", "1x128"}
+    assert "not done" in result["training_comparison"]
+    plot = tmp_path / "fp8.png"
+    out = run_fp8_study([*small, "--outlier-scales", "0,1000", "--markdown", "--plot", str(plot)], capsys)
+    assert out.count("| synthetic |") == 2 and plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_fp8_study_rejects_a_bad_activations_file(tmp_path, capsys):
+    bad = tmp_path / "bad.pt"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(DSV3Error, match="cannot read"):
+        run_fp8_study(["--activations", str(bad)], capsys)
+    torch.save({"x": torch.arange(4)}, bad)
+    with pytest.raises(DSV3Error, match="floating-point"):
+        run_fp8_study(["--activations", str(bad)], capsys)

@@ -1,0 +1,252 @@
+"""`dsv3 study fp8`: why fine-grained FP8 scaling matters, and what caching activations in FP8 saves.
+
+Two measurements (the BF16-vs-FP8 training-loss comparison needs the trainer and is not part of this
+module yet):
+
+1. Quantization error of activations under per-tensor, per-row (per-token) and 1x128-tile scaling,
+   on synthetic activations with outlier channels of growing size, or on real ones (``--activations``).
+   An outlier sets the scale of everything that shares it; ordinary values then sink to FP8
+   subnormals or zero. We report the overall relative RMSE, the median over channels of each
+   channel's relative RMSE (what ordinary channels suffer), and the share of non-zero values lost.
+2. Activation memory held for backward by a stack of linears, BF16 ``nn.Linear`` against
+   ``FP8Linear``, counted from the tensors autograd actually saves.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+import typer
+from rich.console import Console
+from rich.table import Table
+from torch import nn
+
+from dsv3.errors import DSV3Error
+from dsv3.precision import fp8
+from dsv3.precision.fp8_linear import convert_to_fp8
+from dsv3.studies.accumulation import atomic_savefig
+
+SCHEMES = ("per-tensor", "per-row", "1x128")
+OUTLIER_FACTOR = 20.0  # a channel whose amax exceeds 20x the median channel amax counts as an outlier
+
+
+def quantize_dequantize(x: torch.Tensor, scheme: str) -> torch.Tensor:
+    """Round trip of ``x: [T, D]`` through FP8 E4M3 under one scaling scheme."""
+    if scheme == "per-tensor":
+        q, scale = fp8.quantize_per_tensor(x)
+        return q.float() * scale
+    block = (1, x.shape[1]) if scheme == "per-row" else (1, fp8.TILE)
+    return fp8.dequantize(*fp8.quantize(x, block=block), block)
+
+
+def error_metrics(x: torch.Tensor, scheme: str) -> dict[str, float]:
+    """Relative RMSE overall, median per-channel relative RMSE, and the share of non-zeros flushed to 0."""
+    x = x.float()
+    back = quantize_dequantize(x, scheme)
+    err = x - back
+    channel_norm = x.norm(dim=0)
+    live = channel_norm > 0
+    per_channel = err.norm(dim=0)[live] / channel_norm[live]
+    nonzero = x != 0
+    return {
+        "rel_rmse": float(err.norm() / x.norm()),
+        "median_channel_rel_rmse": float(per_channel.median()),
+        "flushed_to_zero": float(((back == 0) & nonzero).sum() / nonzero.sum().clamp(min=1)),
+    }
+
+
+def outlier_channels(x: torch.Tensor) -> int:
+    amax = x.abs().amax(dim=0)
+    return int((amax > OUTLIER_FACTOR * amax.median()).sum())
+
+
+def synthetic_activations(tokens: int, dim: int, outlier_scale: float, n_outliers: int, seed: int) -> torch.Tensor:
+    """Gaussian activations [tokens, dim]; ``n_outliers`` spread channels scaled by ``outlier_scale``."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(tokens, dim, generator=gen)
+    if outlier_scale > 0 and n_outliers > 0:
+        channels = torch.randperm(dim, generator=gen)[:n_outliers]
+        x[:, channels] *= outlier_scale
+    return x.bfloat16()
+
+
+def load_activations(path: Path) -> dict[str, torch.Tensor]:
+    """A ``.pt`` file holding one tensor or a dict of tensors [..., D]; each flattened to [tokens, D]."""
+    if not path.is_file():
+        raise DSV3Error(f"activations file {path} does not exist")
+    try:
+        obj = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as exc:
+        raise DSV3Error(f"cannot read activations from {path}: {exc}") from exc
+    tensors = {"activations": obj} if isinstance(obj, torch.Tensor) else obj
+    if not isinstance(tensors, dict) or not tensors:
+        raise DSV3Error(f"{path} must hold a tensor or a non-empty dict of tensors")
+    out = {}
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point() or t.dim() < 2 or t.numel() == 0:
+            raise DSV3Error(f"{path}: entry {name!r} is not a floating-point tensor with at least 2 dims")
+        out[str(name)] = t.reshape(-1, t.shape[-1])
+    return out
+
+
+def quantization_rows(named: dict[str, torch.Tensor], outlier_scale: float | None) -> list[dict]:
+    return [
+        {
+            "tensor": name,
+            "shape": list(x.shape),
+            "outlier_scale": outlier_scale,
+            "outlier_channels": outlier_channels(x.float()),
+            "schemes": {scheme: error_metrics(x, scheme) for scheme in SCHEMES},
+        }
+        for name, x in named.items()
+    ]
+
+
+def saved_activation_bytes(model: nn.Module, x: torch.Tensor) -> int:
+    """Bytes of the tensors autograd keeps for backward during ``model(x)``, parameters excluded."""
+    params = {p.data_ptr() for p in model.parameters()}
+    seen: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        if t.data_ptr() not in params:
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(x.requires_grad_(True))
+    return sum(seen.values())
+
+
+def activation_memory(tokens: int, dim: int, layers: int, seed: int) -> dict:
+    """A stack of ``layers`` linears (no nonlinearity, so only the linears save anything): BF16 vs FP8."""
+    torch.manual_seed(seed)
+    bf16 = nn.Sequential(*[nn.Linear(dim, dim, bias=False) for _ in range(layers)]).bfloat16()
+    x = torch.randn(tokens, dim).bfloat16()
+    bf16_bytes = saved_activation_bytes(bf16, x)
+    fp8_model = nn.Sequential(*[nn.Linear(dim, dim, bias=False) for _ in range(layers)])
+    convert_to_fp8(fp8_model)
+    fp8_bytes = saved_activation_bytes(fp8_model, x.detach())
+    return {
+        "tokens": tokens,
+        "dim": dim,
+        "layers": layers,
+        "bf16_bytes": bf16_bytes,
+        "fp8_bytes": fp8_bytes,
+        "saved_fraction": 1 - fp8_bytes / bf16_bytes,
+        "expected_fp8_fraction": (1 + 4 / fp8.TILE) / 2,  # 1 byte + one FP32 scale per 128, vs 2 bytes
+    }
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "| tensor | outlier scale | outlier channels | "
+        + " | ".join(f"{s} rel RMSE / median channel / flushed" for s in SCHEMES)
+        + " |",
+        "|---|---:|---:|" + "---:|" * len(SCHEMES),
+    ]
+    for row in result["quantization_error"]:
+        cells = [_cell(row["schemes"][s]) for s in SCHEMES]
+        scale = "-" if row["outlier_scale"] is None else f"{row['outlier_scale']:g}"
+        lines.append(f"| {row['tensor']} | {scale} | {row['outlier_channels']} | " + " | ".join(cells) + " |")
+    mem = result["activation_memory"]
+    lines += [
+        "",
+        f"Activation memory saved for backward ({mem['layers']} linears, {mem['tokens']} tokens x {mem['dim']}): "
+        f"BF16 {mem['bf16_bytes'] / 2**20:.2f} MiB, FP8 {mem['fp8_bytes'] / 2**20:.2f} MiB "
+        f"({100 * mem['saved_fraction']:.1f}% saved).",
+    ]
+    return "\n".join(lines)
+
+
+def _cell(m: dict) -> str:
+    return f"{m['rel_rmse']:.3f} / {m['median_channel_rel_rmse']:.3f} / {m['flushed_to_zero']:.3f}"
+
+
+def print_rich(result: dict) -> None:
+    table = Table(title="FP8 E4M3 quantization error: rel RMSE / median channel rel RMSE / flushed to zero")
+    for col in ("tensor", "outlier scale", "outliers"):
+        table.add_column(col)
+    for scheme in SCHEMES:
+        table.add_column(scheme, justify="right")
+    for row in result["quantization_error"]:
+        scale = "-" if row["outlier_scale"] is None else f"{row['outlier_scale']:g}"
+        cells = [_cell(row["schemes"][s]) for s in SCHEMES]
+        table.add_row(row["tensor"], scale, str(row["outlier_channels"]), *cells)
+    console = Console()
+    console.print(table)
+    console.print(markdown(result).splitlines()[-1])
+
+
+def write_plot(result: dict, path: Path) -> None:
+    """Median per-channel relative RMSE versus outlier scale (synthetic rows), one line per scheme."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in result["quantization_error"] if r["outlier_scale"] is not None]
+    if not rows:
+        raise DSV3Error("--plot needs synthetic rows (give --outlier-scales)")
+    xs = [max(r["outlier_scale"], 1.0) for r in rows]
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    for scheme in SCHEMES:
+        ax.plot(xs, [r["schemes"][scheme]["median_channel_rel_rmse"] for r in rows], "o-", label=scheme)
+    ax.set(xscale="log", yscale="log", xlabel="outlier channel scale (1 = no outliers)")
+    ax.set_ylabel("median channel relative RMSE")
+    ax.set_title("E4M3 round trip of activations with outlier channels")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    atomic_savefig(fig, path)
+    plt.close(fig)
+
+
+def parse_scales(text: str) -> list[float]:
+    try:
+        scales = [float(s) for s in text.split(",") if s.strip()]
+    except ValueError as exc:
+        raise DSV3Error(f"--outlier-scales must be comma-separated numbers, got {text!r}") from exc
+    if any(s < 0 or s > 1e6 for s in scales):
+        raise DSV3Error("--outlier-scales must lie in 0..1e6 (0 means no outliers)")
+    return scales
+
+
+def main(
+    activations: Path | None = typer.Option(None, help="A .pt file of captured activations (tensor or dict)."),
+    tokens: int = typer.Option(4096, help="Synthetic activations: tokens."),
+    dim: int = typer.Option(2048, help="Synthetic activations: channels."),
+    outlier_scales: str = typer.Option("0,10,100,1000,10000", help="Synthetic outlier channel scales (0: none)."),
+    outlier_channels_count: int = typer.Option(8, "--outlier-channels", help="Synthetic outlier channels."),
+    memory_layers: int = typer.Option(4, help="Linears in the activation-memory measurement."),
+    seed: int = typer.Option(0, help="Random seed."),
+    as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
+    as_markdown: bool = typer.Option(False, "--markdown", help="Print Markdown tables."),
+    plot: Path | None = typer.Option(None, "--plot", help="Write a PNG of error versus outlier scale."),
+) -> None:
+    """FP8 study: quantization error of per-tensor, per-row and 1x128 scaling; FP8 activation memory."""
+    if min(tokens, dim, memory_layers) < 1 or outlier_channels_count < 0:
+        raise DSV3Error("--tokens, --dim and --memory-layers must be positive, --outlier-channels non-negative")
+    rows = []
+    if activations is not None:
+        rows += quantization_rows(load_activations(activations), None)
+    for scale in parse_scales(outlier_scales) if activations is None else []:
+        x = synthetic_activations(tokens, dim, scale, outlier_channels_count, seed)
+        rows += quantization_rows({"synthetic": x}, scale)
+    result = {
+        "study": "fp8",
+        "quantization_error": rows,
+        "activation_memory": activation_memory(min(tokens, 2048), min(dim, 2048), memory_layers, seed),
+        "training_comparison": "not done here: BF16 vs FP8 loss needs the trainer (dsv3 train --precision fp8)",
+    }
+    if plot is not None:
+        write_plot(result, plot)
+        result["plot"] = str(plot)
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+    elif as_markdown:
+        sys.stdout.write(markdown(result) + "\n")
+    else:
+        print_rich(result)
