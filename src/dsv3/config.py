@@ -200,8 +200,8 @@ class ModelConfig:
             if rope_type == "default":
                 data["rope_scaling"] = None
         mtp_layers = data.pop("num_mtp_layers", None)  # transformers 5's alias
-        if mtp_layers is not None:
-            data.setdefault("num_nextn_predict_layers", mtp_layers)
+        # A config that names no MTP layers (every V2 config) has none.
+        data.setdefault("num_nextn_predict_layers", mtp_layers or 0)
         if data.get("rope_scaling") is not None:
             data["rope_scaling"] = _rope_scaling_from_dict(data["rope_scaling"])
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
