@@ -1,0 +1,70 @@
+"""Loading a checkpoint for inference: weights in the chosen precision, and its tokenizer if it has one."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from dsv3.errors import DSV3Error
+from dsv3.infer.fp8_weights import stored_fp8, to_fp8_weights
+from dsv3.model.transformer import Transformer
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+TOKENIZER_FILE = "tokenizer.json"
+
+
+def parse_dtype(name: str, what: str, allowed: tuple[str, ...]) -> torch.dtype | None:
+    """'auto' -> None (the checkpoint's own), else one of ``allowed``."""
+    if name == "auto":
+        return None
+    if name not in allowed:
+        raise DSV3Error(f"unknown {what} {name!r}; choose one of auto, {', '.join(allowed)}")
+    return DTYPES[name]
+
+
+def load_model(path: str | Path, dtype: torch.dtype | None = None, weights: str = "native") -> Transformer:
+    """``weights="fp8"`` keeps the projections resident in FP8 blocks (exactly as stored when the
+    checkpoint is FP8, quantized at load otherwise); ``dtype`` is the compute dtype."""
+    import dsv3
+
+    if weights not in ("native", "fp8"):
+        raise DSV3Error(f"unknown weights format {weights!r}; choose native or fp8")
+    if not Path(path).is_dir():
+        raise DSV3Error(f"model folder not found: {path}")
+    model = dsv3.load_pretrained(path, dtype=dtype)
+    if weights == "fp8":
+        to_fp8_weights(model, stored_fp8(path))
+    return model.eval()
+
+
+def load_tokenizer(path: str | Path, required: bool = False):
+    """The HF ``tokenizers`` tokenizer saved beside the weights, or None."""
+    file = Path(path) / TOKENIZER_FILE
+    if not file.exists():
+        if required:
+            raise DSV3Error(f"{path} has no {TOKENIZER_FILE}; pass token ids with --prompt-ids instead")
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(file))
+    except Exception as exc:  # tokenizers raises a bare Exception on malformed files
+        raise DSV3Error(f"cannot read {file}: {exc}") from None
+
+
+def encode(tokenizer, text: str) -> list[int]:
+    return tokenizer.encode(text).ids
+
+
+def eos_ids(model: Transformer, tokenizer) -> frozenset[int]:
+    """End-of-sequence ids: the config's, plus the tokenizer's usual end tokens when it defines them."""
+    ids = set()
+    if model.config.eos_token_id is not None:
+        ids.add(int(model.config.eos_token_id))
+    if tokenizer is not None:
+        for token in ("<|endoftext|>", "</s>", "<eos>", "<｜end▁of▁sentence｜>"):
+            tid = tokenizer.token_to_id(token)
+            if tid is not None:
+                ids.add(tid)
+    return frozenset(ids)

@@ -1,0 +1,81 @@
+"""Sampling parameters and the logits -> probabilities transform shared by plain and speculative decoding.
+
+Greedy decoding is expressed as a one-hot distribution, so speculative verification (rejection
+sampling) needs no special case: with one-hot target and draft it accepts exactly when the draft is
+the argmax, and its residual is the argmax itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from dsv3.errors import DSV3Error
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How one request picks its tokens. temperature == 0 means greedy."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0: no top-k filter
+    top_p: float = 1.0
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise DSV3Error(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise DSV3Error(f"top_k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise DSV3Error(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def generator(self) -> torch.Generator:
+        """A private random stream for this request (seeded when asked, so results repeat)."""
+        gen = torch.Generator()
+        if self.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(self.seed)
+        return gen
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def probabilities(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [..., V] -> the distribution [..., V] (fp32) that ``params`` samples from."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.zeros_like(logits).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    logits = logits / params.temperature
+    if params.top_k and params.top_k < logits.shape[-1]:
+        kth = logits.topk(params.top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(-1)
+    if params.top_p < 1:
+        probs = _nucleus(probs, params.top_p)
+    return probs
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p, renormalised."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p, 0.0)
+    kept = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
+    """One token id from a distribution probs [V]."""
+    return int(torch.multinomial(probs, 1, generator=gen))
+
+
+def uniform(gen: torch.Generator) -> float:
+    return float(torch.rand((), generator=gen))

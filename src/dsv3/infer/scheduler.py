@@ -1,0 +1,112 @@
+"""Continuous batching for the server: one worker thread owns the engine and the running batch.
+
+New requests are prefilled as their own batch and merged into the running one at a step boundary, so a
+request never waits for others to finish; a cancelled request (its client went away) is dropped from
+the batch at the next step, which frees its share of the compute and of the cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+from collections.abc import Callable
+
+from dsv3.infer.engine import Batch, Engine, Event, Request
+
+Deliver = Callable[[Event | BaseException], None]
+
+
+class Scheduler:
+    def __init__(self, engine: Engine, max_batch: int = 8):
+        self.engine, self.max_batch = engine, max_batch
+        self.pending: queue.Queue[tuple[Request, Deliver]] = queue.Queue()
+        self.listeners: dict[int, Deliver] = {}
+        self.batch: Batch | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._run, name="dsv3-decode", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    @property
+    def active(self) -> int:
+        """Requests being decoded now."""
+        batch = self.batch
+        return len(batch.rows) if batch is not None else 0
+
+    # ---- submission (called from the event loop) ----------------------------------------------
+    def submit(self, request: Request) -> asyncio.Queue:
+        """Queue a request; its events arrive on the returned asyncio queue (an exception on failure)."""
+        loop = asyncio.get_running_loop()
+        events: asyncio.Queue = asyncio.Queue()
+
+        def deliver(item: Event | BaseException) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, item)
+
+        self.pending.put((request, deliver))
+        return events
+
+    # ---- the worker ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._admit()
+            if self.batch is None:
+                continue
+            try:
+                self._send(self.batch.step())
+            except Exception as exc:  # a failing step must not kill the server: fail its requests
+                self._fail([r.request for r in self.batch.rows], exc)
+                self.batch = None
+                continue
+            if not self.batch.rows:
+                self.batch = None
+
+    def _admit(self) -> None:
+        room = self.max_batch - self.active
+        new: list[tuple[Request, Deliver]] = []
+        try:
+            if self.batch is None:
+                new.append(self.pending.get(timeout=0.05))
+            while len(new) < room:
+                new.append(self.pending.get_nowait())
+        except queue.Empty:
+            pass
+        new = [(r, d) for r, d in new if not r.cancelled]
+        if not new:
+            return
+        for r, d in new:
+            self.listeners[id(r)] = d
+        try:
+            fresh = self.engine.start([r for r, _ in new])
+        except Exception as exc:
+            self._fail([r for r, _ in new], exc)
+            return
+        self._send(fresh.first_events)
+        if not fresh.rows:
+            return
+        if self.batch is None or not self.batch.rows:
+            self.batch = fresh
+        else:
+            self.batch.merge(fresh)
+
+    def _send(self, events: list[Event]) -> None:
+        for ev in events:
+            deliver = self.listeners.get(id(ev.request))
+            if deliver is not None:
+                deliver(ev)
+            if ev.finish_reason:
+                self.listeners.pop(id(ev.request), None)
+
+    def _fail(self, requests: list[Request], exc: BaseException) -> None:
+        for r in requests:
+            deliver = self.listeners.pop(id(r), None)
+            if deliver is not None:
+                deliver(exc)

@@ -1,0 +1,53 @@
+"""Tiny random models and a tiny byte-level tokenizer, built in memory in well under a second."""
+
+import pytest
+import torch
+
+from dsv3.config import preset
+from dsv3.model import Transformer
+
+CORPUS = ["the cat sat on the mat", "a dog ran in the park", "hello world, hello model",
+          "User: hi\nAssistant: hello", "numbers 1 2 3 4 5 6 7 8 9"] * 4
+
+
+def tiny_model(vocab: int = 300, layers: int = 2, gain: float = 4.0, seed: int = 0) -> Transformer:
+    """nano-shaped (MLA + MoE + one MTP layer) with random weights scaled so that logits are not flat."""
+    cfg = preset("nano").replace(vocab_size=vocab, num_hidden_layers=layers, eos_token_id=None)
+    torch.manual_seed(seed)
+    model = Transformer(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(gain)
+    return model
+
+
+def tiny_tokenizer(vocab: int = 300):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+                                  show_progress=False)
+    tok.train_from_iterator(CORPUS, trainer)
+    return tok
+
+
+@pytest.fixture(scope="session")
+def model():
+    return tiny_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    return tiny_tokenizer()
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: one intra-op thread is faster and does not fight other jobs for the cores."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
