@@ -1,0 +1,78 @@
+"""`dsv3 train`: train a V3-architecture model on the Python standard library (or your files).
+
+Progress goes to stderr; with --json the run's summary is the one JSON object on stdout. Under
+``torchrun --nproc-per-node N -m dsv3 train ...`` the same command trains data-parallel.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any
+
+import typer
+
+from dsv3.errors import DSV3Error
+from dsv3.train.options import PRECISIONS, TrainOptions, resumed_options
+
+app = typer.Typer(add_completion=False, help=__doc__, no_args_is_help=False)
+
+
+@app.command()
+def train(
+    preset: str = typer.Option(None, help="Model preset (default nano: 3.2M parameters, learns in minutes on 2 "
+                                          "CPU cores; small: about 100M)."),
+    config: str = typer.Option(None, help="A model config.json (or a folder holding one) instead of --preset."),
+    data: list[str] = typer.Option(None, help="Text files, folders, globs, or JSONL with a 'text' field "
+                                              "(repeatable). Default: the running Python's standard library."),
+    out: str = typer.Option(None, help="Run folder for checkpoints, metrics and plots (default runs/PRESET-TIME)."),
+    steps: int = typer.Option(None, help="Total optimizer steps of the schedule [default: 1000]."),
+    batch_size: int = typer.Option(None, help="Sequences per optimizer step, over all processes [default: 16]."),
+    grad_accum: int = typer.Option(None, help="Micro-steps per optimizer step [default: 1]."),
+    seq_len: int = typer.Option(None, help="Tokens per sequence [default: 256]."),
+    lr: float = typer.Option(None, help="Peak learning rate [default: 2e-3]."),
+    min_lr_ratio: float = typer.Option(None, help="Cosine decays to lr times this [default: 0.1]."),
+    warmup: int = typer.Option(None, help="Linear warmup steps [default: min(100, steps/10)]."),
+    weight_decay: float = typer.Option(None, help="AdamW weight decay [default: 0.1]."),
+    grad_clip: float = typer.Option(None, help="Gradient-norm clipping [default: 1.0]."),
+    precision: str = typer.Option(None, help=f"One of {', '.join(PRECISIONS)} [default: fp32]."),
+    seed: int = typer.Option(None, help="Seeds the weights and the data order [default: 0]."),
+    vocab_size: int = typer.Option(None, help="BPE vocabulary size [default: the model config's]."),
+    val_fraction: float = typer.Option(None, help="Share of documents held out, by hash of name [default: 0.01]."),
+    eval_tokens: int = typer.Option(None, help="Held-out tokens per evaluation [default: 32768]."),
+    moe_output_format: str = typer.Option(None, help="Simulate the MoE combine in bf16, e4m3, e5m2, logfmt8 or "
+                                                     "logfmt10 (straight-through)."),
+    save_every: int = typer.Option(None, help="Checkpoint every N steps [default: 200]."),
+    eval_every: int = typer.Option(None, help="Evaluate every N steps [default: 100]."),
+    keep_last: int = typer.Option(None, help="Checkpoints kept [default: 3]."),
+    log_every: int = typer.Option(None, help="Log line every N steps when stderr is not a terminal [default: 10]."),
+    sample_tokens: int = typer.Option(None, help="Tokens to sample at the end (0: none) [default: 0]."),
+    sample_prompt: str = typer.Option(None, help="Prompt of the end-of-run sample [default: 'def ']."),
+    max_bad_steps: int = typer.Option(None, help="Stop after this many non-finite steps in a row [default: 5]."),
+    cache_dir: str = typer.Option(None, help="Tokenizer and token cache [default: $DSV3_CACHE or ~/.cache/dsv3]."),
+    device: str = typer.Option(None, help="auto, cpu or cuda [default: auto]."),
+    resume: str = typer.Option(None, help="Continue the run in this folder from its latest checkpoint."),
+    json_out: bool = typer.Option(False, "--json", help="Print one JSON summary on stdout."),
+) -> None:
+    """Train a V3 model (MLA, DeepSeekMoE with aux-loss-free balancing, MTP) end to end."""
+    given = {k: v for k, v in locals().items() if k not in ("resume", "json_out")}
+    if given["data"] == []:
+        given["data"] = None
+    opts = _options(given, resume)
+    from dsv3.train.run import run_training
+
+    summary = run_training(opts, resume=resume is not None)
+    if json_out:
+        print(json.dumps(summary))
+
+
+def _options(given: dict[str, Any], resume: str | None) -> TrainOptions:
+    if resume is not None:
+        if given.get("out") not in (None, resume):
+            raise DSV3Error("--out and --resume name different folders; --resume continues the run in place")
+        return resumed_options(TrainOptions.load(resume), {**given, "out": resume}).check()
+    chosen = {k: v for k, v in given.items() if v is not None}
+    if "out" not in chosen:
+        name = chosen.get("preset", "nano") if "config" not in chosen else "custom"
+        chosen["out"] = f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    return TrainOptions(**chosen).check()

@@ -1,0 +1,84 @@
+"""Data parallelism over torch.distributed: gloo on CPU, NCCL on GPU, set up from torchrun's variables.
+
+A single process is a world of size 1 and every collective here is then a no-op, so the training loop
+reads the same with and without torchrun.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from dsv3.errors import DSV3Error
+
+
+@dataclass
+class World:
+    rank: int
+    size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.size > 1
+
+    def barrier(self) -> None:
+        if self.distributed:
+            dist.barrier()
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """All-reduce (sum) in place; returns t."""
+        if self.distributed:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+        return t
+
+    def max_(self, t: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return t
+
+    def any(self, flag: bool) -> bool:
+        """True on every rank when it is true on any rank (e.g. "a stop signal arrived")."""
+        return bool(self.max_(torch.tensor([float(flag)], device=self.device)).item())
+
+
+def setup_world(device: str = "auto") -> World:
+    """Join torchrun's process group when WORLD_SIZE > 1; pick this rank's device."""
+    size = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    dev = _device(device, local_rank)
+    if size > 1 and not dist.is_initialized():
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        if dev.type == "cuda":
+            torch.cuda.set_device(dev)
+        dist.init_process_group(backend=backend)
+    return World(rank=rank, size=size, local_rank=local_rank, device=dev)
+
+
+def teardown_world(world: World) -> None:
+    if world.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _device(name: str, local_rank: int) -> torch.device:
+    if name == "auto":
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise DSV3Error("--device cuda was asked for but no CUDA device is available")
+        return torch.device("cuda", local_rank % torch.cuda.device_count())
+    if name == "cpu":
+        return torch.device("cpu")
+    try:
+        return torch.device(name)
+    except RuntimeError:
+        raise DSV3Error(f"unknown --device {name!r}; use auto, cpu or cuda") from None

@@ -1,0 +1,118 @@
+"""`TrainOptions`: everything that defines a training run, saved as RUN_DIR/run.json.
+
+A resumed run reads its options back from run.json, so it continues the same run; only the
+operational knobs (how often to save, evaluate, log) and the total number of steps may change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dsv3.config import atomic_write_text
+from dsv3.errors import DSV3Error
+
+PRECISIONS = ("fp32", "bf16", "fp8")
+# May differ between the original run and a resumption without changing what is computed.
+OPERATIONAL = {"out", "steps", "save_every", "eval_every", "keep_last", "log_every", "sample_tokens",
+               "sample_prompt", "max_bad_steps", "cache_dir", "device"}
+
+
+@dataclass
+class TrainOptions:
+    preset: str = "nano"
+    config: str | None = None  # a config.json (or checkpoint folder) instead of the preset
+    data: list[str] = field(default_factory=list)  # empty: the Python standard library
+    out: str = "runs/nano"
+    steps: int = 1000  # the schedule's total number of optimizer steps
+    batch_size: int = 16  # sequences per optimizer step, over all ranks and micro-steps
+    grad_accum: int = 1
+    seq_len: int = 256
+    lr: float = 2e-3
+    min_lr_ratio: float = 0.1  # cosine decays to lr * this (V3: 2.2e-4 -> 2.2e-5)
+    warmup: int | None = None  # default: min(100, steps // 10)
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    precision: str = "fp32"
+    seed: int = 0
+    vocab_size: int | None = None  # default: the model config's
+    val_fraction: float = 0.01
+    bpe_train_mb: float = 16.0  # BPE is trained on at most this much of the training split
+    eval_tokens: int = 32768  # held-out tokens per evaluation
+    moe_output_format: str | None = None  # simulate the MoE combine in bf16/e4m3/e5m2/logfmt8/logfmt10
+    ep: int | None = None  # expert-parallel world size
+    gpus_per_node: int = 2
+    # operational
+    save_every: int = 200
+    eval_every: int = 100
+    keep_last: int = 3
+    log_every: int = 10
+    sample_tokens: int = 0
+    sample_prompt: str = "def "
+    max_bad_steps: int = 5
+    cache_dir: str | None = None
+    device: str = "auto"
+
+    @property
+    def warmup_steps(self) -> int:
+        return self.warmup if self.warmup is not None else min(100, self.steps // 10)
+
+    def check(self) -> TrainOptions:
+        """Raise one clear DSV3Error for the first impossible setting."""
+        positive = ("steps", "batch_size", "grad_accum", "seq_len", "save_every", "eval_every", "keep_last",
+                    "log_every", "eval_tokens", "max_bad_steps", "gpus_per_node")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise DSV3Error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
+        if self.lr <= 0:
+            raise DSV3Error(f"--lr must be positive, got {self.lr}")
+        if self.precision not in PRECISIONS:
+            raise DSV3Error(f"--precision must be one of {', '.join(PRECISIONS)}, got {self.precision!r}")
+        if self.warmup is not None and not 0 <= self.warmup <= self.steps:
+            raise DSV3Error(f"--warmup must be between 0 and --steps ({self.steps}), got {self.warmup}")
+        if self.batch_size % self.grad_accum:
+            raise DSV3Error(f"--batch-size ({self.batch_size}) must be a multiple of --grad-accum "
+                            f"({self.grad_accum})")
+        if self.sample_tokens < 0:
+            raise DSV3Error(f"--sample-tokens must be >= 0, got {self.sample_tokens}")
+        return self
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainOptions:
+        known = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    def save(self, path: Path) -> None:
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, run_dir: Path) -> TrainOptions:
+        path = Path(run_dir) / "run.json"
+        if not path.exists():
+            raise DSV3Error(f"{run_dir} is not a training run folder (no run.json)")
+        try:
+            return cls.from_dict(json.loads(path.read_text()))
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise DSV3Error(f"{path} is not a valid run file: {exc}") from None
+
+
+def resumed_options(saved: TrainOptions, given: dict[str, Any]) -> TrainOptions:
+    """The saved options with the operational ones the user gave again; a changed defining option is
+    an error (it would silently make a different run)."""
+    changes = {}
+    for name, value in given.items():
+        if value is None or value == getattr(saved, name):
+            continue
+        if name not in OPERATIONAL:
+            raise DSV3Error(f"--{name.replace('_', '-')} {value!r} differs from the resumed run's "
+                            f"{getattr(saved, name)!r}; start a new run with --out to change it")
+        changes[name] = value
+    return dataclasses.replace(saved, **changes)

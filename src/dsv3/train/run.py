@@ -1,0 +1,274 @@
+"""A whole training run: data, model, optimizer, the step loop with evaluation, checkpoints and a
+graceful stop, then plots, a sample and the summary. ``run_training`` is the Python API behind
+``dsv3 train``."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from tokenizers import Tokenizer
+
+from dsv3.config import ModelConfig, load_config, preset
+from dsv3.data import (
+    PackedSequences,
+    SampleOrder,
+    load_corpus,
+    save_tokenizer_files,
+    token_byte_lengths,
+    tokenize_corpus,
+    train_or_load_tokenizer,
+)
+from dsv3.data.tokenizer import default_cache_dir
+from dsv3.errors import DSV3Error
+from dsv3.model.transformer import Transformer
+from dsv3.train import checkpoints as ckpt
+from dsv3.train.distributed import World, setup_world, teardown_world
+from dsv3.train.evaluate import eval_windows, evaluate
+from dsv3.train.loop import RunState, StepRunner, wrap_for_training
+from dsv3.train.metrics import MetricsLog, read_rows
+from dsv3.train.options import TrainOptions
+from dsv3.train.precision import apply_fp8, apply_moe_output_format, autocast
+from dsv3.train.progress import TrainProgress
+from dsv3.train.schedule import lr_factor
+from dsv3.train.signals import GracefulStop
+
+StepCallback = Callable[[dict[str, Any]], None]
+
+
+@dataclass
+class TrainingData:
+    tokenizer: Tokenizer
+    train: PackedSequences
+    val: PackedSequences
+    token_bytes: np.ndarray
+    description: str
+
+
+def model_config(opts: TrainOptions) -> ModelConfig:
+    cfg = load_config(opts.config) if opts.config else preset(opts.preset)
+    if opts.vocab_size:
+        cfg = cfg.replace(vocab_size=opts.vocab_size)
+    if opts.seq_len > cfg.max_position_embeddings:
+        raise DSV3Error(f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings "
+                        f"({cfg.max_position_embeddings})")
+    return cfg.validate()
+
+
+def prepare_data(opts: TrainOptions, vocab_size: int, world: World, progress: TrainProgress) -> TrainingData:
+    """Corpus -> tokenizer -> token streams; rank 0 builds the caches while the others wait."""
+    cache = Path(opts.cache_dir) if opts.cache_dir else default_cache_dir()
+    if not world.is_main:
+        world.barrier()
+    t0 = time.perf_counter()
+    corpus = load_corpus(opts.data or None, opts.val_fraction)
+    tokenizer = train_or_load_tokenizer(corpus, vocab_size, cache, int(opts.bpe_train_mb * 2**20))
+    streams = tokenize_corpus(corpus, tokenizer, cache)
+    if world.is_main:
+        world.barrier()
+    progress.note(f"data: {corpus.description}; {len(corpus.train)} documents "
+                  f"({len(streams.train):,} tokens) for training, {len(corpus.val)} held out "
+                  f"({len(streams.val):,} tokens); BPE vocab {tokenizer.get_vocab_size()}; "
+                  f"ready in {time.perf_counter() - t0:.1f}s (cache: {cache})")
+    val_len = min(opts.seq_len, len(streams.val) - 1)
+    if val_len < 1:
+        raise DSV3Error("the held-out split has fewer than 2 tokens; add data or raise --val-fraction")
+    return TrainingData(tokenizer, PackedSequences(streams.train, opts.seq_len),
+                        PackedSequences(streams.val, val_len), token_byte_lengths(tokenizer), corpus.description)
+
+
+def build_optimizer(model: torch.nn.Module, opts: TrainOptions):
+    """AdamW with weight decay on matrices only (not norms or biases), and the warmup-cosine schedule."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    groups = [{"params": decay, "weight_decay": opts.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=opts.lr, betas=(opts.beta1, opts.beta2))
+    warmup = opts.warmup_steps
+    scheduler = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, opts.steps, warmup, opts.min_lr_ratio))
+    return optimizer, scheduler
+
+
+def build_model(cfg: ModelConfig, opts: TrainOptions, resume_from: Path | None, world: World) -> Transformer:
+    if resume_from is not None:
+        from dsv3 import load_pretrained
+
+        model = load_pretrained(resume_from, dtype=torch.float32)
+    else:
+        torch.manual_seed(opts.seed)
+        model = Transformer(cfg)
+    model = model.to(world.device).train()
+    if opts.moe_output_format:
+        apply_moe_output_format(model, opts.moe_output_format)
+    if opts.precision == "fp8":
+        apply_fp8(model)
+    return model
+
+
+def run_training(opts: TrainOptions, resume: bool = False, on_step: StepCallback | None = None,
+                 show_progress: bool = True, plots: bool = True) -> dict[str, Any]:
+    """Train (or continue) the run in ``opts.out`` to ``opts.steps``; returns the summary.
+    ``on_step(row)`` sees every step's metrics row; ``plots=False`` skips the end-of-run PNGs."""
+    opts.check()
+    world = setup_world(opts.device)
+    try:
+        return _Run(opts, world, resume, on_step, show_progress, plots).execute()
+    finally:
+        teardown_world(world)
+
+
+class _Run:
+    def __init__(self, opts: TrainOptions, world: World, resume: bool, on_step: StepCallback | None,
+                 show_progress: bool, plots: bool):
+        self.opts, self.world, self.on_step, self.plots = opts, world, on_step, plots
+        self.run_dir = Path(opts.out)
+        self.progress = TrainProgress(opts.steps, opts.log_every, enabled=show_progress and world.is_main)
+        self.resume_from = self._start(resume)
+        self.cfg = model_config(opts)
+        self.data = prepare_data(opts, self.cfg.vocab_size, world, self.progress)
+        self.model = build_model(self.cfg, opts, self.resume_from, world)
+        self.optimizer, self.scheduler = build_optimizer(self.model, opts)
+        self.state = RunState()
+        self.autocast = autocast(opts.precision, world.device)
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", enabled=world.is_main)
+        if self.resume_from is not None:
+            self._restore(self.resume_from)
+        self.order = SampleOrder(len(self.data.train), opts.seed)
+        self.stepper = StepRunner(self.model, wrap_for_training(self.model, world), self.optimizer, self.scheduler,
+                                  self.data.train, self.order, world, opts.batch_size, opts.grad_accum,
+                                  opts.grad_clip, self.autocast)
+        self.val_windows = eval_windows(self.data.val, opts.eval_tokens)
+        self.last_eval: dict[str, Any] | None = None
+        self.last_checkpoint: Path | None = self.resume_from
+        self.stop_reason = "completed"
+
+    # ---- start / resume -----------------------------------------------------------------
+    def _start(self, resume: bool) -> Path | None:
+        if resume:
+            latest = ckpt.latest_checkpoint(self.run_dir)
+            if latest is None:
+                raise DSV3Error(f"{self.run_dir} holds no complete checkpoint to resume from")
+        elif ckpt.latest_checkpoint(self.run_dir) is not None:
+            raise DSV3Error(f"{self.run_dir} already holds a run; continue it with --resume {self.run_dir} "
+                            "or choose another --out")
+        else:
+            latest = None
+        if self.world.is_main:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            ckpt.clean_leftovers(self.run_dir)
+            self.opts.save(self.run_dir / "run.json")
+        self.world.barrier()
+        return latest
+
+    def _restore(self, folder: Path) -> None:
+        saved = ckpt.load_trainer_state(folder)
+        self.optimizer.load_state_dict(saved["optimizer"])
+        self.scheduler.load_state_dict(saved["scheduler"])
+        self.state = RunState(**saved["run"])
+        ckpt.restore_rng_state(saved["rng"])
+        self.metrics.truncate_after(self.state.step)
+        self.progress.note(f"resumed from {folder} at step {self.state.step}")
+
+    # ---- the loop -----------------------------------------------------------------------
+    def execute(self) -> dict[str, Any]:
+        opts = self.opts
+        self.progress.note(f"model: {_count(self.model) / 1e6:.2f}M parameters; {self.world.size} process(es) on "
+                           f"{self.world.device}; {opts.precision}; {opts.batch_size} x {opts.seq_len} tokens "
+                           f"per step; run folder {self.run_dir}")
+        self.progress.start(self.state.step)
+        with GracefulStop() as stop:
+            while self.state.step < opts.steps:
+                row = self.stepper.run(self.state)
+                self.metrics.write(row)
+                self.progress.step(row)
+                if self.on_step is not None:
+                    self.on_step(row)
+                self._after_step(self.world.any(stop.requested))
+                if self.stop_reason != "completed":
+                    break
+        self.progress.close()
+        return self._finish()
+
+    def _after_step(self, stop_requested: bool) -> None:
+        opts, step = self.opts, self.state.step
+        if self.state.bad_in_a_row >= opts.max_bad_steps:
+            self.stop_reason = "non-finite"
+        elif stop_requested:
+            self.stop_reason = "signal"
+        if step % opts.eval_every == 0 or step == opts.steps:
+            self._evaluate()
+        if step % opts.save_every == 0 or step == opts.steps or self.stop_reason != "completed":
+            self._save()
+        if self.stop_reason == "non-finite":
+            raise DSV3Error(f"the loss or gradient was non-finite for {self.state.bad_in_a_row} steps in a row "
+                            f"(up to step {step}); stopped. The last checkpoint, {self.last_checkpoint}, holds "
+                            "the weights from before those steps: lower --lr or check the data, then --resume")
+
+    def _evaluate(self) -> None:
+        result = evaluate(self.model, self.data.val, self.val_windows, self.data.token_bytes, self.world,
+                          max(1, self.stepper.per_rank), self.autocast)
+        self.last_eval = {"kind": "eval", "step": self.state.step, **result}
+        self.metrics.write(self.last_eval)
+        self.progress.note(f"eval step {self.state.step}: val loss {result['val_loss']:.4f}, "
+                           f"{result['val_bpb']:.4f} bits/byte")
+
+    def _save(self) -> None:
+        if self.world.is_main:
+            trainer_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                             "rng": ckpt.rng_state(), "run": dataclasses.asdict(self.state),
+                             "world_size": self.world.size}
+            summary = {"step": self.state.step, "samples": self.state.samples, "tokens": self.state.tokens,
+                       "epoch": self.order.epoch_of(self.state.samples), "last_eval": self.last_eval,
+                       "options": self.opts.to_dict()}
+            max_len = self.cfg.max_position_embeddings
+            self.last_checkpoint = ckpt.save_checkpoint(
+                self.run_dir, self.state.step, self.model, trainer_state, summary,
+                lambda folder: save_tokenizer_files(self.data.tokenizer, folder, max_len), self.opts.keep_last)
+        self.world.barrier()
+        self.last_checkpoint = ckpt.latest_checkpoint(self.run_dir)
+
+    # ---- the end ------------------------------------------------------------------------
+    def _finish(self) -> dict[str, Any]:
+        rows = read_rows(self.run_dir / "metrics.jsonl") if self.world.is_main else []
+        train_rows = [r for r in rows if r.get("kind") == "train" and r.get("loss") is not None]
+        plots = {}
+        sample = None
+        if self.world.is_main and self.plots:
+            from dsv3.train.plots import write_plots
+
+            plots = write_plots(rows, self.run_dir)
+        if self.world.is_main:
+            if self.opts.sample_tokens:
+                sample = self._sample()
+        recent = [r["loss"] for r in train_rows[-10:]]
+        return {
+            "run_dir": str(self.run_dir), "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+            "stopped": self.stop_reason, "step": self.state.step, "steps": self.opts.steps,
+            "tokens": self.state.tokens, "first_loss": train_rows[0]["loss"] if train_rows else None,
+            "final_loss": sum(recent) / len(recent) if recent else None,
+            "val_loss": self.last_eval["val_loss"] if self.last_eval else None,
+            "val_bpb": self.last_eval["val_bpb"] if self.last_eval else None,
+            "tokens_per_s": self.state.tokens / self.state.train_seconds if self.state.train_seconds else None,
+            "train_seconds": self.state.train_seconds, "skipped_steps": self.state.skipped,
+            "parameters": _count(self.model), "world_size": self.world.size, "precision": self.opts.precision,
+            "data": self.data.description, "plots": plots, "sample": sample,
+        }
+
+    def _sample(self) -> str:
+        from dsv3.train.sample import sample_text
+
+        text = sample_text(self.model, self.data.tokenizer, self.opts.sample_prompt, self.opts.sample_tokens,
+                           seed=self.opts.seed)
+        self.progress.note(f"sample (temperature 0.8, top-k 40):\n{self.opts.sample_prompt}{text}")
+        return self.opts.sample_prompt + text
+
+
+def _count(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
