@@ -55,7 +55,7 @@ def test_verify_emits_the_target_distribution():
         tokens, _ = verify(torch.stack([p, p]), q[None], [draft], gen)
         counts[tokens[0]] += 1
     assert counts[4] == 0
-    assert chi_square_p(counts[:4], p[:4]) > 1e-3
+    assert chi_square_p(counts[:4], p[:4]) > 1e-4
     assert chi_square_p(counts[:4], q[:4] / q[:4].sum()) < 1e-6  # the test can tell p from q
 
 
