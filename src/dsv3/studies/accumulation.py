@@ -143,6 +143,7 @@ def atomic_savefig(fig, path: Path) -> None:
     os.close(fd)
     try:
         fig.savefig(tmp, dpi=120)
+        os.chmod(tmp, 0o644)  # mkstemp makes 0600 files; a figure is meant to be read
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
