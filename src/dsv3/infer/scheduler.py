@@ -89,13 +89,11 @@ class Scheduler:
         except Exception as exc:
             self._fail([r for r, _ in new], exc)
             return
-        self._send(fresh.first_events)
-        if not fresh.rows:
-            return
-        if self.batch is None or not self.batch.rows:
+        if fresh.rows and (self.batch is None or not self.batch.rows):
             self.batch = fresh
-        else:
+        elif fresh.rows:
             self.batch.merge(fresh)
+        self._send(fresh.first_events)
 
     def _send(self, events: list[Event]) -> None:
         for ev in events:
