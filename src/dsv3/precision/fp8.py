@@ -114,17 +114,13 @@ def quantize_per_tensor(x: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Tenso
 
 def _check_gemm_operands(a_q, a_scale, b_q, b_scale, b_block) -> None:
     if a_q.dim() != 2 or b_q.dim() != 2 or a_q.shape[1] != b_q.shape[1]:
-        raise DSV3Error(
-            f"scaled_mm needs A [M, K] and B [N, K], got {tuple(a_q.shape)} and {tuple(b_q.shape)}"
-        )
+        raise DSV3Error(f"scaled_mm needs A [M, K] and B [N, K], got {tuple(a_q.shape)} and {tuple(b_q.shape)}")
     if tuple(a_scale.shape) != scale_shape(a_q.shape, (1, TILE)):
         raise DSV3Error(
             f"a_scale {tuple(a_scale.shape)} is not A's 1x128 tile scale {scale_shape(a_q.shape, (1, TILE))}"
         )
     if tuple(b_scale.shape) != scale_shape(b_q.shape, b_block):
-        raise DSV3Error(
-            f"b_scale {tuple(b_scale.shape)} is not B's {b_block} scale {scale_shape(b_q.shape, b_block)}"
-        )
+        raise DSV3Error(f"b_scale {tuple(b_scale.shape)} is not B's {b_block} scale {scale_shape(b_q.shape, b_block)}")
 
 
 def scaled_mm(
@@ -246,9 +242,7 @@ def _torch_blockwise(a_q, a_scale, b_q, b_scale, out_dtype):
         kb = b_scale.shape[1]
         l4 = -(-kb // 4) * 4
         sb = torch.nn.functional.pad(b_scale.float(), (0, l4 - kb)).t()[:kb]
-    return torch._scaled_mm(
-        a_q.contiguous(), b_q.contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype
-    )
+    return torch._scaled_mm(a_q.contiguous(), b_q.contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
 
 
 def _triton_blockwise(a_q, a_scale, b_q, b_scale, out_dtype):
