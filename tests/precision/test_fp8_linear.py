@@ -224,3 +224,13 @@ def test_fp8_study_rejects_a_bad_activations_file(tmp_path, capsys):
     torch.save({"x": torch.arange(4)}, bad)
     with pytest.raises(DSV3Error, match="floating-point"):
         run_fp8_study(["--activations", str(bad)], capsys)
+
+
+def test_bf16_autocast_does_not_touch_the_fp8_gemms():
+    """The trainer runs FP8Linear under BF16 autocast; the GEMMs must still accumulate in FP32."""
+    x, w, dy = make_inputs(seed=11)
+    plain = run(x.float(), w, dy.float())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        autocast = run(x.float(), w, dy.float())
+    for a, b in zip(plain[:3], autocast[:3], strict=True):
+        assert a.dtype == b.dtype and torch.equal(a, b)

@@ -147,6 +147,11 @@ def scaled_mm(
     choice = backend or os.environ.get("DSV3_FP8_GEMM", "auto")
     if choice not in GEMM_BACKENDS:
         raise DSV3Error(f"unknown FP8 GEMM backend {choice!r}; expected one of {GEMM_BACKENDS}")
+    with torch.autocast(device_type=a_q.device.type, enabled=False):  # autocast would run the GEMM in BF16
+        return _dispatch(choice, a_q, a_scale, b_q, b_scale, out_dtype, b_block)
+
+
+def _dispatch(choice, a_q, a_scale, b_q, b_scale, out_dtype, b_block) -> torch.Tensor:
     if choice == "chunked":
         return scaled_mm_chunked(a_q, a_scale, b_q, b_scale, out_dtype, b_block)
     if a_q.is_cuda and choice != "dequantized":
