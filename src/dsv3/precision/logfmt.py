@@ -27,7 +27,12 @@ MIN_BITS, MAX_BITS = 4, 16
 LOG2_RANGE = 32.0  # log_min >= log_max - 32: about the range of a 5-bit exponent (PAPER.md §7.2, item 10)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 ROUNDINGS = ("linear", "log")
-_INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32, torch.float64: torch.int64}
+_INT_VIEW = {  # same-width integer views of each float dtype, for bit-level work
+    torch.bfloat16: torch.int16,
+    torch.float16: torch.int16,
+    torch.float32: torch.int32,
+    torch.float64: torch.int64,
+}
 _BLOCK_ELEMENTS = 1 << 17  # per cache block; float64 temporaries of one block stay in L2/L3
 
 
