@@ -7,6 +7,7 @@ Progress goes to stderr; with --json the run's summary is the one JSON object on
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
 
@@ -62,7 +63,7 @@ def train(
     from dsv3.train.run import run_training
 
     summary = run_training(opts, resume=resume is not None)
-    if json_out:
+    if json_out and int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 speaks for the run
         print(json.dumps(summary))
 
 
