@@ -72,6 +72,7 @@ class Stats:
     prefill_s: float = 0.0
     decode_s: float = 0.0
     cache_bytes: int = 0  # largest latent-cache allocation
+    cache_bytes_per_token_per_layer: float = 0.0  # its bytes / (layers x rows x slots)
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -182,7 +183,7 @@ class Batch:
     def _alloc(self, batch: int, slots: int) -> None:
         self.cache: LatentCache = self.model.new_cache(batch, slots, dtype=self.engine.cache_dtype)
         self.valid = torch.zeros(batch, slots, dtype=torch.bool)
-        self.stats.cache_bytes = max(self.stats.cache_bytes, self.cache.nbytes)
+        self._record_cache()
 
     def _capacity_for(self, cur: int) -> int:
         """Slots needed from ``cur`` so that every row can finish (holes may cost a slot per step)."""
@@ -215,7 +216,13 @@ class Batch:
         self.cache = self.model.new_cache(kv.shape[1], 0, dtype=self.engine.cache_dtype)
         self.cache.kv, self.cache.pe, self.valid, self.cur = kv, pe, valid, cur
         self.holes = bool((~valid[:, :cur]).any())
-        self.stats.cache_bytes = max(self.stats.cache_bytes, self.cache.nbytes)
+        self._record_cache()
+
+    def _record_cache(self) -> None:
+        layers, rows, slots = self.cache.kv.shape[:3]
+        if self.cache.nbytes > self.stats.cache_bytes and rows * slots:
+            self.stats.cache_bytes = self.cache.nbytes
+            self.stats.cache_bytes_per_token_per_layer = self.cache.nbytes / (layers * rows * slots)
 
     def _ensure_capacity(self) -> None:
         if self.cur + self.T > self.cache.max_len:

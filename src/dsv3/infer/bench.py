@@ -1,0 +1,80 @@
+"""`dsv3 bench decode`: decode-phase speed of the engine at a given context, on random token ids."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import typer
+
+from dsv3.errors import DSV3Error
+
+
+def _model(source: str, dtype: str, weights: str):
+    """A checkpoint folder, or a preset name (random weights: speed does not depend on their values)."""
+    from dsv3.config import PRESETS, preset
+    from dsv3.infer.fp8_weights import to_fp8_weights
+    from dsv3.infer.loading import load_model, parse_dtype
+    from dsv3.model.transformer import Transformer
+
+    compute = parse_dtype(dtype, "--dtype", ("fp32", "bf16"))
+    if Path(source).is_dir():
+        return load_model(source, compute, weights)
+    if source not in PRESETS:
+        raise DSV3Error(f"--model {source!r} is neither a checkpoint folder nor a preset ({', '.join(PRESETS)})")
+    torch.manual_seed(0)
+    model = Transformer(preset(source)).to(compute or torch.float32).eval()
+    return to_fp8_weights(model) if weights == "fp8" else model
+
+
+def main(
+    model: str = typer.Option(..., "--model", help="Checkpoint folder, or a preset name for random weights."),
+    context: int = typer.Option(2048, "--context", min=1, help="Prompt length before decoding."),
+    new_tokens: int = typer.Option(64, "--new-tokens", min=2),
+    batch: int = typer.Option(1, "--batch", min=1),
+    speculative: str = typer.Option("none", "--speculative", help="mtp or none."),
+    dtype: str = typer.Option("auto", "--dtype", help="auto, fp32, bf16."),
+    weights: str = typer.Option("native", "--weights", help="native or fp8 (resident FP8 blocks)."),
+    cache_dtype: str = typer.Option("auto", "--cache-dtype", help="auto, fp32, bf16, fp8."),
+    threads: int = typer.Option(0, "--threads", min=0, help="torch intra-op threads (0: torch's default)."),
+    seed: int = typer.Option(0, "--seed"),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Prefill ``--context`` random tokens per row, then time ``--new-tokens`` decode steps alone."""
+    from dsv3.infer.engine import Engine, Request
+    from dsv3.infer.fp8_weights import resident_bytes
+    from dsv3.infer.loading import parse_dtype
+    from dsv3.infer.sampling import GREEDY
+
+    if speculative not in ("mtp", "none"):
+        raise DSV3Error(f"--speculative must be mtp or none, got {speculative!r}")
+    if threads:
+        torch.set_num_threads(threads)
+    net = _model(model, dtype, weights)
+    cfg = net.config
+    gen = torch.Generator().manual_seed(seed)
+    prompts = torch.randint(0, cfg.vocab_size, (batch, context), generator=gen).tolist()
+    engine = Engine(net, speculative=speculative == "mtp",
+                    cache_dtype=parse_dtype(cache_dtype, "--cache-dtype", ("fp32", "bf16", "fp8")),
+                    eos_token_ids=frozenset())
+    for _ in engine.stream([Request(p, new_tokens, GREEDY) for p in prompts]):
+        pass
+    stats = engine.last_stats
+    out = {
+        "model": model, "context": context, "new_tokens": new_tokens, "batch": batch, "speculative": speculative,
+        "threads": torch.get_num_threads(), "dtype": str(next(net.parameters()).dtype).replace("torch.", ""),
+        "weights": weights, "cache_dtype": str(engine.cache_dtype).replace("torch.", ""),
+        "tokens_per_s": stats.tokens / stats.decode_s,
+        "ms_per_step": 1000 * stats.decode_s / max(stats.main_forwards, 1),
+        "prefill_s": stats.prefill_s, "cache_bytes": stats.cache_bytes,
+        "cache_bytes_per_token_per_layer": stats.cache_bytes_per_token_per_layer,
+        "weight_bytes": resident_bytes(net),
+        "acceptance_rate": stats.acceptance_rate, "tokens_per_forward": stats.tokens_per_forward,
+    }
+    if as_json:
+        print(json.dumps(out))
+    else:
+        for key, value in out.items():
+            print(f"{key:32s} {value}")
+
