@@ -118,7 +118,7 @@ def _report(raw: dict, balance: dict | None) -> dict:
             "inter_node_bytes", "intra_node_bytes", "inter_node_metadata_bytes", "intra_node_metadata_bytes",
             "bytes_per_token_row", "traffic_matches_analytic", "traffic_measured", "traffic_analytic")
     report.update({k: raw[k] for k in keys})
-    report["without_node_limit"] = raw["unlimited"]
+    report["without_node_limit"] = raw["without_node_limit"]
     report.update({"dispatch_s": times["dispatch"]["max_s"], "compute_s": times["experts"]["max_s"],
                    "combine_s": times["combine"]["max_s"], "backward_s": times["backward"]["max_s"],
                    "times_mean_over_ranks": {k: v["mean_s"] for k, v in times.items()}})

@@ -58,13 +58,15 @@ def balanced_packing(weights: list[float], bins: int, avoid: list[int] | None = 
     return where
 
 
-def replicate(load: list[float], num_slots: int) -> list[int]:
-    """Replica counts: one each, then each extra slot to the expert with the highest load per replica."""
+def replicate(load: list[float], num_slots: int, max_replicas: int | None = None) -> list[int]:
+    """Replica counts: one each, then each extra slot to the expert with the highest load per replica.
+    ``max_replicas`` (the GPU count) stops one expert from getting two slots on one GPU, which gains nothing."""
     if num_slots < len(load):
         raise DSV3Error(f"{num_slots} slots cannot hold {len(load)} experts")
+    cap = max_replicas if max_replicas and max_replicas * len(load) >= num_slots else num_slots
     counts = [1] * len(load)
     for _ in range(num_slots - len(load)):
-        e = max(range(len(load)), key=lambda e: (load[e] / counts[e], -e))
+        e = max((e for e in range(len(load)) if counts[e] < cap), key=lambda e: (load[e] / counts[e], -e))
         counts[e] += 1
     return counts
 
@@ -83,7 +85,7 @@ def global_policy(load: torch.Tensor, num_slots: int, num_gpus: int) -> torch.Te
     """phy2log long [num_slots]: replicate over all experts, pack replicas onto all GPUs."""
     _check_sizes(load.numel(), num_slots, num_gpus)
     w = load.double().tolist()
-    counts = replicate(w, num_slots)
+    counts = replicate(w, num_slots, max_replicas=num_gpus)
     return torch.tensor([e for slots in _pack_replicas(list(range(len(w))), w, counts, num_gpus) for e in slots])
 
 
@@ -103,7 +105,7 @@ def hierarchical_policy(load: torch.Tensor, num_slots: int, num_groups: int, num
     phy2log = []
     for node in range(num_nodes):
         experts = [e for g in range(num_groups) if node_of_group[g] == node for e in range(g * size, (g + 1) * size)]
-        sub = replicate([w[e] for e in experts], num_slots // num_nodes)
+        sub = replicate([w[e] for e in experts], num_slots // num_nodes, max_replicas=num_gpus // num_nodes)
         counts = dict(zip(experts, sub, strict=True))
         per_gpu = _pack_replicas(experts, w, [counts.get(e, 0) for e in range(E)], num_gpus // num_nodes)
         phy2log += [e for slots in per_gpu for e in slots]
