@@ -100,8 +100,27 @@ def _with_eplb(spec: LayerSpec, policy: str, redundant: int) -> tuple[LayerSpec,
     before = rank_assignments(spec, Placement.contiguous(spec.experts, world)).double()
     balance = {"policy": policy, "redundant_slots": redundant,
                "gpu_load_max_over_mean_before": float(before.max() / before.mean()),
-               "predicted_max_over_mean_after": eplb.imbalance(phy2log, load, world)}
+               "predicted_max_over_mean_after": eplb.imbalance(phy2log, load, world),
+               "rebalance": _rebalance_tradeoff(spec, policy, phy2log, slots)}
     return replace(spec, phy2log=tuple(phy2log.tolist())), balance
+
+
+def _rebalance_tradeoff(spec: LayerSpec, policy: str, current: torch.Tensor, slots: int) -> dict:
+    """The load shifts (the next seed's hot experts): experts moved vs balance, incremental vs re-plan."""
+    world = spec.world
+    new_load = global_load(replace(spec, seed=spec.seed + 1))
+    per_node = spec.gpus_per_node if policy == "hierarchical" else None
+    if policy == "hierarchical":
+        replan = eplb.hierarchical_policy(new_load, slots, spec.nodes, spec.nodes, world)
+    else:
+        replan = eplb.global_policy(new_load, slots, world)
+    steps = []
+    for budget in (0, 1, 2, 4, 8, 16, 32):
+        r = eplb.rebalance(current, new_load, world, budget, gpus_per_node=per_node)
+        steps.append({"max_moves": budget, "moves": r.moves, "max_over_mean": r.imbalance})
+    return {"incremental": steps,
+            "replan": {"moves": eplb.moved_experts(current, replan, world),
+                       "max_over_mean": eplb.imbalance(replan, new_load, world)}}
 
 
 def _report(raw: dict, balance: dict | None) -> dict:
@@ -111,7 +130,8 @@ def _report(raw: dict, balance: dict | None) -> dict:
         "topk": spec["topk"], "topk_groups": spec["topk_groups"], "tokens_per_rank": spec["tokens"],
         "hidden": spec["hidden"], "dispatch": spec["dispatch"], "combine": spec["combine"], "dtype": spec["dtype"],
     }
-    keys = ("max_abs_diff_vs_single", "max_abs_single", "grad_max_abs_diff", "grad_max_abs", "aux_loss_diff",
+    keys = ("max_abs_diff_vs_single", "max_abs_single", "output_rel_error", "grad_rel_error",
+            "grad_max_abs_diff", "grad_max_abs", "aux_loss_diff",
             "expert_load_equal", "mean_inter_node_copies_per_token", "max_inter_node_copies_per_token",
             "mean_nodes_per_token", "max_nodes_per_token", "mean_inter_node_copies_without_dedup",
             "max_inter_node_copies_without_dedup", "mean_intra_node_copies_per_token", "node_limit",
@@ -161,6 +181,12 @@ def _print_table(report: dict) -> None:
         e = report["eplb"]
         rows.append((f"EPLB {e['policy']}: load max/mean before -> after",
                      f"{e['gpu_load_max_over_mean_before']:.3f} -> {e['gpu_load_max_over_mean_after']:.3f}"))
+        for step in e["rebalance"]["incremental"]:
+            rows.append((f"  load shift, rebalance <= {step['max_moves']} moves",
+                         f"{step['moves']} moved, max/mean {step['max_over_mean']:.3f}"))
+        replan = e["rebalance"]["replan"]
+        rows.append(("  load shift, re-plan from scratch",
+                     f"{replan['moves']} moved, max/mean {replan['max_over_mean']:.3f}"))
     for row in rows:
         table.add_row(*row)
     Console().print(table)

@@ -178,11 +178,8 @@ class ExpertParallelMoE(MoE):
         e = self.experts
         # An empty pass through expert 0 keeps x_e and the weights in the graph on a rank that got no
         # tokens, so its backward still joins the collectives (and its expert grads are zeros, not None).
-        outs = [F.linear(F.linear(xs[:0], e.gate_proj[0]), e.down_proj[0])]
-        for s, chunk in enumerate(xs.split(counts)):
-            if chunk.shape[0]:
-                h = F.silu(chunk @ e.gate_proj[s].t()) * (chunk @ e.up_proj[s].t())
-                outs.append(h @ e.down_proj[s].t())
+        outs = [_swiglu(e, 0, xs[:0])]
+        outs += [_swiglu(e, s, chunk) for s, chunk in enumerate(xs.split(counts)) if chunk.shape[0]]
         ys = torch.cat(outs) * w_e[rows, ks].unsqueeze(1).to(x_e.dtype)
         return torch.zeros_like(x_e).index_add_(0, rows, ys)
 
@@ -218,6 +215,12 @@ class ExpertParallelMoE(MoE):
         self.experts = Experts(ids.numel(), shape[2], shape[1]).to(weights["gate_proj"])
         for name, full in weights.items():
             getattr(self.experts, name).copy_(full[ids])
+
+
+def _swiglu(experts: Experts, slot: int, x: torch.Tensor) -> torch.Tensor:
+    """Local expert ``slot`` on rows x [n, D] -> [n, D]."""
+    h = F.silu(x @ experts.gate_proj[slot].t()) * (x @ experts.up_proj[slot].t())
+    return h @ experts.down_proj[slot].t()
 
 
 def apply_expert_parallel(model: nn.Module, gpus_per_node: int, group: dist.ProcessGroup | None = None,

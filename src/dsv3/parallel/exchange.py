@@ -161,7 +161,7 @@ def broadcast(plan: TwoHopPlan, x: torch.Tensor, fmt: WireFormat, extra: torch.T
     work.wait()
     width = fields[0][1]
     x_e = fmt.decode(out2[:, :width], dim, x.dtype)
-    extra_e = from_raw(out2[:, width:], torch.float32).view(out2.shape[0], -1) if extra is not None else None
+    extra_e = from_raw(out2[:, width:], torch.float32).view(-1, extra.shape[1]) if extra is not None else None
     return x_e, extra_e
 
 
@@ -193,6 +193,6 @@ def _reduce_hop(hop: Hop, rows: torch.Tensor, into: list[int], y: torch.Tensor, 
     summed = torch.zeros(n, dim).index_add_(0, rows, back)
     extra_sum = None
     if extra is not None:
-        back_extra = from_raw(out[:, width:], torch.float32).view(out.shape[0], -1)
-        extra_sum = torch.zeros(n, back_extra.shape[1]).index_add_(0, rows, back_extra)
+        back_extra = from_raw(out[:, width:], torch.float32).view(-1, extra.shape[1])
+        extra_sum = torch.zeros(n, extra.shape[1]).index_add_(0, rows, back_extra)
     return summed, extra_sum
