@@ -87,7 +87,7 @@ def quantize(x: torch.Tensor, bits: int, *, fallback: bool = False, rounding: st
     if x.numel() == 0:
         return x.clone()
     rows = _rows(x)  # [R, D]
-    out = torch.empty(rows.shape, dtype=x.dtype)
+    out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     for start, stop in _row_blocks(*rows.shape):
         tiles = _tiles(rows[start:stop])  # [r, T, 128]
         meta = _tile_meta(tiles)
@@ -107,8 +107,8 @@ def encode(x: torch.Tensor, bits: int, *, fallback: bool = False, rounding: str 
     shape = tuple(x.shape)
     rows = _rows(x)
     n_rows, width = rows.shape
-    meta = torch.empty(n_rows, -(-width // TILE), 2, dtype=x.dtype)
-    payload = torch.empty((x.numel() * bits + 7) // 8, dtype=torch.uint8)
+    meta = torch.empty(n_rows, -(-width // TILE), 2, dtype=x.dtype, device=x.device)
+    payload = torch.empty((x.numel() * bits + 7) // 8, dtype=torch.uint8, device=x.device)
     masks, fallback_values = [], []
     for start, stop in _row_blocks(n_rows, width):
         tiles = _tiles(rows[start:stop])
@@ -125,8 +125,8 @@ def encode(x: torch.Tensor, bits: int, *, fallback: bool = False, rounding: str 
         payload[first_byte : first_byte + packed.numel()] = packed
     if not fallback:
         return LogFMTPacked(payload, meta, shape, x.dtype, bits)
-    mask = torch.cat(masks) if masks else torch.zeros(meta.shape[:2], dtype=torch.bool)
-    values = torch.cat(fallback_values) if fallback_values else torch.zeros(0, TILE, dtype=torch.bfloat16)
+    mask = torch.cat(masks) if masks else torch.zeros(meta.shape[:2], dtype=torch.bool, device=x.device)
+    values = torch.cat(fallback_values) if fallback_values else meta.new_zeros(0, TILE, dtype=torch.bfloat16)
     return LogFMTPacked(payload, meta, shape, x.dtype, bits, mask, values)
 
 
@@ -134,7 +134,7 @@ def decode(packed: LogFMTPacked) -> torch.Tensor:
     """Rebuild the tensor from `encode`'s output; equals `quantize(x, bits)` bit for bit."""
     bits, n_rows, width = packed.bits, *_rows_shape(packed.shape)
     _check_packed(packed, n_rows, width)
-    out = torch.empty(n_rows, width, dtype=packed.dtype)
+    out = torch.empty(n_rows, width, dtype=packed.dtype, device=packed.payload.device)
     used_fallback = 0
     for start, stop in _row_blocks(n_rows, width):
         first, last = start * width * bits // 8, -(-stop * width * bits // 8)
@@ -323,7 +323,7 @@ def _pack(words: torch.Tensor, bits: int) -> torch.Tensor:
         return words.to(torch.int16).view(torch.uint8)
     group, group_bytes = _group(bits)
     words = F.pad(words, (0, (-n) % group)).view(-1, group)  # [G, g]
-    lanes = torch.zeros(words.shape[0], 2 if group * bits > 64 else 1, dtype=torch.int64)
+    lanes = words.new_zeros(words.shape[0], 2 if group * bits > 64 else 1)
     low = lanes[:, 0]
     # One pass per word position (g <= 8), each over every group at once: measured faster on CPU than a
     # broadcast shift-and-sum over [G, g].
@@ -345,11 +345,11 @@ def _unpack(payload: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         return payload.view(torch.int16).to(torch.int64) & 0xFFFF
     group, group_bytes = _group(bits)
     n_groups = -(-n // group)
-    raw = torch.zeros(n_groups, 16 if group * bits > 64 else 8, dtype=torch.uint8)
+    raw = payload.new_zeros(n_groups, 16 if group * bits > 64 else 8)
     raw[:, :group_bytes] = F.pad(payload, (0, n_groups * group_bytes - payload.numel())).view(n_groups, -1)
     lanes = raw.view(torch.int64)  # [G, 1 or 2]
     low, mask = lanes[:, 0], (1 << bits) - 1
-    words = torch.empty(n_groups, group, dtype=torch.int64)
+    words = torch.empty(n_groups, group, dtype=torch.int64, device=payload.device)
     for offset, word in zip(range(0, group * bits, bits), words.unbind(1), strict=True):
         if offset + bits <= 64:
             torch.bitwise_and(low >> offset, mask, out=word)
