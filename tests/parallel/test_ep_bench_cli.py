@@ -18,14 +18,45 @@ def run(args):
 
 
 def test_bench_ep_json(capsys):
-    run(["--nodes", "2", "--gpus-per-node", "1", "--experts", "8", "--topk", "2", "--topk-groups", "1",
-         "--tokens", "8", "--hidden", "128", "--dispatch", "fp8", "--combine", "logfmt10",
-         "--overlap-repeats", "1", "--json"])
+    run(
+        [
+            "--nodes",
+            "2",
+            "--gpus-per-node",
+            "1",
+            "--experts",
+            "8",
+            "--topk",
+            "2",
+            "--topk-groups",
+            "1",
+            "--tokens",
+            "8",
+            "--hidden",
+            "128",
+            "--dispatch",
+            "fp8",
+            "--combine",
+            "logfmt10",
+            "--overlap-repeats",
+            "1",
+            "--json",
+        ]
+    )
     out = capsys.readouterr().out
     report = json.loads(out)  # exactly one JSON object on stdout
     assert out.count("\n") == 1
-    for key in ("max_abs_diff_vs_single", "mean_inter_node_copies_per_token", "max_inter_node_copies_per_token",
-                "inter_node_bytes", "intra_node_bytes", "dispatch_s", "compute_s", "combine_s", "overlap"):
+    for key in (
+        "max_abs_diff_vs_single",
+        "mean_inter_node_copies_per_token",
+        "max_inter_node_copies_per_token",
+        "inter_node_bytes",
+        "intra_node_bytes",
+        "dispatch_s",
+        "compute_s",
+        "combine_s",
+        "overlap",
+    ):
         assert key in report, key
     assert report["traffic_matches_analytic"]
     assert report["max_inter_node_copies_per_token"] <= 1
@@ -36,15 +67,25 @@ def test_bench_ep_json(capsys):
     assert report["intra_node_bytes"] == 0  # one GPU per node: nothing to forward
 
 
-@pytest.mark.parametrize("args", [["--dispatch", "fp4"], ["--combine", "e5m2"], ["--nodes", "0"],
-                                  ["--topk-groups", "3"], ["--redundant", "2"]])
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--dispatch", "fp4"],
+        ["--combine", "e5m2"],
+        ["--nodes", "0"],
+        ["--topk-groups", "3"],
+        ["--redundant", "2"],
+    ],
+)
 def test_bench_ep_rejects_bad_input(args):
     with pytest.raises(DSV3Error):
         run(args)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("dsv3.infer.bench") is None,
-                    reason="dsv3 bench dispatcher also needs dsv3.infer.bench")
+@pytest.mark.skipif(
+    importlib.util.find_spec("dsv3.infer.bench") is None,
+    reason="dsv3 bench dispatcher also needs dsv3.infer.bench",
+)
 def test_dispatcher_reports_bad_input(capsys):
     from dsv3.cli import main as cli_main
 

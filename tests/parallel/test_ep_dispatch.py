@@ -14,25 +14,44 @@ FOUR = {
     "fp8_logfmt8": LayerSpec(nodes=2, gpus_per_node=2, dispatch="fp8", combine="logfmt8", seed=2),
     # a strong selection bias sends every token to one node's experts: the other node receives nothing
     "empty_node": LayerSpec(nodes=2, gpus_per_node=2, topk_groups=1, skew=5.0, seed=5),
-    # global EPLB placement with 4 redundant slots (hot experts replicated across nodes)
-    "replicas": LayerSpec(nodes=2, gpus_per_node=2, seed=3, skew=0.5,
-                          phy2log=(0, 1, 2, 3, 4, 0, 5, 6, 7, 8, 1, 9, 10, 11, 12, 2, 13, 14, 15, 3)),
+    # global EPLB placement with 4 redundant slots (hot experts replicated across nodes), reached by moving
+    # the weights of a contiguous placement with set_placement
+    "replicas": LayerSpec(
+        nodes=2,
+        gpus_per_node=2,
+        seed=3,
+        skew=0.5,
+        move_to_placement=True,
+        phy2log=(0, 1, 2, 3, 4, 0, 5, 6, 7, 8, 1, 9, 10, 11, 12, 2, 13, 14, 15, 3),
+    ),
 }
 EIGHT = {
     "exact": LayerSpec(nodes=4, gpus_per_node=2, topk_groups=2, tokens=16),
-    "bf16_logfmt10": LayerSpec(nodes=4, gpus_per_node=2, topk_groups=2, tokens=16, dispatch="bf16",
-                               combine="logfmt10", dtype="bfloat16", seed=4),
+    "bf16_logfmt10": LayerSpec(
+        nodes=4,
+        gpus_per_node=2,
+        topk_groups=2,
+        tokens=16,
+        dispatch="bf16",
+        combine="logfmt10",
+        dtype="bfloat16",
+        seed=4,
+    ),
 }
 
 
 @pytest.fixture(scope="module")
 def four():
-    return dict(zip(FOUR, launch(layers_worker, 4, (list(FOUR.values()),), timeout_s=TIMEOUT_S)[0], strict=True))
+    return dict(
+        zip(FOUR, launch(layers_worker, 4, (list(FOUR.values()),), timeout_s=TIMEOUT_S)[0], strict=True)
+    )
 
 
 @pytest.fixture(scope="module")
 def eight():
-    return dict(zip(EIGHT, launch(layers_worker, 8, (list(EIGHT.values()),), timeout_s=TIMEOUT_S)[0], strict=True))
+    return dict(
+        zip(EIGHT, launch(layers_worker, 8, (list(EIGHT.values()),), timeout_s=TIMEOUT_S)[0], strict=True)
+    )
 
 
 def assert_close(result, out_tol, grad_tol):
@@ -48,8 +67,13 @@ def assert_traffic(result, spec):
     assert result["traffic_matches_analytic"], (result["traffic_measured"], result["traffic_analytic"])
     measured = result["traffic_measured"]
     # every kind of traffic really flowed, forward and backward, on both hops
-    for key in ("forward/inter/dispatch", "forward/intra/dispatch", "forward/inter/combine",
-                "backward/inter/dispatch", "backward/intra/combine"):
+    for key in (
+        "forward/inter/dispatch",
+        "forward/intra/dispatch",
+        "forward/inter/combine",
+        "backward/inter/dispatch",
+        "backward/intra/combine",
+    ):
         assert measured[key] > 0, key
     assert result["max_nodes_per_token"] <= spec.topk_groups
     assert result["max_inter_node_copies_per_token"] <= spec.topk_groups
@@ -67,7 +91,11 @@ def test_four_processes_fp32_wire_is_exact(four):
 def test_four_processes_bf16_equals_up_to_bf16_rounding(four):
     assert_close(four["bf16"], 4e-3, 8e-3)  # bf16 has 8 significant bits: 2^-8 = 3.9e-3
     assert_traffic(four["bf16"], FOUR["bf16"])
-    assert four["bf16"]["bytes_per_token_row"] == {"dispatch": 256, "combine_inter": 256, "combine_intra": 256}
+    assert four["bf16"]["bytes_per_token_row"] == {
+        "dispatch": 256,
+        "combine_inter": 256,
+        "combine_intra": 256,
+    }
 
 
 def test_four_processes_fp8_dispatch_logfmt8_combine_within_quantization_error(four):

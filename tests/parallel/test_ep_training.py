@@ -6,8 +6,10 @@ import pytest
 from dsv3.parallel.launch import launch
 from dsv3.parallel.scenarios import TrainSpec, trains_worker
 
-SPECS = [TrainSpec(gpus_per_node=2, steps=3, dispatch="fp32", combine="fp32"),
-         TrainSpec(gpus_per_node=2, steps=3, dispatch="fp8", combine="bf16")]
+SPECS = [
+    TrainSpec(gpus_per_node=2, steps=3, dispatch="fp32", combine="fp32"),
+    TrainSpec(gpus_per_node=2, steps=3, dispatch="fp8", combine="bf16"),
+]
 
 
 @pytest.fixture(scope="module")

@@ -13,8 +13,16 @@ from dsv3.parallel.traffic import analytic_bytes, copy_counts
 from dsv3.parallel.wire import WireFormat
 
 
-@pytest.mark.parametrize(("name", "row_bytes", "tol"), [
-    ("fp32", 1024, 0.0), ("bf16", 512, 2**-8), ("fp8", 264, 2**-4), ("logfmt8", 264, 0.1), ("logfmt10", 328, 0.03)])
+@pytest.mark.parametrize(
+    ("name", "row_bytes", "tol"),
+    [
+        ("fp32", 1024, 0.0),
+        ("bf16", 512, 2**-8),
+        ("fp8", 264, 2**-4),
+        ("logfmt8", 264, 0.1),
+        ("logfmt10", 328, 0.03),
+    ],
+)
 def test_wire_format_sizes_and_error(name, row_bytes, tol):
     x = torch.randn(5, 256) * 0.1
     fmt = WireFormat(name)
@@ -40,7 +48,9 @@ def test_placement_replicas_and_choice():
     assert p.replica_table[0].tolist() == [0, 3, 5]
     slots = p.choose_slots(torch.zeros(6, 1, dtype=torch.long))
     assert slots.flatten().tolist() == [0, 3, 5, 0, 3, 5]  # round robin over replicas
-    assert bool((p.phy2log[p.choose_slots(torch.tensor([[1, 3], [2, 0]]))] == torch.tensor([[1, 3], [2, 0]])).all())
+    assert bool(
+        (p.phy2log[p.choose_slots(torch.tensor([[1, 3], [2, 0]]))] == torch.tensor([[1, 3], [2, 0]])).all()
+    )
     with pytest.raises(DSV3Error):
         Placement(torch.tensor([0, 1, 2]), world=2)
 
@@ -54,8 +64,12 @@ def test_node_alignment():
 def test_copy_counts_by_hand():
     # 2 nodes x 2 ranks, 2 slots per rank: slots 0-3 on node 0 (ranks 0, 1), 4-7 on node 1 (ranks 2, 3)
     layout = NodeLayout(4, 2)
-    slots = torch.tensor([[0, 1, 4, 6],   # node 0: rank 0 only; node 1: ranks 2 and 3
-                          [2, 3, 5, 4]])  # node 0: rank 1; node 1: rank 2
+    slots = torch.tensor(
+        [
+            [0, 1, 4, 6],  # node 0: rank 0 only; node 1: ranks 2 and 3
+            [2, 3, 5, 4],
+        ]
+    )  # node 0: rank 1; node 1: rank 2
     c = copy_counts(slots, layout, rank=0, slots_per_rank=2)
     assert c.nodes.tolist() == [2, 2]
     assert c.inter.tolist() == [1, 1]  # one copy to node 1 each, however many experts there

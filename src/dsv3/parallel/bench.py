@@ -38,22 +38,42 @@ def main(
     hidden: Annotated[int, typer.Option(help="Hidden size.")] = 256,
     inter: Annotated[int, typer.Option(help="Expert intermediate size (default hidden / 4).")] = 0,
     dispatch: Annotated[str, typer.Option(help="Dispatch wire format: fp8 | bf16 | fp32.")] = "fp8",
-    combine: Annotated[str, typer.Option(help="Combine wire format: bf16 | logfmt8 | logfmt10 | fp32.")] = "bf16",
-    dtype: Annotated[str, typer.Option(help="Activations and expert weights: bfloat16 | float32.")] = "bfloat16",
-    overlap_repeats: Annotated[int, typer.Option(help="Repeats of the dual micro-batch timing (0: skip).")] = 3,
+    combine: Annotated[
+        str, typer.Option(help="Combine wire format: bf16 | logfmt8 | logfmt10 | fp32.")
+    ] = "bf16",
+    dtype: Annotated[
+        str, typer.Option(help="Activations and expert weights: bfloat16 | float32.")
+    ] = "bfloat16",
+    overlap_repeats: Annotated[
+        int, typer.Option(help="Repeats of the dual micro-batch timing (0: skip).")
+    ] = 3,
     eplb_policy: Annotated[str, typer.Option("--eplb", help="none | hierarchical | global.")] = "none",
     redundant: Annotated[int, typer.Option(help="Redundant expert slots in total (with --eplb).")] = 0,
     skew: Annotated[float, typer.Option(help="Make some experts hot (Zipf-like selection bias).")] = 0.0,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
     timeout: Annotated[float, typer.Option(help="Seconds before a hung run is aborted.")] = 300.0,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object on stdout and nothing else.")] = False,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print one JSON object on stdout and nothing else.")
+    ] = False,
 ) -> None:
     """Run one EP MoE layer forward + backward on N x G gloo processes and report accuracy and traffic."""
     _check(nodes, gpus_per_node, dispatch, combine, dtype, eplb_policy, redundant, tokens, hidden)
-    spec = LayerSpec(nodes=nodes, gpus_per_node=gpus_per_node, experts=experts, topk=topk,
-                     topk_groups=topk_groups, tokens=tokens, hidden=hidden, inter=inter or max(hidden // 4, 1),
-                     dispatch=dispatch, combine=combine, dtype=dtype, seed=seed, skew=skew,
-                     overlap_repeats=overlap_repeats)
+    spec = LayerSpec(
+        nodes=nodes,
+        gpus_per_node=gpus_per_node,
+        experts=experts,
+        topk=topk,
+        topk_groups=topk_groups,
+        tokens=tokens,
+        hidden=hidden,
+        inter=inter or max(hidden // 4, 1),
+        dispatch=dispatch,
+        combine=combine,
+        dtype=dtype,
+        seed=seed,
+        skew=skew,
+        overlap_repeats=overlap_repeats,
+    )
     spec.config()  # validates the routing setup before any process starts
     balance = None
     if eplb_policy != "none":
@@ -69,7 +89,9 @@ def main(
 
 def _check(nodes, gpus, dispatch, combine, dtype, policy, redundant, tokens, hidden) -> None:
     if nodes < 1 or gpus < 1 or nodes * gpus > MAX_PROCESSES:
-        raise DSV3Error(f"--nodes x --gpus-per-node must be 1..{MAX_PROCESSES} processes, got {nodes} x {gpus}")
+        raise DSV3Error(
+            f"--nodes x --gpus-per-node must be 1..{MAX_PROCESSES} processes, got {nodes} x {gpus}"
+        )
     if dispatch not in DISPATCH_FORMATS:
         raise DSV3Error(f"--dispatch must be one of {', '.join(DISPATCH_FORMATS)}, got {dispatch!r}")
     if combine not in COMBINE_FORMATS:
@@ -98,10 +120,13 @@ def _with_eplb(spec: LayerSpec, policy: str, redundant: int) -> tuple[LayerSpec,
     else:
         phy2log = eplb.global_policy(load, slots, world)
     before = rank_assignments(spec, Placement.contiguous(spec.experts, world)).double()
-    balance = {"policy": policy, "redundant_slots": redundant,
-               "gpu_load_max_over_mean_before": float(before.max() / before.mean()),
-               "predicted_max_over_mean_after": eplb.imbalance(phy2log, load, world),
-               "rebalance": _rebalance_tradeoff(spec, policy, phy2log, slots)}
+    balance = {
+        "policy": policy,
+        "redundant_slots": redundant,
+        "gpu_load_max_over_mean_before": float(before.max() / before.mean()),
+        "predicted_max_over_mean_after": eplb.imbalance(phy2log, load, world),
+        "rebalance": _rebalance_tradeoff(spec, policy, phy2log, slots),
+    }
     return replace(spec, phy2log=tuple(phy2log.tolist())), balance
 
 
@@ -118,30 +143,66 @@ def _rebalance_tradeoff(spec: LayerSpec, policy: str, current: torch.Tensor, slo
     for budget in (0, 1, 2, 4, 8, 16, 32):
         r = eplb.rebalance(current, new_load, world, budget, gpus_per_node=per_node)
         steps.append({"max_moves": budget, "moves": r.moves, "max_over_mean": r.imbalance})
-    return {"incremental": steps,
-            "replan": {"moves": eplb.moved_experts(current, replan, world),
-                       "max_over_mean": eplb.imbalance(replan, new_load, world)}}
+    return {
+        "incremental": steps,
+        "replan": {
+            "moves": eplb.moved_experts(current, replan, world),
+            "max_over_mean": eplb.imbalance(replan, new_load, world),
+        },
+    }
 
 
 def _report(raw: dict, balance: dict | None) -> dict:
     spec, times = raw["spec"], raw["times"]
     report = {
-        "nodes": spec["nodes"], "gpus_per_node": spec["gpus_per_node"], "experts": spec["experts"],
-        "topk": spec["topk"], "topk_groups": spec["topk_groups"], "tokens_per_rank": spec["tokens"],
-        "hidden": spec["hidden"], "dispatch": spec["dispatch"], "combine": spec["combine"], "dtype": spec["dtype"],
+        "nodes": spec["nodes"],
+        "gpus_per_node": spec["gpus_per_node"],
+        "experts": spec["experts"],
+        "topk": spec["topk"],
+        "topk_groups": spec["topk_groups"],
+        "tokens_per_rank": spec["tokens"],
+        "hidden": spec["hidden"],
+        "dispatch": spec["dispatch"],
+        "combine": spec["combine"],
+        "dtype": spec["dtype"],
     }
-    keys = ("max_abs_diff_vs_single", "max_abs_single", "output_rel_error", "grad_rel_error",
-            "grad_max_abs_diff", "grad_max_abs", "aux_loss_diff",
-            "expert_load_equal", "mean_inter_node_copies_per_token", "max_inter_node_copies_per_token",
-            "mean_nodes_per_token", "max_nodes_per_token", "mean_inter_node_copies_without_dedup",
-            "max_inter_node_copies_without_dedup", "mean_intra_node_copies_per_token", "node_limit",
-            "inter_node_bytes", "intra_node_bytes", "inter_node_metadata_bytes", "intra_node_metadata_bytes",
-            "bytes_per_token_row", "traffic_matches_analytic", "traffic_measured", "traffic_analytic")
+    keys = (
+        "max_abs_diff_vs_single",
+        "max_abs_single",
+        "output_rel_error",
+        "grad_rel_error",
+        "grad_max_abs_diff",
+        "grad_max_abs",
+        "aux_loss_diff",
+        "expert_load_equal",
+        "mean_inter_node_copies_per_token",
+        "max_inter_node_copies_per_token",
+        "mean_nodes_per_token",
+        "max_nodes_per_token",
+        "mean_inter_node_copies_without_dedup",
+        "max_inter_node_copies_without_dedup",
+        "mean_intra_node_copies_per_token",
+        "node_limit",
+        "inter_node_bytes",
+        "intra_node_bytes",
+        "inter_node_metadata_bytes",
+        "intra_node_metadata_bytes",
+        "bytes_per_token_row",
+        "traffic_matches_analytic",
+        "traffic_measured",
+        "traffic_analytic",
+    )
     report.update({k: raw[k] for k in keys})
     report["without_node_limit"] = raw["without_node_limit"]
-    report.update({"dispatch_s": times["dispatch"]["max_s"], "compute_s": times["experts"]["max_s"],
-                   "combine_s": times["combine"]["max_s"], "backward_s": times["backward"]["max_s"],
-                   "times_mean_over_ranks": {k: v["mean_s"] for k, v in times.items()}})
+    report.update(
+        {
+            "dispatch_s": times["dispatch"]["max_s"],
+            "compute_s": times["experts"]["max_s"],
+            "combine_s": times["combine"]["max_s"],
+            "backward_s": times["backward"]["max_s"],
+            "times_mean_over_ranks": {k: v["mean_s"] for k, v in times.items()},
+        }
+    )
     if "overlap" in raw:
         report["overlap"] = raw["overlap"]
     assigned = torch.tensor(raw["assignments_per_rank"], dtype=torch.float64)
@@ -153,40 +214,71 @@ def _report(raw: dict, balance: dict | None) -> dict:
 
 
 def _print_table(report: dict) -> None:
-    table = Table(title=f"EP layer: {report['nodes']} nodes x {report['gpus_per_node']} GPUs, "
-                        f"top-{report['topk']} of {report['experts']}, M = {report['topk_groups']}")
+    table = Table(
+        title=f"EP layer: {report['nodes']} nodes x {report['gpus_per_node']} GPUs, "
+        f"top-{report['topk']} of {report['experts']}, M = {report['topk_groups']}"
+    )
     table.add_column("figure")
     table.add_column("value", justify="right")
     rows = [
-        ("max |EP - single| (output)", f"{report['max_abs_diff_vs_single']:.3g} of {report['max_abs_single']:.3g}"),
-        ("inter-node copies / token (mean, max)", f"{report['mean_inter_node_copies_per_token']:.2f}, "
-                                                  f"{report['max_inter_node_copies_per_token']}"),
-        ("  without dedup (mean, max)", f"{report['mean_inter_node_copies_without_dedup']:.2f}, "
-                                        f"{report['max_inter_node_copies_without_dedup']}"),
-        ("  without node limit, dedup (mean, max)",
-         f"{report['without_node_limit']['mean_inter_node_copies_per_token']:.2f}, "
-         f"{report['without_node_limit']['max_inter_node_copies_per_token']}"),
+        (
+            "max |EP - single| (output)",
+            f"{report['max_abs_diff_vs_single']:.3g} of {report['max_abs_single']:.3g}",
+        ),
+        (
+            "inter-node copies / token (mean, max)",
+            f"{report['mean_inter_node_copies_per_token']:.2f}, {report['max_inter_node_copies_per_token']}",
+        ),
+        (
+            "  without dedup (mean, max)",
+            f"{report['mean_inter_node_copies_without_dedup']:.2f}, "
+            f"{report['max_inter_node_copies_without_dedup']}",
+        ),
+        (
+            "  without node limit, dedup (mean, max)",
+            f"{report['without_node_limit']['mean_inter_node_copies_per_token']:.2f}, "
+            f"{report['without_node_limit']['max_inter_node_copies_per_token']}",
+        ),
         ("inter-node bytes (fwd dispatch+combine)", f"{report['inter_node_bytes']:,}"),
         ("intra-node bytes (fwd dispatch+combine)", f"{report['intra_node_bytes']:,}"),
         ("traffic equals analytic", str(report["traffic_matches_analytic"])),
-        ("dispatch / compute / combine / backward s", f"{report['dispatch_s']:.4f} / {report['compute_s']:.4f} / "
-                                                      f"{report['combine_s']:.4f} / {report['backward_s']:.4f}"),
+        (
+            "dispatch / compute / combine / backward s",
+            f"{report['dispatch_s']:.4f} / {report['compute_s']:.4f} / "
+            f"{report['combine_s']:.4f} / {report['backward_s']:.4f}",
+        ),
         ("GPU load max/mean", f"{report['gpu_load_max_over_mean']:.3f}"),
     ]
     if "overlap" in report:
         o = report["overlap"]
-        rows.append(("dual micro-batch: seq / overlapped s, hidden",
-                     f"{o['sequential_s']:.4f} / {o['overlapped_s']:.4f}, {100 * o['hidden_fraction']:.0f}%"))
+        rows.append(
+            (
+                "dual micro-batch: seq / overlapped s, hidden",
+                f"{o['sequential_s']:.4f} / {o['overlapped_s']:.4f}, {100 * o['hidden_fraction']:.0f}%",
+            )
+        )
     if "eplb" in report:
         e = report["eplb"]
-        rows.append((f"EPLB {e['policy']}: load max/mean before -> after",
-                     f"{e['gpu_load_max_over_mean_before']:.3f} -> {e['gpu_load_max_over_mean_after']:.3f}"))
+        rows.append(
+            (
+                f"EPLB {e['policy']}: load max/mean before -> after",
+                f"{e['gpu_load_max_over_mean_before']:.3f} -> {e['gpu_load_max_over_mean_after']:.3f}",
+            )
+        )
         for step in e["rebalance"]["incremental"]:
-            rows.append((f"  load shift, rebalance <= {step['max_moves']} moves",
-                         f"{step['moves']} moved, max/mean {step['max_over_mean']:.3f}"))
+            rows.append(
+                (
+                    f"  load shift, rebalance <= {step['max_moves']} moves",
+                    f"{step['moves']} moved, max/mean {step['max_over_mean']:.3f}",
+                )
+            )
         replan = e["rebalance"]["replan"]
-        rows.append(("  load shift, re-plan from scratch",
-                     f"{replan['moves']} moved, max/mean {replan['max_over_mean']:.3f}"))
+        rows.append(
+            (
+                "  load shift, re-plan from scratch",
+                f"{replan['moves']} moved, max/mean {replan['max_over_mean']:.3f}",
+            )
+        )
     for row in rows:
         table.add_row(*row)
     Console().print(table)

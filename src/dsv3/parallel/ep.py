@@ -57,8 +57,10 @@ class _Dispatch(torch.autograd.Function):
     def backward(ctx, gx_e, gw_e):
         plan, f = ctx.plan, ctx.formats
         rows = plan.expert_slots.shape[0]
-        gx_e = gx_e if gx_e is not None else torch.zeros(rows, ctx.dim, dtype=ctx.x_dtype)
-        gw_e = gw_e if gw_e is not None else torch.zeros(rows, plan.top_k)
+        gx_e = gx_e if gx_e is not None else plan.expert_slots.new_zeros(rows, ctx.dim, dtype=ctx.x_dtype)
+        gw_e = (
+            gw_e if gw_e is not None else plan.expert_slots.new_zeros(rows, plan.top_k, dtype=torch.float32)
+        )
         gx, gw = run(reduce(plan, gx_e, f.combine_intra, f.combine_inter, extra=gw_e, phase="backward"))
         return gx.to(ctx.x_dtype), gw, None, None, None
 
@@ -80,8 +82,14 @@ class _Combine(torch.autograd.Function):
 class ExpertParallelMoE(MoE):
     """A `MoE` whose routed experts are sharded over an EP group; same forward contract ([B, T, D])."""
 
-    def __init__(self, moe: MoE, groups: EPGroups, placement: Placement | None = None,
-                 dispatch: str = "bf16", combine: str = "bf16"):
+    def __init__(
+        self,
+        moe: MoE,
+        groups: EPGroups,
+        placement: Placement | None = None,
+        dispatch: str = "bf16",
+        combine: str = "bf16",
+    ):
         nn.Module.__init__(self)
         self.n_experts, self.top_k, self.aux_alpha = moe.n_experts, moe.top_k, moe.aux_alpha
         self.gate, self.shared_experts = moe.gate, moe.shared_experts
@@ -93,7 +101,9 @@ class ExpertParallelMoE(MoE):
         ids = self.placement.rank_experts(groups.rank)
         self.register_buffer("expert_ids", ids.clone(), persistent=False)
         full = moe.experts
-        self.experts = Experts(ids.numel(), full.gate_proj.shape[2], full.gate_proj.shape[1]).to(full.gate_proj)
+        self.experts = Experts(ids.numel(), full.gate_proj.shape[2], full.gate_proj.shape[1]).to(
+            full.gate_proj
+        )
         with torch.no_grad():
             for name in ("gate_proj", "up_proj", "down_proj"):
                 getattr(self.experts, name).copy_(getattr(full, name)[ids])
@@ -115,7 +125,9 @@ class ExpertParallelMoE(MoE):
     def node_limit(self) -> int | None:
         """Most nodes a token can visit (topk_group), or None when groups are not node-aligned."""
         g = self.gate
-        aligned = g.method != "greedy" and self.placement.is_node_aligned(g.n_group, self.groups.layout.gpus_per_node)
+        aligned = g.method != "greedy" and self.placement.is_node_aligned(
+            g.n_group, self.groups.layout.gpus_per_node
+        )
         return g.topk_group if aligned else None
 
     # ---- forward ------------------------------------------------------------------------------
@@ -136,7 +148,7 @@ class ExpertParallelMoE(MoE):
         if self.training:
             self._count_load(idx)
             self.aux_loss = self._sequence_balance_loss(idx.view(B, T, -1), scores.view(B, T, -1))
-        slots = self.placement.choose_slots(idx, salt=self.groups.rank)
+        slots = self.placement.choose_slots(idx.cpu(), salt=self.groups.rank).to(idx.device)
         self.last_slots = slots
         clock = time.perf_counter()
         plan = yield from handshake(slots, self.groups, self.placement.slots_per_rank, self.meter)
@@ -194,10 +206,11 @@ class ExpertParallelMoE(MoE):
             first[p] = e not in seen
             seen.add(e)
         S, r = self.placement.slots_per_rank, self.groups.rank
-        mine = first[r * S:(r + 1) * S]
+        mine = first[r * S : (r + 1) * S]
         out = {}
         for name, p in self.experts.named_parameters():
-            buf = torch.zeros(self.n_experts, *p.shape[1:], dtype=p.dtype)
+            buf = p.new_zeros(self.n_experts, *p.shape[1:])
+            mine = mine.to(p.device)
             buf.index_add_(0, self.expert_ids[mine], p[mine])
             dist.all_reduce(buf, group=self.groups.ep)
             out[name] = buf
@@ -210,7 +223,7 @@ class ExpertParallelMoE(MoE):
         self.placement = placement
         self._check_placement()
         ids = placement.rank_experts(self.groups.rank)
-        self.expert_ids = ids.clone()
+        self.expert_ids = ids.to(self.expert_ids.device)
         shape = weights["gate_proj"].shape
         self.experts = Experts(ids.numel(), shape[2], shape[1]).to(weights["gate_proj"])
         for name, full in weights.items():
@@ -223,17 +236,26 @@ def _swiglu(experts: Experts, slot: int, x: torch.Tensor) -> torch.Tensor:
     return h @ experts.down_proj[slot].t()
 
 
-def apply_expert_parallel(model: nn.Module, gpus_per_node: int, group: dist.ProcessGroup | None = None,
-                          dispatch: str = "bf16", combine: str = "bf16",
-                          placement: Placement | None = None) -> nn.Module:
+def apply_expert_parallel(
+    model: nn.Module,
+    gpus_per_node: int,
+    group: dist.ProcessGroup | None = None,
+    dispatch: str = "bf16",
+    combine: str = "bf16",
+    placement: Placement | None = None,
+) -> nn.Module:
     """Swap every `MoE` of ``model`` for an `ExpertParallelMoE` holding this rank's experts only.
 
     Every rank must call it with the same full model (same seed or checkpoint): experts are sliced from
     it. The rest of the model stays replicated (data parallel); average its gradients with `sync_grads`.
     """
     groups = make_ep_groups(gpus_per_node, group)
-    targets = [(parent, name, child) for parent in model.modules()
-               for name, child in parent.named_children() if type(child) is MoE]
+    targets = [
+        (parent, name, child)
+        for parent in model.modules()
+        for name, child in parent.named_children()
+        if type(child) is MoE
+    ]
     if not targets:
         raise DSV3Error("the model has no MoE layers to make expert-parallel")
     for parent, name, moe in targets:
@@ -269,7 +291,7 @@ def sync_grads(model: nn.Module, group: dist.ProcessGroup | None = None) -> None
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             if replicated:
-                buf = torch.zeros(m.n_experts, *p.shape[1:], dtype=p.grad.dtype)
+                buf = p.grad.new_zeros(m.n_experts, *p.shape[1:])
                 buf.index_add_(0, m.expert_ids, p.grad)
                 dist.all_reduce(buf, group=m.groups.ep)
                 p.grad.copy_(buf[m.expert_ids])

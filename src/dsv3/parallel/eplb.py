@@ -60,7 +60,7 @@ def balanced_packing(weights: list[float], bins: int, avoid: list[int] | None = 
 
 def replicate(load: list[float], num_slots: int, max_replicas: int | None = None) -> list[int]:
     """Replica counts: one each, then each extra slot to the expert with the highest load per replica.
-    ``max_replicas`` (the GPU count) stops one expert from getting two slots on one GPU, which gains nothing."""
+    ``max_replicas`` (the GPU count) keeps an expert from two slots on one GPU, which would gain nothing."""
     if num_slots < len(load):
         raise DSV3Error(f"{num_slots} slots cannot hold {len(load)} experts")
     cap = max_replicas if max_replicas and max_replicas * len(load) >= num_slots else num_slots
@@ -86,25 +86,32 @@ def global_policy(load: torch.Tensor, num_slots: int, num_gpus: int) -> torch.Te
     _check_sizes(load.numel(), num_slots, num_gpus)
     w = load.double().tolist()
     counts = replicate(w, num_slots, max_replicas=num_gpus)
-    return torch.tensor([e for slots in _pack_replicas(list(range(len(w))), w, counts, num_gpus) for e in slots])
+    return torch.tensor(
+        [e for slots in _pack_replicas(list(range(len(w))), w, counts, num_gpus) for e in slots]
+    )
 
 
-def hierarchical_policy(load: torch.Tensor, num_slots: int, num_groups: int, num_nodes: int,
-                        num_gpus: int) -> torch.Tensor:
+def hierarchical_policy(
+    load: torch.Tensor, num_slots: int, num_groups: int, num_nodes: int, num_gpus: int
+) -> torch.Tensor:
     """phy2log long [num_slots]: groups packed onto nodes, replication within nodes, replicas onto GPUs.
     Each group's replicas stay on one node, so group-limited routing remains node-limited."""
     E = load.numel()
     _check_sizes(E, num_slots, num_gpus)
     if E % num_groups or num_groups % num_nodes or num_gpus % num_nodes or num_slots % num_nodes:
-        raise DSV3Error(f"hierarchical EPLB needs groups ({num_groups}) divisible by nodes ({num_nodes}), and "
-                        f"experts ({E}), GPUs ({num_gpus}) and slots ({num_slots}) divisible evenly")
+        raise DSV3Error(
+            f"hierarchical EPLB needs groups ({num_groups}) divisible by nodes ({num_nodes}), and "
+            f"experts ({E}), GPUs ({num_gpus}) and slots ({num_slots}) divisible evenly"
+        )
     w = load.double().tolist()
     size = E // num_groups
-    group_load = [sum(w[g * size:(g + 1) * size]) for g in range(num_groups)]
+    group_load = [sum(w[g * size : (g + 1) * size]) for g in range(num_groups)]
     node_of_group = balanced_packing(group_load, num_nodes)
     phy2log = []
     for node in range(num_nodes):
-        experts = [e for g in range(num_groups) if node_of_group[g] == node for e in range(g * size, (g + 1) * size)]
+        experts = [
+            e for g in range(num_groups) if node_of_group[g] == node for e in range(g * size, (g + 1) * size)
+        ]
         sub = replicate([w[e] for e in experts], num_slots // num_nodes, max_replicas=num_gpus // num_nodes)
         counts = dict(zip(experts, sub, strict=True))
         per_gpu = _pack_replicas(experts, w, [counts.get(e, 0) for e in range(E)], num_gpus // num_nodes)
@@ -114,8 +121,10 @@ def hierarchical_policy(load: torch.Tensor, num_slots: int, num_groups: int, num
 
 def _check_sizes(n_experts: int, num_slots: int, num_gpus: int) -> None:
     if num_slots < n_experts or num_slots % num_gpus:
-        raise DSV3Error(f"{num_slots} slots must be at least the {n_experts} experts and divide evenly over "
-                        f"{num_gpus} GPUs")
+        raise DSV3Error(
+            f"{num_slots} slots must be at least the {n_experts} experts and divide evenly over "
+            f"{num_gpus} GPUs"
+        )
 
 
 def gpu_loads(phy2log: torch.Tensor, load: torch.Tensor, num_gpus: int) -> torch.Tensor:
@@ -147,8 +156,9 @@ class Rebalance:
     imbalance: float
 
 
-def rebalance(current: torch.Tensor, load: torch.Tensor, num_gpus: int, max_moves: int,
-              gpus_per_node: int | None = None) -> Rebalance:
+def rebalance(
+    current: torch.Tensor, load: torch.Tensor, num_gpus: int, max_moves: int, gpus_per_node: int | None = None
+) -> Rebalance:
     """Greedy incremental rebalancing under a budget of expert moves.
 
     Each round takes the change that lowers the hottest GPU's load most while staying within the budget:
@@ -166,8 +176,14 @@ def rebalance(current: torch.Tensor, load: torch.Tensor, num_gpus: int, max_move
     return Rebalance(phy, moved_experts(current, phy, num_gpus), best)
 
 
-def _best_step(start: torch.Tensor, phy: torch.Tensor, load: torch.Tensor, num_gpus: int, max_moves: int,
-               gpus_per_node: int | None) -> torch.Tensor | None:
+def _best_step(
+    start: torch.Tensor,
+    phy: torch.Tensor,
+    load: torch.Tensor,
+    num_gpus: int,
+    max_moves: int,
+    gpus_per_node: int | None,
+) -> torch.Tensor | None:
     """The swap or re-target with the lowest resulting peak GPU load whose total moves from ``start``
     fit the budget; None if there is none."""
     per_gpu = phy.numel() // num_gpus

@@ -63,8 +63,14 @@ class Hop:
     send: list[int]
     recv: list[int]
 
-    def start(self, buf: torch.Tensor, fields: list[tuple[str, int]], reverse: bool = False,
-              meter: TrafficMeter | None = None, phase: str = "forward"):
+    def start(
+        self,
+        buf: torch.Tensor,
+        fields: list[tuple[str, int]],
+        reverse: bool = False,
+        meter: TrafficMeter | None = None,
+        phase: str = "forward",
+    ):
         """Launch the all-to-all of rows ``buf [sum send, B]``; ``reverse`` sends back along the same rows.
         ``fields`` names the byte columns for the meter. Returns (output [sum recv, B], work)."""
         send, recv = (self.recv, self.send) if reverse else (self.send, self.recv)
@@ -77,10 +83,11 @@ class Hop:
         return out, work
 
 
-def _exchange_counts(send: list[int], group: dist.ProcessGroup):
+def _exchange_counts(send: list[int], group: dist.ProcessGroup, device: torch.device):
     """Generator: tell every peer how many rows it will get from me; returns what each peer sends me."""
-    out = torch.empty(len(send), dtype=torch.int64)
-    work = dist.all_to_all_single(out, torch.tensor(send, dtype=torch.int64), group=group, async_op=True)
+    out = torch.empty(len(send), dtype=torch.int64, device=device)
+    mine = torch.tensor(send, dtype=torch.int64, device=device)
+    work = dist.all_to_all_single(out, mine, group=group, async_op=True)
     yield
     work.wait()
     return out.tolist()
@@ -100,8 +107,7 @@ class TwoHopPlan:
     meter: TrafficMeter | None = None
 
 
-def handshake(slots: torch.Tensor, groups: EPGroups, slots_per_rank: int,
-              meter: TrafficMeter | None = None):
+def handshake(slots: torch.Tensor, groups: EPGroups, slots_per_rank: int, meter: TrafficMeter | None = None):
     """Generator building the plan: token counts first, then each row's expert slots, hop by hop.
 
     slots: long [N, K], the physical expert slot of each token's k-th choice. Returns a TwoHopPlan.
@@ -110,23 +116,26 @@ def handshake(slots: torch.Tensor, groups: EPGroups, slots_per_rank: int,
     n_tokens, top_k = slots.shape
     dst_rank = slots // S
     dst_node = dst_rank // layout.gpus_per_node
-    node_hit = torch.zeros(n_tokens, layout.nodes, dtype=torch.bool).scatter_(1, dst_node, True)
+    node_hit = torch.zeros(n_tokens, layout.nodes, dtype=torch.bool, device=slots.device).scatter_(
+        1, dst_node, True
+    )
     node, h1_token = node_hit.t().nonzero(as_tuple=True)  # rows ordered by destination node
     row_slots = slots[h1_token].masked_fill(dst_node[h1_token] != node.unsqueeze(1), -1)
     send1 = node_hit.sum(0).tolist()
-    recv1 = yield from _exchange_counts(send1, groups.inter)
+    recv1 = yield from _exchange_counts(send1, groups.inter, slots.device)
     h1 = Hop(groups.inter, "inter", groups.node, send1, recv1)
     fwd_slots = yield from _send_slots(h1, row_slots, meter)  # [R1r, K] at the forwarder
 
     G = layout.gpus_per_node
     valid = fwd_slots >= 0
     local = torch.where(valid, (fwd_slots.clamp(min=0) // S) % G, G)  # G = "nowhere"
-    rank_hit = torch.zeros(fwd_slots.shape[0], G + 1, dtype=torch.bool).scatter_(1, local, True)[:, :G]
+    rank_hit = torch.zeros(fwd_slots.shape[0], G + 1, dtype=torch.bool, device=slots.device)
+    rank_hit = rank_hit.scatter_(1, local, True)[:, :G]
     dest, h2_row = rank_hit.t().nonzero(as_tuple=True)  # rows ordered by destination local rank
     mine = valid[h2_row] & (local[h2_row] == dest.unsqueeze(1))
     row2_slots = torch.where(mine, fwd_slots[h2_row] % S, -1)
     send2 = rank_hit.sum(0).tolist()
-    recv2 = yield from _exchange_counts(send2, groups.intra)
+    recv2 = yield from _exchange_counts(send2, groups.intra, slots.device)
     h2 = Hop(groups.intra, "intra", groups.local, send2, recv2)
     expert_slots = yield from _send_slots(h2, row2_slots, meter)
     return TwoHopPlan(n_tokens, top_k, h1_token, h1, h2_row, h2, expert_slots, meter)
@@ -141,8 +150,14 @@ def _send_slots(hop: Hop, row_slots: torch.Tensor, meter: TrafficMeter | None):
     return from_raw(out, torch.int32).view(-1, row_slots.shape[1]).long()
 
 
-def broadcast(plan: TwoHopPlan, x: torch.Tensor, fmt: WireFormat, extra: torch.Tensor | None = None,
-              kind: str = "dispatch", phase: str = "forward"):
+def broadcast(
+    plan: TwoHopPlan,
+    x: torch.Tensor,
+    fmt: WireFormat,
+    extra: torch.Tensor | None = None,
+    kind: str = "dispatch",
+    phase: str = "forward",
+):
     """Generator: rows x [N, D] (and per-row fp32 ``extra`` [N, K]) to every rank holding their experts.
 
     Encoded once at the source; the forwarder passes the bytes on untouched. Returns (x_e [R2r, D] in
@@ -165,20 +180,38 @@ def broadcast(plan: TwoHopPlan, x: torch.Tensor, fmt: WireFormat, extra: torch.T
     return x_e, extra_e
 
 
-def reduce(plan: TwoHopPlan, y: torch.Tensor, intra_fmt: WireFormat, inter_fmt: WireFormat,
-           extra: torch.Tensor | None = None, kind: str = "combine", phase: str = "forward"):
+def reduce(
+    plan: TwoHopPlan,
+    y: torch.Tensor,
+    intra_fmt: WireFormat,
+    inter_fmt: WireFormat,
+    extra: torch.Tensor | None = None,
+    kind: str = "combine",
+    phase: str = "forward",
+):
     """Generator: the reverse of ``broadcast``, summing. Rows y [R2r, D] (and fp32 ``extra`` [R2r, K])
     go back to the forwarders, which sum them per inter-node row in fp32, re-encode once, and send one
     row per node to the source, which sums its nodes. Returns (y [N, D] in y's dtype, extra [N, K])."""
-    y1, extra1 = yield from _reduce_hop(plan.h2, plan.h2_row, plan.h1.recv, y, extra, intra_fmt, kind, plan,
-                                        phase)
-    y0, extra0 = yield from _reduce_hop(plan.h1, plan.h1_token, [plan.n_tokens], y1, extra1, inter_fmt,
-                                        kind, plan, phase)
+    y1, extra1 = yield from _reduce_hop(
+        plan.h2, plan.h2_row, plan.h1.recv, y, extra, intra_fmt, kind, plan, phase
+    )
+    y0, extra0 = yield from _reduce_hop(
+        plan.h1, plan.h1_token, [plan.n_tokens], y1, extra1, inter_fmt, kind, plan, phase
+    )
     return y0.to(y.dtype), extra0
 
 
-def _reduce_hop(hop: Hop, rows: torch.Tensor, into: list[int], y: torch.Tensor, extra: torch.Tensor | None,
-                fmt: WireFormat, kind: str, plan: TwoHopPlan, phase: str):
+def _reduce_hop(
+    hop: Hop,
+    rows: torch.Tensor,
+    into: list[int],
+    y: torch.Tensor,
+    extra: torch.Tensor | None,
+    fmt: WireFormat,
+    kind: str,
+    plan: TwoHopPlan,
+    phase: str,
+):
     """Generator: send rows back over one hop and sum them into ``sum(into)`` rows (fp32)."""
     dim = y.shape[1]
     parts, fields = [fmt.encode(y)], [(kind, fmt.row_bytes(dim))]
@@ -190,9 +223,9 @@ def _reduce_hop(hop: Hop, rows: torch.Tensor, into: list[int], y: torch.Tensor, 
     work.wait()
     width, n = fields[0][1], sum(into)
     back = fmt.decode(out[:, :width], dim, torch.float32)
-    summed = torch.zeros(n, dim).index_add_(0, rows, back)
+    summed = back.new_zeros(n, dim).index_add_(0, rows, back)
     extra_sum = None
     if extra is not None:
         back_extra = from_raw(out[:, width:], torch.float32).view(-1, extra.shape[1])
-        extra_sum = torch.zeros(n, extra.shape[1]).index_add_(0, rows, back_extra)
+        extra_sum = back_extra.new_zeros(n, extra.shape[1]).index_add_(0, rows, back_extra)
     return summed, extra_sum

@@ -32,8 +32,9 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, fn: Callable, ar
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     torch.set_num_threads(1)
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world,
-                                timeout=datetime.timedelta(seconds=timeout_s))
+        dist.init_process_group(
+            "gloo", rank=rank, world_size=world, timeout=datetime.timedelta(seconds=timeout_s)
+        )
         try:
             results.put((rank, "ok", fn(rank, world, *args)))
         finally:
@@ -41,7 +42,9 @@ def _worker(rank: int, world: int, port: int, timeout_s: float, fn: Callable, ar
     except BaseException as err:  # report every failure to the parent, then exit
         frame = traceback.extract_tb(err.__traceback__)[-1] if err.__traceback__ else None
         where = f" (at {os.path.basename(frame.filename)}:{frame.lineno})" if frame else ""
-        results.put((rank, "error", str(err) if isinstance(err, DSV3Error) else f"{type(err).__name__}: {err}{where}"))
+        results.put(
+            (rank, "error", str(err) if isinstance(err, DSV3Error) else f"{type(err).__name__}: {err}{where}")
+        )
 
 
 def launch(fn: Callable, world: int, args: tuple = (), timeout_s: float = 120.0) -> list:
@@ -53,8 +56,10 @@ def launch(fn: Callable, world: int, args: tuple = (), timeout_s: float = 120.0)
     ctx.set_forkserver_preload(["dsv3.parallel.scenarios"])
     results = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world, port, timeout_s, fn, args, results), daemon=True)
-             for r in range(world)]
+    procs = [
+        ctx.Process(target=_worker, args=(r, world, port, timeout_s, fn, args, results), daemon=True)
+        for r in range(world)
+    ]
     for p in procs:
         p.start()
     out: list = [None] * world

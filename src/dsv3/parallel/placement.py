@@ -25,8 +25,10 @@ class Placement:
 
     def __post_init__(self) -> None:
         if self.phy2log.dim() != 1 or self.phy2log.numel() % self.world:
-            raise DSV3Error(f"{self.phy2log.numel()} physical expert slots cannot be spread evenly over "
-                            f"{self.world} EP ranks")
+            raise DSV3Error(
+                f"{self.phy2log.numel()} physical expert slots cannot be spread evenly over "
+                f"{self.world} EP ranks"
+            )
 
     @classmethod
     def contiguous(cls, n_experts: int, world: int) -> Placement:
@@ -45,7 +47,7 @@ class Placement:
     def rank_experts(self, rank: int) -> torch.Tensor:
         """Logical experts held by ``rank``'s slots, in slot order: long [S]."""
         s = self.slots_per_rank
-        return self.phy2log[rank * s:(rank + 1) * s]
+        return self.phy2log[rank * s : (rank + 1) * s]
 
     @cached_property
     def replica_counts(self) -> torch.Tensor:

@@ -44,6 +44,7 @@ class LayerSpec:
     seed: int = 0
     skew: float = 0.0  # > 0: a Zipf-like selection bias that makes some experts hot (for EPLB)
     phy2log: tuple[int, ...] | None = None  # an EPLB placement; None: contiguous
+    move_to_placement: bool = False  # start contiguous, then move the weights with set_placement
     overlap_repeats: int = 0  # > 0: also time two micro-batches sequential vs overlapped
 
     @property
@@ -51,10 +52,18 @@ class LayerSpec:
         return self.nodes * self.gpus_per_node
 
     def config(self) -> ModelConfig:
-        cfg = ModelConfig(hidden_size=self.hidden, moe_intermediate_size=self.inter,
-                          n_routed_experts=self.experts, num_experts_per_tok=self.topk, n_group=self.nodes,
-                          topk_group=self.topk_groups, n_shared_experts=self.shared, rope_scaling=None,
-                          aux_loss_alpha=1e-2, routed_scaling_factor=2.5)
+        cfg = ModelConfig(
+            hidden_size=self.hidden,
+            moe_intermediate_size=self.inter,
+            n_routed_experts=self.experts,
+            num_experts_per_tok=self.topk,
+            n_group=self.nodes,
+            topk_group=self.topk_groups,
+            n_shared_experts=self.shared,
+            rope_scaling=None,
+            aux_loss_alpha=1e-2,
+            routed_scaling_factor=2.5,
+        )
         problems = cfg._moe_problems()
         if self.experts % self.world:
             problems.append(f"{self.experts} experts cannot be split over {self.world} ranks")
@@ -96,11 +105,15 @@ def layer_worker(rank: int, world: int, spec: LayerSpec) -> dict | None:
     moe, x_all, g_all = build_layer(spec)
     reference = copy.deepcopy(moe) if rank == 0 else None
     groups = make_ep_groups(spec.gpus_per_node)
-    ep = ExpertParallelMoE(moe, groups, spec.placement(), spec.dispatch, spec.combine).train()
+    if spec.move_to_placement:
+        ep = ExpertParallelMoE(moe, groups, None, spec.dispatch, spec.combine).train()
+        ep.set_placement(spec.placement())
+    else:
+        ep = ExpertParallelMoE(moe, groups, spec.placement(), spec.dispatch, spec.combine).train()
 
-    x = x_all[rank:rank + 1].clone().requires_grad_()
+    x = x_all[rank : rank + 1].clone().requires_grad_()
     y = ep(x)
-    loss = (y.float() * g_all[rank:rank + 1]).sum() + ep.aux_loss / world
+    loss = (y.float() * g_all[rank : rank + 1]).sum() + ep.aux_loss / world
     start = time.perf_counter()
     loss.backward()
     backward_s = time.perf_counter() - start
@@ -111,14 +124,19 @@ def layer_worker(rank: int, world: int, spec: LayerSpec) -> dict | None:
     per_rank = [torch.empty_like(assignments) for _ in range(world)]
     dist.all_gather(per_rank, assignments)
     traffic = _traffic(ep, spec, groups.layout, rank)
-    overlap = _overlap(ep, x_all[rank:rank + 1], spec.overlap_repeats) if spec.overlap_repeats else None
+    overlap = _overlap(ep, x_all[rank : rank + 1], spec.overlap_repeats) if spec.overlap_repeats else None
     times = _gather_floats({**stages, "backward": backward_s}, world)
     if rank != 0:
         return None
     ref = _reference(reference, x_all, g_all)
-    result = {"spec": asdict(spec), **_compare(gathered, ref), **traffic, "times": times,
-              "without_node_limit": _unlimited_copies(reference, x_all, spec, groups.layout),
-              "assignments_per_rank": torch.cat(per_rank).tolist()}
+    result = {
+        "spec": asdict(spec),
+        **_compare(gathered, ref),
+        **traffic,
+        "times": times,
+        "without_node_limit": _unlimited_copies(reference, x_all, spec, groups.layout),
+        "assignments_per_rank": torch.cat(per_rank).tolist(),
+    }
     if overlap is not None:
         result["overlap"] = overlap
     return result
@@ -148,8 +166,14 @@ def _gather_results(ep: ExpertParallelMoE, x: torch.Tensor, y: torch.Tensor, wor
         dist.all_reduce(g)
     aux = ep.aux_loss.detach().clone()
     dist.all_reduce(aux)
-    return {"y": torch.cat(ys), "gx": torch.cat(gxs), "experts": expert_grads, "dense": dense,
-            "aux": float(aux) / world, "load": ep.expert_load.clone()}
+    return {
+        "y": torch.cat(ys),
+        "gx": torch.cat(gxs),
+        "experts": expert_grads,
+        "dense": dense,
+        "aux": float(aux) / world,
+        "load": ep.expert_load.clone(),
+    }
 
 
 def global_load(spec: LayerSpec) -> torch.Tensor:
@@ -179,8 +203,14 @@ def _reference(moe: MoE, x_all: torch.Tensor, g_all: torch.Tensor) -> dict:
     dense = {"gate.weight": moe.gate.weight.grad}
     if moe.shared_experts is not None:
         dense.update({f"shared.{n}": p.grad.float() for n, p in moe.shared_experts.named_parameters()})
-    return {"y": y.detach(), "gx": x.grad, "dense": dense, "aux": float(moe.aux_loss.detach()), "load": moe.expert_load,
-            "experts": {n: p.grad.float() for n, p in moe.experts.named_parameters()}}
+    return {
+        "y": y.detach(),
+        "gx": x.grad,
+        "dense": dense,
+        "aux": float(moe.aux_loss.detach()),
+        "load": moe.expert_load,
+        "experts": {n: p.grad.float() for n, p in moe.experts.named_parameters()},
+    }
 
 
 def _compare(ep: dict, ref: dict) -> dict:
@@ -212,8 +242,13 @@ def _traffic(ep: ExpertParallelMoE, spec: LayerSpec, layout: NodeLayout, rank: i
     """Measured bytes (summed over ranks) next to the analytic bytes and per-token copy statistics."""
     counts = copy_counts(ep.last_slots, layout, rank, ep.placement.slots_per_rank)
     f, dim = ep.formats, spec.hidden
-    analytic = analytic_bytes(counts, spec.topk, f.dispatch.row_bytes(dim), f.combine_intra.row_bytes(dim),
-                              f.combine_inter.row_bytes(dim))
+    analytic = analytic_bytes(
+        counts,
+        spec.topk,
+        f.dispatch.row_bytes(dim),
+        f.combine_intra.row_bytes(dim),
+        f.combine_inter.row_bytes(dim),
+    )
     keys = sorted(set(analytic) | set(ep.meter.bytes))
     both = torch.tensor([[ep.meter.bytes.get(k, 0), analytic.get(k, 0)] for k in keys], dtype=torch.float64)
     dist.all_reduce(both)
@@ -240,9 +275,11 @@ def _traffic(ep: ExpertParallelMoE, spec: LayerSpec, layout: NodeLayout, rank: i
         "intra_node_bytes": fwd("intra"),
         "inter_node_metadata_bytes": fwd("inter", ("gate", "slots")),
         "intra_node_metadata_bytes": fwd("intra", ("gate", "slots")),
-        "bytes_per_token_row": {"dispatch": ep.formats.dispatch.row_bytes(spec.hidden),
-                                "combine_inter": ep.formats.combine_inter.row_bytes(spec.hidden),
-                                "combine_intra": ep.formats.combine_intra.row_bytes(spec.hidden)},
+        "bytes_per_token_row": {
+            "dispatch": ep.formats.dispatch.row_bytes(spec.hidden),
+            "combine_inter": ep.formats.combine_inter.row_bytes(spec.hidden),
+            "combine_intra": ep.formats.combine_intra.row_bytes(spec.hidden),
+        },
         "traffic_measured": measured,
         "traffic_analytic": expected,
         "traffic_matches_analytic": measured == expected,
@@ -262,10 +299,12 @@ def _unlimited_copies(moe: MoE, x_all: torch.Tensor, spec: LayerSpec, layout: No
             inter.append(c.inter)
             naive.append(c.naive_inter)
     inter, naive = torch.cat(inter).float(), torch.cat(naive).float()
-    return {"mean_inter_node_copies_per_token": float(inter.mean()),
-            "max_inter_node_copies_per_token": int(inter.max()),
-            "mean_inter_node_copies_without_dedup": float(naive.mean()),
-            "max_inter_node_copies_without_dedup": int(naive.max())}
+    return {
+        "mean_inter_node_copies_per_token": float(inter.mean()),
+        "max_inter_node_copies_per_token": int(inter.max()),
+        "mean_inter_node_copies_without_dedup": float(naive.mean()),
+        "max_inter_node_copies_without_dedup": int(naive.max()),
+    }
 
 
 def _gather_floats(values: dict[str, float], world: int) -> dict[str, dict[str, float]]:
@@ -275,8 +314,10 @@ def _gather_floats(values: dict[str, float], world: int) -> dict[str, dict[str, 
     everyone = [torch.empty_like(t) for _ in range(world)]
     dist.all_gather(everyone, t)
     stacked = torch.stack(everyone)
-    return {k: {"mean_s": float(stacked[:, i].mean()), "max_s": float(stacked[:, i].max())}
-            for i, k in enumerate(keys)}
+    return {
+        k: {"mean_s": float(stacked[:, i].mean()), "max_s": float(stacked[:, i].max())}
+        for i, k in enumerate(keys)
+    }
 
 
 def _overlap(ep: ExpertParallelMoE, x: torch.Tensor, repeats: int) -> dict:
@@ -298,13 +339,18 @@ def _overlap(ep: ExpertParallelMoE, x: torch.Tensor, repeats: int) -> dict:
             outs_ovl = ep.forward_micro_batches(xs)
             ovl.append(time.perf_counter() - start)
     diff = max(float((a - b).abs().max()) for a, b in zip(outs_seq, outs_ovl, strict=True))
-    t = torch.tensor([statistics.median(seq), statistics.median(ovl), statistics.median(comm), diff],
-                     dtype=torch.float64)
+    t = torch.tensor(
+        [statistics.median(seq), statistics.median(ovl), statistics.median(comm), diff], dtype=torch.float64
+    )
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     seq_s, ovl_s, comm_s, diff = t.tolist()
-    return {"sequential_s": seq_s, "overlapped_s": ovl_s, "communication_s": comm_s,
-            "hidden_fraction": max(0.0, seq_s - ovl_s) / comm_s if comm_s > 0 else 0.0,
-            "max_abs_diff_overlapped_vs_sequential": diff}
+    return {
+        "sequential_s": seq_s,
+        "overlapped_s": ovl_s,
+        "communication_s": comm_s,
+        "hidden_fraction": max(0.0, seq_s - ovl_s) / comm_s if comm_s > 0 else 0.0,
+        "max_abs_diff_overlapped_vs_sequential": diff,
+    }
 
 
 # ---- training ------------------------------------------------------------------------------------
@@ -324,13 +370,31 @@ class TrainSpec:
 
 def tiny_config(nodes: int) -> ModelConfig:
     """Two layers (one MoE) with one expert group per node, MTP on: small enough for 8 CPU processes."""
-    return ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
-                       num_hidden_layers=2, num_attention_heads=2, q_lora_rank=None, kv_lora_rank=32,
-                       qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8,
-                       n_shared_experts=1, num_experts_per_tok=2, n_group=nodes, topk_group=1,
-                       first_k_dense_replace=1, num_nextn_predict_layers=1, max_position_embeddings=64,
-                       rope_scaling=None, torch_dtype="float32", bias_update_speed=0.01,
-                       aux_loss_alpha=1e-2).validate()
+    return ModelConfig(
+        vocab_size=64,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        n_routed_experts=8,
+        n_shared_experts=1,
+        num_experts_per_tok=2,
+        n_group=nodes,
+        topk_group=1,
+        first_k_dense_replace=1,
+        num_nextn_predict_layers=1,
+        max_position_embeddings=64,
+        rope_scaling=None,
+        torch_dtype="float32",
+        bias_update_speed=0.01,
+        aux_loss_alpha=1e-2,
+    ).validate()
 
 
 def train_worker(rank: int, world: int, spec: TrainSpec) -> dict | None:
@@ -344,8 +408,12 @@ def train_worker(rank: int, world: int, spec: TrainSpec) -> dict | None:
     reference = copy.deepcopy(model) if rank == 0 else None
     apply_expert_parallel(model, spec.gpus_per_node, dispatch=spec.dispatch, combine=spec.combine)
     # one fixed batch, seen every step: the loss must fall (memorization), in both runs alike
-    data = torch.randint(0, cfg.vocab_size, (1, world * spec.seqs_per_rank, spec.seq_len + 1),
-                         generator=torch.Generator().manual_seed(spec.seed + 1)).expand(spec.steps, -1, -1)
+    data = torch.randint(
+        0,
+        cfg.vocab_size,
+        (1, world * spec.seqs_per_rank, spec.seq_len + 1),
+        generator=torch.Generator().manual_seed(spec.seed + 1),
+    ).expand(spec.steps, -1, -1)
     mine = slice(rank * spec.seqs_per_rank, (rank + 1) * spec.seqs_per_rank)
     losses = _train(model, data[:, mine], spec, sync=True)
     if rank != 0:
@@ -353,9 +421,12 @@ def train_worker(rank: int, world: int, spec: TrainSpec) -> dict | None:
     ref_losses = _train(reference, data, spec, sync=False)
     bias = [m.gate.e_score_correction_bias for m in ep_layers(model)]
     ref_bias = [m.gate.e_score_correction_bias for m in reference.moe_layers()]
-    return {"ep_losses": losses, "single_losses": ref_losses,
-            "bias_max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(bias, ref_bias, strict=True)),
-            "bias_max_abs": max(float(b.abs().max()) for b in ref_bias)}
+    return {
+        "ep_losses": losses,
+        "single_losses": ref_losses,
+        "bias_max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(bias, ref_bias, strict=True)),
+        "bias_max_abs": max(float(b.abs().max()) for b in ref_bias),
+    }
 
 
 def trains_worker(rank: int, world: int, specs: list[TrainSpec]) -> list[dict | None]:

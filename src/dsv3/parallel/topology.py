@@ -23,8 +23,9 @@ class NodeLayout:
 
     def __post_init__(self) -> None:
         if self.gpus_per_node < 1 or self.world < 1 or self.world % self.gpus_per_node:
-            raise DSV3Error(f"an EP world of {self.world} ranks cannot be split into nodes of "
-                            f"{self.gpus_per_node} GPUs")
+            raise DSV3Error(
+                f"an EP world of {self.world} ranks cannot be split into nodes of {self.gpus_per_node} GPUs"
+            )
 
     @property
     def nodes(self) -> int:

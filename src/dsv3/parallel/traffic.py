@@ -39,8 +39,9 @@ def copy_counts(slots: torch.Tensor, layout: NodeLayout, rank: int, slots_per_ra
     )
 
 
-def analytic_bytes(counts: CopyCounts, top_k: int, dispatch_row: int, combine_intra_row: int,
-                   combine_inter_row: int) -> dict[tuple[str, str, str], int]:
+def analytic_bytes(
+    counts: CopyCounts, top_k: int, dispatch_row: int, combine_intra_row: int, combine_inter_row: int
+) -> dict[tuple[str, str, str], int]:
     """Bytes by (phase, level, kind) that the exchange must send for these tokens, forward and backward.
 
     Forward: dispatch rows carry the activation and the K fp32 gates, the handshake the K int32 slots;
@@ -50,7 +51,10 @@ def analytic_bytes(counts: CopyCounts, top_k: int, dispatch_row: int, combine_in
     inter, intra = int(counts.inter.sum()), int(counts.intra.sum())
     gate = slots = 4 * top_k
     out: dict[tuple[str, str, str], int] = {}
-    for level, copies, combine_row in (("inter", inter, combine_inter_row), ("intra", intra, combine_intra_row)):
+    for level, copies, combine_row in (
+        ("inter", inter, combine_inter_row),
+        ("intra", intra, combine_intra_row),
+    ):
         out[("forward", level, "slots")] = copies * slots
         for phase in ("forward", "backward"):
             out[(phase, level, "dispatch")] = copies * dispatch_row

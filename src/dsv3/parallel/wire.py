@@ -49,13 +49,15 @@ class WireFormat:
 
     def check(self, dim: int) -> None:
         if self.name.startswith("logfmt") and dim * self.bits % 8:
-            raise DSV3Error(f"{self.name} packs whole bytes per row: hidden size {dim} x {self.bits} bits "
-                            "is not a multiple of 8")
+            raise DSV3Error(
+                f"{self.name} packs whole bytes per row: hidden size {dim} x {self.bits} bits "
+                "is not a multiple of 8"
+            )
 
     def encode(self, x: torch.Tensor) -> torch.Tensor:
         rows, dim = x.shape
         if rows == 0:
-            return torch.empty(0, self.row_bytes(dim), dtype=torch.uint8)
+            return torch.empty(0, self.row_bytes(dim), dtype=torch.uint8, device=x.device)
         if self.name == "fp32":
             return _bytes(x.float())
         if self.name == "bf16":
@@ -69,7 +71,7 @@ class WireFormat:
     def decode(self, data: torch.Tensor, dim: int, dtype: torch.dtype) -> torch.Tensor:
         rows = data.shape[0]
         if rows == 0:
-            return torch.empty(0, dim, dtype=dtype)
+            return torch.empty(0, dim, dtype=dtype, device=data.device)
         data = data.contiguous()
         if self.name == "fp32":
             return data.view(torch.float32).to(dtype)
@@ -81,8 +83,9 @@ class WireFormat:
             return fp8.dequantize(q, scale, (1, TILE), dtype=dtype)
         payload_bytes = dim * self.bits // 8
         meta = data[:, payload_bytes:].contiguous().view(torch.bfloat16).view(rows, -1, 2)
-        packed = logfmt.LogFMTPacked(data[:, :payload_bytes].reshape(-1), meta, (rows, dim),
-                                     torch.bfloat16, self.bits)
+        packed = logfmt.LogFMTPacked(
+            data[:, :payload_bytes].reshape(-1), meta, (rows, dim), torch.bfloat16, self.bits
+        )
         return logfmt.decode(packed).to(dtype)
 
 
