@@ -153,7 +153,7 @@ def write_plot(result: dict, path: Path) -> None:
     names, formats = list(result["datasets"]), result["formats"]
     cell = {(r["data"], r["format"]): r for r in result["rows"]}
     width = 0.8 / len(formats)
-    fig, (ax_rmse, ax_bias) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (ax_rmse, ax_bias) = plt.subplots(1, 2, figsize=(11, 4.6))
     for i, fmt in enumerate(formats):
         xs = [j + (i - (len(formats) - 1) / 2) * width for j in range(len(names))]
         ax_rmse.bar(xs, [cell[n, fmt]["rel_rmse"] for n in names], width, label=fmt)
@@ -164,9 +164,10 @@ def write_plot(result: dict, path: Path) -> None:
     for ax in (ax_rmse, ax_bias):
         ax.set_xticks(range(len(names)), names, fontsize=8)
         ax.grid(True, axis="y", which="both", alpha=0.3)
-    ax_rmse.legend(fontsize=8)
+    handles, labels = ax_rmse.get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=len(formats), fontsize=8)
     fig.suptitle("MoE-combine formats, 1x128 tiles (LogFMT: PAPER.md §7)")
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     _atomic_savefig(fig, path)
     plt.close(fig)
 
