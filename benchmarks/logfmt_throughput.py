@@ -54,6 +54,8 @@ def bench_bits(x: torch.Tensor, bits: int, repeats: int) -> dict:
             "median_cpu_s": cpu[name],
             "gb_per_s": bf16_bytes / wall[name] / 1e9,
             "x_copy": wall[name] / wall["copy"],
+            "gb_per_s_cpu": bf16_bytes / cpu[name] / 1e9,  # CPU time: steadier on a shared machine
+            "x_copy_cpu": cpu[name] / cpu["copy"],
         }
         for name in ops
     }
