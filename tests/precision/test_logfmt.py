@@ -178,6 +178,14 @@ def test_a_partial_last_tile_is_its_own_tile():
     assert torch.equal(logfmt.decode(logfmt.encode(x, 8)), torch.cat(pieces, 1))
 
 
+def test_strided_views_encode_like_their_contiguous_copies():
+    big = torch.randn(40, 400, generator=torch.Generator().manual_seed(5))
+    for view in (big[:, 10:300], big.t(), big[::2, ::3]):
+        expected = logfmt.quantize(view.contiguous(), 10)
+        assert torch.equal(logfmt.quantize(view, 10), expected)
+        assert torch.equal(logfmt.decode(logfmt.encode(view, 10)), expected)
+
+
 def test_input_is_not_modified_and_empty_tensors_work():
     x = torch.randn(3, 200, dtype=torch.float64)
     before = x.clone()
