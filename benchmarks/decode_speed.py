@@ -24,6 +24,7 @@ import torch
 
 from dsv3 import load_pretrained
 from dsv3.config import preset
+from dsv3.infer.bench import cache_precision
 from dsv3.infer.engine import Engine, Request
 from dsv3.model import Transformer
 
@@ -65,6 +66,20 @@ def _hf_cache_bytes_per_token_per_layer(cache, tokens: int) -> float:
     return total / (len(layers) * tokens)
 
 
+def weight_precision(folder: str, prompt: list[int], new_tokens: int) -> dict:
+    """Resident weight bytes and decode speed for fp32, bf16 and FP8-block weights (dequantized per layer)."""
+    from dsv3.infer.fp8_weights import resident_bytes
+    from dsv3.infer.loading import load_model
+
+    out = {}
+    for name, dtype, weights in (("fp32", torch.float32, "native"), ("bf16", torch.bfloat16, "native"),
+                                 ("fp8_blocks_bf16_compute", torch.bfloat16, "fp8")):
+        model = load_model(folder, dtype, weights)
+        per_token, _ = ours_decode(Engine(model, eos_token_ids=frozenset()), prompt, new_tokens)
+        out[name] = {"resident_weight_bytes": resident_bytes(model), "ms_per_token": 1000 * per_token}
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="small")
@@ -82,7 +97,11 @@ def main() -> None:
         build_checkpoint(folder, args.preset, max(contexts) + args.new_tokens + 8)
         ours = Engine(load_pretrained(folder, dtype=torch.float32), eos_token_ids=frozenset())
         hf = transformers.DeepseekV3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-    vocab = ours.model.config.vocab_size
+        vocab = ours.model.config.vocab_size
+        log("weights: fp32 / bf16 / fp8 blocks")
+        weights = weight_precision(folder, list(range(1, 257)), args.new_tokens)
+    log("cache precision: fp32 / bf16 / fp8")
+    caches = cache_precision(ours.model)
     ours_decode(ours, list(range(16)), 4)  # warm-up: first calls pay for lazy initialisation
     hf_decode(hf, list(range(16)), 4)
     rows = []
@@ -107,7 +126,7 @@ def main() -> None:
         "benchmark": "decode_speed", "preset": args.preset, "batch": 1, "dtype": "float32",
         "threads": args.threads, "new_tokens": args.new_tokens, "repeats": args.repeats,
         "expected_cache_bytes_per_token_per_layer": (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4,
-        "rows": rows,
+        "rows": rows, "cache_precision": caches, "weight_precision": weights,
         "dsv3_longest_over_shortest": rows[-1]["dsv3"]["ms_per_token"] / rows[0]["dsv3"]["ms_per_token"],
         "transformers_longest_over_shortest":
             rows[-1]["transformers"]["ms_per_token"] / rows[0]["transformers"]["ms_per_token"],

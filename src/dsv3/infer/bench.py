@@ -28,6 +28,24 @@ def _model(source: str, dtype: str, weights: str):
     return to_fp8_weights(model) if weights == "fp8" else model
 
 
+@torch.inference_mode()
+def cache_precision(model, context: int = 256, steps: int = 32, seed: int = 1) -> dict:
+    """Teacher-forced decode over caches of each dtype: relative logit error against the fp32 cache and
+    how often the argmax agrees."""
+    vocab = model.config.vocab_size
+    ids = torch.randint(0, vocab, (1, context + steps), generator=torch.Generator().manual_seed(seed))
+    logits = {}
+    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16), ("fp8_e4m3", torch.float8_e4m3fn)):
+        cache = model.new_cache(1, context + steps, dtype=dtype)
+        model(ids[:, :context], cache=cache)
+        logits[name] = torch.cat([model(ids[:, t : t + 1], cache=cache, start_pos=t)[0]
+                                  for t in range(context, context + steps)])
+    ref = logits["fp32"]
+    return {name: {"relative_logit_error": float((x - ref).norm() / ref.norm()),
+                   "argmax_agreement": float((x.argmax(-1) == ref.argmax(-1)).float().mean())}
+            for name, x in logits.items() if name != "fp32"}
+
+
 def main(
     model: str = typer.Option(..., "--model", help="Checkpoint folder, or a preset name for random weights."),
     context: int = typer.Option(2048, "--context", min=1, help="Prompt length before decoding."),
@@ -39,6 +57,7 @@ def main(
     cache_dtype: str = typer.Option("auto", "--cache-dtype", help="auto, fp32, bf16, fp8."),
     threads: int = typer.Option(0, "--threads", min=0, help="torch intra-op threads (0: torch's default)."),
     seed: int = typer.Option(0, "--seed"),
+    cache_error: bool = typer.Option(False, "--cache-error", help="Also measure bf16/fp8 cache error vs fp32."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """Prefill ``--context`` random tokens per row, then time ``--new-tokens`` decode steps alone."""
@@ -72,6 +91,8 @@ def main(
         "weight_bytes": resident_bytes(net),
         "acceptance_rate": stats.acceptance_rate, "tokens_per_forward": stats.tokens_per_forward,
     }
+    if cache_error:
+        out["cache_precision"] = cache_precision(net, context=min(context, 512), seed=seed)
     if as_json:
         print(json.dumps(out))
     else:

@@ -20,7 +20,10 @@ _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up
 def dequantize(q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """fp8 [N, K] times its per-block scale [ceil(N/128), ceil(K/128)] -> dtype [N, K]."""
     n, k = q.shape
-    scale = scale_inv.repeat_interleave(FP8_BLOCK, 0)[:n].repeat_interleave(FP8_BLOCK, 1)[:, :k]
+    b = FP8_BLOCK
+    if n % b == 0 and k % b == 0:  # whole blocks: broadcast the scales, no expanded copy
+        return (q.view(n // b, b, k // b, b).float() * scale_inv[:, None, :, None]).view(n, k).to(dtype)
+    scale = scale_inv.repeat_interleave(b, 0)[:n].repeat_interleave(b, 1)[:, :k]
     return (q.float() * scale).to(dtype)
 
 

@@ -63,7 +63,7 @@ def eos_ids(model: Transformer, tokenizer) -> frozenset[int]:
     if model.config.eos_token_id is not None:
         ids.add(int(model.config.eos_token_id))
     if tokenizer is not None:
-        for token in ("<|endoftext|>", "</s>", "<eos>", "<｜end▁of▁sentence｜>"):
+        for token in ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<｜end▁of▁sentence｜>"):
             tid = tokenizer.token_to_id(token)
             if tid is not None:
                 ids.add(tid)
