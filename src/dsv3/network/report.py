@@ -1,0 +1,123 @@
+"""Text and Markdown tables, byte-size parsing, and PNG plots (matplotlib, Agg), written atomically."""
+
+from __future__ import annotations
+
+import os
+import re
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from dsv3.errors import DSV3Error
+
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(text: str) -> float:
+    """'4096', '256MiB', '1.5GB' -> bytes."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise DSV3Error(f"cannot read {text!r} as a byte count (examples: 4096, 256MiB, 1GiB)")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value <= 0:
+        raise DSV3Error(f"byte count must be positive, got {text!r}")
+    return value
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:g}{unit}"
+    return f"{n:g}B"
+
+
+def format_table(headers: list[str], rows: list[list], markdown: bool = False) -> str:
+    """A plain aligned text table, or a GitHub Markdown table."""
+    cells = [[_fmt(c) for c in row] for row in rows]
+    if markdown:
+        lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
+        return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in cells])
+    widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
+    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    out.append("  ".join("-" * w for w in widths))
+    out += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
+            for r in cells]
+    return "\n".join(out)
+
+
+def _fmt(value) -> str:
+    if isinstance(value, float):
+        return f"{value:,.3f}" if abs(value) < 100 else f"{value:,.1f}"
+    if isinstance(value, int):
+        return f"{value:,}"
+    return "" if value is None else str(value)
+
+
+def _save(fig, path: Path) -> None:
+    """Render to a temporary file beside ``path`` and rename it into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(suffix=".png", dir=path.parent)
+    os.close(fd)
+    try:
+        fig.savefig(tmp, dpi=120, bbox_inches="tight")
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_utilization(util_by_kind: dict[str, np.ndarray], title: str, path: Path) -> Path:
+    """Histogram of time-averaged link utilization, one panel per link class that carried traffic."""
+    plt = _pyplot()
+    kinds = [k for k, u in util_by_kind.items() if len(u)]
+    fig, axes = plt.subplots(1, max(1, len(kinds)), figsize=(4 * max(1, len(kinds)), 3.2), squeeze=False)
+    for ax, kind in zip(axes[0], kinds, strict=False):
+        ax.hist(np.clip(util_by_kind[kind], 0, 1), bins=20, range=(0, 1), color="#4477aa")
+        ax.set_title(f"{kind} ({len(util_by_kind[kind])} links)")
+        ax.set_xlabel("utilization")
+        ax.set_ylabel("links")
+    fig.suptitle(title)
+    _save(fig, path)
+    plt.close(fig)
+    return path
+
+
+def plot_sweep(rows: list[dict], traffic: str, plot_dir: Path) -> list[Path]:
+    """Bandwidth vs message size (at the largest GPU count) and vs GPU count (at the largest size)."""
+    plt = _pyplot()
+    out = []
+    series = sorted({(r["topology"], r["routing"]) for r in rows})
+    big_n = max(r["gpus"] for r in rows)
+    big_s = max(r["message_bytes"] for r in rows)
+    for axis, fixed_key, fixed, name in (("message_bytes", "gpus", big_n, "bw_vs_size"),
+                                         ("gpus", "message_bytes", big_s, "bw_vs_gpus")):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for topo, routing in series:
+            pts = sorted((r[axis], r["algbw_GBps"]) for r in rows
+                         if r["topology"] == topo and r["routing"] == routing and r[fixed_key] == fixed)
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                ax.plot(xs, ys, marker="o", label=f"{topo.upper()} {routing}")
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("message size (bytes)" if axis == "message_bytes" else "GPUs")
+        ax.set_ylabel("algorithm bandwidth per GPU (GB/s)")
+        where = f"{fixed} GPUs" if fixed_key == "gpus" else human_bytes(fixed)
+        ax.set_title(f"{traffic}, {where}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+        path = plot_dir / f"{traffic}_{name}.png"
+        _save(fig, path)
+        plt.close(fig)
+        out.append(path)
+    return out

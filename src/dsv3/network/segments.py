@@ -1,0 +1,132 @@
+"""Turn GPU-to-GPU transfers into NVLink segments and NIC-to-NIC network segments.
+
+Cross-plane traffic in a multi-plane fabric cannot stay in the network: it is forwarded over NVLink to
+the GPU whose NIC sits in the right plane, on the source side (NCCL's PXN, the default) or on the
+destination side (DeepEP's dispatch). A forwarded transfer becomes two segments that run as a pipeline
+(chunked, as PXN and DeepEP do), so its time is that of its slower segment. Segments with the same
+endpoints are merged, which is what makes an all-to-all over thousands of GPUs tractable: the network
+sees one NIC-to-NIC flow per node pair and plane, exactly what a relaying NIC sends.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dsv3.errors import DSV3Error
+from dsv3.network.fabric import Fabric
+
+
+@dataclass
+class Segments:
+    """Merged segments: NVLink (x -> y) and network (NIC r -> NIC q), bytes per segment."""
+
+    nvl_src: np.ndarray
+    nvl_dst: np.ndarray
+    nvl_bytes: np.ndarray
+    net_src: np.ndarray
+    net_dst: np.ndarray
+    net_bytes: np.ndarray
+    stats: dict = field(default_factory=dict)
+
+
+def _merge(src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
+    if len(src) == 0:
+        return src, dst, nbytes
+    keys, inverse = np.unique(src * n + dst, return_inverse=True)
+    return keys // n, keys % n, np.bincount(inverse, weights=nbytes)
+
+
+class SegmentBuilder:
+    """Accumulates transfers chunk by chunk (bounded memory) and merges them at the end."""
+
+    def __init__(self, fabric: Fabric, relay: str = "source", pxn: bool = False):
+        if relay not in ("source", "dest"):
+            raise DSV3Error(f"--relay must be 'source' or 'dest', got {relay!r}")
+        topo = fabric.topo
+        self.fabric, self.relay = fabric, relay
+        self.G = topo.gpus_per_node
+        self.E = topo.n_endpoints
+        # planes that force alignment: MPFT always; MRFT rails when PXN is asked for
+        self.slots = topo.planes if topo.planes > 1 else (topo.params["rails"] if pxn and topo.kind == "mrft" else 0)
+        nodes = -(-self.E // self.G)
+        alive = np.zeros(nodes * self.G, dtype=bool)
+        alive[: self.E] = fabric.nic_alive()
+        self.slot_alive = alive.reshape(nodes, self.G)
+        self.parts: dict[str, list] = {"nvl": [], "net": []}
+        self.stats = {"transfers": 0, "bytes": 0.0, "internode_bytes": 0.0, "forwarded_nvlink_bytes": 0.0,
+                      "relayed_transfers": 0, "max_nvlink_hops": 0}
+
+    def add(self, src: np.ndarray, dst: np.ndarray, nbytes: np.ndarray) -> None:
+        """Add transfers (GPU indices, bytes); self-transfers and empty ones are dropped."""
+        keep = (src != dst) & (nbytes > 0)
+        src, dst, nbytes = src[keep].astype(np.int64), dst[keep].astype(np.int64), nbytes[keep].astype(float)
+        if len(src) == 0:
+            return
+        if src.max() >= self.E or dst.max() >= self.E or min(src.min(), dst.min()) < 0:
+            raise DSV3Error(f"traffic names a GPU outside 0..{self.E - 1}")
+        G = self.G
+        self.stats["transfers"] += len(src)
+        self.stats["bytes"] += float(nbytes.sum())
+        intra = src // G == dst // G
+        self._push("nvl", src[intra], dst[intra], nbytes[intra])
+        s, d, b = src[~intra], dst[~intra], nbytes[~intra]
+        self.stats["internode_bytes"] += float(b.sum())
+        r, q = self._choose_nics(s, d)
+        pre, post = r != s, q != d
+        self._push("nvl", s[pre], r[pre], b[pre])
+        self._push("nvl", q[post], d[post], b[post])
+        self._push("net", r, q, b)
+        self.stats["forwarded_nvlink_bytes"] += float(b[pre].sum() + b[post].sum())
+        self.stats["relayed_transfers"] += int((pre | post).sum())
+        hops = pre.astype(int) + post.astype(int)
+        self.stats["max_nvlink_hops"] = max(self.stats["max_nvlink_hops"], int(hops.max(initial=0)))
+
+    def _push(self, kind: str, a: np.ndarray, b: np.ndarray, nbytes: np.ndarray) -> None:
+        if len(a):
+            self.parts[kind].append(_merge(a, b, nbytes, self.E))
+
+    def _choose_nics(self, s: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Source NIC r and destination NIC q for inter-node transfers, honouring planes and dead NICs."""
+        G, R = self.G, self.slots
+        ns, nd, ls, ld = s // G, d // G, s % G, d % G
+        if R:
+            j = ld % R if self.relay == "source" else ls % R
+            r = ns * G + (ls // R) * R + j
+            q = nd * G + (ld // R) * R + j
+            ok = self.slot_alive[ns, r % G] & self.slot_alive[nd, q % G]
+            if not ok.all():  # fall back to any local index alive on both nodes (same index = same plane)
+                bad = np.flatnonzero(~ok)
+                both = self.slot_alive[ns[bad]] & self.slot_alive[nd[bad]]
+                c = self._pick(both, ns[bad] + nd[bad] + ld[bad], s, d, bad)
+                r[bad], q[bad] = ns[bad] * G + c, nd[bad] * G + c
+            return r, q
+        r, q = s.copy(), d.copy()
+        for ends, node, other in ((r, ns, d), (q, nd, s)):
+            bad = np.flatnonzero(~self.slot_alive[node, ends % G])
+            if len(bad):
+                c = self._pick(self.slot_alive[node[bad]], other[bad], s, d, bad)
+                ends[bad] = node[bad] * G + c
+        return r, q
+
+    def _pick(self, candidates: np.ndarray, spread: np.ndarray, s, d, bad) -> np.ndarray:
+        """Choose one True column per row of ``candidates`` [n, G], spreading rows by ``spread``."""
+        count = candidates.sum(axis=1)
+        if (count == 0).any():
+            i = bad[int(np.flatnonzero(count == 0)[0])]
+            raise DSV3Error(f"GPU {int(s[i])} cannot reach GPU {int(d[i])}: no working NIC pair after the failures")
+        pick = spread % count
+        return np.argmax(np.cumsum(candidates, axis=1) > pick[:, None], axis=1)
+
+    def build(self) -> Segments:
+        out = []
+        for kind in ("nvl", "net"):
+            parts = self.parts[kind]
+            if parts:
+                a, b, n = (np.concatenate([p[i] for p in parts]) for i in range(3))
+                out.append(_merge(a, b, n, self.E))
+            else:
+                empty = np.zeros(0, dtype=np.int64)
+                out.append((empty, empty, np.zeros(0)))
+        return Segments(*out[0], *out[1], stats=dict(self.stats))
