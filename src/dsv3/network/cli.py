@@ -136,7 +136,8 @@ def _sim_config(**o) -> SimConfig:
         fail_plane=o["fail_plane"], fail_links=o["fail_links"], fail_switches=o["fail_switches"],
         speeds=LinkSpeeds(o["nic_gbps"], o["switch_gbps"], o["nvlink_gbs"]), link_layer=o["link_layer"],
         qps=o["qps"], relay=o["relay"], pxn=o["pxn"], group=o["group"], group_size=o["group_size"],
-        placement=o["placement"], incast_sources=o["incast_sources"], ep=ep, seed=o["seed"], rtol=o["rtol"],
+        placement=o["placement"], incast_sources=o["incast_sources"], shift=o["shift"], ep=ep, seed=o["seed"],
+        rtol=o["rtol"],
     )
 
 
@@ -187,6 +188,7 @@ def simulate(
     group_size: int = typer.Option(None, help="ring size (nodes for dp, GPUs for tp)"),
     placement: str = typer.Option("linear", help="linear | random node order in rings"),
     incast_sources: int = typer.Option(8, help="senders for --traffic incast"),
+    shift: int = typer.Option(None, help="--traffic permutation: partner offset (default half the GPUs)"),
     tokens: int = typer.Option(4096, help="EP: tokens per GPU"),
     hidden: int = typer.Option(7168, help="EP: hidden size"),
     experts: int = typer.Option(256, help="EP: routed experts"),

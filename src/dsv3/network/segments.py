@@ -73,13 +73,14 @@ class SegmentBuilder:
         self._push("nvl", src[intra], dst[intra], nbytes[intra])
         s, d, b = src[~intra], dst[~intra], nbytes[~intra]
         self.stats["internode_bytes"] += float(b.sum())
-        r, q = self._choose_nics(s, d)
+        idx, r, q, frac = self._choose_nics(s, d)
+        s, d, b = s[idx], d[idx], b[idx] * frac
         pre, post = r != s, q != d
         self._push("nvl", s[pre], r[pre], b[pre])
         self._push("nvl", q[post], d[post], b[post])
         self._push("net", r, q, b)
         self.stats["forwarded_nvlink_bytes"] += float(b[pre].sum() + b[post].sum())
-        self.stats["relayed_transfers"] += int((pre | post).sum())
+        self.stats["relayed_transfers"] += len(np.unique(idx[pre | post]))
         hops = pre.astype(int) + post.astype(int)
         self.stats["max_nvlink_hops"] = max(self.stats["max_nvlink_hops"], int(hops.max(initial=0)))
 
@@ -87,37 +88,62 @@ class SegmentBuilder:
         if len(a):
             self.parts[kind].append(_merge(a, b, nbytes, self.E))
 
-    def _choose_nics(self, s: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Source NIC r and destination NIC q for inter-node transfers, honouring planes and dead NICs."""
+    def _choose_nics(self, s: np.ndarray, d: np.ndarray) -> tuple[np.ndarray, ...]:
+        """NICs for inter-node transfers, honouring planes and dead NICs.
+
+        Returns (transfer index, source NIC, destination NIC, share of the bytes): a transfer whose
+        preferred NIC is dead is split evenly over every NIC (pair) still alive on its nodes, as a bonded
+        multi-port NIC or NCCL's channels over the surviving NICs would spread it.
+        """
         G, R = self.G, self.slots
         ns, nd, ls, ld = s // G, d // G, s % G, d % G
+        idx = np.arange(len(s))
         if R:
             j = ld % R if self.relay == "source" else ls % R
             r = ns * G + (ls // R) * R + j
             q = nd * G + (ld // R) * R + j
             ok = self.slot_alive[ns, r % G] & self.slot_alive[nd, q % G]
-            if not ok.all():  # fall back to any local index alive on both nodes (same index = same plane)
-                bad = np.flatnonzero(~ok)
-                both = self.slot_alive[ns[bad]] & self.slot_alive[nd[bad]]
-                c = self._pick(both, ns[bad] + nd[bad] + ld[bad], s, d, bad)
-                r[bad], q[bad] = ns[bad] * G + c, nd[bad] * G + c
-            return r, q
-        r, q = s.copy(), d.copy()
-        for ends, node, other in ((r, ns, d), (q, nd, s)):
-            bad = np.flatnonzero(~self.slot_alive[node, ends % G])
-            if len(bad):
-                c = self._pick(self.slot_alive[node[bad]], other[bad], s, d, bad)
-                ends[bad] = node[bad] * G + c
-        return r, q
+            frac = np.ones(len(s))
+            if ok.all():
+                return idx, r, q, frac
+            bad = np.flatnonzero(~ok)  # any local index alive on both nodes (same index = same plane)
+            rows, c, share = self._spread(self.slot_alive[ns[bad]] & self.slot_alive[nd[bad]], s, d, bad)
+            b_idx = bad[rows]
+            return (np.r_[idx[ok], b_idx], np.r_[r[ok], ns[b_idx] * G + c], np.r_[q[ok], nd[b_idx] * G + c],
+                    np.r_[frac[ok], share])
+        r_ok, q_ok = self.slot_alive[ns, ls], self.slot_alive[nd, ld]
+        ok = r_ok & q_ok
+        if ok.all():
+            return idx, s.copy(), d.copy(), np.ones(len(s))
+        bad = np.flatnonzero(~ok)
+        src_alive = np.where(r_ok[bad, None], np.arange(G)[None, :] == ls[bad, None], self.slot_alive[ns[bad]])
+        rows, c, share = self._spread(src_alive, s, d, bad)
+        b_idx = bad[rows]
+        dst_alive = self.slot_alive[nd[b_idx]]
+        keep_q = q_ok[b_idx]
+        pick_q = self._nth(dst_alive, c + nd[b_idx], s, d, b_idx)
+        q_bad = np.where(keep_q, d[b_idx], nd[b_idx] * G + pick_q)
+        return (np.r_[idx[ok], b_idx], np.r_[s[ok], ns[b_idx] * G + c], np.r_[d[ok], q_bad],
+                np.r_[np.ones(int(ok.sum())), share])
 
-    def _pick(self, candidates: np.ndarray, spread: np.ndarray, s, d, bad) -> np.ndarray:
-        """Choose one True column per row of ``candidates`` [n, G], spreading rows by ``spread``."""
+    def _spread(self, candidates: np.ndarray, s, d, bad) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Every True (row, column) of ``candidates`` [n, G] with share 1 / (Trues in its row)."""
         count = candidates.sum(axis=1)
+        self._check(count, s, d, bad)
+        rows, cols = np.nonzero(candidates)
+        return rows, cols, 1.0 / count[rows]
+
+    def _nth(self, candidates: np.ndarray, spread: np.ndarray, s, d, bad) -> np.ndarray:
+        """One True column per row of ``candidates``, rotating by ``spread``."""
+        count = candidates.sum(axis=1)
+        self._check(count, s, d, bad)
+        return np.argmax(np.cumsum(candidates, axis=1) > (spread % count)[:, None], axis=1)
+
+    @staticmethod
+    def _check(count: np.ndarray, s, d, bad) -> None:
         if (count == 0).any():
             i = bad[int(np.flatnonzero(count == 0)[0])]
             raise DSV3Error(f"GPU {int(s[i])} cannot reach GPU {int(d[i])}: no working NIC pair after the failures")
-        pick = spread % count
-        return np.argmax(np.cumsum(candidates, axis=1) > pick[:, None], axis=1)
 
     def build(self) -> Segments:
         out = []

@@ -20,9 +20,9 @@ from dsv3.network.flowset import build_flows
 from dsv3.network.maxmin import drain
 from dsv3.network.moe import EPSpec, ep_workload
 from dsv3.network.segments import SegmentBuilder
-from dsv3.network.traffic import Workload, alltoall, incast, node_order, ring_collective, ring_groups
+from dsv3.network.traffic import Workload, alltoall, incast, node_order, permutation, ring_collective, ring_groups
 
-TRAFFICS = ("alltoall", "allgather", "reducescatter", "allreduce", "incast", "ep-dispatch", "ep-combine")
+TRAFFICS = ("alltoall", "permutation", "allgather", "reducescatter", "allreduce", "incast", "ep-dispatch", "ep-combine")
 
 # Table 5 (64 B, end to end): same leaf / cross leaf, microseconds; NVLink 3.33 us.
 TABLE5_US = {"ib": (2.8, 3.7), "roce": (3.6, 5.6)}
@@ -47,6 +47,7 @@ class SimConfig:
     group_size: int | None = None
     placement: str = "linear"
     incast_sources: int = 8
+    shift: int | None = None
     ep: EPSpec = field(default_factory=EPSpec)
     seed: int = 0
     rtol: float = 1e-3  # 0: exact max-min and event times; 1e-3 keeps large ECMP runs fast (<= 0.1% error)
@@ -66,8 +67,10 @@ def make_workload(cfg: SimConfig, n_gpus: int, gpus_per_node: int) -> Workload:
         raise DSV3Error("--message-bytes must be positive")
     if kind == "alltoall":
         return alltoall(n_gpus, cfg.message_bytes)
+    order = node_order(-(-n_gpus // gpus_per_node), cfg.placement, np.random.default_rng(cfg.seed))
+    if kind == "permutation":
+        return permutation(n_gpus, cfg.message_bytes, cfg.shift, order, gpus_per_node)
     if kind in ("allgather", "reducescatter", "allreduce"):
-        order = node_order(n_gpus // gpus_per_node, cfg.placement, np.random.default_rng(cfg.seed))
         rings = ring_groups(n_gpus, gpus_per_node, cfg.group, cfg.group_size, order)
         return ring_collective(kind, rings, cfg.message_bytes)
     if kind == "incast":

@@ -45,6 +45,24 @@ def alltoall(n_gpus: int, size_bytes: float, chunk_gpus: int = 64) -> Workload:
     return Workload("alltoall", chunks, size_bytes, n_gpus, 1, (n_gpus - 1) / n_gpus)
 
 
+def permutation(n_gpus: int, size_bytes: float, shift: int | None, order: np.ndarray, gpus_per_node: int) -> Workload:
+    """Every GPU sends S to one partner: GPU i -> i + shift (over the node order), default a half turn.
+
+    A half-turn shift sends every flow across the middle of the fabric: N flows over N equal-cost
+    paths, the balls-into-bins case where ECMP's hash collisions show most plainly.
+    """
+    shift = n_gpus // 2 if shift is None else shift
+    if not 0 < shift < n_gpus:
+        raise DSV3Error(f"--shift must be in 1..{n_gpus - 1}")
+    gpus = (order[:, None] * gpus_per_node + np.arange(gpus_per_node)[None, :]).ravel()
+    src, dst = gpus, np.roll(gpus, -shift)
+
+    def chunks() -> Iterator[Chunk]:
+        yield src, dst, np.full(n_gpus, float(size_bytes))
+
+    return Workload("permutation", chunks, size_bytes, n_gpus, 1, 1.0, {"shift": shift})
+
+
 def node_order(n_nodes: int, placement: str, rng: np.random.Generator) -> np.ndarray:
     """Job placement: nodes in index order (linear) or shuffled (a fragmented allocation)."""
     if placement == "linear":
