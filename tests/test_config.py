@@ -68,3 +68,9 @@ def test_cli_help_and_unknown_command(capsys):
     assert "convert" in capsys.readouterr().out
     assert main(["frobnicate"]) == 2
     assert "unknown command" in capsys.readouterr().err
+
+
+def test_unknown_flag_is_one_usage_error_not_a_traceback(capsys):
+    assert main(["convert", "--bogus"]) == 2
+    err = capsys.readouterr().err
+    assert "No such option: --bogus" in err and "Traceback" not in err

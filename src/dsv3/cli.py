@@ -40,6 +40,21 @@ def _load(target: str):
     return getattr(importlib.import_module(module_name), attr)
 
 
+def _click_outcome(exc: Exception) -> int | None:
+    """The exit status for click-style control exceptions (duck-typed: typer 0.29 vendors click,
+    so its classes are not click's), or None for a real error."""
+    name = type(exc).__name__
+    if name == "Exit" and hasattr(exc, "exit_code"):
+        return exc.exit_code
+    if name == "Abort":
+        print("aborted", file=sys.stderr)
+        return 1
+    if hasattr(exc, "show") and isinstance(getattr(exc, "exit_code", None), int):
+        exc.show()
+        return exc.exit_code
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -58,18 +73,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
-    except Exception as exc:  # click's usage errors arrive here with standalone_mode=False
-        import click
-
-        if isinstance(exc, click.exceptions.Exit):
-            return exc.exit_code
-        if isinstance(exc, click.ClickException):
-            exc.show()
-            return exc.exit_code
-        if isinstance(exc, click.exceptions.Abort):
-            print("aborted", file=sys.stderr)
-            return 1
-        raise
+    except Exception as exc:  # usage errors of click or of typer's vendored copy of it
+        code = _click_outcome(exc)
+        if code is None:
+            raise
+        return code
     return result if isinstance(result, int) else 0
 
 
