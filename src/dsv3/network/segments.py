@@ -116,15 +116,26 @@ class SegmentBuilder:
         if ok.all():
             return idx, s.copy(), d.copy(), np.ones(len(s))
         bad = np.flatnonzero(~ok)
-        src_alive = np.where(r_ok[bad, None], np.arange(G)[None, :] == ls[bad, None], self.slot_alive[ns[bad]])
-        rows, c, share = self._spread(src_alive, s, d, bad)
+        own = np.arange(G)[None, :]
+        src_c = np.where(r_ok[bad, None], own == ls[bad, None], self.slot_alive[ns[bad]])  # [n_bad, G]
+        dst_c = np.where(q_ok[bad, None], own == ld[bad, None], self.slot_alive[nd[bad]])
+        rows, cs, cd, share = self._pair_spread(src_c, dst_c, s, d, bad)
         b_idx = bad[rows]
-        dst_alive = self.slot_alive[nd[b_idx]]
-        keep_q = q_ok[b_idx]
-        pick_q = self._nth(dst_alive, c + nd[b_idx], s, d, b_idx)
-        q_bad = np.where(keep_q, d[b_idx], nd[b_idx] * G + pick_q)
-        return (np.r_[idx[ok], b_idx], np.r_[s[ok], ns[b_idx] * G + c], np.r_[d[ok], q_bad],
+        return (np.r_[idx[ok], b_idx], np.r_[s[ok], ns[b_idx] * G + cs], np.r_[d[ok], nd[b_idx] * G + cd],
                 np.r_[np.ones(int(ok.sum())), share])
+
+    def _pair_spread(self, src_c: np.ndarray, dst_c: np.ndarray, s, d, bad):
+        """Every (source NIC, destination NIC) pair alive for each row, each with an equal share."""
+        n_src, n_dst = src_c.sum(axis=1), dst_c.sum(axis=1)
+        self._check(np.minimum(n_src, n_dst), s, d, bad)
+        rows_s, cols_s = np.nonzero(src_c)
+        rows_d, cols_d = np.nonzero(dst_c)
+        ptr_d = np.r_[0, np.cumsum(n_dst)]
+        rep = np.repeat(np.arange(len(rows_s)), n_dst[rows_s])  # one entry per (source col, dest col)
+        start = np.repeat(ptr_d[rows_s], n_dst[rows_s])
+        within = np.arange(len(rep)) - np.repeat(np.r_[0, np.cumsum(n_dst[rows_s])[:-1]], n_dst[rows_s])
+        rows = rows_s[rep]
+        return rows, cols_s[rep], cols_d[start + within], 1.0 / (n_src[rows] * n_dst[rows])
 
     def _spread(self, candidates: np.ndarray, s, d, bad) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Every True (row, column) of ``candidates`` [n, G] with share 1 / (Trues in its row)."""
@@ -132,12 +143,6 @@ class SegmentBuilder:
         self._check(count, s, d, bad)
         rows, cols = np.nonzero(candidates)
         return rows, cols, 1.0 / count[rows]
-
-    def _nth(self, candidates: np.ndarray, spread: np.ndarray, s, d, bad) -> np.ndarray:
-        """One True column per row of ``candidates``, rotating by ``spread``."""
-        count = candidates.sum(axis=1)
-        self._check(count, s, d, bad)
-        return np.argmax(np.cumsum(candidates, axis=1) > (spread % count)[:, None], axis=1)
 
     @staticmethod
     def _check(count: np.ndarray, s, d, bad) -> None:
