@@ -18,7 +18,7 @@ from dsv3.errors import DSV3Error
 PRECISIONS = ("fp32", "bf16", "fp8")
 # May differ between the original run and a resumption without changing what is computed.
 OPERATIONAL = {"out", "steps", "save_every", "eval_every", "keep_last", "log_every", "sample_tokens",
-               "sample_prompt", "max_bad_steps", "cache_dir", "device"}
+               "sample_prompt", "max_bad_steps", "cache_dir", "device", "threads"}
 
 
 @dataclass
@@ -53,10 +53,11 @@ class TrainOptions:
     keep_last: int = 3
     log_every: int = 10
     sample_tokens: int = 0
-    sample_prompt: str = "def "
+    sample_prompt: str = "def"
     max_bad_steps: int = 5
     cache_dir: str | None = None
     device: str = "auto"
+    threads: int = 0  # torch intra-op threads; 0: torch's default (torchrun sets 1 per process)
 
     @property
     def warmup_steps(self) -> int:
@@ -78,6 +79,8 @@ class TrainOptions:
         if self.batch_size % self.grad_accum:
             raise DSV3Error(f"--batch-size ({self.batch_size}) must be a multiple of --grad-accum "
                             f"({self.grad_accum})")
+        if self.threads < 0:
+            raise DSV3Error(f"--threads must be >= 0, got {self.threads}")
         if self.sample_tokens < 0:
             raise DSV3Error(f"--sample-tokens must be >= 0, got {self.sample_tokens}")
         return self

@@ -13,8 +13,9 @@ import numpy as np
 HEATMAP_COLUMNS = 120  # steps are averaged into at most this many columns
 
 
-def write_plots(rows: list[dict[str, Any]], run_dir: Path) -> dict[str, str]:
-    """Write loss_curve.png and expert_load.png (when the model has MoE layers); returns their paths."""
+def write_plots(rows: list[dict[str, Any]], run_dir: Path, moe_names: list[str] | None = None) -> dict[str, str]:
+    """Write loss_curve.png and expert_load.png (when the model has MoE layers); returns their paths.
+    ``moe_names`` labels the heatmap's rows (one per MoE layer, in metrics order)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -25,7 +26,7 @@ def write_plots(rows: list[dict[str, Any]], run_dir: Path) -> dict[str, str]:
                                    Path(run_dir) / "loss_curve.png"))}
     loads = [(r["step"], np.asarray(r["expert_load"], dtype=float)) for r in train if r.get("expert_load")]
     if loads:
-        out["expert_load"] = str(_save(_load_figure(loads), Path(run_dir) / "expert_load.png"))
+        out["expert_load"] = str(_save(_load_figure(loads, moe_names), Path(run_dir) / "expert_load.png"))
     return out
 
 
@@ -50,7 +51,7 @@ def _loss_figure(train, evals):
     return fig
 
 
-def _load_figure(loads):
+def _load_figure(loads, names):
     import matplotlib.pyplot as plt
 
     steps = np.array([s for s, _ in loads])
@@ -64,7 +65,7 @@ def _load_figure(loads):
     for i, ax in enumerate(axes[:, 0]):
         im = ax.imshow(binned[:, i, :].T, aspect="auto", cmap="magma", vmin=0.0, vmax=vmax, interpolation="nearest",
                        extent=(steps[0], steps[-1], binned.shape[2] - 0.5, -0.5))
-        ax.set_ylabel(f"MoE layer {i}\nexpert")
+        ax.set_ylabel(f"{names[i] if names and i < len(names) else f'MoE {i}'}\nexpert")
     axes[-1, 0].set_xlabel("step")
     fig.colorbar(im, ax=axes[:, 0].tolist(), label="load / mean load")
     fig.suptitle("Routed-expert load (1.0 = perfectly balanced)")

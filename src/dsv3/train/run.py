@@ -84,11 +84,15 @@ def prepare_data(opts: TrainOptions, vocab_size: int, world: World, progress: Tr
 
 
 def build_optimizer(model: torch.nn.Module, opts: TrainOptions):
-    """AdamW with weight decay on matrices only (not norms or biases), and the warmup-cosine schedule."""
+    """AdamW with weight decay on matrices only (not norms or biases), and the warmup-cosine schedule.
+
+    The fused AdamW kernel: on CPU torch's default is a per-tensor loop, which costs about half of a
+    training step of the ``small`` preset (measured: 1.47 s of a 5 s step; fused: 0.06 s)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": opts.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=opts.lr, betas=(opts.beta1, opts.beta2))
+    fused = all(p.device.type in ("cpu", "cuda") for p in model.parameters())
+    optimizer = torch.optim.AdamW(groups, lr=opts.lr, betas=(opts.beta1, opts.beta2), fused=fused)
     warmup = opts.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, opts.steps, warmup, opts.min_lr_ratio))
@@ -116,6 +120,8 @@ def run_training(opts: TrainOptions, resume: bool = False, on_step: StepCallback
     """Train (or continue) the run in ``opts.out`` to ``opts.steps``; returns the summary.
     ``on_step(row)`` sees every step's metrics row; ``plots=False`` skips the end-of-run PNGs."""
     opts.check()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
     world = setup_world(opts.device)
     try:
         return _Run(opts, world, resume, on_step, show_progress, plots).execute()
@@ -242,7 +248,7 @@ class _Run:
         if self.world.is_main and self.plots:
             from dsv3.train.plots import write_plots
 
-            plots = write_plots(rows, self.run_dir)
+            plots = write_plots(rows, self.run_dir, moe_layer_names(self.model))
         if self.world.is_main:
             if self.opts.sample_tokens:
                 sample = self._sample()
@@ -267,6 +273,15 @@ class _Run:
                            seed=self.opts.seed)
         self.progress.note(f"sample (temperature 0.8, top-k 40):\n{self.opts.sample_prompt}{text}")
         return self.opts.sample_prompt + text
+
+
+def moe_layer_names(model: Transformer) -> list[str]:
+    """"layer 3", ... for the main model's MoE layers and "MTP 1", ... for the MTP modules', in the order
+    of ``model.moe_layers()`` (the order of the metrics' expert loads)."""
+    n_main = model.config.num_hidden_layers
+    names = {id(block.mlp): (f"layer {i}" if i < n_main else f"MTP {i - n_main + 1}")
+             for i, block in enumerate(model.model.layers)}
+    return [names.get(id(m), "MoE") for m in model.moe_layers()]
 
 
 def _count(model: torch.nn.Module) -> int:

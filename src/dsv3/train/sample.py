@@ -53,7 +53,7 @@ def _choose(logits: torch.Tensor, temperature: float, top_k: int, generator: tor
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m dsv3.train.sample", description=__doc__)
     parser.add_argument("checkpoint", help="a checkpoint folder holding tokenizer.json (e.g. RUN_DIR/latest)")
-    parser.add_argument("--prompt", default="def ")
+    parser.add_argument("--prompt", default="def")
     parser.add_argument("--max-new-tokens", type=int, default=120)
     parser.add_argument("--temperature", type=float, default=0.8)
     parser.add_argument("--top-k", type=int, default=40)
