@@ -69,7 +69,7 @@ def test_ecmp_matches_balls_into_bins_and_static_adaptive_do_not_collide():
     assert adaptive["algbw_GBps"] == pytest.approx(line, rel=1e-6)
     assert static["algbw_GBps"] == pytest.approx(line, rel=1e-6)  # destination-mod-k: conflict free
     ecmp = [sim("ft2", 64, traffic="permutation", routing="ecmp", message_bytes=size, seed=s)["algbw_GBps"]
-            for s in range(16)]
+            for s in range(64)]
     measured = np.mean(ecmp) / adaptive["algbw_GBps"]
     # balls into bins (NETWORK.md §5.1): two independent directions of 32 balls in 32 bins
     rng = np.random.default_rng(0)
@@ -77,7 +77,7 @@ def test_ecmp_matches_balls_into_bins_and_static_adaptive_do_not_collide():
                       for _ in range(2)])
     expected = (1 / loads.max(0)).mean()
     assert 0.2 < measured < 0.4
-    assert measured == pytest.approx(expected, abs=0.05)
+    assert measured == pytest.approx(expected, abs=0.03)
 
 
 def test_more_queue_pairs_give_ecmp_more_entropy():

@@ -60,7 +60,7 @@ def describe(topo: Topology) -> dict:
         "nodes": -(-topo.n_endpoints // topo.gpus_per_node),
         "planes": topo.planes,
         "diameter_switch_hops": {"formula": topo.diameter_formula, "graph": graph_diameter(topo)},
-        "bisection_links": {"formula": topo.bisection_formula, "graph": graph_bisection(topo.graph)},
+        "bisection_links": {"formula": topo.bisection_formula, "graph": _natural_cut(topo)},
         "endpoints_per_switch": round(topo.formula["endpoints"] / topo.formula["switches"], 3),
         "links_per_endpoint": round(topo.formula["links"] / topo.formula["endpoints"], 3),
         "notes": topo.notes + [
@@ -70,3 +70,9 @@ def describe(topo: Topology) -> dict:
             "links crossing the builder's natural half split",
         ],
     }
+
+
+def _natural_cut(topo: Topology) -> int | None:
+    """Links across the builder's half split; None for Slim Fly, whose builder has no natural halves."""
+    has_halves = any(d.get("side") for _, d in topo.graph.nodes(data=True) if d["kind"] == "switch")
+    return graph_bisection(topo.graph) if has_halves else None

@@ -60,6 +60,9 @@ def _save(fig, path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(suffix=".png", dir=path.parent)
     os.close(fd)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the plot ordinary permissions
     try:
         fig.savefig(tmp, dpi=120, bbox_inches="tight")
         os.replace(tmp, path)
