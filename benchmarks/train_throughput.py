@@ -8,7 +8,7 @@ the comparison (transformers has none); ``--mtp`` adds a third measurement of ou
 Steps alternate between the implementations so machine load hits both alike; after warm-up, the
 median of the timed steps is reported.
 
-    .venv/bin/python benchmarks/train_throughput.py --preset nano --batch-size 8 --seq-len 256 --steps 7 --json
+    .venv/bin/python benchmarks/train_throughput.py --preset nano --batch-size 8 --steps 7 --json
 
 Prints one JSON object: tokens/s of each, and ``speedup`` = dsv3 tokens/s / transformers tokens/s.
 """
@@ -43,7 +43,9 @@ def build_models(preset_name: str, mtp: bool):
     with tempfile.TemporaryDirectory() as folder:
         ours.save_pretrained(folder, rope_layout="new")
         hf_cfg = transformers.DeepseekV3Config.from_dict(cfg.to_dict(rope_layout="new"))
-        hf = transformers.DeepseekV3ForCausalLM.from_pretrained(folder, config=hf_cfg, dtype=torch.float32).train()
+        hf = transformers.DeepseekV3ForCausalLM.from_pretrained(
+            folder, config=hf_cfg, dtype=torch.float32
+        ).train()
     with_mtp = None
     if mtp:
         torch.manual_seed(0)
@@ -94,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
     runs = {"dsv3": (ours_step, ours), "transformers": (hf_step, hf)}
     if with_mtp is not None:
         runs["dsv3_with_mtp"] = (ours_step, with_mtp)
-    optimizers = {name: torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
-                  for name, (_, m) in runs.items()}
+    optimizers = {
+        name: torch.optim.AdamW(m.parameters(), lr=1e-4, betas=(0.9, 0.95), weight_decay=0.1, fused=True)
+        for name, (_, m) in runs.items()
+    }
     times: dict[str, list[float]] = {name: [] for name in runs}
     for i in range(args.warmup + args.steps):
         for name, (step, model) in runs.items():
@@ -105,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
         log(f"step {i}: " + ", ".join(f"{n} {t[-1] * 1e3:.0f} ms" for n, t in times.items() if t))
     tokens = args.batch_size * args.seq_len
     result = {
-        "preset": args.preset, "batch_size": args.batch_size, "seq_len": args.seq_len, "timed_steps": args.steps,
+        "preset": args.preset,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "timed_steps": args.steps,
         "threads": torch.get_num_threads(),
         "hf_experts_implementation": getattr(hf.config, "_experts_implementation", None),
         **{f"{name}_tokens_per_s": tokens / statistics.median(t) for name, t in times.items()},

@@ -12,8 +12,10 @@ import torch
 from dsv3.config import preset
 from dsv3.train.options import TrainOptions
 
-WORDS = ("the quick brown fox jumps over a lazy dog while def class return import print value "
-         "for in range if else lambda yield").split()
+WORDS = (
+    "the quick brown fox jumps over a lazy dog while def class return import print value "
+    "for in range if else lambda yield"
+).split()
 
 
 @pytest.fixture(autouse=True)
@@ -28,9 +30,22 @@ def one_thread():
 @pytest.fixture(scope="session")
 def tiny_config(tmp_path_factory) -> Path:
     cfg = preset("nano").replace(
-        vocab_size=320, hidden_size=32, intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2,
-        num_attention_heads=2, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8, v_head_dim=8,
-        n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1, max_position_embeddings=128)
+        vocab_size=320,
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=16,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        kv_lora_rank=16,
+        qk_nope_head_dim=8,
+        qk_rope_head_dim=8,
+        v_head_dim=8,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        n_group=2,
+        topk_group=1,
+        max_position_embeddings=128,
+    )
     path = tmp_path_factory.mktemp("cfg") / "config.json"
     cfg.save_json(path)
     return path
@@ -54,9 +69,21 @@ def cache_dir(tmp_path_factory) -> Path:
 @pytest.fixture
 def make_opts(tiny_config, corpus_dir, cache_dir, tmp_path):
     def make(name: str = "run", **overrides) -> TrainOptions:
-        base = dict(config=str(tiny_config), data=[str(corpus_dir)], out=str(tmp_path / name), steps=6,
-                    batch_size=4, seq_len=32, lr=3e-3, save_every=3, eval_every=3, eval_tokens=128,
-                    cache_dir=str(cache_dir), device="cpu", val_fraction=0.1)
+        base = dict(
+            config=str(tiny_config),
+            data=[str(corpus_dir)],
+            out=str(tmp_path / name),
+            steps=6,
+            batch_size=4,
+            seq_len=32,
+            lr=3e-3,
+            save_every=3,
+            eval_every=3,
+            eval_tokens=128,
+            cache_dir=str(cache_dir),
+            device="cpu",
+            val_fraction=0.1,
+        )
         base.update(overrides)
         return TrainOptions(**base)
 

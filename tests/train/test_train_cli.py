@@ -14,15 +14,51 @@ ROW_KEYS = {"step", "loss", "mtp_loss", "lr", "grad_norm", "tokens_per_s", "expe
 
 
 def _args(tiny_config, corpus_dir, cache_dir, out, *extra):
-    return ["train", "--config", str(tiny_config), "--data", str(corpus_dir), "--out", str(out),
-            "--cache-dir", str(cache_dir), "--device", "cpu", "--batch-size", "4", "--seq-len", "32",
-            "--eval-tokens", "128", "--val-fraction", "0.1", *extra]
+    return [
+        "train",
+        "--config",
+        str(tiny_config),
+        "--data",
+        str(corpus_dir),
+        "--out",
+        str(out),
+        "--cache-dir",
+        str(cache_dir),
+        "--device",
+        "cpu",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--eval-tokens",
+        "128",
+        "--val-fraction",
+        "0.1",
+        *extra,
+    ]
 
 
 def test_train_json_summary_metrics_plots_and_sample(tiny_config, corpus_dir, cache_dir, tmp_path, capsys):
     out = tmp_path / "run"
-    code = main(_args(tiny_config, corpus_dir, cache_dir, out, "--steps", "8", "--eval-every", "4",
-                      "--save-every", "4", "--sample-tokens", "8", "--log-every", "2", "--json"))
+    code = main(
+        _args(
+            tiny_config,
+            corpus_dir,
+            cache_dir,
+            out,
+            "--steps",
+            "8",
+            "--eval-every",
+            "4",
+            "--save-every",
+            "4",
+            "--sample-tokens",
+            "8",
+            "--log-every",
+            "2",
+            "--json",
+        )
+    )
     captured = capsys.readouterr()
     assert code == 0
     summary = json.loads(captured.out)  # exactly one JSON object on stdout
@@ -48,12 +84,15 @@ def test_train_json_summary_metrics_plots_and_sample(tiny_config, corpus_dir, ca
     assert json.loads((out / "run.json").read_text())["steps"] == 8
 
 
-@pytest.mark.parametrize("extra, message", [
-    (["--precision", "fp16"], "--precision must be one of"),
-    (["--batch-size", "3", "--grad-accum", "2"], "multiple of --grad-accum"),
-    (["--seq-len", "4096"], "exceeds the model's max_position_embeddings"),
-    (["--moe-output-format", "fp4"], "--moe-output-format must be one of"),
-])
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--precision", "fp16"], "--precision must be one of"),
+        (["--batch-size", "3", "--grad-accum", "2"], "multiple of --grad-accum"),
+        (["--seq-len", "4096"], "exceeds the model's max_position_embeddings"),
+        (["--moe-output-format", "fp4"], "--moe-output-format must be one of"),
+    ],
+)
 def test_bad_input_is_one_error_line(tiny_config, corpus_dir, cache_dir, tmp_path, capsys, extra, message):
     code = main(_args(tiny_config, corpus_dir, cache_dir, tmp_path / "bad", "--steps", "2", *extra))
     err = capsys.readouterr().err
@@ -61,7 +100,9 @@ def test_bad_input_is_one_error_line(tiny_config, corpus_dir, cache_dir, tmp_pat
 
 
 def test_missing_data_and_missing_resume_folder(tmp_path, capsys):
-    assert main(["train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "r"), "--steps", "1"]) == 2
+    assert (
+        main(["train", "--data", str(tmp_path / "nope"), "--out", str(tmp_path / "r"), "--steps", "1"]) == 2
+    )
     assert "no such file or folder" in capsys.readouterr().err
     assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
     assert "not a training run folder" in capsys.readouterr().err

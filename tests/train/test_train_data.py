@@ -51,8 +51,11 @@ def test_jsonl_globs_and_bad_input(tmp_path):
     (tmp_path / "b.txt").write_text("plain text doc\n")
     corpus = load_corpus([str(tmp_path / "*.jsonl"), str(tmp_path / "b.txt")], val_fraction=0.3)
     docs = {d.name: d.text for d in corpus.train + corpus.val}
-    assert docs == {f"{tmp_path}/a.jsonl:1": "first doc", f"{tmp_path}/a.jsonl:3": "second doc",
-                    "b.txt": "plain text doc\n"}
+    assert docs == {
+        f"{tmp_path}/a.jsonl:1": "first doc",
+        f"{tmp_path}/a.jsonl:3": "second doc",
+        "b.txt": "plain text doc\n",
+    }
     (tmp_path / "bad.jsonl").write_text('{"txt": "no text field"}\n')
     with pytest.raises(DSV3Error, match=r"bad.jsonl:1: .*'text'"):
         load_corpus([str(tmp_path / "bad.jsonl"), str(tmp_path / "b.txt")])
@@ -117,7 +120,7 @@ def test_sample_order_is_seeded_per_epoch_and_resumable_anywhere():
     order = SampleOrder(7, seed=3)
     run = order.indices(0, 21)  # three epochs
     for epoch in range(3):
-        assert sorted(run[7 * epoch:7 * epoch + 7]) == list(range(7))
+        assert sorted(run[7 * epoch : 7 * epoch + 7]) == list(range(7))
     assert run[:7] != run[7:14]
     fresh = SampleOrder(7, seed=3)
     assert fresh.indices(5, 9) == run[5:14]  # resuming mid-epoch gives the same continuation

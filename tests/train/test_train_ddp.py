@@ -20,11 +20,44 @@ def test_two_processes_match_one_process(make_opts, tmp_path):
     run_training(single, show_progress=False, plots=False)
 
     out = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "-m", "dsv3", "train", "--config", single.config, "--data", single.data[0], "--out", str(out),
-           "--cache-dir", single.cache_dir, "--device", "cpu", "--steps", str(steps), "--batch-size", "4",
-           "--seq-len", "32", "--lr", str(single.lr), "--save-every", "100", "--eval-every", "2",
-           "--eval-tokens", str(single.eval_tokens), "--val-fraction", "0.1", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "dsv3",
+        "train",
+        "--config",
+        single.config,
+        "--data",
+        single.data[0],
+        "--out",
+        str(out),
+        "--cache-dir",
+        single.cache_dir,
+        "--device",
+        "cpu",
+        "--steps",
+        str(steps),
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--lr",
+        str(single.lr),
+        "--save-every",
+        "100",
+        "--eval-every",
+        "2",
+        "--eval-tokens",
+        str(single.eval_tokens),
+        "--val-fraction",
+        "0.1",
+        "--json",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

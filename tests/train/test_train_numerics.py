@@ -31,8 +31,9 @@ def test_grad_accumulation_matches_the_full_batch(make_opts):
         assert a["expert_load"] == b["expert_load"]
 
 
-@pytest.mark.parametrize("extra", [dict(precision="bf16"), dict(precision="fp8"),
-                                   dict(moe_output_format="logfmt8")])
+@pytest.mark.parametrize(
+    "extra", [dict(precision="bf16"), dict(precision="fp8"), dict(moe_output_format="logfmt8")]
+)
 def test_low_precision_variants_train(make_opts, extra):
     ref = _losses(make_opts("ref", steps=4))
     rows = _losses(make_opts("variant", steps=4, **extra))
@@ -52,8 +53,11 @@ def test_fp8_keeps_the_output_head_high_precision(tiny_config):
     assert type(model.lm_head) is nn.Linear
     assert "model.layers.0.self_attn.kv_a_proj_with_mqa" in converted
     assert isinstance(model.model.layers[1].mlp.shared_experts.down_proj, FP8Linear)
-    assert not any(isinstance(m, nn.Linear) and not isinstance(m, FP8Linear)
-                   for name, m in model.named_modules() if name != "lm_head")
+    assert not any(
+        isinstance(m, nn.Linear) and not isinstance(m, FP8Linear)
+        for name, m in model.named_modules()
+        if name != "lm_head"
+    )
 
 
 def test_non_finite_loss_skips_then_stops_with_a_usable_checkpoint(make_opts, monkeypatch):

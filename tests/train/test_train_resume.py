@@ -33,7 +33,9 @@ def test_sigterm_then_resume_matches_uninterrupted_bit_for_bit(make_opts):
     cut_opts = make_opts("cut", steps=7, save_every=100, eval_every=100, keep_last=2)
     cut = run_training(cut_opts, on_step=sigterm_at_step_3, show_progress=False, plots=False)
     assert cut["stopped"] == "signal" and cut["step"] == 3
-    assert [s for s, _ in complete_checkpoints(cut_opts.out)] == [3]  # stop => checkpoint, whatever save_every
+    assert [s for s, _ in complete_checkpoints(cut_opts.out)] == [
+        3
+    ]  # stop => checkpoint, whatever save_every
 
     resumed = run_training(make_opts("cut", steps=7), resume=True, show_progress=False, plots=False)
     assert resumed["stopped"] == "completed" and resumed["step"] == 7
@@ -57,8 +59,14 @@ def test_checkpoint_is_a_loadable_hf_folder_and_last_k_are_kept(make_opts):
     assert [s for s, _ in complete_checkpoints(opts.out)] == [4, 6]
     latest = summary["checkpoint"]
     assert latest.endswith("step-000006") and os.path.realpath(opts.out + "/latest") == latest
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json",
-                 "trainer_state.pt", "trainer_state.json"):
+    for name in (
+        "config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "trainer_state.pt",
+        "trainer_state.json",
+    ):
         assert os.path.exists(os.path.join(latest, name)), name
     model = dsv3.load_pretrained(latest)
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))

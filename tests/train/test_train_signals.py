@@ -20,10 +20,35 @@ from dsv3.train.run import run_training
 
 
 def _start(tiny_config, corpus_dir, cache_dir, out: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "dsv3", "train", "--config", str(tiny_config), "--data", str(corpus_dir),
-           "--out", str(out), "--cache-dir", str(cache_dir), "--device", "cpu", "--batch-size", "4",
-           "--seq-len", "32", "--steps", "100000", "--save-every", "1", "--eval-every", "100000",
-           "--val-fraction", "0.1", "--json"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "dsv3",
+        "train",
+        "--config",
+        str(tiny_config),
+        "--data",
+        str(corpus_dir),
+        "--out",
+        str(out),
+        "--cache-dir",
+        str(cache_dir),
+        "--device",
+        "cpu",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "32",
+        "--steps",
+        "100000",
+        "--save-every",
+        "1",
+        "--eval-every",
+        "100000",
+        "--val-fraction",
+        "0.1",
+        "--json",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
@@ -40,7 +65,8 @@ def _wait_for_steps(out: Path, proc: subprocess.Popen, steps: int, timeout: floa
 
 
 def test_sigterm_checkpoints_and_exits_zero_then_kill_9_leaves_loadable_checkpoints(
-        tiny_config, corpus_dir, cache_dir, tmp_path):
+    tiny_config, corpus_dir, cache_dir, tmp_path
+):
     out = tmp_path / "run"
     proc = _start(tiny_config, corpus_dir, cache_dir, out)
     _wait_for_steps(out, proc, 3)
@@ -53,9 +79,13 @@ def test_sigterm_checkpoints_and_exits_zero_then_kill_9_leaves_loadable_checkpoi
     assert complete_checkpoints(out)[-1][0] == summary["step"]
 
     # Continue the same run, then kill -9 it while it checkpoints every step.
-    proc = subprocess.Popen([sys.executable, "-m", "dsv3", "train", "--resume", str(out)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dsv3", "train", "--resume", str(out)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )
     _wait_for_steps(out, proc, summary["step"] + 4)
     time.sleep(0.013)
     proc.kill()

@@ -20,6 +20,16 @@ from dsv3.data.tokenizer import (
 )
 
 __all__ = [
-    "BOS_TOKEN", "EOS_TOKEN", "Corpus", "Document", "PackedSequences", "SampleOrder", "TokenStreams",
-    "load_corpus", "save_tokenizer_files", "token_byte_lengths", "tokenize_corpus", "train_or_load_tokenizer",
+    "BOS_TOKEN",
+    "EOS_TOKEN",
+    "Corpus",
+    "Document",
+    "PackedSequences",
+    "SampleOrder",
+    "TokenStreams",
+    "load_corpus",
+    "save_tokenizer_files",
+    "token_byte_lengths",
+    "tokenize_corpus",
+    "train_or_load_tokenizer",
 ]

@@ -52,8 +52,10 @@ def load_corpus(specs: list[str] | None = None, val_fraction: float = 0.01) -> C
         description = f"python stdlib: {root}"
     docs = _deduplicated_sorted(docs)
     if len(docs) < 2:
-        raise DSV3Error(f"the corpus ({description}) has {len(docs)} non-empty document(s); at least 2 are "
-                        "needed to hold one out for validation")
+        raise DSV3Error(
+            f"the corpus ({description}) has {len(docs)} non-empty document(s); at least 2 are "
+            "needed to hold one out for validation"
+        )
     train, val = split_by_name(docs, val_fraction)
     return Corpus(train=train, val=val, description=description, fingerprint=_fingerprint(docs))
 

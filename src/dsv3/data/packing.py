@@ -24,8 +24,10 @@ class PackedSequences:
         self.tokens, self.seq_len = tokens, seq_len
         self.n_windows = (len(tokens) - 1) // seq_len
         if self.n_windows < 1:
-            raise DSV3Error(f"the token stream has {len(tokens)} tokens, too few for one sequence of "
-                            f"{seq_len} + 1; use a smaller --seq-len or more data")
+            raise DSV3Error(
+                f"the token stream has {len(tokens)} tokens, too few for one sequence of "
+                f"{seq_len} + 1; use a smaller --seq-len or more data"
+            )
 
     def __len__(self) -> int:
         return self.n_windows
@@ -33,7 +35,7 @@ class PackedSequences:
     def window(self, i: int) -> np.ndarray:
         """Tokens [L + 1] of window i."""
         start = i * self.seq_len
-        return np.asarray(self.tokens[start:start + self.seq_len + 1], dtype=np.int64)
+        return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
 
     def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids [B, L], labels [B, L]) for the given windows."""

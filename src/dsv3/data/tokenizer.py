@@ -33,13 +33,16 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("DSV3_CACHE", Path.home() / ".cache" / "dsv3"))
 
 
-def train_or_load_tokenizer(corpus: Corpus, vocab_size: int, cache_dir: Path,
-                            max_train_bytes: int = 16 * 2**20) -> Tokenizer:
+def train_or_load_tokenizer(
+    corpus: Corpus, vocab_size: int, cache_dir: Path, max_train_bytes: int = 16 * 2**20
+) -> Tokenizer:
     """BPE trained on (a deterministic subset of at most ``max_train_bytes`` of) the training split;
     reused from ``cache_dir`` when the same corpus and vocabulary size were seen before."""
     if vocab_size < 256 + len(SPECIAL_TOKENS):
-        raise DSV3Error(f"vocabulary size must be at least {256 + len(SPECIAL_TOKENS)} for a byte-level "
-                        f"BPE (256 bytes + special tokens), got {vocab_size}")
+        raise DSV3Error(
+            f"vocabulary size must be at least {256 + len(SPECIAL_TOKENS)} for a byte-level "
+            f"BPE (256 bytes + special tokens), got {vocab_size}"
+        )
     key = _digest(TOKENIZER_RECIPE, corpus.fingerprint, vocab_size, max_train_bytes)
     path = Path(cache_dir) / f"tokenizer-{key[:16]}" / "tokenizer.json"
     if path.exists():
@@ -53,8 +56,12 @@ def _train_bpe(texts: list[str], vocab_size: int) -> Tokenizer:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
     for i, token in enumerate(SPECIAL_TOKENS):
         assert tokenizer.token_to_id(token) == i, "special tokens must take ids 0 and 1"
@@ -104,7 +111,7 @@ def tokenize_corpus(corpus: Corpus, tokenizer: Tokenizer, cache_dir: Path) -> To
 def _encode_stream(tokenizer: Tokenizer, docs: list[Document], eos_id: int, dtype) -> np.ndarray:
     parts = []
     for start in range(0, len(docs), ENCODE_CHUNK_DOCS):
-        chunk = [d.text for d in docs[start:start + ENCODE_CHUNK_DOCS]]
+        chunk = [d.text for d in docs[start : start + ENCODE_CHUNK_DOCS]]
         for enc in tokenizer.encode_batch(chunk, add_special_tokens=False):
             parts.append(np.asarray(enc.ids, dtype=dtype))
             parts.append(np.asarray([eos_id], dtype=dtype))
@@ -115,9 +122,15 @@ def save_tokenizer_files(tokenizer: Tokenizer, folder: Path, model_max_length: i
     """tokenizer.json and tokenizer_config.json into ``folder`` (atomically, file by file)."""
     folder = Path(folder)
     atomic_write_text(folder / "tokenizer.json", tokenizer.to_str())
-    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": BOS_TOKEN, "eos_token": EOS_TOKEN,
-              "pad_token": EOS_TOKEN, "model_max_length": model_max_length, "add_bos_token": False,
-              "clean_up_tokenization_spaces": False}
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS_TOKEN,
+        "eos_token": EOS_TOKEN,
+        "pad_token": EOS_TOKEN,
+        "model_max_length": model_max_length,
+        "add_bos_token": False,
+        "clean_up_tokenization_spaces": False,
+    }
     atomic_write_text(folder / "tokenizer_config.json", json.dumps(config, indent=2) + "\n")
 
 

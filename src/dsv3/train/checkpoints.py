@@ -73,8 +73,15 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: Path, step: int, model, trainer_state: dict[str, Any], summary: dict[str, Any],
-                    write_extras, keep_last: int) -> Path:
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    model,
+    trainer_state: dict[str, Any],
+    summary: dict[str, Any],
+    write_extras,
+    keep_last: int,
+) -> Path:
     """Write step ``step``: model (fp32 HF layout), ``write_extras(folder)`` (tokenizer files), the
     trainer state (torch.save) and a readable summary; then point ``latest`` at it and prune."""
     root = checkpoint_dir(run_dir)
@@ -100,11 +107,35 @@ def save_checkpoint(run_dir: Path, step: int, model, trainer_state: dict[str, An
     return final
 
 
-def load_trainer_state(folder: Path) -> dict[str, Any]:
+def load_trainer_state(folder: Path, rank: int = 0) -> dict[str, Any]:
+    """Rank 0's full trainer state, or (rank > 0, expert parallel) that rank's own optimizer state."""
+    path = Path(folder) / (STATE_PT if rank == 0 else f"trainer_state.rank{rank}.pt")
     try:
-        return torch.load(folder / STATE_PT, map_location="cpu", weights_only=False)
+        return torch.load(path, map_location="cpu", weights_only=False)
     except (OSError, RuntimeError, EOFError) as exc:
-        raise DSV3Error(f"cannot read {folder / STATE_PT}: {exc}") from None
+        raise DSV3Error(f"cannot read {path}: {exc}") from None
+
+
+# Under expert parallelism each rank > 0 writes its optimizer state beside the checkpoint being built;
+# rank 0 moves those files into the staging folder before the rename, so they appear atomically with it.
+
+
+def save_rank_state(run_dir: Path, step: int, rank: int, state: dict[str, Any]) -> None:
+    root = checkpoint_dir(run_dir)
+    root.mkdir(parents=True, exist_ok=True)
+    _atomic_torch_save(state, root / f".pending-step-{step:06d}-rank{rank}.pt")
+
+
+def pending_rank_states(run_dir: Path, step: int, world_size: int) -> list[tuple[int, Path]]:
+    root = checkpoint_dir(run_dir)
+    return [(r, root / f".pending-step-{step:06d}-rank{r}.pt") for r in range(1, world_size)]
+
+
+def adopt_rank_states(pending: list[tuple[int, Path]], folder: Path) -> None:
+    for rank, path in pending:
+        if not path.exists():
+            raise DSV3Error(f"rank {rank} did not write its optimizer state ({path})")
+        os.replace(path, Path(folder) / f"trainer_state.rank{rank}.pt")
 
 
 def _point_latest(run_dir: Path, target: Path) -> None:

@@ -21,14 +21,26 @@ app = typer.Typer(add_completion=False, help=__doc__, no_args_is_help=False)
 
 @app.command()
 def train(
-    preset: str = typer.Option(None, help="Model preset (default nano: 3.2M parameters, learns in minutes on 2 "
-                                          "CPU cores; small: about 100M)."),
-    config: str = typer.Option(None, help="A model config.json (or a folder holding one) instead of --preset."),
-    data: list[str] = typer.Option(None, help="Text files, folders, globs, or JSONL with a 'text' field "
-                                              "(repeatable). Default: the running Python's standard library."),
-    out: str = typer.Option(None, help="Run folder for checkpoints, metrics and plots (default runs/PRESET-TIME)."),
+    preset: str = typer.Option(
+        None,
+        help="Model preset (default nano: 3.2M parameters, learns in minutes on 2 "
+        "CPU cores; small: about 100M).",
+    ),
+    config: str = typer.Option(
+        None, help="A model config.json (or a folder holding one) instead of --preset."
+    ),
+    data: list[str] = typer.Option(
+        None,
+        help="Text files, folders, globs, or JSONL with a 'text' field "
+        "(repeatable). Default: the running Python's standard library.",
+    ),
+    out: str = typer.Option(
+        None, help="Run folder for checkpoints, metrics and plots (default runs/PRESET-TIME)."
+    ),
     steps: int = typer.Option(None, help="Total optimizer steps of the schedule [default: 1000]."),
-    batch_size: int = typer.Option(None, help="Sequences per optimizer step, over all processes [default: 16]."),
+    batch_size: int = typer.Option(
+        None, help="Sequences per optimizer step, over all processes [default: 16]."
+    ),
     grad_accum: int = typer.Option(None, help="Micro-steps per optimizer step [default: 1]."),
     seq_len: int = typer.Option(None, help="Tokens per sequence [default: 256]."),
     lr: float = typer.Option(None, help="Peak learning rate [default: 2e-3]."),
@@ -39,21 +51,41 @@ def train(
     precision: str = typer.Option(None, help=f"One of {', '.join(PRECISIONS)} [default: fp32]."),
     seed: int = typer.Option(None, help="Seeds the weights and the data order [default: 0]."),
     vocab_size: int = typer.Option(None, help="BPE vocabulary size [default: the model config's]."),
-    val_fraction: float = typer.Option(None, help="Share of documents held out, by hash of name [default: 0.01]."),
+    val_fraction: float = typer.Option(
+        None, help="Share of documents held out, by hash of name [default: 0.01]."
+    ),
     eval_tokens: int = typer.Option(None, help="Held-out tokens per evaluation [default: 32768]."),
-    moe_output_format: str = typer.Option(None, help="Simulate the MoE combine in bf16, e4m3, e5m2, logfmt8 or "
-                                                     "logfmt10 (straight-through)."),
+    moe_output_format: str = typer.Option(
+        None, help="Simulate the MoE combine in bf16, e4m3, e5m2, logfmt8 or logfmt10 (straight-through)."
+    ),
+    ep: int = typer.Option(
+        None,
+        help="Expert parallelism over N torchrun processes (N = --nproc-per-node x "
+        "nodes): each holds 1/N of every MoE layer's routed experts.",
+    ),
+    gpus_per_node: int = typer.Option(
+        None, help="Processes per node for --ep's two-hop dispatch [default: 2]."
+    ),
     save_every: int = typer.Option(None, help="Checkpoint every N steps [default: 200]."),
     eval_every: int = typer.Option(None, help="Evaluate every N steps [default: 100]."),
     keep_last: int = typer.Option(None, help="Checkpoints kept [default: 3]."),
-    log_every: int = typer.Option(None, help="Log line every N steps when stderr is not a terminal [default: 10]."),
+    log_every: int = typer.Option(
+        None, help="Log line every N steps when stderr is not a terminal [default: 10]."
+    ),
     sample_tokens: int = typer.Option(None, help="Tokens to sample at the end (0: none) [default: 0]."),
     sample_prompt: str = typer.Option(None, help="Prompt of the end-of-run sample [default: 'def']."),
-    max_bad_steps: int = typer.Option(None, help="Stop after this many non-finite steps in a row [default: 5]."),
-    cache_dir: str = typer.Option(None, help="Tokenizer and token cache [default: $DSV3_CACHE or ~/.cache/dsv3]."),
+    max_bad_steps: int = typer.Option(
+        None, help="Stop after this many non-finite steps in a row [default: 5]."
+    ),
+    cache_dir: str = typer.Option(
+        None, help="Tokenizer and token cache [default: $DSV3_CACHE or ~/.cache/dsv3]."
+    ),
     device: str = typer.Option(None, help="auto, cpu or cuda [default: auto]."),
-    threads: int = typer.Option(None, help="torch CPU threads (0: torch's default). On a small model and a busy "
-                                           "machine, 1 thread is often as fast and far steadier [default: 0]."),
+    threads: int = typer.Option(
+        None,
+        help="torch CPU threads (0: torch's default). On a small model and a busy "
+        "machine, 1 thread is often as fast and far steadier [default: 0].",
+    ),
     resume: str = typer.Option(None, help="Continue the run in this folder from its latest checkpoint."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON summary on stdout."),
 ) -> None:

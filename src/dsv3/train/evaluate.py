@@ -24,24 +24,40 @@ def eval_windows(val: PackedSequences, eval_tokens: int) -> list[int]:
 
 
 @torch.no_grad()
-def evaluate(model, val: PackedSequences, windows: list[int], token_bytes: np.ndarray, world: World,
-             batch_size: int, autocast) -> dict[str, float]:
+def evaluate(
+    model,
+    val: PackedSequences,
+    windows: list[int],
+    token_bytes: np.ndarray,
+    world: World,
+    batch_size: int,
+    autocast,
+) -> dict[str, float]:
     """Loss (nats per token) and bits per byte over ``windows``, split across ranks and summed."""
     was_training = model.training
     model.eval()
-    mine = windows[world.rank::world.size]
+    mine = windows[world.rank :: world.size]
     nats = torch.zeros((), dtype=torch.float64)
     n_bytes = n_tokens = 0
     for start in range(0, len(mine), batch_size):
-        inputs, labels = val.batch(mine[start:start + batch_size])
+        inputs, labels = val.batch(mine[start : start + batch_size])
         with autocast:
             logits = model(inputs.to(world.device))
-        nats += F.cross_entropy(logits.float().flatten(0, 1), labels.to(world.device).flatten(),
-                                reduction="sum").double().cpu()
+        nats += (
+            F.cross_entropy(logits.float().flatten(0, 1), labels.to(world.device).flatten(), reduction="sum")
+            .double()
+            .cpu()
+        )
         n_bytes += int(token_bytes[labels.numpy()].sum())
         n_tokens += labels.numel()
-    totals = world.sum_(torch.tensor([nats.item(), n_bytes, n_tokens], dtype=torch.float64, device=world.device))
+    totals = world.sum_(
+        torch.tensor([nats.item(), n_bytes, n_tokens], dtype=torch.float64, device=world.device)
+    )
     model.train(was_training)
     nats_total, bytes_total, tokens_total = totals.tolist()
-    return {"val_loss": nats_total / tokens_total, "val_bpb": nats_total / math.log(2) / max(bytes_total, 1.0),
-            "val_tokens": int(tokens_total), "val_bytes": int(bytes_total)}
+    return {
+        "val_loss": nats_total / tokens_total,
+        "val_bpb": nats_total / math.log(2) / max(bytes_total, 1.0),
+        "val_tokens": int(tokens_total),
+        "val_bytes": int(bytes_total),
+    }

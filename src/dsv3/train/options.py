@@ -17,8 +17,20 @@ from dsv3.errors import DSV3Error
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 # May differ between the original run and a resumption without changing what is computed.
-OPERATIONAL = {"out", "steps", "save_every", "eval_every", "keep_last", "log_every", "sample_tokens",
-               "sample_prompt", "max_bad_steps", "cache_dir", "device", "threads"}
+OPERATIONAL = {
+    "out",
+    "steps",
+    "save_every",
+    "eval_every",
+    "keep_last",
+    "log_every",
+    "sample_tokens",
+    "sample_prompt",
+    "max_bad_steps",
+    "cache_dir",
+    "device",
+    "threads",
+}
 
 
 @dataclass
@@ -65,8 +77,19 @@ class TrainOptions:
 
     def check(self) -> TrainOptions:
         """Raise one clear DSV3Error for the first impossible setting."""
-        positive = ("steps", "batch_size", "grad_accum", "seq_len", "save_every", "eval_every", "keep_last",
-                    "log_every", "eval_tokens", "max_bad_steps", "gpus_per_node")
+        positive = (
+            "steps",
+            "batch_size",
+            "grad_accum",
+            "seq_len",
+            "save_every",
+            "eval_every",
+            "keep_last",
+            "log_every",
+            "eval_tokens",
+            "max_bad_steps",
+            "gpus_per_node",
+        )
         for name in positive:
             if getattr(self, name) < 1:
                 raise DSV3Error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(self, name)}")
@@ -77,8 +100,11 @@ class TrainOptions:
         if self.warmup is not None and not 0 <= self.warmup <= self.steps:
             raise DSV3Error(f"--warmup must be between 0 and --steps ({self.steps}), got {self.warmup}")
         if self.batch_size % self.grad_accum:
-            raise DSV3Error(f"--batch-size ({self.batch_size}) must be a multiple of --grad-accum "
-                            f"({self.grad_accum})")
+            raise DSV3Error(
+                f"--batch-size ({self.batch_size}) must be a multiple of --grad-accum ({self.grad_accum})"
+            )
+        if self.ep is not None and self.ep < 1:
+            raise DSV3Error(f"--ep must be at least 1, got {self.ep}")
         if self.threads < 0:
             raise DSV3Error(f"--threads must be >= 0, got {self.threads}")
         if self.sample_tokens < 0:
@@ -115,7 +141,9 @@ def resumed_options(saved: TrainOptions, given: dict[str, Any]) -> TrainOptions:
         if value is None or value == getattr(saved, name):
             continue
         if name not in OPERATIONAL:
-            raise DSV3Error(f"--{name.replace('_', '-')} {value!r} differs from the resumed run's "
-                            f"{getattr(saved, name)!r}; start a new run with --out to change it")
+            raise DSV3Error(
+                f"--{name.replace('_', '-')} {value!r} differs from the resumed run's "
+                f"{getattr(saved, name)!r}; start a new run with --out to change it"
+            )
         changes[name] = value
     return dataclasses.replace(saved, **changes)

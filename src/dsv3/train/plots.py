@@ -13,7 +13,9 @@ import numpy as np
 HEATMAP_COLUMNS = 120  # steps are averaged into at most this many columns
 
 
-def write_plots(rows: list[dict[str, Any]], run_dir: Path, moe_names: list[str] | None = None) -> dict[str, str]:
+def write_plots(
+    rows: list[dict[str, Any]], run_dir: Path, moe_names: list[str] | None = None
+) -> dict[str, str]:
     """Write loss_curve.png and expert_load.png (when the model has MoE layers); returns their paths.
     ``moe_names`` labels the heatmap's rows (one per MoE layer, in metrics order)."""
     import matplotlib
@@ -22,8 +24,14 @@ def write_plots(rows: list[dict[str, Any]], run_dir: Path, moe_names: list[str] 
     train = [r for r in rows if r.get("kind") == "train" and r.get("loss") is not None]
     if not train:
         return {}
-    out = {"loss_curve": str(_save(_loss_figure(train, [r for r in rows if r.get("kind") == "eval"]),
-                                   Path(run_dir) / "loss_curve.png"))}
+    out = {
+        "loss_curve": str(
+            _save(
+                _loss_figure(train, [r for r in rows if r.get("kind") == "eval"]),
+                Path(run_dir) / "loss_curve.png",
+            )
+        )
+    }
     loads = [(r["step"], np.asarray(r["expert_load"], dtype=float)) for r in train if r.get("expert_load")]
     if loads:
         out["expert_load"] = str(_save(_load_figure(loads, moe_names), Path(run_dir) / "expert_load.png"))
@@ -42,7 +50,9 @@ def _loss_figure(train, evals):
         ax.plot(*zip(*mtp, strict=True), lw=0.8, alpha=0.6, label="MTP (token after next)")
     if evals:
         ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="held out")
-        ax.set_title(f"final held-out: {evals[-1]['val_loss']:.3f} nats/token, {evals[-1]['val_bpb']:.3f} bits/byte")
+        ax.set_title(
+            f"final held-out: {evals[-1]['val_loss']:.3f} nats/token, {evals[-1]['val_bpb']:.3f} bits/byte"
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.grid(alpha=0.3)
@@ -63,8 +73,15 @@ def _load_figure(loads, names):
     fig, axes = plt.subplots(n_layers, 1, figsize=(9, 1.0 + 1.6 * n_layers), squeeze=False, sharex=True)
     vmax = max(2.0, float(binned.max()))
     for i, ax in enumerate(axes[:, 0]):
-        im = ax.imshow(binned[:, i, :].T, aspect="auto", cmap="magma", vmin=0.0, vmax=vmax, interpolation="nearest",
-                       extent=(steps[0], steps[-1], binned.shape[2] - 0.5, -0.5))
+        im = ax.imshow(
+            binned[:, i, :].T,
+            aspect="auto",
+            cmap="magma",
+            vmin=0.0,
+            vmax=vmax,
+            interpolation="nearest",
+            extent=(steps[0], steps[-1], binned.shape[2] - 0.5, -0.5),
+        )
         ax.set_ylabel(f"{names[i] if names and i < len(names) else f'MoE {i}'}\nexpert")
     axes[-1, 0].set_xlabel("step")
     fig.colorbar(im, ax=axes[:, 0].tolist(), label="load / mean load")

@@ -56,8 +56,10 @@ def model_config(opts: TrainOptions) -> ModelConfig:
     if opts.vocab_size:
         cfg = cfg.replace(vocab_size=opts.vocab_size)
     if opts.seq_len > cfg.max_position_embeddings:
-        raise DSV3Error(f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings "
-                        f"({cfg.max_position_embeddings})")
+        raise DSV3Error(
+            f"--seq-len {opts.seq_len} exceeds the model's max_position_embeddings "
+            f"({cfg.max_position_embeddings})"
+        )
     return cfg.validate()
 
 
@@ -72,15 +74,22 @@ def prepare_data(opts: TrainOptions, vocab_size: int, world: World, progress: Tr
     streams = tokenize_corpus(corpus, tokenizer, cache)
     if world.is_main:
         world.barrier()
-    progress.note(f"data: {corpus.description}; {len(corpus.train)} documents "
-                  f"({len(streams.train):,} tokens) for training, {len(corpus.val)} held out "
-                  f"({len(streams.val):,} tokens); BPE vocab {tokenizer.get_vocab_size()}; "
-                  f"ready in {time.perf_counter() - t0:.1f}s (cache: {cache})")
+    progress.note(
+        f"data: {corpus.description}; {len(corpus.train)} documents "
+        f"({len(streams.train):,} tokens) for training, {len(corpus.val)} held out "
+        f"({len(streams.val):,} tokens); BPE vocab {tokenizer.get_vocab_size()}; "
+        f"ready in {time.perf_counter() - t0:.1f}s (cache: {cache})"
+    )
     val_len = min(opts.seq_len, len(streams.val) - 1)
     if val_len < 1:
         raise DSV3Error("the held-out split has fewer than 2 tokens; add data or raise --val-fraction")
-    return TrainingData(tokenizer, PackedSequences(streams.train, opts.seq_len),
-                        PackedSequences(streams.val, val_len), token_byte_lengths(tokenizer), corpus.description)
+    return TrainingData(
+        tokenizer,
+        PackedSequences(streams.train, opts.seq_len),
+        PackedSequences(streams.val, val_len),
+        token_byte_lengths(tokenizer),
+        corpus.description,
+    )
 
 
 def build_optimizer(model: torch.nn.Module, opts: TrainOptions):
@@ -95,11 +104,14 @@ def build_optimizer(model: torch.nn.Module, opts: TrainOptions):
     optimizer = torch.optim.AdamW(groups, lr=opts.lr, betas=(opts.beta1, opts.beta2), fused=fused)
     warmup = opts.warmup_steps
     scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: lr_factor(s, opts.steps, warmup, opts.min_lr_ratio))
+        optimizer, lambda s: lr_factor(s, opts.steps, warmup, opts.min_lr_ratio)
+    )
     return optimizer, scheduler
 
 
 def build_model(cfg: ModelConfig, opts: TrainOptions, resume_from: Path | None, world: World) -> Transformer:
+    """The model to train: fresh from the seed or from a checkpoint, then the numerics and the expert
+    sharding the options ask for (every rank builds the same full model before sharding)."""
     if resume_from is not None:
         from dsv3 import load_pretrained
 
@@ -108,15 +120,24 @@ def build_model(cfg: ModelConfig, opts: TrainOptions, resume_from: Path | None, 
         torch.manual_seed(opts.seed)
         model = Transformer(cfg)
     model = model.to(world.device).train()
-    if opts.moe_output_format:
+    if opts.ep:
+        from dsv3.train.expert_parallel import enable
+
+        enable(model, opts.ep, opts.gpus_per_node, opts.precision, opts.moe_output_format, world)
+    elif opts.moe_output_format:
         apply_moe_output_format(model, opts.moe_output_format)
     if opts.precision == "fp8":
         apply_fp8(model)
     return model
 
 
-def run_training(opts: TrainOptions, resume: bool = False, on_step: StepCallback | None = None,
-                 show_progress: bool = True, plots: bool = True) -> dict[str, Any]:
+def run_training(
+    opts: TrainOptions,
+    resume: bool = False,
+    on_step: StepCallback | None = None,
+    show_progress: bool = True,
+    plots: bool = True,
+) -> dict[str, Any]:
     """Train (or continue) the run in ``opts.out`` to ``opts.steps``; returns the summary.
     ``on_step(row)`` sees every step's metrics row; ``plots=False`` skips the end-of-run PNGs."""
     opts.check()
@@ -130,8 +151,15 @@ def run_training(opts: TrainOptions, resume: bool = False, on_step: StepCallback
 
 
 class _Run:
-    def __init__(self, opts: TrainOptions, world: World, resume: bool, on_step: StepCallback | None,
-                 show_progress: bool, plots: bool):
+    def __init__(
+        self,
+        opts: TrainOptions,
+        world: World,
+        resume: bool,
+        on_step: StepCallback | None,
+        show_progress: bool,
+        plots: bool,
+    ):
         self.opts, self.world, self.on_step, self.plots = opts, world, on_step, plots
         self.run_dir = Path(opts.out)
         self.progress = TrainProgress(opts.steps, opts.log_every, enabled=show_progress and world.is_main)
@@ -139,6 +167,8 @@ class _Run:
         self.cfg = model_config(opts)
         self.data = prepare_data(opts, self.cfg.vocab_size, world, self.progress)
         self.model = build_model(self.cfg, opts, self.resume_from, world)
+        self.expert_parallel = bool(opts.ep)
+        self.n_params = _parameter_count(self.model, world, self.expert_parallel)
         self.optimizer, self.scheduler = build_optimizer(self.model, opts)
         self.state = RunState()
         self.autocast = autocast(opts.precision, world.device)
@@ -146,10 +176,25 @@ class _Run:
         if self.resume_from is not None:
             self._restore(self.resume_from)
         self.order = SampleOrder(len(self.data.train), opts.seed)
-        self.stepper = StepRunner(self.model, wrap_for_training(self.model, world), self.optimizer, self.scheduler,
-                                  self.data.train, self.order, world, opts.batch_size, opts.grad_accum,
-                                  opts.grad_clip, self.autocast)
+        self.stepper = StepRunner(
+            self.model,
+            wrap_for_training(self.model, world, self.expert_parallel),
+            self.optimizer,
+            self.scheduler,
+            self.data.train,
+            self.order,
+            world,
+            opts.batch_size,
+            opts.grad_accum,
+            opts.grad_clip,
+            self.autocast,
+            self.expert_parallel,
+        )
         self.val_windows = eval_windows(self.data.val, opts.eval_tokens)
+        if self.expert_parallel:  # every rank must run the same number of (collective) forwards
+            self.val_windows = self.val_windows[
+                : max(world.size, len(self.val_windows) // world.size * world.size)
+            ]
         self.last_eval: dict[str, Any] | None = None
         self.last_checkpoint: Path | None = self.resume_from
         self.stop_reason = "completed"
@@ -161,8 +206,10 @@ class _Run:
             if latest is None:
                 raise DSV3Error(f"{self.run_dir} holds no complete checkpoint to resume from")
         elif ckpt.latest_checkpoint(self.run_dir) is not None:
-            raise DSV3Error(f"{self.run_dir} already holds a run; continue it with --resume {self.run_dir} "
-                            "or choose another --out")
+            raise DSV3Error(
+                f"{self.run_dir} already holds a run; continue it with --resume {self.run_dir} "
+                "or choose another --out"
+            )
         else:
             latest = None
         if self.world.is_main:
@@ -174,6 +221,14 @@ class _Run:
 
     def _restore(self, folder: Path) -> None:
         saved = ckpt.load_trainer_state(folder)
+        if self.expert_parallel:
+            if saved.get("ep_size") != self.world.size:
+                raise DSV3Error(
+                    f"{folder} was saved by {saved.get('ep_size') or 1} expert-parallel rank(s); "
+                    f"resume it with the same --ep and number of processes"
+                )
+            if not self.world.is_main:
+                saved["optimizer"] = ckpt.load_trainer_state(folder, self.world.rank)["optimizer"]
         self.optimizer.load_state_dict(saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
         self.state = RunState(**saved["run"])
@@ -184,9 +239,11 @@ class _Run:
     # ---- the loop -----------------------------------------------------------------------
     def execute(self) -> dict[str, Any]:
         opts = self.opts
-        self.progress.note(f"model: {_count(self.model) / 1e6:.2f}M parameters; {self.world.size} process(es) on "
-                           f"{self.world.device}; {opts.precision}; {opts.batch_size} x {opts.seq_len} tokens "
-                           f"per step; run folder {self.run_dir}")
+        self.progress.note(
+            f"model: {self.n_params / 1e6:.2f}M parameters; {self.world.size} process(es) on "
+            f"{self.world.device}; {opts.precision}; {opts.batch_size} x {opts.seq_len} tokens "
+            f"per step; run folder {self.run_dir}"
+        )
         self.progress.start(self.state.step)
         with GracefulStop() as stop:
             while self.state.step < opts.steps:
@@ -212,30 +269,73 @@ class _Run:
         if step % opts.save_every == 0 or step == opts.steps or self.stop_reason != "completed":
             self._save()
         if self.stop_reason == "non-finite":
-            raise DSV3Error(f"the loss or gradient was non-finite for {self.state.bad_in_a_row} steps in a row "
-                            f"(up to step {step}); stopped. The last checkpoint, {self.last_checkpoint}, holds "
-                            "the weights from before those steps: lower --lr or check the data, then --resume")
+            raise DSV3Error(
+                f"the loss or gradient was non-finite for {self.state.bad_in_a_row} steps in a row "
+                f"(up to step {step}); stopped. The last checkpoint, {self.last_checkpoint}, holds "
+                "the weights from before those steps: lower --lr or check the data, then --resume"
+            )
 
     def _evaluate(self) -> None:
-        result = evaluate(self.model, self.data.val, self.val_windows, self.data.token_bytes, self.world,
-                          max(1, self.stepper.per_rank), self.autocast)
+        result = evaluate(
+            self.model,
+            self.data.val,
+            self.val_windows,
+            self.data.token_bytes,
+            self.world,
+            max(1, self.stepper.per_rank),
+            self.autocast,
+        )
         self.last_eval = {"kind": "eval", "step": self.state.step, **result}
         self.metrics.write(self.last_eval)
-        self.progress.note(f"eval step {self.state.step}: val loss {result['val_loss']:.4f}, "
-                           f"{result['val_bpb']:.4f} bits/byte")
+        self.progress.note(
+            f"eval step {self.state.step}: val loss {result['val_loss']:.4f}, "
+            f"{result['val_bpb']:.4f} bits/byte"
+        )
 
     def _save(self) -> None:
+        model, extras = self.model, []
+        if self.expert_parallel:  # each rank's optimizer holds its own experts' moments
+            from dsv3.train.expert_parallel import gathered_model
+
+            model = gathered_model(self.model, self.cfg)
+            if not self.world.is_main:
+                ckpt.save_rank_state(
+                    self.run_dir, self.state.step, self.world.rank, {"optimizer": self.optimizer.state_dict()}
+                )
+            extras = ckpt.pending_rank_states(self.run_dir, self.state.step, self.world.size)
+            self.world.barrier()
         if self.world.is_main:
-            trainer_state = {"optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                             "rng": ckpt.rng_state(), "run": dataclasses.asdict(self.state),
-                             "world_size": self.world.size}
-            summary = {"step": self.state.step, "samples": self.state.samples, "tokens": self.state.tokens,
-                       "epoch": self.order.epoch_of(self.state.samples), "last_eval": self.last_eval,
-                       "options": self.opts.to_dict()}
+            trainer_state = {
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "rng": ckpt.rng_state(),
+                "run": dataclasses.asdict(self.state),
+                "world_size": self.world.size,
+                "ep_size": self.world.size if self.expert_parallel else 0,
+            }
+            summary = {
+                "step": self.state.step,
+                "samples": self.state.samples,
+                "tokens": self.state.tokens,
+                "epoch": self.order.epoch_of(self.state.samples),
+                "last_eval": self.last_eval,
+                "options": self.opts.to_dict(),
+            }
             max_len = self.cfg.max_position_embeddings
+
+            def write_extras(folder: Path) -> None:
+                save_tokenizer_files(self.data.tokenizer, folder, max_len)
+                ckpt.adopt_rank_states(extras, folder)
+
             self.last_checkpoint = ckpt.save_checkpoint(
-                self.run_dir, self.state.step, self.model, trainer_state, summary,
-                lambda folder: save_tokenizer_files(self.data.tokenizer, folder, max_len), self.opts.keep_last)
+                self.run_dir,
+                self.state.step,
+                model,
+                trainer_state,
+                summary,
+                write_extras,
+                self.opts.keep_last,
+            )
         self.world.barrier()
         self.last_checkpoint = ckpt.latest_checkpoint(self.run_dir)
 
@@ -245,45 +345,71 @@ class _Run:
         train_rows = [r for r in rows if r.get("kind") == "train" and r.get("loss") is not None]
         plots = {}
         sample = None
+        sampler = self.model
+        if self.opts.sample_tokens and self.expert_parallel:
+            from dsv3.train.expert_parallel import gathered_model
+
+            sampler = gathered_model(self.model, self.cfg)
         if self.world.is_main and self.plots:
             from dsv3.train.plots import write_plots
 
             plots = write_plots(rows, self.run_dir, moe_layer_names(self.model))
         if self.world.is_main:
             if self.opts.sample_tokens:
-                sample = self._sample()
+                sample = self._sample(sampler)
         recent = [r["loss"] for r in train_rows[-10:]]
         return {
-            "run_dir": str(self.run_dir), "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
-            "stopped": self.stop_reason, "step": self.state.step, "steps": self.opts.steps,
-            "tokens": self.state.tokens, "first_loss": train_rows[0]["loss"] if train_rows else None,
+            "run_dir": str(self.run_dir),
+            "checkpoint": str(self.last_checkpoint) if self.last_checkpoint else None,
+            "stopped": self.stop_reason,
+            "step": self.state.step,
+            "steps": self.opts.steps,
+            "tokens": self.state.tokens,
+            "first_loss": train_rows[0]["loss"] if train_rows else None,
             "final_loss": sum(recent) / len(recent) if recent else None,
             "val_loss": self.last_eval["val_loss"] if self.last_eval else None,
             "val_bpb": self.last_eval["val_bpb"] if self.last_eval else None,
-            "tokens_per_s": self.state.tokens / self.state.train_seconds if self.state.train_seconds else None,
-            "train_seconds": self.state.train_seconds, "skipped_steps": self.state.skipped,
-            "parameters": _count(self.model), "world_size": self.world.size, "precision": self.opts.precision,
-            "data": self.data.description, "plots": plots, "sample": sample,
+            "tokens_per_s": self.state.tokens / self.state.train_seconds
+            if self.state.train_seconds
+            else None,
+            "train_seconds": self.state.train_seconds,
+            "skipped_steps": self.state.skipped,
+            "parameters": self.n_params,
+            "world_size": self.world.size,
+            "precision": self.opts.precision,
+            "data": self.data.description,
+            "plots": plots,
+            "sample": sample,
         }
 
-    def _sample(self) -> str:
+    def _sample(self, model) -> str:
         from dsv3.train.sample import sample_text
 
-        text = sample_text(self.model, self.data.tokenizer, self.opts.sample_prompt, self.opts.sample_tokens,
-                           seed=self.opts.seed)
+        text = sample_text(
+            model, self.data.tokenizer, self.opts.sample_prompt, self.opts.sample_tokens, seed=self.opts.seed
+        )
         self.progress.note(f"sample (temperature 0.8, top-k 40):\n{self.opts.sample_prompt}{text}")
         return self.opts.sample_prompt + text
 
 
 def moe_layer_names(model: Transformer) -> list[str]:
-    """"layer 3", ... for the main model's MoE layers and "MTP 1", ... for the MTP modules', in the order
+    """ "layer 3", ... for the main model's MoE layers and "MTP 1", ... for the MTP modules', in the order
     of ``model.moe_layers()`` (the order of the metrics' expert loads)."""
     n_main = model.config.num_hidden_layers
-    names = {id(block.mlp): (f"layer {i}" if i < n_main else f"MTP {i - n_main + 1}")
-             for i, block in enumerate(model.model.layers)}
+    names = {
+        id(block.mlp): (f"layer {i}" if i < n_main else f"MTP {i - n_main + 1}")
+        for i, block in enumerate(model.model.layers)
+    }
     return [names.get(id(m), "MoE") for m in model.moe_layers()]
 
 
-def _count(model: torch.nn.Module) -> int:
-    return sum(p.numel() for p in model.parameters())
+def _parameter_count(model: torch.nn.Module, world: World, expert_parallel: bool) -> int:
+    """All parameters of the model; under expert parallelism each rank's share of experts is summed."""
+    total = sum(p.numel() for p in model.parameters())
+    if expert_parallel:
+        from dsv3.train.expert_parallel import expert_parameter_ids
 
+        experts = expert_parameter_ids(model)
+        local = sum(p.numel() for p in model.parameters() if id(p) in experts)
+        total += int(world.sum_(torch.tensor([float(local)], device=world.device)).item()) - local
+    return total

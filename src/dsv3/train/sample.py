@@ -16,8 +16,15 @@ from dsv3.errors import DSV3Error
 
 
 @torch.no_grad()
-def sample_text(model, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, temperature: float = 0.8,
-                top_k: int = 40, seed: int = 0) -> str:
+def sample_text(
+    model,
+    tokenizer: Tokenizer,
+    prompt: str,
+    max_new_tokens: int,
+    temperature: float = 0.8,
+    top_k: int = 40,
+    seed: int = 0,
+) -> str:
     """The prompt's continuation (without the prompt). temperature 0 is greedy; stops at end-of-document."""
     was_training = model.training
     model.eval()
@@ -30,7 +37,7 @@ def sample_text(model, tokenizer: Tokenizer, prompt: str, max_new_tokens: int, t
     new: list[int] = []
     for _ in range(max_new_tokens):
         logits = model(tokens[:, -limit:])[0, -1].float().cpu()  # [vocab]
-        logits[tokenizer.get_vocab_size():] = float("-inf")  # ids the tokenizer never produces
+        logits[tokenizer.get_vocab_size() :] = float("-inf")  # ids the tokenizer never produces
         nxt = _choose(logits, temperature, top_k, generator)
         if nxt == eos:
             break
@@ -67,7 +74,9 @@ def main(argv: list[str] | None = None) -> int:
             raise DSV3Error(f"{path} has no tokenizer.json")
         model = load_pretrained(path, dtype=torch.float32)
         tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-        text = sample_text(model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed)
+        text = sample_text(
+            model, tokenizer, args.prompt, args.max_new_tokens, args.temperature, args.top_k, args.seed
+        )
     except DSV3Error as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
