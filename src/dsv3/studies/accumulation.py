@@ -1,10 +1,12 @@
 """`dsv3 study accumulation`: how much a narrow tensor-core accumulator loses, and what promotion buys.
 
-Random FP8 (E4M3, per-tensor scaled) dot products of length K are summed by the emulated Hopper
-accumulator (32 products aligned to the largest exponent, 13 fraction bits kept, truncation) with no
-promotion and with promotion to FP32 every N_C = 32, 128, 512 products; the relative error against the
-exact sum is reported per K (maximum and median over the trials). The V3 report quotes a maximum
-relative error of nearly 2% at K = 4096 without promotion.
+Two random matrices A [S, K] and B [S, K] (standard normal, quantized to E4M3 with one scale per
+tensor) are multiplied through the emulated Hopper adder (32 products aligned with the FP22
+accumulator to the largest exponent, 13 fraction bits, sign-fill truncation) with no promotion and
+with promotion to FP32 every N_C = 32, 128, 512 products. The error is measured against the exact
+product, per K, as the maximum over the trials of a relative error (normwise ||C' - C||_F / ||C||_F by
+default). The V3 report quotes a maximum relative error of nearly 2% at K = 4096 without promotion;
+``--readings`` lists how other readings of the hardware and of the claim compare at one K.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import json
 import os
 import sys
 import tempfile
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -22,11 +25,26 @@ from rich.progress import Progress
 from rich.table import Table
 
 from dsv3.errors import DSV3Error
-from dsv3.precision import accumulation
+from dsv3.precision import accumulation as acc_lib
+from dsv3.precision.accumulation import Accumulator
 
 DEFAULT_KS = "256,512,1024,2048,4096,8192,16384"
 PROMOTIONS: tuple[int | None, ...] = (None, 32, 128, 512)
 V3_CLAIM = {"k": 4096, "max_relative_error": 0.02, "source": "V3 report §3.3.2, no promotion"}
+MAX_K = 65536
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What is multiplied and how the result is judged: inputs, adder model, error measure."""
+
+    dist: str = "normal"
+    inputs: str = "e4m3-tensor"
+    acc: Accumulator = field(default_factory=Accumulator)
+    metric: str = "normwise"
+    size: int = 64
+    trials: int = 2
+    seed: int = 0
 
 
 def mode_name(promote_every: int | None) -> str:
@@ -35,86 +53,198 @@ def mode_name(promote_every: int | None) -> str:
 
 def parse_ks(text: str) -> list[int]:
     try:
-        ks = [int(part) for part in text.split(",") if part.strip()]
+        ks = sorted({int(part) for part in text.split(",") if part.strip()})
     except ValueError as exc:
         raise DSV3Error(f"--k must be comma-separated integers, got {text!r}") from exc
-    if not ks or min(ks) < 1 or max(ks) > 65536:
-        raise DSV3Error(f"--k values must lie in 1..65536, got {text!r}")
+    group = acc_lib.HOPPER_GROUP
+    if not ks or min(ks) < group or max(ks) > MAX_K or any(k % group for k in ks):
+        raise DSV3Error(f"--k values must be multiples of {group} in {group}..{MAX_K}, got {text!r}")
     return ks
 
 
-def run_study(ks: list[int], trials: int, dist: str, align: str, fraction_bits: int, seed: int) -> dict:
-    """Every (K, promotion) cell: max and median relative error over ``trials`` dot products."""
-    rows = []
+def measure(setup: Setup, ks: list[int], promotions: tuple[int | None, ...], progress=None) -> dict:
+    """errors[mode][k][metric] = one value per trial; a promotion longer than k is skipped (no-op)."""
+    errors = {mode_name(p): {} for p in promotions}
+    rng = np.random.default_rng(setup.seed)
+    for _ in range(setup.trials):
+        a, b = acc_lib.random_operands(setup.size, setup.size, max(ks), setup.dist, setup.inputs, rng)
+        exact = {k: a[:, :k] @ b[:, :k].T for k in ks}  # exact in float64 for FP8 operands
+        for promote_every in promotions:
+            valid = [k for k in ks if promote_every is None or promote_every <= k]
+            if valid:
+                results = acc_lib.limited_matmul(a, b, valid, setup.acc, promote_every)
+                for k in valid:
+                    cell = errors[mode_name(promote_every)].setdefault(k, {m: [] for m in acc_lib.ERROR_METRICS})
+                    for metric in acc_lib.ERROR_METRICS:
+                        cell[metric].append(acc_lib.matrix_error(results[k], exact[k], a[:, :k], b[:, :k], metric))
+            if progress is not None:
+                progress()
+    return errors
+
+
+def run_study(setup: Setup, ks: list[int]) -> dict:
+    """Every (K, promotion) cell: the chosen metric's max and median over trials, and all metrics' max."""
     with Progress(console=Console(stderr=True), transient=True) as progress:
-        task = progress.add_task("accumulating", total=len(ks) * len(PROMOTIONS))
-        for k in ks:
-            row = {"k": k, "max": {}, "median": {}}
-            for promote_every in PROMOTIONS:
-                if promote_every is not None and promote_every > k:
-                    progress.advance(task)
-                    continue  # promotion never triggers: same as no promotion
-                errors = accumulation.relative_errors(
-                    k,
-                    trials,
-                    dist,
-                    promote_every,
-                    seed=seed,
-                    fraction_bits=fraction_bits,
-                    align_with_accumulator=align == "accumulator",
-                )
-                row["max"][mode_name(promote_every)] = float(errors.max())
-                row["median"][mode_name(promote_every)] = float(np.median(errors))
-                progress.advance(task)
-            rows.append(row)
+        task = progress.add_task("accumulating", total=setup.trials * len(PROMOTIONS))
+        errors = measure(setup, ks, PROMOTIONS, lambda: progress.advance(task))
+    rows = []
+    for k in ks:
+        row = {"k": k, "max": {}, "median": {}, "metrics": {}}
+        for mode, by_k in errors.items():
+            if k in by_k:
+                row["max"][mode] = max(by_k[k][setup.metric])
+                row["median"][mode] = float(np.median(by_k[k][setup.metric]))
+                row["metrics"][mode] = {m: max(v) for m, v in by_k[k].items()}
+        rows.append(row)
     return {
         "study": "accumulation",
-        "config": {
-            "trials": trials,
-            "dist": dist,
-            "align": align,
-            "fraction_bits": fraction_bits,
-            "group": accumulation.HOPPER_GROUP,
-            "seed": seed,
-            "inputs": "E4M3, one scale per tensor; exact reference in float64",
-        },
+        "config": describe(setup),
+        "metric": setup.metric,
         "modes": [mode_name(p) for p in PROMOTIONS],
+        "rows": rows,
+        "promotion_gain": promotion_gain(rows),
+        "v3_claim": V3_CLAIM,
+    }
+
+
+def describe(setup: Setup) -> dict:
+    config = asdict(setup)
+    config["acc"] = asdict(setup.acc)
+    config["reference"] = "exact product of the same quantized operands (float64)"
+    return config
+
+
+def promotion_gain(rows: list[dict]) -> dict | None:
+    """What N_C = 128 buys at the claim's K (or the largest K below it)."""
+    candidates = [r for r in rows if r["k"] <= V3_CLAIM["k"] and "N_C=128" in r["max"]]
+    if not candidates:
+        return None
+    row = candidates[-1]
+    none, promoted = row["max"]["no promotion"], row["max"]["N_C=128"]
+    return {"k": row["k"], "no promotion": none, "N_C=128": promoted, "factor": none / promoted if promoted else None}
+
+
+# --------------------------------------------------------------------------------------------------
+# Readings: the same question under other assumptions
+# --------------------------------------------------------------------------------------------------
+
+
+def readings() -> list[tuple[str, str, Setup]]:
+    """(description, CLI flags, setup) for each alternative reading, each one change from the default."""
+    base = Setup()
+    uniform = replace(base, dist="uniform")
+    return [
+        ("default: N(0,1), accumulator joins the alignment, floor, 13 bits", "", base),
+        ("14 fraction bits (V3: 'around 14 bits')", "--fraction-bits 14", with_acc(base, fraction_bits=14)),
+        (
+            "only the 32 products aligned, sum added to FP22",
+            "--align products",
+            with_acc(base, align_with_accumulator=False),
+        ),
+        (
+            "sign-magnitude truncation (toward zero)",
+            "--product-rounding toward_zero",
+            with_acc(base, product_rounding="toward_zero"),
+        ),
+        ("FP22 store rounds to nearest", "--register-rounding nearest", with_acc(base, register_rounding="nearest")),
+        ("E4M3 1x128 / 128x128 tiles, UE8M0 scales", "--inputs e4m3-tile", replace(base, inputs="e4m3-tile")),
+        ("BF16 inputs (16-bit products)", "--inputs bf16", replace(base, inputs="bf16")),
+        ("U[-1,1) inputs", "--dist uniform-symmetric", replace(base, dist="uniform-symmetric")),
+        ("abs N(0,1) inputs", "--dist abs-normal", replace(base, dist="abs-normal")),
+        ("U[0,1) inputs", "--dist uniform", uniform),
+        ("U[0,1), 14 fraction bits", "--dist uniform --fraction-bits 14", with_acc(uniform, fraction_bits=14)),
+        (
+            "U[0,1), toward zero, products-only alignment",
+            "--dist uniform --product-rounding toward_zero --align products",
+            with_acc(uniform, product_rounding="toward_zero", align_with_accumulator=False),
+        ),
+    ]
+
+
+def with_acc(setup: Setup, **changes) -> Setup:
+    return replace(setup, acc=replace(setup.acc, **changes))
+
+
+def run_readings(k: int, trials: int, size: int, seed: int) -> dict:
+    """Every reading's errors (all metrics, no promotion) and normwise error at N_C = 128, at one K."""
+    table = readings()
+    rows = []
+    with Progress(console=Console(stderr=True), transient=True) as progress:
+        task = progress.add_task("readings", total=len(table) * trials * 2)
+        for description, flags, setup in table:
+            setup = replace(setup, trials=trials, size=size, seed=seed)
+            errors = measure(setup, [k], (None, 128), lambda: progress.advance(task))
+            none = {m: max(v) for m, v in errors["no promotion"][k].items()}
+            promoted = max(errors["N_C=128"][k]["normwise"]) if k in errors["N_C=128"] else None
+            rows.append({"reading": description, "flags": flags, "no promotion": none, "N_C=128 normwise": promoted})
+    return {
+        "study": "accumulation-readings",
+        "k": k,
+        "trials": trials,
+        "size": size,
         "rows": rows,
         "v3_claim": V3_CLAIM,
     }
 
 
-def markdown_table(result: dict) -> str:
-    modes = result["modes"]
-    lines = [
-        "| K | " + " | ".join(f"{m} max (median)" for m in modes) + " |",
-        "|---:|" + "---:|" * len(modes),
-    ]
+# --------------------------------------------------------------------------------------------------
+# Output
+# --------------------------------------------------------------------------------------------------
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.3g}%"
+
+
+def study_cells(result: dict) -> list[list[str]]:
+    return [[str(row["k"])] + [_pct(row["max"].get(mode)) for mode in result["modes"]] for row in result["rows"]]
+
+
+def gain_line(result: dict) -> str:
+    gain = result["promotion_gain"]
+    if gain is None:
+        return ""
+    factor = "inf" if gain["factor"] is None else f"{gain['factor']:.0f}x"
+    return (
+        f"K = {gain['k']}: no promotion {_pct(gain['no promotion'])}, N_C = 128 {_pct(gain['N_C=128'])} "
+        f"({factor} smaller); V3 report: nearly 2% at K = 4096"
+    )
+
+
+def reading_cells(result: dict) -> list[list[str]]:
+    cells = []
     for row in result["rows"]:
-        cells = [_cell(row, m) for m in modes]
-        lines.append(f"| {row['k']} | " + " | ".join(cells) + " |")
+        none = row["no promotion"]
+        metrics = [_pct(none[m]) for m in acc_lib.ERROR_METRICS]
+        cells.append(
+            [row["reading"], f"`{row['flags']}`" if row["flags"] else "", *metrics, _pct(row["N_C=128 normwise"])]
+        )
+    return cells
+
+
+READING_HEADERS = ["reading", "flags", *acc_lib.ERROR_METRICS, "N_C=128 normwise"]
+
+
+def markdown_table(headers: list[str], cells: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
+    lines += ["| " + " | ".join(row) + " |" for row in cells]
     return "\n".join(lines)
 
 
-def _cell(row: dict, mode: str) -> str:
-    if mode not in row["max"]:
-        return "-"
-    return f"{row['max'][mode]:.2e} ({row['median'][mode]:.2e})"
-
-
-def print_rich(result: dict) -> None:
-    cfg = result["config"]
-    table = Table(title=f"relative error of FP8 dot products, {cfg['dist']} inputs, {cfg['trials']} trials")
-    table.add_column("K", justify="right")
-    for mode in result["modes"]:
-        table.add_column(f"{mode}\nmax (median)", justify="right")
-    for row in result["rows"]:
-        table.add_row(str(row["k"]), *[_cell(row, m) for m in result["modes"]])
-    Console().print(table)
+def print_rich(title: str, headers: list[str], cells: list[list[str]], footer: str = "") -> None:
+    table = Table(title=title)
+    for i, header in enumerate(headers):
+        table.add_column(header, justify="left" if i == 0 and not header == "K" else "right")
+    for row in cells:
+        table.add_row(*row)
+    console = Console()
+    console.print(table)
+    if footer:
+        console.print(footer)
 
 
 def write_plot(result: dict, path: Path) -> None:
-    """Max (solid) and median (dashed) relative error versus K, one colour per promotion mode."""
+    """Max (solid) and median (dashed) relative error over trials versus K, one colour per mode."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -122,13 +252,14 @@ def write_plot(result: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
     for mode in result["modes"]:
-        ks = [r["k"] for r in result["rows"] if mode in r["max"]]
-        (line,) = ax.plot(ks, [r["max"][mode] for r in result["rows"] if mode in r["max"]], "o-", label=mode)
-        ax.plot(ks, [r["median"][mode] for r in result["rows"] if mode in r["max"]], "--", color=line.get_color())
+        rows = [r for r in result["rows"] if mode in r["max"]]
+        ks = [r["k"] for r in rows]
+        (line,) = ax.plot(ks, [r["max"][mode] for r in rows], "o-", label=mode)
+        ax.plot(ks, [r["median"][mode] for r in rows], "--", color=line.get_color())
     ax.plot([V3_CLAIM["k"]], [V3_CLAIM["max_relative_error"]], "k*", markersize=12, label="V3 report: ~2%")
-    ax.set(xscale="log", yscale="log", xlabel="K (dot-product length)", ylabel="relative error")
+    ax.set(xscale="log", yscale="log", xlabel="K (inner dimension)", ylabel=f"{result['metric']} relative error")
     cfg = result["config"]
-    ax.set_title(f"{cfg['fraction_bits']}-bit accumulation, {cfg['dist']} FP8 inputs (solid max, dashed median)")
+    ax.set_title(f"{cfg['acc']['fraction_bits']}-bit accumulation, {cfg['dist']} {cfg['inputs']} inputs", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
@@ -150,35 +281,78 @@ def atomic_savefig(fig, path: Path) -> None:
             os.remove(tmp)
 
 
+# --------------------------------------------------------------------------------------------------
+# CLI
+# --------------------------------------------------------------------------------------------------
+
+
+def _choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
+    if value not in allowed:
+        raise DSV3Error(f"{name} must be one of {', '.join(allowed)}; got {value!r}")
+    return value
+
+
+def build_setup(dist, inputs, align, product_rounding, register_rounding, fraction_bits, metric, size, trials, seed):
+    """Validate the CLI options into a :class:`Setup` (every bad value: one clear message)."""
+    _choice("--align", align, ("accumulator", "products"))
+    if trials < 1:
+        raise DSV3Error("--trials must be at least 1")
+    if not 1 <= size <= 512:
+        raise DSV3Error(f"--size must lie in 1..512, got {size}")
+    acc = Accumulator(
+        fraction_bits=fraction_bits,
+        align_with_accumulator=align == "accumulator",
+        product_rounding=_choice("--product-rounding", product_rounding, acc_lib.PRODUCT_ROUNDINGS),
+        register_rounding=_choice("--register-rounding", register_rounding, acc_lib.REGISTER_ROUNDINGS),
+    )
+    return Setup(
+        dist=_choice("--dist", dist, acc_lib.DISTRIBUTIONS),
+        inputs=_choice("--inputs", inputs, acc_lib.INPUT_FORMATS),
+        acc=acc,
+        metric=_choice("--metric", metric, acc_lib.ERROR_METRICS),
+        size=size,
+        trials=trials,
+        seed=seed,
+    )
+
+
 def main(
-    k: str = typer.Option(DEFAULT_KS, "--k", help="Comma-separated dot-product lengths."),
-    trials: int = typer.Option(256, help="Random dot products per (K, mode) cell."),
-    dist: str = typer.Option("uniform", help="Input values before FP8: 'uniform' [0,1) or 'normal'."),
-    align: str = typer.Option(
-        "accumulator", help="'accumulator': the running sum joins the alignment; 'products': only the 32 products."
-    ),
-    fraction_bits: int = typer.Option(accumulation.HOPPER_FRACTION_BITS, help="Fraction bits the adder keeps."),
+    k: str = typer.Option(DEFAULT_KS, "--k", help="Comma-separated inner dimensions (multiples of 32)."),
+    trials: int = typer.Option(2, help="Random matrix pairs per cell; cells report the maximum."),
+    size: int = typer.Option(64, help="Rows of A and of B (the product is size x size)."),
+    dist: str = typer.Option("normal", help="normal, abs-normal, uniform ([0,1)) or uniform-symmetric."),
+    inputs: str = typer.Option("e4m3-tensor", help="e4m3-tensor, e4m3-tile (V3 tiling, UE8M0) or bf16."),
+    align: str = typer.Option("accumulator", help="'accumulator': FP22 sum joins the alignment; 'products'."),
+    product_rounding: str = typer.Option("floor", help="floor (sign-fill shift) or toward_zero."),
+    register_rounding: str = typer.Option("truncate", help="FP22 store: truncate or nearest."),
+    fraction_bits: int = typer.Option(acc_lib.HOPPER_FRACTION_BITS, help="Fraction bits the adder keeps."),
+    metric: str = typer.Option("normwise", help="normwise, max-normalized, elementwise or componentwise."),
     seed: int = typer.Option(0, help="Random seed."),
+    compare_readings: bool = typer.Option(False, "--readings", help="Compare readings at the largest --k."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     markdown: bool = typer.Option(False, "--markdown", help="Print a Markdown table."),
     plot: Path | None = typer.Option(None, "--plot", help="Write a PNG of error versus K."),
 ) -> None:
     """Relative error of limited-precision FP8 accumulation versus K, with and without promotion."""
-    if trials < 1:
-        raise DSV3Error("--trials must be at least 1")
-    if align not in ("accumulator", "products"):
-        raise DSV3Error(f"--align must be 'accumulator' or 'products', got {align!r}")
-    if not 1 <= fraction_bits <= 40:
-        raise DSV3Error(f"--fraction-bits must lie in 1..40, got {fraction_bits}")
-    if dist not in ("uniform", "normal"):
-        raise DSV3Error(f"--dist must be 'uniform' or 'normal', got {dist!r}")
-    result = run_study(parse_ks(k), trials, dist, align, fraction_bits, seed)
-    if plot is not None:
-        write_plot(result, plot)
-        result["plot"] = str(plot)
+    ks = parse_ks(k)
+    setup = build_setup(
+        dist, inputs, align, product_rounding, register_rounding, fraction_bits, metric, size, trials, seed
+    )
+    if compare_readings:
+        if plot is not None:
+            raise DSV3Error("--plot draws the K sweep; it cannot be combined with --readings")
+        result = run_readings(max(ks), trials, size, seed)
+        title, headers, cells, footer = f"readings at K = {result['k']}", READING_HEADERS, reading_cells(result), ""
+    else:
+        result = run_study(setup, ks)
+        if plot is not None:
+            write_plot(result, plot)
+            result["plot"] = str(plot)
+        title = f"{setup.metric} relative error (max over {setup.trials} trials), {setup.dist} {setup.inputs}"
+        headers, cells, footer = ["K", *result["modes"]], study_cells(result), gain_line(result)
     if as_json:
         sys.stdout.write(json.dumps(result) + "\n")
     elif markdown:
-        sys.stdout.write(markdown_table(result) + "\n")
+        sys.stdout.write(markdown_table(headers, cells) + ("\n\n" + footer if footer else "") + "\n")
     else:
-        print_rich(result)
+        print_rich(title, headers, cells, footer)
