@@ -2,15 +2,18 @@
 # The main job: set up from this repository, train the default (nano) V3 model on the Python standard
 # library for a few minutes on the CPU, then generate a sample from the trained checkpoint.
 #
-#   scripts/quickstart.sh                 # RUN=runs/quickstart STEPS=400 by default
-#   RUN=runs/mine STEPS=800 scripts/quickstart.sh
+#   scripts/quickstart.sh                 # RUN=runs/quickstart STEPS=300 THREADS=1 by default
+#   RUN=runs/mine STEPS=800 THREADS=2 scripts/quickstart.sh
 #
 # Running it again continues (or just reports) the same run: `dsv3 train --resume`.
+# THREADS=1: this 3M-parameter model gains little from a second thread, and two threads on two busy cores
+# collapse (measured 4,800 -> 200 tokens/s whenever another process wanted a core); one thread is steady.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 RUN=${RUN:-runs/quickstart}
-STEPS=${STEPS:-400}
+STEPS=${STEPS:-300}
+THREADS=${THREADS:-1}
 PY=.venv/bin/python
 
 if [ ! -x "$PY" ]; then
@@ -21,11 +24,12 @@ fi
 
 echo "== training: dsv3 train --preset nano --steps $STEPS --out $RUN" >&2
 if [ -f "$RUN/run.json" ]; then
-    "$PY" -m dsv3 train --resume "$RUN" --steps "$STEPS" --json > "$RUN.summary.json"
+    "$PY" -m dsv3 train --resume "$RUN" --steps "$STEPS" --threads "$THREADS" --json > "$RUN.summary.json"
 else
     mkdir -p "$(dirname "$RUN")"
     "$PY" -m dsv3 train --preset nano --steps "$STEPS" --batch-size 16 --seq-len 256 --lr 2e-3 \
-        --eval-every 100 --save-every 100 --log-every 25 --out "$RUN" --json > "$RUN.summary.json"
+        --eval-every 100 --save-every 100 --log-every 25 --threads "$THREADS" --out "$RUN" \
+        --json > "$RUN.summary.json"
 fi
 "$PY" - "$RUN.summary.json" <<'PYEOF'
 import json, sys
