@@ -37,24 +37,24 @@ def train(
     out: str = typer.Option(
         None, help="Run folder for checkpoints, metrics and plots (default runs/PRESET-TIME)."
     ),
-    steps: int = typer.Option(None, help="Total optimizer steps of the schedule [default: 1000]."),
+    steps: int = typer.Option(None, help="Total optimizer steps of the schedule (default: 1000)."),
     batch_size: int = typer.Option(
-        None, help="Sequences per optimizer step, over all processes [default: 16]."
+        None, help="Sequences per optimizer step, over all processes (default: 16)."
     ),
-    grad_accum: int = typer.Option(None, help="Micro-steps per optimizer step [default: 1]."),
-    seq_len: int = typer.Option(None, help="Tokens per sequence [default: 256]."),
-    lr: float = typer.Option(None, help="Peak learning rate [default: 2e-3]."),
-    min_lr_ratio: float = typer.Option(None, help="Cosine decays to lr times this [default: 0.1]."),
-    warmup: int = typer.Option(None, help="Linear warmup steps [default: min(100, steps/10)]."),
-    weight_decay: float = typer.Option(None, help="AdamW weight decay [default: 0.1]."),
-    grad_clip: float = typer.Option(None, help="Gradient-norm clipping [default: 1.0]."),
-    precision: str = typer.Option(None, help=f"One of {', '.join(PRECISIONS)} [default: fp32]."),
-    seed: int = typer.Option(None, help="Seeds the weights and the data order [default: 0]."),
-    vocab_size: int = typer.Option(None, help="BPE vocabulary size [default: the model config's]."),
+    grad_accum: int = typer.Option(None, help="Micro-steps per optimizer step (default: 1)."),
+    seq_len: int = typer.Option(None, help="Tokens per sequence (default: 256)."),
+    lr: float = typer.Option(None, help="Peak learning rate (default: 2e-3)."),
+    min_lr_ratio: float = typer.Option(None, help="Cosine decays to lr times this (default: 0.1)."),
+    warmup: int = typer.Option(None, help="Linear warmup steps (default: min(100, steps/10))."),
+    weight_decay: float = typer.Option(None, help="AdamW weight decay (default: 0.1)."),
+    grad_clip: float = typer.Option(None, help="Gradient-norm clipping (default: 1.0)."),
+    precision: str = typer.Option(None, help=f"One of {', '.join(PRECISIONS)} (default: fp32)."),
+    seed: int = typer.Option(None, help="Seeds the weights and the data order (default: 0)."),
+    vocab_size: int = typer.Option(None, help="BPE vocabulary size (default: the model config's)."),
     val_fraction: float = typer.Option(
-        None, help="Share of documents held out, by hash of name [default: 0.01]."
+        None, help="Share of documents held out, by hash of name (default: 0.01)."
     ),
-    eval_tokens: int = typer.Option(None, help="Held-out tokens per evaluation [default: 32768]."),
+    eval_tokens: int = typer.Option(None, help="Held-out tokens per evaluation (default: 32768)."),
     moe_output_format: str = typer.Option(
         None, help="Simulate the MoE combine in bf16, e4m3, e5m2, logfmt8 or logfmt10 (straight-through)."
     ),
@@ -64,27 +64,27 @@ def train(
         "nodes): each holds 1/N of every MoE layer's routed experts.",
     ),
     gpus_per_node: int = typer.Option(
-        None, help="Processes per node for --ep's two-hop dispatch [default: 2]."
+        None, help="Processes per node for --ep's two-hop dispatch (default: 2)."
     ),
-    save_every: int = typer.Option(None, help="Checkpoint every N steps [default: 200]."),
-    eval_every: int = typer.Option(None, help="Evaluate every N steps [default: 100]."),
-    keep_last: int = typer.Option(None, help="Checkpoints kept [default: 3]."),
+    save_every: int = typer.Option(None, help="Checkpoint every N steps (default: 200)."),
+    eval_every: int = typer.Option(None, help="Evaluate every N steps (default: 100)."),
+    keep_last: int = typer.Option(None, help="Checkpoints kept (default: 3)."),
     log_every: int = typer.Option(
-        None, help="Log line every N steps when stderr is not a terminal [default: 10]."
+        None, help="Log line every N steps when stderr is not a terminal (default: 10)."
     ),
-    sample_tokens: int = typer.Option(None, help="Tokens to sample at the end (0: none) [default: 0]."),
-    sample_prompt: str = typer.Option(None, help="Prompt of the end-of-run sample [default: 'def']."),
+    sample_tokens: int = typer.Option(None, help="Tokens to sample at the end (0: none) (default: 0)."),
+    sample_prompt: str = typer.Option(None, help="Prompt of the end-of-run sample (default: 'def')."),
     max_bad_steps: int = typer.Option(
-        None, help="Stop after this many non-finite steps in a row [default: 5]."
+        None, help="Stop after this many non-finite steps in a row (default: 5)."
     ),
     cache_dir: str = typer.Option(
-        None, help="Tokenizer and token cache [default: $DSV3_CACHE or ~/.cache/dsv3]."
+        None, help="Tokenizer and token cache (default: $DSV3_CACHE or ~/.cache/dsv3)."
     ),
-    device: str = typer.Option(None, help="auto, cpu or cuda [default: auto]."),
+    device: str = typer.Option(None, help="auto, cpu or cuda (default: auto)."),
     threads: int = typer.Option(
         None,
         help="torch CPU threads (0: torch's default). On a small model and a busy "
-        "machine, 1 thread is often as fast and far steadier [default: 0].",
+        "machine, 1 thread is often as fast and far steadier (default: 0).",
     ),
     resume: str = typer.Option(None, help="Continue the run in this folder from its latest checkpoint."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON summary on stdout."),
