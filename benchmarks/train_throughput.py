@@ -69,9 +69,11 @@ def hf_step(model, optimizer, inputs, labels) -> None:
     optimizer.zero_grad(set_to_none=True)
 
 
-def timed(step, *args) -> float:
+def timed(step, *args, precision: str = "fp32") -> float:
+    """Wall time of one step; bf16 runs it under CPU autocast (both models alike)."""
     t0 = time.perf_counter()
-    step(*args)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=precision == "bf16"):
+        step(*args)
     return time.perf_counter() - t0
 
 
@@ -84,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--mtp", action="store_true", help="also time our step with the MTP module")
+    parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32", help="bf16: CPU autocast for both")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     if args.threads:
@@ -103,7 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     times: dict[str, list[float]] = {name: [] for name in runs}
     for i in range(args.warmup + args.steps):
         for name, (step, model) in runs.items():
-            dt = timed(step, model, optimizers[name], inputs, labels)
+            dt = timed(step, model, optimizers[name], inputs, labels, precision=args.precision)
             if i >= args.warmup:
                 times[name].append(dt)
         log(f"step {i}: " + ", ".join(f"{n} {t[-1] * 1e3:.0f} ms" for n, t in times.items() if t))
@@ -114,6 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         "seq_len": args.seq_len,
         "timed_steps": args.steps,
         "threads": torch.get_num_threads(),
+        "precision": args.precision,
         "hf_experts_implementation": getattr(hf.config, "_experts_implementation", None),
         **{f"{name}_tokens_per_s": tokens / statistics.median(t) for name, t in times.items()},
         **{f"{name}_step_ms": [round(x * 1e3, 1) for x in t] for name, t in times.items()},

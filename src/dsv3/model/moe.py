@@ -93,10 +93,13 @@ class Experts(nn.Module):
         token = order // idx.shape[1]
         xs = x[token]  # [N*K, D], grouped by expert
         outs = []
-        for e, chunk in enumerate(xs.split(counts)):
+        # unbind once: indexing the stacked weights per expert would make autograd build a full-size
+        # zero gradient per expert and add them up (measured 1.4x slower steps on the small preset).
+        stacked = (self.gate_proj, self.up_proj, self.down_proj)
+        weights_per_expert = zip(*(w.unbind(0) for w in stacked), strict=True)
+        for chunk, (w_gate, w_up, w_down) in zip(xs.split(counts), weights_per_expert, strict=True):
             if chunk.shape[0]:
-                h = F.silu(chunk @ self.gate_proj[e].t()) * (chunk @ self.up_proj[e].t())
-                outs.append(h @ self.down_proj[e].t())
+                outs.append((F.silu(chunk @ w_gate.t()) * (chunk @ w_up.t())) @ w_down.t())
         ys = torch.cat(outs) * weights.flatten()[order, None].to(x.dtype)
         return torch.zeros_like(x).index_add_(0, token, ys)
 
