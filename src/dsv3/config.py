@@ -13,12 +13,12 @@ import dataclasses
 import json
 import math
 import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from dsv3.errors import DSV3Error
+from dsv3.io import atomic_write_text, read_json_object
 
 TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
 SCORING_FUNCS = ("sigmoid", "softmax")
@@ -238,18 +238,7 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> ModelConfig:
-        path = Path(path)
-        if path.is_dir():
-            path = path / "config.json"
-        if not path.exists():
-            raise DSV3Error(f"config file not found: {path}")
-        try:
-            data = json.loads(path.read_text())
-        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-            raise DSV3Error(f"{path} is not valid JSON: {exc}") from None
-        if not isinstance(data, dict):
-            raise DSV3Error(f"{path} must hold a JSON object")
-        return cls.from_dict(data).validate()
+        return cls.from_dict(read_json_object(path)).validate()
 
     def save_json(self, path: str | os.PathLike, rope_layout: str = "old") -> None:
         path = Path(path)
@@ -279,21 +268,6 @@ def _positive_int(v: Any) -> bool:
 
 def _architecture(model_type: str) -> str:
     return "DeepseekV2ForCausalLM" if model_type == "deepseek_v2" else "DeepseekV3ForCausalLM"
-
-
-def atomic_write_text(path: Path, text: str) -> None:
-    """Write via a temp file in the same folder, fsync, rename: readers never see half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # ---- presets -----------------------------------------------------------------------------

@@ -7,7 +7,6 @@ counts, which layers are MoE, and the small extras (biases, q/k norms) that chan
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,6 +14,7 @@ from typing import Any
 
 from dsv3.config import CONFIGS_DIR, PRESETS, ModelConfig, load_config
 from dsv3.errors import DSV3Error
+from dsv3.io import read_json_object
 
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
 GQA_TYPES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
@@ -225,22 +225,10 @@ def load_architecture(source: str | os.PathLike) -> Architecture:
     if isinstance(source, str) and source in PRESETS:
         return from_model_config(load_config(source), name=source)
     if isinstance(source, str) and source in shipped_configs():
-        return from_hf_dict(_read_json(shipped_configs()[source]), name=source)
+        return from_hf_dict(read_json_object(shipped_configs()[source]), name=source)
     if isinstance(source, str) and not Path(source).exists() and os.sep not in source and "." not in source:
         raise DSV3Error(f"unknown preset {source!r}; choose one of {', '.join(preset_names())}")
     path = Path(source)
-    return from_hf_dict(_read_json(path), name=path.parent.name if path.name == "config.json" else path.stem)
+    return from_hf_dict(read_json_object(path), name=path.parent.name if path.name == "config.json" else path.stem)
 
 
-def _read_json(path: Path) -> dict[str, Any]:
-    if path.is_dir():
-        path = path / "config.json"
-    if not path.exists():
-        raise DSV3Error(f"config file not found: {path}")
-    try:
-        data = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DSV3Error(f"{path} is not valid JSON: {exc}") from None
-    if not isinstance(data, dict):
-        raise DSV3Error(f"{path} must hold a JSON object")
-    return data

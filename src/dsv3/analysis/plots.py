@@ -7,7 +7,6 @@ leaves half a PNG behind.
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -18,6 +17,7 @@ from dsv3.analysis.hardware import Hardware
 from dsv3.analysis.params import count_params
 from dsv3.analysis.public_models import public_architectures
 from dsv3.errors import DSV3Error
+from dsv3.io import save_figure
 
 PAPER_MODELS = ("deepseek-v3", "qwen2.5-72b", "llama-3.1-405b")
 
@@ -33,19 +33,8 @@ def _figure():
 
 
 def _save(plt, fig, path: Path) -> Path:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
-    try:
-        fig.tight_layout()
-        fig.savefig(tmp, format="png")
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; a plot is meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    finally:
-        plt.close(fig)
-    return path
+    fig.tight_layout()
+    return save_figure(fig, path)
 
 
 def plot_kv_cache(out_dir: Path, extra: Architecture | None = None, kv_dtype: str = "bf16") -> Path:

@@ -12,16 +12,15 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from dsv3.config import atomic_write_text
 from dsv3.data.corpus import Corpus, Document
 from dsv3.errors import DSV3Error
+from dsv3.io import atomic_path, atomic_write_text
 
 BOS_TOKEN, EOS_TOKEN = "<|begin_of_text|>", "<|end_of_text|>"
 SPECIAL_TOKENS = (BOS_TOKEN, EOS_TOKEN)
@@ -135,18 +134,8 @@ def save_tokenizer_files(tokenizer: Tokenizer, folder: Path, model_max_length: i
 
 
 def _atomic_save_npy(path: Path, array: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as f:
-            np.save(f, array)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
+    with atomic_path(path) as tmp, open(tmp, "wb") as f:
+        np.save(f, array)
 
 def _digest(*parts) -> str:
     h = hashlib.sha256()

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
 from dsv3.errors import DSV3Error
+from dsv3.io import save_figure
 
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "m": 1e6, "mb": 1e6, "g": 1e9, "gb": 1e9,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -55,22 +54,6 @@ def _fmt(value) -> str:
     return "" if value is None else str(value)
 
 
-def _save(fig, path: Path) -> None:
-    """Render to a temporary file beside ``path`` and rename it into place."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".png", dir=path.parent)
-    os.close(fd)
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600; give the plot ordinary permissions
-    try:
-        fig.savefig(tmp, dpi=120, bbox_inches="tight")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-
-
 def _pyplot():
     import matplotlib
 
@@ -91,8 +74,7 @@ def plot_utilization(util_by_kind: dict[str, np.ndarray], title: str, path: Path
         ax.set_xlabel("utilization")
         ax.set_ylabel("links")
     fig.suptitle(title)
-    _save(fig, path)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120, bbox_inches="tight")
     return path
 
 
@@ -120,7 +102,6 @@ def plot_sweep(rows: list[dict], traffic: str, plot_dir: Path) -> list[Path]:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
         path = plot_dir / f"{traffic}_{name}.png"
-        _save(fig, path)
-        plt.close(fig)
+        save_figure(fig, path, dpi=120, bbox_inches="tight")
         out.append(path)
     return out

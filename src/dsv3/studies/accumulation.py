@@ -12,9 +12,7 @@ default). The V3 report quotes a maximum relative error of nearly 2% at K = 4096
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -25,6 +23,7 @@ from rich.progress import Progress
 from rich.table import Table
 
 from dsv3.errors import DSV3Error
+from dsv3.io import save_figure
 from dsv3.precision import accumulation as acc_lib
 from dsv3.precision.accumulation import Accumulator
 
@@ -263,22 +262,7 @@ def write_plot(result: dict, path: Path) -> None:
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
-    atomic_savefig(fig, path)
-    plt.close(fig)
-
-
-def atomic_savefig(fig, path: Path) -> None:
-    """Save to a temp file beside ``path`` and rename, so a crash never leaves half an image."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=path.suffix)
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=120)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600 files; a figure is meant to be read
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    save_figure(fig, path, dpi=120)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -25,9 +25,9 @@ from rich.table import Table
 from torch import nn
 
 from dsv3.errors import DSV3Error
+from dsv3.io import save_figure
 from dsv3.precision import fp8
 from dsv3.precision.fp8_linear import convert_to_fp8
-from dsv3.studies.accumulation import atomic_savefig
 
 SCHEMES = ("per-tensor", "per-row", "1x128")
 OUTLIER_FACTOR = 20.0  # a channel whose amax exceeds 20x the median channel amax counts as an outlier
@@ -200,8 +200,7 @@ def write_plot(result: dict, path: Path) -> None:
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    atomic_savefig(fig, path)
-    plt.close(fig)
+    save_figure(fig, path, dpi=120)
 
 
 def parse_scales(text: str) -> list[float]:

@@ -9,14 +9,13 @@ outputs captured from a trained model. Torch is imported only when the study run
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 from pathlib import Path
 
 import typer
 
 from dsv3.errors import DSV3Error
+from dsv3.io import save_figure
 
 FORMATS = ("bf16", "e4m3", "e5m2", "logfmt8", "logfmt10", "logfmt8-logspace")
 FP8_SCALE_BITS = 32  # one float32 scale per 1x128 tile
@@ -168,23 +167,9 @@ def write_plot(result: dict, path: Path) -> None:
     fig.legend(handles, labels, loc="lower center", ncol=len(formats), fontsize=8)
     fig.suptitle("MoE-combine formats, 1x128 tiles (LogFMT: PAPER.md §7)")
     fig.tight_layout(rect=(0, 0.07, 1, 1))
-    _atomic_savefig(fig, path)
-    plt.close(fig)
-
-
-def _atomic_savefig(fig, path: Path) -> None:
-    """Save beside `path` and rename, so a crash never leaves half an image."""
     if not path.parent.is_dir():
         raise DSV3Error(f"--plot: directory does not exist: {path.parent}")
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".png")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=120, format="png")
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
+    save_figure(fig, path, dpi=120)
 
 
 def main(

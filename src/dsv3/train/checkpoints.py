@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from dsv3.config import atomic_write_text
 from dsv3.errors import DSV3Error
+from dsv3.io import atomic_write_text
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_PT, STATE_JSON = "trainer_state.pt", "trainer_state.json"

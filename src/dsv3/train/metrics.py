@@ -9,7 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
-from dsv3.config import atomic_write_text
+from dsv3.io import atomic_write_text
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:

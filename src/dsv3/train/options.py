@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dsv3.config import atomic_write_text
 from dsv3.errors import DSV3Error
+from dsv3.io import atomic_write_text
 
 PRECISIONS = ("fp32", "bf16", "fp8")
 # May differ between the original run and a resumption without changing what is computed.

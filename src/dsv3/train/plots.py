@@ -3,12 +3,12 @@ heatmap (each MoE layer's per-expert load relative to the mean, over training st
 
 from __future__ import annotations
 
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from dsv3.io import save_figure
 
 HEATMAP_COLUMNS = 120  # steps are averaged into at most this many columns
 
@@ -100,14 +100,4 @@ def _smooth(values: list[float], window: int = 20) -> list[float]:
 
 
 def _save(fig, path: Path) -> Path:
-    import matplotlib.pyplot as plt
-
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
-    try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
-    finally:
-        plt.close(fig)
-        Path(tmp).unlink(missing_ok=True)
-    return path
+    return save_figure(fig, path, dpi=110)
