@@ -10,17 +10,38 @@ baseline: one scale per tensor, same GEMMs, for the study's comparison.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from dsv3.errors import DSV3Error
+from dsv3.model.moe import Experts
 from dsv3.precision import fp8
 
 SCALINGS = ("fine", "tensor")
 ROW_TILE, COL_TILE, WEIGHT_BLOCK = (1, fp8.TILE), (fp8.TILE, 1), (fp8.TILE, fp8.TILE)
+
+
+# What convert_to_fp8 uses when no scaling is given: lets a study switch a whole training run (built by
+# the trainer, which calls convert_to_fp8 without a scaling) to the per-tensor baseline.
+_DEFAULT_SCALING: contextvars.ContextVar[str] = contextvars.ContextVar("fp8_default_scaling", default="fine")
+
+
+@contextlib.contextmanager
+def default_scaling(scaling: str) -> Iterator[None]:
+    """Within the block, ``convert_to_fp8(...)`` without ``scaling`` converts to ``scaling``."""
+    if scaling not in SCALINGS:
+        raise DSV3Error(f"unknown FP8 scaling {scaling!r}; expected one of {SCALINGS}")
+    token = _DEFAULT_SCALING.set(scaling)
+    try:
+        yield
+    finally:
+        _DEFAULT_SCALING.reset(token)
 
 
 def _quantize(x: torch.Tensor, block: tuple[int, int], scaling: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -135,20 +156,82 @@ def _fp32_parameter(p: nn.Parameter) -> nn.Parameter:
     return nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
 
 
-def convert_to_fp8(module: nn.Module, skip: Callable[[str], bool] | None = None, scaling: str = "fine") -> list[str]:
-    """Swap every ``nn.Linear`` inside ``module`` for an :class:`FP8Linear` in place; returns their names.
+class FP8Experts(Experts):
+    """The routed experts with every projection an FP8 GEMM (V3: "experts included").
 
-    ``skip(name)`` gets each linear's qualified name (``"layers.0.mlp.gate"``) and keeps it in high
-    precision when true: the V3 recipe keeps the embedding, output head and router gate out of FP8.
+    Same stacked FP32 master parameters as :class:`Experts` (gate_proj/up_proj [E, I, D], down_proj
+    [E, D, I]), so checkpoints do not change; each expert's slice of tokens runs its three projections
+    through :class:`FP8LinearFunction` with the V3 tiling, in both directions.
     """
+
+    def __init__(self, n_experts: int, dim: int, inter_dim: int, scaling: str = "fine") -> None:
+        super().__init__(n_experts, dim, inter_dim)
+        if scaling not in SCALINGS:
+            raise DSV3Error(f"unknown FP8 scaling {scaling!r}; expected one of {SCALINGS}")
+        self.scaling = scaling
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [N, D], idx/weights [N, K] -> sum_k weights * expert_idx(x): [N, D]; grouped as in Experts."""
+        flat = idx.flatten()
+        order = flat.argsort(stable=True)
+        counts = torch.bincount(flat, minlength=self.gate_proj.shape[0]).tolist()
+        token = order // idx.shape[1]
+        xs = x[token]  # [N*K, D], grouped by expert
+        stacked = (self.gate_proj, self.up_proj, self.down_proj)
+        per_expert = zip(*(w.unbind(0) for w in stacked), strict=True)  # unbind once: one stack in backward
+        outs = [self.expert_mlp(chunk, *w) for chunk, w in zip(xs.split(counts), per_expert, strict=True) if len(chunk)]
+        ys = torch.cat(outs) * weights.flatten()[order, None].to(x.dtype)  # FP8 GEMMs return x's dtype
+        return torch.zeros_like(x).index_add_(0, token, ys)
+
+    def expert_mlp(self, chunk: torch.Tensor, w_gate, w_up, w_down) -> torch.Tensor:
+        """SwiGLU of one expert on its tokens chunk [n, D] with FP8 GEMMs; output in chunk's dtype."""
+        gate = fp8_linear(chunk, w_gate, None, self.scaling)
+        up = fp8_linear(chunk, w_up, None, self.scaling)
+        return fp8_linear(F.silu(gate) * up, w_down, None, self.scaling)
+
+    def extra_repr(self) -> str:
+        e, i, d = self.gate_proj.shape
+        return f"n_experts={e}, dim={d}, inter_dim={i}, scaling={self.scaling}"
+
+    @classmethod
+    def from_experts(cls, experts: Experts, scaling: str = "fine") -> FP8Experts:
+        """Wrap existing experts: the FP32 Parameters (and any forward hooks) are shared, not copied."""
+        e, i, d = experts.gate_proj.shape
+        module = cls(0, d, i, scaling=scaling)
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            setattr(module, name, _fp32_parameter(getattr(experts, name)))
+        module._forward_hooks = experts._forward_hooks
+        module._forward_pre_hooks = experts._forward_pre_hooks
+        module.train(experts.training)
+        return module
+
+
+def convert_to_fp8(
+    module: nn.Module, skip: Callable[[str], bool] | None = None, scaling: str | None = None
+) -> list[str]:
+    """Swap every ``nn.Linear`` for an :class:`FP8Linear` and every routed ``Experts`` for
+    :class:`FP8Experts`, in place; returns the converted modules' names.
+
+    ``skip(name)`` gets each candidate's qualified name (``"layers.0.mlp.gate"``) and keeps it in high
+    precision when true: the V3 recipe keeps the embedding, output head, router gate, norms and the
+    attention core out of FP8 (the last four are not ``nn.Linear`` here, so they never convert).
+    ``scaling`` defaults to "fine", or to what an enclosing :func:`default_scaling` says.
+    """
+    scaling = scaling if scaling is not None else _DEFAULT_SCALING.get()
+    if scaling not in SCALINGS:
+        raise DSV3Error(f"unknown FP8 scaling {scaling!r}; expected one of {SCALINGS}")
     converted = []
     for name, child in list(module.named_modules()):
-        if not isinstance(child, nn.Linear) or (skip is not None and skip(name)):
+        convertible = isinstance(child, nn.Linear) or type(child) is Experts
+        if not convertible or (skip is not None and skip(name)):
             continue
+        if not name:
+            raise DSV3Error("convert_to_fp8 swaps modules inside a module; wrap a bare one with from_linear")
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
-        if not name:
-            raise DSV3Error("convert_to_fp8 swaps linears inside a module; wrap a bare nn.Linear with from_linear")
-        setattr(parent, attr, FP8Linear.from_linear(child, scaling=scaling))
+        if isinstance(child, nn.Linear):
+            setattr(parent, attr, FP8Linear.from_linear(child, scaling=scaling))
+        else:
+            setattr(parent, attr, FP8Experts.from_experts(child, scaling=scaling))
         converted.append(name)
     return converted

@@ -1,7 +1,6 @@
 """`dsv3 study fp8`: why fine-grained FP8 scaling matters, and what caching activations in FP8 saves.
 
-Two measurements (the BF16-vs-FP8 training-loss comparison needs the trainer and is not part of this
-module yet):
+Three measurements:
 
 1. Quantization error of activations under per-tensor, per-row (per-token) and 1x128-tile scaling,
    on synthetic activations with outlier channels of growing size, or on real ones (``--activations``).
@@ -10,6 +9,9 @@ module yet):
    channel's relative RMSE (what ordinary channels suffer), and the share of non-zero values lost.
 2. Activation memory held for backward by a stack of linears, BF16 ``nn.Linear`` against
    ``FP8Linear``, counted from the tensors autograd actually saves.
+3. ``--train``: the same training run (seed, data, steps) in BF16 autocast, fine-grained FP8 and
+   per-tensor FP8 (every linear and the routed experts), through the trainer's Python API;
+   final held-out loss of each and the relative gap to BF16 (V3 claims < 0.25% for fine-grained).
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ from dsv3.precision import fp8
 from dsv3.precision.fp8_linear import convert_to_fp8
 
 SCHEMES = ("per-tensor", "per-row", "1x128")
+# Training variants: (trainer precision, FP8 scaling or None).
+VARIANTS = {"bf16": ("bf16", None), "fp8-fine": ("fp8", "fine"), "fp8-tensor": ("fp8", "tensor")}
 OUTLIER_FACTOR = 20.0  # a channel whose amax exceeds 20x the median channel amax counts as an outlier
 
 
@@ -140,6 +144,119 @@ def activation_memory(tokens: int, dim: int, layers: int, seed: int) -> dict:
     }
 
 
+def train_variant(variant: str, seed: int, run_dir: Path, **options) -> dict:
+    """One training run of ``variant`` through ``dsv3.train.run.run_training``; returns its curves."""
+    from dsv3.precision.fp8_linear import default_scaling
+    from dsv3.train.metrics import read_rows
+    from dsv3.train.options import TrainOptions
+    from dsv3.train.run import run_training
+
+    precision, scaling = VARIANTS[variant]
+    opts = TrainOptions(out=str(run_dir), precision=precision, seed=seed, keep_last=1, **options)
+    opts.save_every = opts.steps  # only the final checkpoint
+    with default_scaling(scaling or "fine"):
+        summary = run_training(opts, show_progress=False, plots=False)
+    rows = read_rows(run_dir / "metrics.jsonl")
+    evals = [r for r in rows if r.get("kind") == "eval"]
+    return {
+        "variant": variant,
+        "seed": seed,
+        "val_loss": summary["val_loss"],
+        "skipped_steps": summary["skipped_steps"],
+        "train_seconds": summary["train_seconds"],
+        "train_curve": [[r["step"], r["loss"]] for r in rows if r.get("kind") == "train" and r.get("loss")],
+        "val_curve": [[r["step"], r["val_loss"]] for r in evals],
+    }
+
+
+def compare_training(
+    seeds: list[int], runs_dir: Path, variants: tuple[str, ...] = tuple(VARIANTS), **options
+) -> dict:
+    """Every variant for every seed (same seed: same initial weights and batch order), and per seed
+    the relative gap of each variant's final held-out loss to BF16's."""
+    runs = [
+        train_variant(v, seed, runs_dir / f"seed{seed}-{v}", **options)
+        for seed in seeds
+        for v in variants
+    ]
+    summary = {}
+    for v in variants:
+        losses = [r["val_loss"] for r in runs if r["variant"] == v]
+        gaps = [
+            (r["val_loss"] - b["val_loss"]) / b["val_loss"]
+            for r in runs
+            if r["variant"] == v
+            for b in runs
+            if b["variant"] == "bf16" and b["seed"] == r["seed"]
+        ]
+        summary[v] = {
+            "val_loss": losses,
+            "mean_val_loss": sum(losses) / len(losses),
+            "rel_gap_to_bf16": gaps,
+            "mean_rel_gap_to_bf16": sum(gaps) / len(gaps) if gaps else None,
+        }
+    bf16 = summary.get("bf16", {}).get("val_loss", [])
+    spread = (max(bf16) - min(bf16)) / min(bf16) if len(bf16) > 1 else None
+    return {"options": options, "seeds": seeds, "runs": runs, "summary": summary, "bf16_seed_spread": spread}
+
+
+def training_markdown(training: dict) -> str:
+    o = training["options"]
+    lines = [
+        f"Preset `{o.get('preset', 'nano')}`, {o.get('steps')} steps of {o.get('batch_size')} x {o.get('seq_len')}"
+        f" tokens, seeds {training['seeds']}, held-out loss on {o.get('eval_tokens')} tokens.",
+        "",
+        "| variant | final val loss per seed | mean | relative gap to BF16 per seed | mean gap |",
+        "|---|---|---:|---|---:|",
+    ]
+    for v, s in training["summary"].items():
+        losses = ", ".join(f"{x:.4f}" for x in s["val_loss"])
+        gaps = ", ".join(f"{100 * g:+.2f}%" for g in s["rel_gap_to_bf16"])
+        mean_gap = s["mean_rel_gap_to_bf16"]
+        lines.append(
+            f"| {v} | {losses} | {s['mean_val_loss']:.4f} | {gaps} | "
+            + (f"{100 * mean_gap:+.2f}% |" if mean_gap is not None else "- |")
+        )
+    if training["bf16_seed_spread"] is not None:
+        lines += ["", f"Run-to-run spread of BF16 over seeds: {100 * training['bf16_seed_spread']:.2f}%."]
+    return "\n".join(lines)
+
+
+def write_training_plot(training: dict, path: Path) -> None:
+    """Train loss (smoothed) and held-out loss per variant, one line style per seed."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = dict(zip(VARIANTS, ("C0", "C1", "C3"), strict=True))
+    styles = ("-", "--", ":", "-.")
+    for i, seed in enumerate(training["seeds"]):
+        for run in (r for r in training["runs"] if r["seed"] == seed):
+            style, color = styles[i % len(styles)], colors[run["variant"]]
+            steps, losses = zip(*run["train_curve"], strict=True)
+            ax_train.plot(steps, _smooth(list(losses)), style, color=color, label=f"{run['variant']} seed {seed}")
+            if run["val_curve"]:
+                vsteps, vloss = zip(*run["val_curve"], strict=True)
+                ax_val.plot(vsteps, vloss, style + "o", color=color, label=f"{run['variant']} seed {seed}")
+    ax_train.set(xlabel="step", ylabel="train loss (EMA 0.9)", title="Training loss")
+    ax_val.set(xlabel="step", ylabel="held-out loss", title="Held-out loss")
+    for ax in (ax_train, ax_val):
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    save_figure(fig, path, dpi=120)
+
+
+def _smooth(values: list[float], beta: float = 0.9) -> list[float]:
+    out, avg = [], values[0]
+    for v in values:
+        avg = beta * avg + (1 - beta) * v
+        out.append(avg)
+    return out
+
+
 def markdown(result: dict) -> str:
     lines = [
         "| tensor | outlier scale | outlier channels | "
@@ -213,32 +330,86 @@ def parse_scales(text: str) -> list[float]:
     return scales
 
 
+def parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError as exc:
+        raise DSV3Error(f"--seeds must be comma-separated integers, got {text!r}") from exc
+    if not seeds or len(set(seeds)) != len(seeds):
+        raise DSV3Error(f"--seeds must list at least one seed, each once, got {text!r}")
+    return seeds
+
+
+def _emit(result: dict, as_json: bool, as_markdown: bool, text: str) -> None:
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+    elif as_markdown:
+        sys.stdout.write(text + "\n")
+    else:
+        Console().print(text)
+
+
 def main(
     activations: Path | None = typer.Option(None, help="A .pt file of captured activations (tensor or dict)."),
+    capture_from: Path | None = typer.Option(
+        None, help="A trained checkpoint folder: capture its Linear inputs on stdlib text and tabulate those."
+    ),
+    capture_batches: int = typer.Option(4, help="--capture-from: sequences of --seq-len tokens to run."),
     tokens: int = typer.Option(4096, help="Synthetic activations: tokens."),
     dim: int = typer.Option(2048, help="Synthetic activations: channels."),
     outlier_scales: str = typer.Option("0,10,100,1000,10000", help="Synthetic outlier channel scales (0: none)."),
     outlier_channels_count: int = typer.Option(8, "--outlier-channels", help="Synthetic outlier channels."),
     memory_layers: int = typer.Option(4, help="Linears in the activation-memory measurement."),
     seed: int = typer.Option(0, help="Random seed."),
+    train: bool = typer.Option(False, "--train", help="Compare BF16, fine FP8 and per-tensor FP8 training."),
+    steps: int = typer.Option(100, help="--train: optimizer steps per run."),
+    seeds: str = typer.Option("0", help="--train: comma-separated seeds (each runs every variant)."),
+    preset: str = typer.Option("nano", help="--train: model preset."),
+    batch_size: int = typer.Option(8, help="--train: sequences per step."),
+    seq_len: int = typer.Option(256, help="--train / --capture-from: tokens per sequence."),
+    eval_every: int = typer.Option(25, help="--train: held-out evaluation interval (and at the end)."),
+    eval_tokens: int = typer.Option(16384, help="--train: held-out tokens per evaluation."),
+    threads: int = typer.Option(1, help="--train: torch CPU threads (0: torch's default)."),
+    runs_dir: Path = typer.Option(Path("runs/fp8_study"), help="--train: where the runs' folders go."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON object."),
     as_markdown: bool = typer.Option(False, "--markdown", help="Print Markdown tables."),
-    plot: Path | None = typer.Option(None, "--plot", help="Write a PNG of error versus outlier scale."),
+    plot: Path | None = typer.Option(
+        None, "--plot", help="Write a PNG: error vs outlier scale, or the loss curves with --train."
+    ),
 ) -> None:
-    """FP8 study: quantization error of per-tensor, per-row and 1x128 scaling; FP8 activation memory."""
-    if min(tokens, dim, memory_layers) < 1 or outlier_channels_count < 0:
-        raise DSV3Error("--tokens, --dim and --memory-layers must be positive, --outlier-channels non-negative")
+    """FP8 study: quantization error of per-tensor, per-row and 1x128 scaling; FP8 activation memory;
+    with --train, BF16 vs fine-grained vs per-tensor FP8 training loss."""
+    if min(tokens, dim, memory_layers, steps, batch_size, seq_len, eval_every, eval_tokens, capture_batches) < 1:
+        raise DSV3Error("sizes, --steps, --batch-size, --seq-len, --eval-every and --eval-tokens must be positive")
+    if outlier_channels_count < 0 or threads < 0:
+        raise DSV3Error("--outlier-channels and --threads must be non-negative")
+    if train:
+        options = dict(
+            preset=preset, steps=steps, batch_size=batch_size, seq_len=seq_len,
+            eval_every=eval_every, eval_tokens=eval_tokens, threads=threads, log_every=max(1, steps // 10),
+        )
+        training = compare_training(parse_seeds(seeds), runs_dir, **options)
+        result = {"study": "fp8", "training_comparison": training}
+        if plot is not None:
+            write_training_plot(training, plot)
+            result["plot"] = str(plot)
+        _emit(result, as_json, as_markdown, training_markdown(training))
+        return
     rows = []
     if activations is not None:
         rows += quantization_rows(load_activations(activations), None)
-    for scale in parse_scales(outlier_scales) if activations is None else []:
+    if capture_from is not None:
+        from dsv3.studies.fp8_capture import capture_activations, real_activation_rows
+
+        captured = capture_activations(capture_from, capture_batches, seq_len, seed)
+        rows += real_activation_rows(captured, seed)
+    for scale in parse_scales(outlier_scales) if activations is None and capture_from is None else []:
         x = synthetic_activations(tokens, dim, scale, outlier_channels_count, seed)
         rows += quantization_rows({"synthetic": x}, scale)
     result = {
         "study": "fp8",
         "quantization_error": rows,
         "activation_memory": activation_memory(min(tokens, 2048), min(dim, 2048), memory_layers, seed),
-        "training_comparison": "not done here: BF16 vs FP8 loss needs the trainer (dsv3 train --precision fp8)",
     }
     if plot is not None:
         write_plot(result, plot)
