@@ -1,6 +1,6 @@
-"""`torchrun --nproc-per-node 2 -m dsv3 train --ep 2`: experts sharded over two gloo processes train like
-one process (fp32 wire formats), checkpoint as one full HF folder, and resume from per-rank optimizer
-state."""
+"""`torchrun --nproc-per-node 4 -m dsv3 train --ep 4 --gpus-per-node 2`: experts sharded over four gloo
+processes (2 nodes x 2, one expert group per node) train like one process (fp32 wire formats),
+checkpoint as one full HF folder, and resume from per-rank optimizer state."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _torchrun(args: list[str]) -> dict:
         "torch.distributed.run",
         "--standalone",
         "--nproc-per-node",
-        "2",
+        "4",
         "-m",
         "dsv3",
         "train",
@@ -77,13 +77,13 @@ def test_expert_parallel_run_and_resume_match_one_process(make_opts, tmp_path):
             "--val-fraction",
             "0.1",
             "--ep",
-            "2",
+            "4",
             "--gpus-per-node",
-            "1",
+            "2",
         ]
     )
-    assert first["world_size"] == 2 and first["parameters"] == single_parameters(single)
-    assert os.path.exists(out / "checkpoints" / "step-000002" / "trainer_state.rank1.pt")
+    assert first["world_size"] == 4 and first["parameters"] == single_parameters(single)
+    assert os.path.exists(out / "checkpoints" / "step-000002" / "trainer_state.rank3.pt")
     second = _torchrun(["--resume", str(out), "--steps", "4"])
     assert second["step"] == 4
 
