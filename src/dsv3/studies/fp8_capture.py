@@ -19,8 +19,8 @@ from dsv3.errors import DSV3Error
 # Modules whose input is captured, by the suffix of their qualified name in a decoder layer.
 CAPTURED = ("self_attn.q_proj", "self_attn.kv_b_proj", "self_attn.o_proj", "mlp.down_proj", "mlp.experts",
             "mlp.shared_experts.down_proj")
-# Channels and factors of the artificial outliers: LLM activations show a few channels 100x-1000x the rest.
-ARTIFICIAL_CHANNELS, ARTIFICIAL_FACTORS = 2, (100.0, 1000.0)
+# Artificial outliers: LLMs show a few "massive" channels 10^3-10^4 x the typical magnitude.
+ARTIFICIAL_CHANNELS, ARTIFICIAL_FACTORS = 2, (1000.0, 10000.0)
 
 
 def heldout_token_batches(tokenizer_file: Path, batches: int, seq_len: int) -> torch.Tensor:
