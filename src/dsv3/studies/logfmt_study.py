@@ -161,7 +161,7 @@ def write_plot(result: dict, path: Path) -> None:
     ax_bias.set(ylabel="mean(|q| - |x|) / mean |x|", title="magnitude bias")
     ax_bias.axhline(0, color="black", linewidth=0.8)
     for ax in (ax_rmse, ax_bias):
-        ax.set_xticks(range(len(names)), names, fontsize=8)
+        ax.set_xticks(range(len(names)), names, fontsize=8, rotation=20, ha="right")
         ax.grid(True, axis="y", which="both", alpha=0.3)
     handles, labels = ax_rmse.get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(formats), fontsize=8)
