@@ -67,6 +67,12 @@ def outlier_channels(x: torch.Tensor) -> int:
     return int((amax > OUTLIER_FACTOR * amax.median()).sum())
 
 
+def channel_amax_ratio(x: torch.Tensor) -> float:
+    """How far the largest channel stands out: max over median of the per-channel amax."""
+    amax = x.abs().amax(dim=0)
+    return float(amax.max() / amax.median().clamp(min=1e-30))
+
+
 def synthetic_activations(tokens: int, dim: int, outlier_scale: float, n_outliers: int, seed: int) -> torch.Tensor:
     """Gaussian activations [tokens, dim]; ``n_outliers`` spread channels scaled by ``outlier_scale``."""
     gen = torch.Generator().manual_seed(seed)
@@ -103,6 +109,7 @@ def quantization_rows(named: dict[str, torch.Tensor], outlier_scale: float | Non
             "shape": list(x.shape),
             "outlier_scale": outlier_scale,
             "outlier_channels": outlier_channels(x.float()),
+            "max_over_median_channel_amax": channel_amax_ratio(x.float()),
             "schemes": {scheme: error_metrics(x, scheme) for scheme in SCHEMES},
         }
         for name, x in named.items()
@@ -259,7 +266,7 @@ def _smooth(values: list[float], beta: float = 0.9) -> list[float]:
 
 def markdown(result: dict) -> str:
     lines = [
-        "| tensor | outlier scale | outlier channels | "
+        "| tensor | outlier scale | outlier channels (max/median channel amax) | "
         + " | ".join(f"{s} rel RMSE / median channel / flushed" for s in SCHEMES)
         + " |",
         "|---|---:|---:|" + "---:|" * len(SCHEMES),
@@ -267,7 +274,8 @@ def markdown(result: dict) -> str:
     for row in result["quantization_error"]:
         cells = [_cell(row["schemes"][s]) for s in SCHEMES]
         scale = "-" if row["outlier_scale"] is None else f"{row['outlier_scale']:g}"
-        lines.append(f"| {row['tensor']} | {scale} | {row['outlier_channels']} | " + " | ".join(cells) + " |")
+        outliers = f"{row['outlier_channels']} ({row['max_over_median_channel_amax']:.1f})"
+        lines.append(f"| {row['tensor']} | {scale} | {outliers} | " + " | ".join(cells) + " |")
     mem = result["activation_memory"]
     lines += [
         "",
