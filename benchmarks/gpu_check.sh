@@ -40,7 +40,8 @@ run_section() {
 ONLY="$*"
 
 run_section fp8_gemm
-# run_section <your component here>
+run_section model
+run_section logfmt
 
 if [ "${#failed[@]}" -gt 0 ]; then
     echo "{\"check\": \"summary\", \"failed\": \"${failed[*]}\"}"
