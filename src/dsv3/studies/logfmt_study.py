@@ -2,8 +2,10 @@
 
 Every format rounds the same float32 data: BF16, E4M3 and E5M2 with one amax scale per 1x128 tile, and
 LogFMT-8/10 (plus LogFMT-8 rounded in log space, the variant the paper rejects for its bias). Data: Gaussian,
-Student-t (heavy tails), uniform, and any tensors saved with torch.save and passed with --activations, e.g. MoE
-outputs captured from a trained model. Torch is imported only when the study runs.
+Student-t (heavy tails), uniform, tensors saved with torch.save (--activations), and the routed experts' outputs
+of a trained checkpoint on held-out text (--capture-from). With --train: the paper's training experiment, one
+trainer run per (format, seed) with the MoE combine rounded through the format. Torch is imported only when the
+study runs.
 """
 
 from __future__ import annotations
