@@ -25,8 +25,8 @@ def keep_high_precision(name: str) -> bool:
 
 
 def apply_fp8(model: nn.Module) -> list[str]:
-    """Swap the model's nn.Linear layers for FP8Linear (the routed experts are stacked 3-D parameters,
-    not nn.Linear, and stay in the autocast precision)."""
+    """Swap the model's nn.Linear layers for FP8Linear and its routed experts for FP8Experts (V3's
+    fine-grained recipe); the output head stays high precision."""
     from dsv3.precision.fp8_linear import convert_to_fp8
 
     return convert_to_fp8(model, skip=keep_high_precision)
