@@ -42,6 +42,7 @@ ONLY="$*"
 run_section fp8_gemm
 run_section model
 run_section logfmt
+run_section accumulation
 
 if [ "${#failed[@]}" -gt 0 ]; then
     echo "{\"check\": \"summary\", \"failed\": \"${failed[*]}\"}"
