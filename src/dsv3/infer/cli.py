@@ -38,6 +38,8 @@ def build_engine(model_dir: str, dtype: str, weights: str, cache_dtype: str, spe
         raise DSV3Error(f"--speculative must be mtp or none, got {speculative!r}")
     compute = parse_dtype(dtype, "--dtype", ("fp32", "bf16"))
     cache = parse_dtype(cache_dtype, "--cache-dtype", ("fp32", "bf16", "fp8"))
+    if not Path(model_dir).is_dir():
+        raise DSV3Error(f"checkpoint folder not found: {model_dir}")
     tokenizer = load_tokenizer(model_dir, required=require_tokenizer)
     model = load_model(model_dir, compute, weights)
     eos = frozenset() if ignore_eos else eos_ids(model, tokenizer)
