@@ -16,14 +16,6 @@ from dsv3.studies.fp8_training import compare_training, training_markdown, write
 WORDS = "the quick brown fox jumps over a lazy dog def class return import print value for in".split()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture
 def tiny_options(tmp_path):
     cfg = preset("nano").replace(

@@ -10,46 +10,17 @@ import random
 import pytest
 import torch
 
-from dsv3.config import preset
 from dsv3.studies import logfmt_study
 
 WORDS = "def class return import value for in range if else lambda yield print self the a of".split()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-def tiny_model_config():
-    return preset("nano").replace(
-        vocab_size=320,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=8,
-        v_head_dim=8,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        max_position_embeddings=128,
-    )
-
-
 @pytest.fixture(scope="module")
-def settings(tmp_path_factory) -> dict:
+def settings(tmp_path_factory, tiny_train_config) -> dict:
     """Training settings of a 2-layer, 8-expert model on a 12-document corpus: a run is ~1 s."""
     root = tmp_path_factory.mktemp("logfmt-train")
     config = root / "config.json"
-    tiny_model_config().save_json(config)
+    tiny_train_config.save_json(config)
     corpus = root / "corpus"
     corpus.mkdir()
     rng = random.Random(0)
@@ -70,11 +41,11 @@ def settings(tmp_path_factory) -> dict:
     }
 
 
-def test_the_combine_hook_changes_the_forward_pass_by_the_formats_error():
+def test_the_combine_hook_changes_the_forward_pass_by_the_formats_error(tiny_train_config):
     from dsv3.model.transformer import Transformer
     from dsv3.train.precision import apply_moe_output_format
 
-    cfg = tiny_model_config()
+    cfg = tiny_train_config
     ids = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     torch.manual_seed(0)
     reference = Transformer(cfg).eval()

@@ -7,9 +7,7 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
 
-from dsv3.config import preset
 from dsv3.train.options import TrainOptions
 
 WORDS = (
@@ -18,34 +16,9 @@ WORDS = (
 ).split()
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models run fastest (and most predictably on a shared machine) on one thread."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(scope="session")
-def tiny_config(tmp_path_factory) -> Path:
-    cfg = preset("nano").replace(
-        vocab_size=320,
-        hidden_size=32,
-        intermediate_size=64,
-        moe_intermediate_size=16,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        kv_lora_rank=16,
-        qk_nope_head_dim=8,
-        qk_rope_head_dim=8,
-        v_head_dim=8,
-        n_routed_experts=8,
-        num_experts_per_tok=2,
-        n_group=2,
-        topk_group=1,
-        max_position_embeddings=128,
-    )
+def tiny_config(tmp_path_factory, tiny_train_config) -> Path:
+    cfg = tiny_train_config
     path = tmp_path_factory.mktemp("cfg") / "config.json"
     cfg.save_json(path)
     return path

@@ -330,12 +330,9 @@ def run_training_study(formats: list[str], seeds: list[int], settings: dict) -> 
     }
 
 
-def train_markdown(result: dict) -> str:
+def _train_rows(result: dict):
+    """(format, cell, "mean ± std", "Δ vs bf16", "per seed") per format, shared by both renderings."""
     seeds = result["config"]["seeds"]
-    lines = [
-        "| format | val loss, mean ± std | min .. max | Δ vs bf16 (paired), mean ± std | per seed |",
-        "|---|---:|---:|---:|---|",
-    ]
     for fmt, cell in result["summary"].items():
         delta = (
             f"{cell['delta_vs_bf16_mean']:+.4f} ± {cell['delta_vs_bf16_std']:.4f}"
@@ -343,10 +340,17 @@ def train_markdown(result: dict) -> str:
             else "-"
         )
         per_seed = ", ".join(f"{cell['val_loss_per_seed'][str(s)]:.4f}" for s in seeds)
-        lines.append(
-            f"| {fmt} | {cell['val_loss_mean']:.4f} ± {cell['val_loss_std']:.4f} "
-            f"| {cell['val_loss_min']:.4f} .. {cell['val_loss_max']:.4f} | {delta} | {per_seed} |"
-        )
+        yield fmt, cell, f"{cell['val_loss_mean']:.4f} ± {cell['val_loss_std']:.4f}", delta, per_seed
+
+
+def train_markdown(result: dict) -> str:
+    lines = [
+        "| format | val loss, mean ± std | min .. max | Δ vs bf16 (paired), mean ± std | per seed |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for fmt, cell, mean, delta, per_seed in _train_rows(result):
+        span = f"{cell['val_loss_min']:.4f} .. {cell['val_loss_max']:.4f}"
+        lines.append(f"| {fmt} | {mean} | {span} | {delta} | {per_seed} |")
     return "\n".join(lines)
 
 
@@ -358,14 +362,8 @@ def print_train_rich(result: dict) -> None:
     table = Table(title=f"final validation loss by MoE-combine format ({len(seeds)} seeds)")
     for column in ("format", "val loss mean ± std", "Δ vs bf16 (paired)", "per seed"):
         table.add_column(column, justify="left" if column == "format" else "right")
-    for fmt, cell in result["summary"].items():
-        delta = (
-            f"{cell['delta_vs_bf16_mean']:+.4f} ± {cell['delta_vs_bf16_std']:.4f}"
-            if "delta_vs_bf16_mean" in cell
-            else "-"
-        )
-        per_seed = ", ".join(f"{cell['val_loss_per_seed'][str(s)]:.4f}" for s in seeds)
-        table.add_row(fmt, f"{cell['val_loss_mean']:.4f} ± {cell['val_loss_std']:.4f}", delta, per_seed)
+    for fmt, _, mean, delta, per_seed in _train_rows(result):
+        table.add_row(fmt, mean, delta, per_seed)
     Console().print(table)
 
 
