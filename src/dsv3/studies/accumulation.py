@@ -1,12 +1,13 @@
 """`dsv3 study accumulation`: how much a narrow tensor-core accumulator loses, and what promotion buys.
 
 Two random matrices A [S, K] and B [S, K] (standard normal, quantized to E4M3 with one scale per
-tensor) are multiplied through the emulated Hopper adder (32 products aligned with the FP22
-accumulator to the largest exponent, 13 fraction bits, sign-fill truncation) with no promotion and
-with promotion to FP32 every N_C = 32, 128, 512 products. The error is measured against the exact
-product, per K, as the maximum over the trials of a relative error (normwise ||C' - C||_F / ||C||_F by
-default). The V3 report quotes a maximum relative error of nearly 2% at K = 4096 without promotion;
-``--readings`` lists how other readings of the hardware and of the claim compare at one K.
+tensor) are multiplied through the emulated Hopper adder (the bit-accurate model of MMA-Sim and of
+Khattak & Mikaitis: 32 products aligned with the FP22 accumulator to the largest exponent, 13
+fraction bits, truncation toward zero) with no promotion and with promotion to FP32 every N_C = 32,
+128, 512 products. The error is measured against the exact product, per K, as the maximum over the
+trials of a relative error (normwise ||C' - C||_F / ||C||_F by default). The V3 report quotes a
+maximum relative error of nearly 2% at K = 4096 without promotion; ``--readings`` lists how other
+readings of the hardware and of the claim compare at one K.
 """
 
 from __future__ import annotations
@@ -31,6 +32,14 @@ DEFAULT_KS = "256,512,1024,2048,4096,8192,16384"
 PROMOTIONS: tuple[int | None, ...] = (None, 32, 128, 512)
 V3_CLAIM = {"k": 4096, "max_relative_error": 0.02, "source": "V3 report §3.3.2, no promotion"}
 MAX_K = 65536
+# Input format -> the exponent the adder gives its subnormals (None: e4m3-tile operands carry per-tile
+# power-of-two scales, so no single clamp applies; subnormal products never set the window anyway).
+MIN_EXPONENTS = {
+    "e4m3-tensor": acc_lib.E4M3_MIN_EXPONENT,
+    "e4m3-raw": acc_lib.E4M3_MIN_EXPONENT,
+    "e4m3-tile": None,
+    "bf16": -126,
+}
 
 
 @dataclass(frozen=True)
@@ -71,7 +80,7 @@ def measure(setup: Setup, ks: list[int], promotions: tuple[int | None, ...], pro
         for promote_every in promotions:
             valid = [k for k in ks if promote_every is None or promote_every <= k]
             if valid:
-                results = acc_lib.limited_matmul(a, b, valid, setup.acc, promote_every)
+                results = acc_lib.limited_matmul(a, b, valid, setup.acc, promote_every, MIN_EXPONENTS[setup.inputs])
                 for k in valid:
                     cell = errors[mode_name(promote_every)].setdefault(k, {m: [] for m in acc_lib.ERROR_METRICS})
                     for metric in acc_lib.ERROR_METRICS:
@@ -131,32 +140,31 @@ def promotion_gain(rows: list[dict]) -> dict | None:
 def readings() -> list[tuple[str, str, Setup]]:
     """(description, CLI flags, setup) for each alternative reading, each one change from the default."""
     base = Setup()
-    uniform = replace(base, dist="uniform")
     return [
-        ("default: N(0,1), accumulator joins the alignment, floor, 13 bits", "", base),
+        ("default: bit-accurate Hopper model (MMA-Sim; Khattak & Mikaitis)", "", base),
+        (
+            "sign-fill shift on two's complement: floor (V3 wording; the previous default)",
+            "--product-rounding floor",
+            with_acc(base, product_rounding="floor"),
+        ),
         ("14 fraction bits (V3: 'around 14 bits')", "--fraction-bits 14", with_acc(base, fraction_bits=14)),
         (
-            "only the 32 products aligned, sum added to FP22",
+            "only the 32 products aligned, sum added to FP22 (ISCA, literally)",
             "--align products",
             with_acc(base, align_with_accumulator=False),
         ),
         (
-            "sign-magnitude truncation (toward zero)",
-            "--product-rounding toward_zero",
-            with_acc(base, product_rounding="toward_zero"),
+            "a product's own leading bit sets the window, not e_a + e_b",
+            "--product-exponent product",
+            with_acc(base, product_exponent="product"),
         ),
         ("FP22 store rounds to nearest", "--register-rounding nearest", with_acc(base, register_rounding="nearest")),
+        ("torch.randn cast to E4M3, no scale", "--inputs e4m3-raw", replace(base, inputs="e4m3-raw")),
         ("E4M3 1x128 / 128x128 tiles, UE8M0 scales", "--inputs e4m3-tile", replace(base, inputs="e4m3-tile")),
         ("BF16 inputs (16-bit products)", "--inputs bf16", replace(base, inputs="bf16")),
         ("U[-1,1) inputs", "--dist uniform-symmetric", replace(base, dist="uniform-symmetric")),
         ("abs N(0,1) inputs", "--dist abs-normal", replace(base, dist="abs-normal")),
-        ("U[0,1) inputs", "--dist uniform", uniform),
-        ("U[0,1), 14 fraction bits", "--dist uniform --fraction-bits 14", with_acc(uniform, fraction_bits=14)),
-        (
-            "U[0,1), toward zero, products-only alignment",
-            "--dist uniform --product-rounding toward_zero --align products",
-            with_acc(uniform, product_rounding="toward_zero", align_with_accumulator=False),
-        ),
+        ("U[0,1) inputs", "--dist uniform", replace(base, dist="uniform")),
     ]
 
 
@@ -276,7 +284,19 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
-def build_setup(dist, inputs, align, product_rounding, register_rounding, fraction_bits, metric, size, trials, seed):
+def build_setup(
+    dist,
+    inputs,
+    align,
+    product_rounding,
+    register_rounding,
+    product_exponent,
+    fraction_bits,
+    metric,
+    size,
+    trials,
+    seed,
+):
     """Validate the CLI options into a :class:`Setup` (every bad value: one clear message)."""
     _choice("--align", align, ("accumulator", "products"))
     if trials < 1:
@@ -288,6 +308,7 @@ def build_setup(dist, inputs, align, product_rounding, register_rounding, fracti
         align_with_accumulator=align == "accumulator",
         product_rounding=_choice("--product-rounding", product_rounding, acc_lib.PRODUCT_ROUNDINGS),
         register_rounding=_choice("--register-rounding", register_rounding, acc_lib.REGISTER_ROUNDINGS),
+        product_exponent=_choice("--product-exponent", product_exponent, acc_lib.PRODUCT_EXPONENTS),
     )
     return Setup(
         dist=_choice("--dist", dist, acc_lib.DISTRIBUTIONS),
@@ -305,10 +326,13 @@ def main(
     trials: int = typer.Option(2, help="Random matrix pairs per cell; cells report the maximum."),
     size: int = typer.Option(64, help="Rows of A and of B (the product is size x size)."),
     dist: str = typer.Option("normal", help="normal, abs-normal, uniform ([0,1)) or uniform-symmetric."),
-    inputs: str = typer.Option("e4m3-tensor", help="e4m3-tensor, e4m3-tile (V3 tiling, UE8M0) or bf16."),
+    inputs: str = typer.Option(
+        "e4m3-tensor", help="e4m3-tensor (per-tensor scale), e4m3-raw (no scale), e4m3-tile (V3 tiling) or bf16."
+    ),
     align: str = typer.Option("accumulator", help="'accumulator': FP22 sum joins the alignment; 'products'."),
-    product_rounding: str = typer.Option("floor", help="floor (sign-fill shift) or toward_zero."),
+    product_rounding: str = typer.Option("toward_zero", help="toward_zero (measured) or floor (sign-fill shift)."),
     register_rounding: str = typer.Option("truncate", help="FP22 store: truncate or nearest."),
+    product_exponent: str = typer.Option("operands", help="Product's alignment exponent: operands (e_a+e_b), product."),
     fraction_bits: int = typer.Option(acc_lib.HOPPER_FRACTION_BITS, help="Fraction bits the adder keeps."),
     metric: str = typer.Option("normwise", help="normwise, max-normalized, elementwise or componentwise."),
     seed: int = typer.Option(0, help="Random seed."),
@@ -320,7 +344,17 @@ def main(
     """Relative error of limited-precision FP8 accumulation versus K, with and without promotion."""
     ks = parse_ks(k)
     setup = build_setup(
-        dist, inputs, align, product_rounding, register_rounding, fraction_bits, metric, size, trials, seed
+        dist,
+        inputs,
+        align,
+        product_rounding,
+        register_rounding,
+        product_exponent,
+        fraction_bits,
+        metric,
+        size,
+        trials,
+        seed,
     )
     if compare_readings:
         if plot is not None:
