@@ -3,8 +3,10 @@
 `torch._scaled_mm(..., use_fast_accum=True)` on H100/H200 accumulates an FP8 GEMM in the tensor core's
 narrow adder without promotion; `use_fast_accum=False` promotes (cuBLAS). On the same E4M3 operands as
 `dsv3 study accumulation` (64 x K N(0,1) matrices, one scale per tensor) this prints the measured
-normwise relative error against the exact product next to what each emulated reading predicts, so one
-GPU run settles which reading the V3 report's "nearly 2% at K = 4096" refers to.
+normwise relative error against the exact product next to what each emulated reading predicts: the
+default, bit-accurate Hopper model (MMA-Sim; Khattak & Mikaitis), the floor truncation the V3 report's
+"sign-fill" wording suggests, 14 fraction bits and products-only alignment. One GPU run checks the
+default model on this machine and whether anything here reproduces the report's "nearly 2% at K = 4096".
 
 JSON lines on stdout; exit 0 with a "skipped" line without CUDA (the emulator rows print anyway).
 """
@@ -20,11 +22,13 @@ import torch
 from dsv3.precision.accumulation import Accumulator, fp8_random, limited_matmul, matrix_error
 
 KS = [1024, 4096, 16384]
+# The bit-accurate Hopper model (the study's default, `Accumulator()`) and three other readings, each
+# changing one option of it (as in `dsv3 study accumulation --readings`).
 READINGS = {
-    "default (13 bits, sum joins alignment, floor)": Accumulator(),
+    "default: bit-accurate Hopper model (13 bits, sum joins alignment, toward zero)": Accumulator(),
+    "sign-fill shift on two's complement: floor (previous default)": Accumulator(product_rounding="floor"),
     "14 fraction bits": Accumulator(fraction_bits=14),
     "products-only alignment": Accumulator(align_with_accumulator=False),
-    "toward-zero product truncation": Accumulator(product_rounding="toward_zero"),
 }
 
 
