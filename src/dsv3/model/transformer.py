@@ -10,10 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsv3.config import ModelConfig
+from dsv3.model.loss import linear_cross_entropy, plain_cross_entropy
 from dsv3.model.mla import MLA, LatentCache
 from dsv3.model.moe import MLP, MoE
 from dsv3.model.norm import RMSNorm
@@ -160,8 +160,18 @@ class Transformer(nn.Module):
         return layer(emb, h, cos, sin, cache, start_pos, mask, absorb)
 
     def mtp_logits(self, depth: int, h_mtp: torch.Tensor) -> torch.Tensor:
-        head = self.mtp_layers[depth].shared_head
-        return getattr(head, "head", self.lm_head)(head.norm(h_mtp))
+        return self._mtp_head(depth)(self.mtp_layers[depth].shared_head.norm(h_mtp))
+
+    def _mtp_head(self, depth: int) -> nn.Module:
+        """The output head of MTP depth ``depth``: its own copy when the checkpoint kept one, else lm_head."""
+        return getattr(self.mtp_layers[depth].shared_head, "head", self.lm_head)
+
+    def _head_loss(self, head: nn.Module, h: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+        """Cross-entropy of head(h): fused with the head when it is a plain linear layer (see loss.py),
+        else through the materialized logits (an FP8 or hooked head)."""
+        if type(head) is nn.Linear and head.bias is None and not head._forward_hooks:
+            return linear_cross_entropy(h, head.weight, labels, ignore_index)
+        return plain_cross_entropy(head(h), labels, ignore_index)
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> LossOutput:
         """Training objective. labels[b, t] is the token after input_ids[b, t].
@@ -172,13 +182,14 @@ class Transformer(nn.Module):
         T = input_ids.shape[1]
         positions = torch.arange(T, device=input_ids.device)[None]
         h = self.hidden_states(input_ids, positions=positions)
-        lm_loss = _cross_entropy(self.lm_head(h), labels, ignore_index)
+        lm_loss = self._head_loss(self.lm_head, h, labels, ignore_index)
         mtp_losses = []
         for k in range(1, len(self.mtp_layers) + 1):
             if T - k <= 0:
                 break
             h = self.mtp_hidden(k - 1, h[:, : T - k], input_ids[:, k:], positions[:, : T - k])
-            mtp_losses.append(_cross_entropy(self.mtp_logits(k - 1, h), labels[:, k:], ignore_index))
+            h_normed = self.mtp_layers[k - 1].shared_head.norm(h)
+            mtp_losses.append(self._head_loss(self._mtp_head(k - 1), h_normed, labels[:, k:], ignore_index))
         total = lm_loss
         mtp_loss = None
         if mtp_losses:
@@ -208,6 +219,3 @@ class Transformer(nn.Module):
 
         save_pretrained(self, path, **kwargs)
 
-
-def _cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-    return F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=ignore_index)

@@ -16,11 +16,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from dsv3.errors import DSV3Error
-from dsv3.model.moe import Experts, MoE
+from dsv3.model.moe import Experts, MoE, routed_swiglu
 from dsv3.parallel.exchange import TrafficMeter, TwoHopPlan, broadcast, handshake, reduce, run
 from dsv3.parallel.overlap import run_interleaved
 from dsv3.parallel.placement import Placement
@@ -186,14 +185,10 @@ class ExpertParallelMoE(MoE):
         order = slot.argsort(stable=True)
         rows, ks, slot = rows[order], ks[order], slot[order]
         counts = torch.bincount(slot, minlength=self.experts.gate_proj.shape[0]).tolist()
-        xs = x_e[rows]
         e = self.experts
-        # An empty pass through expert 0 keeps x_e and the weights in the graph on a rank that got no
-        # tokens, so its backward still joins the collectives (and its expert grads are zeros, not None).
-        outs = [_swiglu(e, 0, xs[:0])]
-        outs += [_swiglu(e, s, chunk) for s, chunk in enumerate(xs.split(counts)) if chunk.shape[0]]
-        ys = torch.cat(outs) * w_e[rows, ks].unsqueeze(1).to(x_e.dtype)
-        return torch.zeros_like(x_e).index_add_(0, rows, ys)
+        # On a rank that got no tokens this still keeps x_e and the gates in the graph, so its backward
+        # joins the collectives (and its expert grads are zeros, not None).
+        return routed_swiglu(x_e, w_e[rows, ks], rows, counts, e.gate_proj, e.up_proj, e.down_proj)
 
     # ---- placement changes --------------------------------------------------------------------
     @torch.no_grad()
@@ -228,12 +223,6 @@ class ExpertParallelMoE(MoE):
         self.experts = Experts(ids.numel(), shape[2], shape[1]).to(weights["gate_proj"])
         for name, full in weights.items():
             getattr(self.experts, name).copy_(full[ids])
-
-
-def _swiglu(experts: Experts, slot: int, x: torch.Tensor) -> torch.Tensor:
-    """Local expert ``slot`` on rows x [n, D] -> [n, D]."""
-    h = F.silu(x @ experts.gate_proj[slot].t()) * (x @ experts.up_proj[slot].t())
-    return h @ experts.down_proj[slot].t()
 
 
 def apply_expert_parallel(
