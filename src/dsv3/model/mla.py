@@ -115,16 +115,10 @@ class MLA(nn.Module):
             [self.nope, self.v_dim], dim=-1)
         k = torch.cat([k_nope, k_pe.unsqueeze(2).expand(-1, -1, H, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        # PyTorch's fused (flash) SDPA kernels want equal q/k/v head dims; padding V with zeros and
-        # slicing the output is exact and much cheaper than the unfused fallback.
-        v = F.pad(v, (0, q.shape[-1] - self.v_dim)) if self.v_dim < q.shape[-1] else v
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [B, H, T|S, d]
-        if mask is None and start_pos == 0 and k.shape[2] == T:
-            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale)
-        else:
-            full = causal_mask(T, k.shape[2], start_pos, q.device, mask)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=full.unsqueeze(1), scale=self.scale)
-        return out.transpose(1, 2)[..., : self.v_dim]
+        full = None if mask is None and start_pos == 0 and k.shape[2] == T else causal_mask(
+            T, k.shape[2], start_pos, q.device, mask).unsqueeze(1)
+        return attention_core(q, k, v, self.scale, full).transpose(1, 2)
 
     def _absorbed(self, q_nope, q_pe, c_kv, k_pe, start_pos, mask) -> torch.Tensor:
         w_uk, w_uv = self._absorbed_weights()
@@ -142,3 +136,33 @@ def causal_mask(T: int, S: int, start_pos: int, device, mask: torch.Tensor | Non
     q_pos = torch.arange(start_pos, start_pos + T, device=device)[:, None]
     allowed = (torch.arange(S, device=device)[None, :] <= q_pos).unsqueeze(0)
     return allowed if mask is None else allowed & mask
+
+
+EXPLICIT_SCORES_LIMIT = 1 << 26  # B*H*T*S scores; above it the memory of explicit scores outweighs their speed
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   mask: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale, masked) v for q, k [B, H, T|S, d_qk], v [B, H, S, d_v]; mask: bool
+    [B|1, 1, T, S] (True = attend) or None for causal. Returns [B, H, T, d_v].
+
+    Picks the fastest exact kernel for the case. On a CPU, for short sequences, two batched matmuls
+    around a softmax beat PyTorch's flash kernel (2x in bf16, where the softmax still accumulates in
+    fp32 internally; even in fp32); their [B, H, T, S] scores cost memory, so long sequences go to
+    SDPA's fused kernels, whose flash variants want equal q/k/v head dims: V is zero-padded there
+    (exact: the padded output columns are sliced off)."""
+    d_v = v.shape[-1]
+    B, H, T, S = *q.shape[:3], k.shape[2]
+    if q.device.type == "cpu" and B * H * T * S <= EXPLICIT_SCORES_LIMIT:
+        keep = mask if mask is not None else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, float("-inf"))
+        scores = torch.baddbmm(bias.expand(B, H, T, S).flatten(0, 1), q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2),
+                               alpha=scale)  # [B*H, T, S]: scaled and masked in one op
+        return (scores.softmax(dim=-1) @ v.flatten(0, 1)).unflatten(0, (B, H))
+    if d_v < q.shape[-1]:
+        v = F.pad(v, (0, q.shape[-1] - d_v))
+    if mask is None:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    else:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return out[..., :d_v]
