@@ -86,29 +86,30 @@ def _chunked_loss(h, weight, labels, ignore_index, grads):
             if grads is None:
                 continue
             grad_h, grad_w = grads
-            d_logits = low[:r].copy_(logits[:r]) if low is not logits else logits[:r]
+            d_logits = low[:r].copy_(logits[:r]) if low is not logits else logits[:r]  # softmax - onehot
+            x_scaled = x[part] * scale[part, None].to(dtype)  # the mean's 1/count (0: unlabelled) on the small side
             torch.mm(d_logits, w, out=grad_h[part])
+            grad_h[part] *= scale[part, None].to(dtype)
             if dtype == wide:
-                grad_w.addmm_(d_logits.t(), x[part])
+                grad_w.addmm_(d_logits.t(), x_scaled)
             else:
-                grad_w += d_logits.t() @ x[part]
+                grad_w += d_logits.t() @ x_scaled
     return total / count
 
 
 def _softmax_in_place(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Turns logits [r, V] into the logit gradient (softmax - onehot(targets)) * scale, in place, and
-    returns the sum of the labelled rows' losses (logsumexp - target logit); ``scale`` is 0 on
-    unlabelled rows."""
+    """Turns logits [r, V] into softmax - onehot(targets), in place, and returns the sum of the labelled
+    rows' losses (logsumexp - target logit); ``scale`` is 0 on unlabelled rows.
+
+    One fused softmax does the work: at each row's largest logit the softmax equals 1 / sum exp(logit -
+    top), which is at least 1/V (no underflow), so logsumexp = top - log(softmax there) comes out exact."""
     rows = torch.arange(logits.shape[0], device=logits.device)
-    target_logit = logits[rows, targets]
-    top = logits.amax(dim=-1, keepdim=True)
-    probs = logits.sub_(top).exp_()
-    norm = probs.sum(dim=-1, keepdim=True)
-    per_token = norm.squeeze(-1).log() + top.squeeze(-1) - target_logit
-    labelled = scale > 0
-    probs.mul_((scale / norm.squeeze(-1))[:, None])
-    probs[rows, targets] -= scale
-    return per_token[labelled].sum()
+    best = logits.argmax(dim=-1)
+    top, target_logit = logits[rows, best], logits[rows, targets]
+    torch.softmax(logits, dim=-1, out=logits)  # row by row, each read before it is overwritten
+    lse = top - logits[rows, best].log()
+    logits[rows, targets] -= 1
+    return (lse - target_logit)[scale > 0].sum()
 
 
 def plain_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
