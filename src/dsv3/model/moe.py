@@ -190,12 +190,14 @@ class Experts(nn.Module):
         gates = weights.flatten()[order]
         if isinstance(self.gate_proj, torch.Tensor):
             return routed_swiglu(x, gates, token, counts, self.gate_proj, self.up_proj, self.down_proj)
-        # inference's FP8 stand-ins dequantize lazily, one routed-to expert at a time
-        xs = x[token]  # [N*K, D], grouped by expert
-        ys = torch.cat([(F.silu(c @ self.gate_proj[e].t()) * (c @ self.up_proj[e].t())) @ self.down_proj[e].t()
-                        for e, c in enumerate(xs.split(counts)) if c.shape[0]])
-        ys = ys * gates[:, None].to(ys.dtype)
-        return torch.zeros_like(x, dtype=ys.dtype).index_add_(0, token, ys)
+        # Inference's FP8 stand-ins dequantize lazily, one routed-to expert at a time; same arithmetic.
+        out = torch.zeros_like(x)
+        for e, rows in _expert_slices(counts):
+            tok = token[rows]
+            xe = x[tok]
+            act = F.silu(xe @ self.gate_proj[e].t()).mul_(xe @ self.up_proj[e].t()).mul_(gates[rows, None].to(x.dtype))
+            out.index_add_(0, tok, act @ self.down_proj[e].t())
+        return out
 
 
 class MoE(nn.Module):
