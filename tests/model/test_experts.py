@@ -68,3 +68,21 @@ def test_routed_swiglu_follows_autocast():
         act = F.silu(b[0][t] @ b[2][e].t()) * (b[0][t] @ b[3][e].t()) * b[1][i]
         expected[t] += act @ b[4][e].t()
     assert torch.allclose(y.float(), expected.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_padding_expert_rows_changes_nothing(monkeypatch):
+    """In bf16 on CPU each expert's rows are padded to a multiple of 32 (recurring matmul shapes); the
+    padding rows carry gate 0, so outputs and every gradient equal the unpadded computation."""
+    from dsv3.model import moe
+
+    x, gates, token, counts, ws = _routed_inputs(torch.float32, n=40, d=16, inter=8)
+    results = []
+    for multiple in (1, 32):
+        monkeypatch.setattr(moe, "CPU_LOW_PRECISION_ROW_MULTIPLE", multiple)
+        inputs = [t.clone().requires_grad_() for t in (x, gates, *ws)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = routed_swiglu(inputs[0], inputs[1], token, counts, *inputs[2:])
+        (y.float() * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        results.append([y.float(), *(t.grad for t in inputs)])
+    for unpadded, padded in zip(*results, strict=True):
+        assert torch.equal(unpadded, padded)

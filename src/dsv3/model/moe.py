@@ -166,7 +166,36 @@ def routed_swiglu(x: torch.Tensor, gates: torch.Tensor, token: torch.Tensor, cou
 
     x [N, D]; token [S] and gates [S] sorted by expert, ``counts[e]`` pairs for expert e;
     w_gate, w_up [E, I, D]; w_down [E, D, I]."""
+    multiple = _row_multiple(x)
+    if multiple > 1:
+        token, gates, counts = _pad_groups(token, gates, counts, multiple)
     return _RoutedSwiGLU.apply(x, gates, token, counts, w_gate, w_up, w_down)
+
+
+CPU_LOW_PRECISION_ROW_MULTIPLE = 32
+
+
+def _row_multiple(x: torch.Tensor) -> int:
+    """Row-count granularity of the per-expert matmuls. On a CPU in bf16/fp16 the matmul library
+    compiles a kernel for every new shape (about 2x the matmul's own cost), and expert row counts change
+    every step; rounding them up to a multiple of 32 makes the shapes recur."""
+    device = x.device.type
+    low = torch.is_autocast_enabled(device) or x.dtype in (torch.bfloat16, torch.float16)
+    return CPU_LOW_PRECISION_ROW_MULTIPLE if device == "cpu" and low else 1
+
+
+def _pad_groups(token: torch.Tensor, gates: torch.Tensor, counts: list[int], multiple: int):
+    """Pads each expert's rows to a multiple of ``multiple`` with rows that read token 0 and carry gate 0:
+    they add exactly zero to the output and to every gradient."""
+    padded = [-(-n // multiple) * multiple for n in counts]
+    if padded == counts:
+        return token, gates, counts
+    token_parts, gate_parts = [], []
+    for (e, rows), n in zip(_expert_slices(counts), (n for n in padded if n), strict=True):
+        extra = n - counts[e]
+        token_parts += [token[rows], token.new_zeros(extra)]
+        gate_parts += [gates[rows], gates.new_zeros(extra)]
+    return torch.cat(token_parts), torch.cat(gate_parts), padded
 
 
 class Experts(nn.Module):
