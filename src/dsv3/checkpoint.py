@@ -100,8 +100,8 @@ def save_pretrained(model, path: str | os.PathLike, dtype: torch.dtype | None = 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
     try:
-        tensors = _prepare(checkpoint_tensors(model), dtype, fp8)
-        _write_shards(tensors, tmp, max_shard_bytes)
+        shards = _plan_shards(checkpoint_tensors(model), dtype, fp8, max_shard_bytes)
+        _write_shards(shards, tmp, dtype, fp8)
         cfg.save_json(tmp / "config.json", rope_layout=rope_layout)
         _swap_in(tmp, path)
     except BaseException:
@@ -110,17 +110,30 @@ def save_pretrained(model, path: str | os.PathLike, dtype: torch.dtype | None = 
 
 
 def _prepare(items, dtype, fp8) -> dict[str, torch.Tensor]:
+    """The stored tensors of ``items`` (name, tensor view): on the CPU, cast or FP8-quantized, each its
+    own storage (safetensors refuses shared storage)."""
     out: dict[str, torch.Tensor] = {}
     for name, t in items:
         t = t.detach().to("cpu")
         if fp8 and fp8_quantizable(name, t):
             out[name], out[name + "_scale_inv"] = quantize_fp8_blocks(t)
             continue
-        keep_fp32 = name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias")
-        if dtype is not None and t.is_floating_point() and not keep_fp32:
-            t = t.to(dtype)
-        out[name] = t.contiguous().clone()  # clone: no shared storage in safetensors
+        out[name] = t.to(_save_dtype(name, t, dtype)).contiguous().clone()
     return out
+
+
+def _save_dtype(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """``dtype`` for floating tensors, except the router's weight and bias, which stay fp32."""
+    keep_fp32 = name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias")
+    return dtype if dtype is not None and t.is_floating_point() and not keep_fp32 else t.dtype
+
+
+def _stored_bytes(name: str, t: torch.Tensor, dtype: torch.dtype | None, fp8: bool) -> int:
+    """Bytes ``_prepare`` will write for one tensor, known before anything is materialized."""
+    if fp8 and fp8_quantizable(name, t):
+        n, k = t.shape
+        return n * k + (-(-n // FP8_BLOCK)) * (-(-k // FP8_BLOCK)) * 4  # E4M3 values + fp32 block scales
+    return t.numel() * _save_dtype(name, t, dtype).itemsize
 
 
 def fp8_quantizable(name: str, t: torch.Tensor) -> bool:
@@ -130,25 +143,35 @@ def fp8_quantizable(name: str, t: torch.Tensor) -> bool:
     return "eh_proj" not in name
 
 
-def _write_shards(tensors: dict[str, torch.Tensor], folder: Path, max_shard_bytes: int) -> None:
-    shards: list[dict[str, torch.Tensor]] = [{}]
+def _plan_shards(items, dtype, fp8, max_shard_bytes: int) -> list[list[tuple[str, torch.Tensor]]]:
+    """Split (name, tensor view) pairs into shards of at most ``max_shard_bytes`` stored bytes (a single
+    larger tensor gets a shard of its own); an FP8 weight and its scales stay together."""
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0
-    for name, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
+    for name, t in items:
+        nbytes = _stored_bytes(name, t, dtype, fp8)
         if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
+            shards.append([])
             size = 0
-        shards[-1][name] = t
+        shards[-1].append((name, t))
         size += nbytes
+    return shards
+
+
+def _write_shards(shards, folder: Path, dtype, fp8) -> None:
+    """One shard at a time: only one shard's converted copy is ever in memory (a 671B save would
+    otherwise hold a second copy of the whole model)."""
     if len(shards) == 1:
-        save_file(shards[0], str(folder / SINGLE_NAME), metadata={"format": "pt"})
+        save_file(_prepare(shards[0], dtype, fp8), str(folder / SINGLE_NAME), metadata={"format": "pt"})
         return
     weight_map, total = {}, 0
-    for i, shard in enumerate(shards, 1):
+    for i, items in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
+        shard = _prepare(items, dtype, fp8)
         save_file(shard, str(folder / fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in shard})
         total += sum(t.numel() * t.element_size() for t in shard.values())
+        del shard
     index = {"metadata": {"total_size": total}, "weight_map": weight_map}
     (folder / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
 

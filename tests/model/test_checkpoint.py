@@ -161,3 +161,26 @@ def test_save_into_existing_folder_keeps_other_files(model, tmp_path):
     assert not (tmp_path / "model.safetensors.index.json").exists()
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["model.safetensors"]
     assert load_pretrained(tmp_path) is not None
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_shards_are_converted_one_at_a_time(model, tmp_path, monkeypatch, fp8):
+    """save_pretrained holds only one shard's converted tensors at a time (a 671B model must not be
+    copied whole), and each shard's stored bytes stay within the limit unless one tensor alone exceeds it."""
+    from dsv3 import checkpoint
+
+    limit, seen = 40_000, []
+    prepare = checkpoint._prepare
+
+    def recording_prepare(items, dtype, fp8):
+        out = prepare(items, dtype, fp8)
+        seen.append((len(out), sum(t.numel() * t.element_size() for t in out.values())))
+        return out
+
+    monkeypatch.setattr(checkpoint, "_prepare", recording_prepare)
+    model.save_pretrained(tmp_path / "ckpt", max_shard_bytes=limit, fp8=fp8)
+    assert len(seen) > 2
+    assert all(nbytes <= limit or count <= 2 for count, nbytes in seen)  # count 2: one FP8 weight + scales
+    index = json.loads((tmp_path / "ckpt" / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) == len(seen)
+    assert index["metadata"]["total_size"] == sum(nbytes for _, nbytes in seen)
