@@ -1,5 +1,7 @@
 """CUDA checks of the model: logits on the GPU equal the CPU's (fp32), absorbed decode over the latent
-cache equals the expanded path on the GPU, and decode/training-step timings of the `small` preset in bf16.
+cache equals the expanded path on the GPU, the training loss and every gradient equal the CPU's (the
+fused routed experts, the fused head loss and the attention kernels in backward), and decode/training-step
+timings of the `small` preset in bf16.
 
 JSON lines on stdout; exit 1 when a check fails, 0 with a "skipped" line without CUDA.
 DSV3_GPU_CHECK_DEVICE=cpu runs the same code on the CPU (to test this script without a GPU).
@@ -53,6 +55,29 @@ def check_parity() -> bool:
     return ok
 
 
+def check_training_gradients() -> bool:
+    """One loss + backward in fp32 on both devices: loss and the worst relative gradient difference."""
+    torch.manual_seed(0)
+    cfg = TINY.replace(num_nextn_predict_layers=1)
+    cpu = Transformer(cfg).train()
+    gpu = Transformer(cfg).to(DEVICE).train()
+    gpu.load_state_dict(cpu.state_dict())
+    x = torch.randint(0, cfg.vocab_size, (2, 97), generator=torch.Generator().manual_seed(2))
+    losses = []
+    for model, ids in ((cpu, x), (gpu, x.to(DEVICE))):
+        out = model.loss(ids[:, :-1], ids[:, 1:])
+        out.loss.backward()
+        losses.append(out.loss.item())
+    worst = max(
+        ((pg.grad.cpu() - pc.grad).norm() / pc.grad.norm().clamp(min=1e-12)).item()
+        for pc, pg in zip(cpu.parameters(), gpu.parameters(), strict=True)
+        if pc.grad is not None
+    )
+    ok = abs(losses[0] - losses[1]) < 1e-4 * abs(losses[0]) and worst < 1e-3
+    emit(name="train_grads_fp32", loss_cpu=losses[0], loss_gpu=losses[1], worst_rel_grad_diff=worst, ok=ok)
+    return ok
+
+
 def time_small() -> None:
     cfg = preset("small")
     torch.manual_seed(0)
@@ -86,6 +111,7 @@ def main() -> int:
         emit(skipped="no CUDA device")
         return 0
     ok = check_parity()
+    ok = check_training_gradients() and ok
     time_small()
     return 0 if ok else 1
 
