@@ -6,7 +6,8 @@ size: three fresh full-size buffers and several passes over memory. Here each ch
 logits, its loss and its logit gradient in one buffer that is reused for the next chunk, and the
 gradients of the hidden states and of the head weight are formed right away, so autograd only keeps
 those two (the size of the input and of the weight) until backward. The matmuls are the same ones the
-plain path runs; what goes away is the memory traffic and the allocations around them.
+plain path runs; what goes away is the memory traffic and the allocations around them. The price: the
+head-weight gradient ([V, D], fp32) exists from the forward pass on, once per loss term (MTP adds one).
 """
 
 from __future__ import annotations
