@@ -39,6 +39,21 @@ def cache_dir(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("cache")
 
 
+def tiny_train_argv(tiny_config: Path, corpus_dir: Path, cache_dir: Path, out: Path, *extra: str) -> list[str]:
+    """`dsv3 train` arguments for a tiny run on the tiny corpus (what the CLI and signal tests share)."""
+    return [
+        "train", "--config", str(tiny_config), "--data", str(corpus_dir), "--out", str(out),
+        "--cache-dir", str(cache_dir), "--device", "cpu", "--batch-size", "4", "--seq-len", "32",
+        "--eval-tokens", "128", "--val-fraction", "0.1", *extra,
+    ]
+
+
+@pytest.fixture
+def train_argv(tiny_config, corpus_dir, cache_dir):
+    """train_argv(out, *extra): tiny_train_argv bound to this session's config, corpus and cache."""
+    return lambda out, *extra: tiny_train_argv(tiny_config, corpus_dir, cache_dir, out, *extra)
+
+
 @pytest.fixture
 def make_opts(tiny_config, corpus_dir, cache_dir, tmp_path):
     def make(name: str = "run", **overrides) -> TrainOptions:

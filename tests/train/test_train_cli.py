@@ -13,38 +13,10 @@ from dsv3.cli import main
 ROW_KEYS = {"step", "loss", "mtp_loss", "lr", "grad_norm", "tokens_per_s", "expert_imbalance"}
 
 
-def _args(tiny_config, corpus_dir, cache_dir, out, *extra):
-    return [
-        "train",
-        "--config",
-        str(tiny_config),
-        "--data",
-        str(corpus_dir),
-        "--out",
-        str(out),
-        "--cache-dir",
-        str(cache_dir),
-        "--device",
-        "cpu",
-        "--batch-size",
-        "4",
-        "--seq-len",
-        "32",
-        "--eval-tokens",
-        "128",
-        "--val-fraction",
-        "0.1",
-        *extra,
-    ]
-
-
-def test_train_json_summary_metrics_plots_and_sample(tiny_config, corpus_dir, cache_dir, tmp_path, capsys):
+def test_train_json_summary_metrics_plots_and_sample(train_argv, tmp_path, capsys):
     out = tmp_path / "run"
     code = main(
-        _args(
-            tiny_config,
-            corpus_dir,
-            cache_dir,
+        train_argv(
             out,
             "--steps",
             "8",
@@ -93,8 +65,8 @@ def test_train_json_summary_metrics_plots_and_sample(tiny_config, corpus_dir, ca
         (["--moe-output-format", "fp4"], "--moe-output-format must be one of"),
     ],
 )
-def test_bad_input_is_one_error_line(tiny_config, corpus_dir, cache_dir, tmp_path, capsys, extra, message):
-    code = main(_args(tiny_config, corpus_dir, cache_dir, tmp_path / "bad", "--steps", "2", *extra))
+def test_bad_input_is_one_error_line(train_argv, tmp_path, capsys, extra, message):
+    code = main(train_argv(tmp_path / "bad", "--steps", "2", *extra))
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
 

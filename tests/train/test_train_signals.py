@@ -19,37 +19,10 @@ from dsv3.train.options import TrainOptions
 from dsv3.train.run import run_training
 
 
-def _start(tiny_config, corpus_dir, cache_dir, out: Path) -> subprocess.Popen:
-    cmd = [
-        sys.executable,
-        "-m",
-        "dsv3",
-        "train",
-        "--config",
-        str(tiny_config),
-        "--data",
-        str(corpus_dir),
-        "--out",
-        str(out),
-        "--cache-dir",
-        str(cache_dir),
-        "--device",
-        "cpu",
-        "--batch-size",
-        "4",
-        "--seq-len",
-        "32",
-        "--steps",
-        "100000",
-        "--save-every",
-        "1",
-        "--eval-every",
-        "100000",
-        "--val-fraction",
-        "0.1",
-        "--json",
-    ]
+def _start(train_argv, out: Path) -> subprocess.Popen:
+    args = train_argv(out, "--steps", "100000", "--save-every", "1", "--eval-every", "100000", "--json")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "dsv3", *args]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -64,11 +37,9 @@ def _wait_for_steps(out: Path, proc: subprocess.Popen, steps: int, timeout: floa
     raise AssertionError("training did not reach the expected step in time")
 
 
-def test_sigterm_checkpoints_and_exits_zero_then_kill_9_leaves_loadable_checkpoints(
-    tiny_config, corpus_dir, cache_dir, tmp_path
-):
+def test_sigterm_checkpoints_and_exits_zero_then_kill_9_leaves_loadable_checkpoints(train_argv, tmp_path):
     out = tmp_path / "run"
-    proc = _start(tiny_config, corpus_dir, cache_dir, out)
+    proc = _start(train_argv, out)
     _wait_for_steps(out, proc, 3)
     proc.send_signal(signal.SIGTERM)
     stdout, stderr = proc.communicate(timeout=120)
