@@ -284,19 +284,8 @@ def _choice(name: str, value: str, allowed: tuple[str, ...]) -> str:
     return value
 
 
-def build_setup(
-    dist,
-    inputs,
-    align,
-    product_rounding,
-    register_rounding,
-    product_exponent,
-    fraction_bits,
-    metric,
-    size,
-    trials,
-    seed,
-):
+def build_setup(dist, inputs, align, product_rounding, register_rounding, product_exponent, fraction_bits,
+                metric, size, trials, seed):
     """Validate the CLI options into a :class:`Setup` (every bad value: one clear message)."""
     _choice("--align", align, ("accumulator", "products"))
     if trials < 1:
@@ -343,19 +332,8 @@ def main(
 ) -> None:
     """Relative error of limited-precision FP8 accumulation versus K, with and without promotion."""
     ks = parse_ks(k)
-    setup = build_setup(
-        dist,
-        inputs,
-        align,
-        product_rounding,
-        register_rounding,
-        product_exponent,
-        fraction_bits,
-        metric,
-        size,
-        trials,
-        seed,
-    )
+    setup = build_setup(dist, inputs, align, product_rounding, register_rounding, product_exponent,
+                        fraction_bits, metric, size, trials, seed)
     if compare_readings:
         if plot is not None:
             raise DSV3Error("--plot draws the K sweep; it cannot be combined with --readings")
