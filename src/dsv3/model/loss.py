@@ -15,6 +15,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from dsv3.model.autocast import compute_dtype
+
 CHUNK_LOGITS = 1 << 24  # logits per chunk (64 MB in fp32): few chunks, so the head-weight gradient is summed rarely
 MIN_CHUNK_ROWS = 64
 
@@ -38,7 +40,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, labels, ignore_index):
-        grad_h = torch.empty_like(h, dtype=_compute_dtype(h))
+        grad_h = torch.empty_like(h, dtype=compute_dtype(h))
         grad_w = torch.zeros_like(weight, dtype=_softmax_dtype(h))
         loss = _chunked_loss(h, weight, labels, ignore_index, grads=(grad_h, grad_w))
         ctx.save_for_backward(grad_h, grad_w)
@@ -52,21 +54,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         return (grad_h.to(h_dtype) * grad_loss.to(h_dtype), (grad_w * grad_loss).to(w_dtype), None, None)
 
 
-def _compute_dtype(h: torch.Tensor) -> torch.dtype:
-    """The head matmul's dtype: the autocast dtype under autocast, else h's."""
-    device = h.device.type
-    return torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else h.dtype
-
-
 def _softmax_dtype(h: torch.Tensor) -> torch.dtype:
     """The softmax's dtype: fp32, or wider when the matmul is (float64 inputs in tests)."""
-    return torch.promote_types(_compute_dtype(h), torch.float32)
+    return torch.promote_types(compute_dtype(h), torch.float32)
 
 
 def _chunked_loss(h, weight, labels, ignore_index, grads):
     """Sum of per-token losses / number of labelled tokens; with ``grads = (grad_h, grad_w)`` also
     writes d loss / d h [N, D] and d loss / d weight [V, D] (softmax dtype) into them."""
-    dtype, wide = _compute_dtype(h), _softmax_dtype(h)
+    dtype, wide = compute_dtype(h), _softmax_dtype(h)
     x, w = h.to(dtype), weight.to(dtype)
     valid = labels != ignore_index
     count = valid.sum()
@@ -83,14 +79,15 @@ def _chunked_loss(h, weight, labels, ignore_index, grads):
             torch.mm(x[part], w.t(), out=low[:r])
             if low is not logits:
                 logits[:r].copy_(low[:r])
-            total += _softmax_in_place(logits[:r], targets[part], scale[part])
+            total += _softmax_in_place(logits[:r], targets[part], valid[part])
             if grads is None:
                 continue
             grad_h, grad_w = grads
             d_logits = low[:r].copy_(logits[:r]) if low is not logits else logits[:r]  # softmax - onehot
-            x_scaled = x[part] * scale[part, None].to(dtype)  # the mean's 1/count (0: unlabelled) on the small side
+            row_scale = scale[part, None].to(dtype)  # the mean's 1/count (0: unlabelled), on the small side
             torch.mm(d_logits, w, out=grad_h[part])
-            grad_h[part] *= scale[part, None].to(dtype)
+            grad_h[part] *= row_scale
+            x_scaled = x[part] * row_scale
             if dtype == wide:
                 grad_w.addmm_(d_logits.t(), x_scaled)
             else:
@@ -98,9 +95,9 @@ def _chunked_loss(h, weight, labels, ignore_index, grads):
     return total / count
 
 
-def _softmax_in_place(logits: torch.Tensor, targets: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Turns logits [r, V] into softmax - onehot(targets), in place, and returns the sum of the labelled
-    rows' losses (logsumexp - target logit); ``scale`` is 0 on unlabelled rows.
+def _softmax_in_place(logits: torch.Tensor, targets: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:
+    """Turns logits [r, V] into softmax - onehot(targets), in place, and returns the sum of the
+    ``labelled`` rows' losses (logsumexp - target logit).
 
     One fused softmax does the work: at each row's largest logit the softmax equals 1 / sum exp(logit -
     top), which is at least 1/V (no underflow), so logsumexp = top - log(softmax there) comes out exact."""
@@ -110,7 +107,7 @@ def _softmax_in_place(logits: torch.Tensor, targets: torch.Tensor, scale: torch.
     torch.softmax(logits, dim=-1, out=logits)  # row by row, each read before it is overwritten
     lse = top - logits[rows, best].log()
     logits[rows, targets] -= 1
-    return (lse - target_logit)[scale > 0].sum()
+    return (lse - target_logit)[labelled].sum()
 
 
 def plain_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

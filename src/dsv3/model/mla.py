@@ -154,7 +154,7 @@ def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     d_v = v.shape[-1]
     B, H, T, S = *q.shape[:3], k.shape[2]
     if q.device.type == "cpu" and B * H * T * S <= EXPLICIT_SCORES_LIMIT:
-        keep = mask if mask is not None else torch.ones(T, S, dtype=torch.bool, device=q.device).tril(S - T)
+        keep = mask if mask is not None else causal_mask(T, S, S - T, q.device)
         bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, float("-inf"))
         scores = torch.baddbmm(bias.expand(B, H, T, S).flatten(0, 1), q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2),
                                alpha=scale)  # [B*H, T, S]: scaled and masked in one op

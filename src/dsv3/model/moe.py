@@ -9,6 +9,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv3.config import ModelConfig
+from dsv3.model.autocast import compute_dtype
 
 
 class MLP(nn.Module):
@@ -88,20 +89,12 @@ class _RoutedSwiGLU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, gates, token, counts, w_gate, w_up, w_down):
         ctx.dtypes = (x.dtype, gates.dtype, w_gate.dtype)
-        device = x.device.type
-        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else x.dtype
+        dtype = compute_dtype(x)
         x, gates, w_gate, w_up, w_down = (t.to(dtype) for t in (x, gates, w_gate, w_up, w_down))
-        g = x.new_empty(token.numel(), w_gate.shape[1])  # [S, I] gate projection
-        u = torch.empty_like(g)  # [S, I] up projection
-        out = torch.zeros_like(x)
-        with torch.autocast(device, enabled=False):
-            for e, rows in _expert_slices(counts):
-                tok = token[rows]
-                xe = x[tok]
-                torch.mm(xe, w_gate[e].t(), out=g[rows])
-                torch.mm(xe, w_up[e].t(), out=u[rows])
-                act = F.silu(g[rows]).mul_(u[rows]).mul_(gates[rows, None])
-                out.index_add_(0, tok, act @ w_down[e].t())
+        g = x.new_empty(token.numel(), w_gate.shape[1])  # [S, I] gate projection, kept for backward
+        u = torch.empty_like(g)  # [S, I] up projection, kept for backward
+        with torch.autocast(x.device.type, enabled=False):
+            out = routed_forward(x, gates, token, counts, lambda e: (w_gate[e], w_up[e], w_down[e]), g, u)
         ctx.save_for_backward(x, gates, token, g, u, w_gate, w_up, w_down)
         ctx.counts = counts
         return out
@@ -143,6 +136,24 @@ class _RoutedSwiGLU(torch.autograd.Function):
                 None if grad_gates is None else grad_gates.to(gates_dtype), None, None, *grads_w)
 
 
+def routed_forward(x, gates, token, counts, expert_weights, g=None, u=None) -> torch.Tensor:
+    """The routed experts' forward, one expert's slice at a time: out[token] += gate * SwiGLU_e(x[token]).
+
+    ``expert_weights(e)`` gives expert e's (gate [I, D], up [I, D], down [D, I]) weights, so lazily
+    dequantized inference weights run the very same arithmetic as training's. ``g``/``u`` [S, I], when
+    given, receive the gate and up projections (what the backward needs)."""
+    out = torch.zeros_like(x)
+    for e, rows in _expert_slices(counts):
+        tok = token[rows]
+        xe = x[tok]
+        w_gate, w_up, w_down = expert_weights(e)
+        ge = torch.mm(xe, w_gate.t(), out=None if g is None else g[rows])
+        ue = torch.mm(xe, w_up.t(), out=None if u is None else u[rows])
+        act = F.silu(ge).mul_(ue).mul_(gates[rows, None])
+        out.index_add_(0, tok, act @ w_down.t())
+    return out
+
+
 def _expert_grad_buffer(w: torch.Tensor, counts: list[int]) -> torch.Tensor:
     """An uninitialized [E, ...] gradient whose experts without tokens are zero (the others get written)."""
     grad = torch.empty_like(w)
@@ -179,9 +190,8 @@ def _row_multiple(x: torch.Tensor) -> int:
     """Row-count granularity of the per-expert matmuls. On a CPU in bf16/fp16 the matmul library
     compiles a kernel for every new shape (about 2x the matmul's own cost), and expert row counts change
     every step; rounding them up to a multiple of 32 makes the shapes recur."""
-    device = x.device.type
-    low = torch.is_autocast_enabled(device) or x.dtype in (torch.bfloat16, torch.float16)
-    return CPU_LOW_PRECISION_ROW_MULTIPLE if device == "cpu" and low else 1
+    low = compute_dtype(x) in (torch.bfloat16, torch.float16)
+    return CPU_LOW_PRECISION_ROW_MULTIPLE if x.device.type == "cpu" and low else 1
 
 
 def _pad_groups(token: torch.Tensor, gates: torch.Tensor, counts: list[int], multiple: int):
@@ -219,14 +229,11 @@ class Experts(nn.Module):
         gates = weights.flatten()[order]
         if isinstance(self.gate_proj, torch.Tensor):
             return routed_swiglu(x, gates, token, counts, self.gate_proj, self.up_proj, self.down_proj)
-        # Inference's FP8 stand-ins dequantize lazily, one routed-to expert at a time; same arithmetic.
-        out = torch.zeros_like(x)
-        for e, rows in _expert_slices(counts):
-            tok = token[rows]
-            xe = x[tok]
-            act = F.silu(xe @ self.gate_proj[e].t()).mul_(xe @ self.up_proj[e].t()).mul_(gates[rows, None].to(x.dtype))
-            out.index_add_(0, tok, act @ self.down_proj[e].t())
-        return out
+        # Inference's FP8 stand-ins dequantize lazily, one routed-to expert at a time.
+        return routed_forward(x, gates.to(x.dtype), token, counts, self._expert_weights)
+
+    def _expert_weights(self, e: int):
+        return self.gate_proj[e], self.up_proj[e], self.down_proj[e]
 
 
 class MoE(nn.Module):
