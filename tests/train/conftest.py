@@ -3,7 +3,11 @@ so every run takes a fraction of a second per step on one CPU core."""
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -52,6 +56,22 @@ def tiny_train_argv(tiny_config: Path, corpus_dir: Path, cache_dir: Path, out: P
 def train_argv(tiny_config, corpus_dir, cache_dir):
     """train_argv(out, *extra): tiny_train_argv bound to this session's config, corpus and cache."""
     return lambda out, *extra: tiny_train_argv(tiny_config, corpus_dir, cache_dir, out, *extra)
+
+
+def torchrun_train(nproc: int, args: list[str]) -> dict:
+    """`torchrun --standalone --nproc-per-node N -m dsv3 ARGS --json` (ARGS start with "train"; one thread
+    per process); returns rank 0's JSON summary."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
+           "-m", "dsv3", *args, "--json"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)  # only rank 0 prints
+
+
+@pytest.fixture
+def torchrun():
+    return torchrun_train
 
 
 @pytest.fixture

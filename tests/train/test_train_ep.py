@@ -4,10 +4,7 @@ checkpoint as one full HF folder, and resume from per-rank optimizer state."""
 
 from __future__ import annotations
 
-import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -17,74 +14,19 @@ from dsv3.train.metrics import read_rows
 from dsv3.train.run import run_training
 
 
-def _torchrun(args: list[str]) -> dict:
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        "--nproc-per-node",
-        "4",
-        "-m",
-        "dsv3",
-        "train",
-        *args,
-        "--json",
-    ]
-    proc = subprocess.run(
-        cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
-
-
-def test_expert_parallel_run_and_resume_match_one_process(make_opts, tmp_path):
+def test_expert_parallel_run_and_resume_match_one_process(make_opts, train_argv, torchrun, tmp_path):
     # a constant learning rate, so that a 2-step run resumed to 4 steps follows the 4-step schedule
     single = make_opts("single", steps=4, save_every=2, eval_every=2, warmup=0, min_lr_ratio=1.0)
     run_training(single, show_progress=False, plots=False)
 
     out = tmp_path / "ep"
-    first = _torchrun(
-        [
-            "--config",
-            single.config,
-            "--data",
-            single.data[0],
-            "--out",
-            str(out),
-            "--cache-dir",
-            single.cache_dir,
-            "--device",
-            "cpu",
-            "--steps",
-            "2",
-            "--batch-size",
-            "4",
-            "--seq-len",
-            "32",
-            "--lr",
-            str(single.lr),
-            "--warmup",
-            "0",
-            "--min-lr-ratio",
-            "1.0",
-            "--save-every",
-            "2",
-            "--eval-every",
-            "2",
-            "--eval-tokens",
-            str(single.eval_tokens),
-            "--val-fraction",
-            "0.1",
-            "--ep",
-            "4",
-            "--gpus-per-node",
-            "2",
-        ]
-    )
+    first = torchrun(4, train_argv(
+        out, "--steps", "2", "--lr", str(single.lr), "--warmup", "0", "--min-lr-ratio", "1.0",
+        "--save-every", "2", "--eval-every", "2", "--ep", "4", "--gpus-per-node", "2",
+    ))
     assert first["world_size"] == 4 and first["parameters"] == single_parameters(single)
     assert os.path.exists(out / "checkpoints" / "step-000002" / "trainer_state.rank3.pt")
-    second = _torchrun(["--resume", str(out), "--steps", "4"])
+    second = torchrun(4, ["train", "--resume", str(out), "--steps", "4"])
     assert second["step"] == 4
 
     one, two = read_rows(single.out + "/metrics.jsonl"), read_rows(out / "metrics.jsonl")
