@@ -188,8 +188,9 @@ CPU_LOW_PRECISION_ROW_MULTIPLE = 32
 
 def _row_multiple(x: torch.Tensor) -> int:
     """Row-count granularity of the per-expert matmuls. On a CPU in bf16/fp16 the matmul library
-    compiles a kernel for every new shape (about 2x the matmul's own cost), and expert row counts change
-    every step; rounding them up to a multiple of 32 makes the shapes recur."""
+    compiles a kernel for every new shape, and expert row counts change every step (a nano-sized expert
+    layer then costs 3x, `benchmarks/train_kernels.py --sections experts`); rounding the counts up to a
+    multiple of 32 makes the shapes recur."""
     low = compute_dtype(x) in (torch.bfloat16, torch.float16)
     return CPU_LOW_PRECISION_ROW_MULTIPLE if x.device.type == "cpu" and low else 1
 
