@@ -141,6 +141,7 @@ class Engine:
         self.tokenizer = tokenizer
         self.speculative = speculative
         self.cache_dtype = cache_dtype or next(model.parameters()).dtype
+        self.device = model.inv_freq.device  # inputs go where the weights are; sampling stays on the CPU
         eos = model.config.eos_token_id
         self.eos_ids = eos_token_ids if eos_token_ids is not None else frozenset([eos] if eos is not None else [])
 
@@ -171,7 +172,7 @@ class Batch:
     """Rows decoded together over one latent cache; see the module docstring for the layout."""
 
     def __init__(self, engine: Engine, requests: list[Request]):
-        self.engine, self.model = engine, engine.model
+        self.engine, self.model, self.device = engine, engine.model, engine.device
         self.stats = Stats()
         self.rows = [Row(r, engine.tokenizer, engine.eos_ids) for r in requests]
         self.T = 2 if engine.speculative else 1
@@ -198,7 +199,7 @@ class Batch:
         S = start + T
         keys = self.valid[:, None, :S]
         self_slot = torch.arange(S)[None, :] == torch.arange(start, S)[:, None]  # [T, S]
-        return keys | self_slot[None]
+        return (keys | self_slot[None]).to(self.device)
 
     def _reshape(self, keep: list[int], shift: int, slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rows ``keep`` of the cache moved ``shift`` slots right into ``slots`` slots: (kv, pe, valid)."""
@@ -207,8 +208,9 @@ class Batch:
         kv = self.cache.kv.new_zeros(self.cache.kv.shape[0], n, slots, self.cache.kv.shape[-1])
         pe = self.cache.pe.new_zeros(self.cache.pe.shape[0], n, slots, self.cache.pe.shape[-1])
         valid = torch.zeros(n, slots, dtype=torch.bool)
-        kv[:, :, shift : shift + cur] = self.cache.kv[:, idx, :cur]
-        pe[:, :, shift : shift + cur] = self.cache.pe[:, idx, :cur]
+        on_device = idx.to(self.device)
+        kv[:, :, shift : shift + cur] = self.cache.kv[:, on_device, :cur]
+        pe[:, :, shift : shift + cur] = self.cache.pe[:, on_device, :cur]
         valid[:, shift : shift + cur] = self.valid[idx, :cur]
         return kv, pe, valid
 
@@ -264,14 +266,15 @@ class Batch:
         self.holes = bool(pads.any())
         positions = (torch.arange(L)[None, :] - pads[:, None]).clamp(min=0)  # [B, L]
         mask = self._mask(0, L)
-        h = self.model.hidden_states(ids, positions=positions, cache=self.cache, start_pos=0, mask=mask)
-        logits = self.model.lm_head(h[:, -1])  # [B, V]
+        h = self.model.hidden_states(ids.to(self.device), positions=positions.to(self.device), cache=self.cache,
+                                     start_pos=0, mask=mask)
+        logits = self.model.lm_head(h[:, -1]).cpu()  # [B, V]
         events = [row.commit([draw(probabilities(logits[b], row.params), row.gen)])
                   for b, row in enumerate(self.rows)]
         self.cur = L
         if self.engine.speculative:
             nxt = torch.cat([ids[:, 1:], torch.tensor([[r.last] for r in self.rows])], dim=1)
-            self._draft(h, nxt, positions, 0, [L] * B)
+            self._draft(h, nxt.to(self.device), positions.to(self.device), 0, [L] * B)
         self.drop([b for b, r in enumerate(self.rows) if r.finish_reason])
         return events
 
@@ -285,12 +288,14 @@ class Batch:
             return events
         self._ensure_capacity()
         B, T, start = len(self.rows), self.T, self.cur
-        ids = torch.tensor([[r.last] + ([r.draft] if T == 2 else []) for r in self.rows])  # [B, T]
-        positions = torch.tensor([r.next_pos for r in self.rows])[:, None] + torch.arange(T)
+        ids = torch.tensor([[r.last] + ([r.draft] if T == 2 else []) for r in self.rows], device=self.device)
+        positions = torch.tensor([r.next_pos for r in self.rows], device=self.device)[:, None] + torch.arange(
+            T, device=self.device
+        )  # [B, T]
         self.valid[:, start : start + T] = True
         h = self.model.hidden_states(ids, positions=positions, cache=self.cache, start_pos=start,
                                      mask=self._mask(start, T))
-        logits = self.model.lm_head(h)  # [B, T, V]
+        logits = self.model.lm_head(h).cpu()  # [B, T, V]
         counts, committed = [], []
         for b, row in enumerate(self.rows):
             p = probabilities(logits[b], row.params)  # [T, V]
@@ -314,7 +319,7 @@ class Batch:
         self.stats.main_forwards += 1
         self.stats.row_steps += B
         if T == 2:
-            nxt = torch.tensor([new + [0] * (advance - len(new)) for new in committed])  # [B, advance]
+            nxt = torch.tensor([new + [0] * (advance - len(new)) for new in committed], device=self.device)
             self._draft(h[:, :advance], nxt, positions[:, :advance], start, counts)
         self.drop([b for b, r in enumerate(self.rows) if r.finish_reason])
         self.stats.decode_s += time.perf_counter() - t0
@@ -328,7 +333,7 @@ class Batch:
         h_mtp = self.model.mtp_hidden(0, h, next_ids, positions, cache=self.cache, start_pos=start,
                                       mask=self._mask(start, n))
         last = torch.tensor(counts) - 1
-        logits = self.model.mtp_logits(0, h_mtp[torch.arange(len(counts)), last])  # [B, V]
+        logits = self.model.mtp_logits(0, h_mtp[torch.arange(len(counts)), last]).cpu()  # [B, V]
         for b, row in enumerate(self.rows):
             row.draft_q = probabilities(logits[b], row.params)
             row.draft = draw(row.draft_q, row.gen)
