@@ -103,7 +103,7 @@ def time_layer(rank: int, world: int, gpus_per_node: int) -> dict:
         _sync()
         out[f"{name}_ms"] = (time.perf_counter() - t0) / 10 * 1e3
     out["host_stage_share"] = {k: v / max(sum(ep.stage_seconds.values()), 1e-12) for k, v in ep.stage_seconds.items()}
-    out["tokens_per_rank"], out["hidden"], out["experts"], out["topk"] = spec.tokens, spec.hidden, spec.experts, spec.topk
+    out.update(tokens_per_rank=spec.tokens, hidden=spec.hidden, experts=spec.experts, topk=spec.topk)
     return out
 
 
