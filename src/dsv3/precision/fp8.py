@@ -17,6 +17,7 @@ import math
 import os
 
 import torch
+import torch.nn.functional as F
 
 from dsv3.errors import DSV3Error
 
@@ -252,15 +253,17 @@ def probe_cuda_backend(name: str, b_block: tuple[int, int] = (TILE, TILE), devic
 
 
 def _torch_blockwise(a_q, a_scale, b_q, b_scale, out_dtype):
-    """cuBLAS blockwise FP8 GEMM through ``torch._scaled_mm`` (sm90, CUDA >= 12.9, K % 128 == 0)."""
+    """cuBLAS blockwise FP8 GEMM (sm90, CUDA >= 12.9, K % 128 == 0) through ``F.scaled_mm`` with explicit
+    recipes: torch 2.11's ``torch._scaled_mm`` no longer infers the blockwise recipes from scale shapes."""
     sa = a_scale.float().t().contiguous().t()  # [M, K/128], outer-dim-major (stride (1, M))
     if b_scale.shape[0] == b_q.shape[0]:  # 1x128 tiles on B too: [N, K/128], outer-dim-major
-        sb = b_scale.float().t().contiguous().t()
-    else:  # 128x128 blocks: [K/128, N/128] viewed from a [N/128, L4] buffer (K blocks padded to 4)
+        sb, recipe_b = b_scale.float().t().contiguous().t(), F.ScalingType.BlockWise1x128
+    else:  # 128x128 blocks: [L4, N/128], the transpose of [N/128, K/128] with K blocks padded to 4
         kb = b_scale.shape[1]
-        l4 = -(-kb // 4) * 4
-        sb = torch.nn.functional.pad(b_scale.float(), (0, l4 - kb)).t()[:kb]
-    return torch._scaled_mm(a_q.contiguous(), b_q.contiguous().t(), scale_a=sa, scale_b=sb, out_dtype=out_dtype)
+        sb = F.pad(b_scale.float(), (0, -(-kb // 4) * 4 - kb)).t()
+        recipe_b = F.ScalingType.BlockWise128x128
+    return F.scaled_mm(a_q.contiguous(), b_q.contiguous().t(), sa, F.ScalingType.BlockWise1x128, sb, recipe_b,
+                       output_dtype=out_dtype)  # fmt: skip
 
 
 def _triton_blockwise(a_q, a_scale, b_q, b_scale, out_dtype):
