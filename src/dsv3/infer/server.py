@@ -339,7 +339,14 @@ class _CompletionShape:
             offsets.append(self.offset)
             self.offset += len(t)
         return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
-                "top_logprobs": [{self._text(t): lp for t, lp in e.top} for e in entries], "text_offset": offsets}
+                "top_logprobs": [self._top(e) for e in entries], "text_offset": offsets}
+
+    def _top(self, entry: TokenLogprob) -> dict[str, float]:
+        """text -> logprob of the best alternatives; where two tokens share a text, the likelier one."""
+        top: dict[str, float] = {}
+        for token_id, logprob in entry.top:
+            top.setdefault(self._text(token_id), logprob)
+        return top
 
 
 class _ChatShape(_CompletionShape):
