@@ -35,6 +35,7 @@ from dsv3.infer.sampling import MAX_SEED, SamplingParams
 from dsv3.infer.scheduler import Scheduler
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
+MAX_STOPS, MAX_STOP_CHARS = 16, 512
 STRICT = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)  # "0.5" is not a number, nor true a 1
 
 # OpenAI fields this server does not implement, with the values that mean "not used" (accepted).
@@ -228,6 +229,9 @@ def _request(engine: Engine, body: _Common, ids: list[int], max_tokens: int | No
         raise RequestError(f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds the model's "
                            f"context of {context} tokens", "max_tokens")
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        # every stop string is checked after every token of the shared batch: bound the work
+        raise RequestError(f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters", "stop")
     if stops and engine.tokenizer is None:
         raise RequestError("stop strings need a tokenizer; this model has none", "stop")
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
@@ -414,10 +418,10 @@ class AccessLog:
     def _line(scope, info: dict, seconds: float) -> str:
         client = scope.get("client")
         who = f"{client[0]}:{client[1]}" if client else "-"
-        tokens = "-" if info["tokens"] is None else str(info["tokens"])
+        tokens = "" if info["tokens"] is None else f' {info["tokens"]} tokens'
         status = info["status"] if info["status"] is not None else 500
         tail = "" if info["done"] else " (client gone)"
-        return f'{who} "{scope["method"]} {scope["path"]}" {status} {tokens} tokens {seconds * 1000:.0f} ms{tail}'
+        return f'{who} "{scope["method"]} {scope["path"]}" {status}{tokens} {seconds * 1000:.0f} ms{tail}'
 
 
 # ---- errors ------------------------------------------------------------------------------------
