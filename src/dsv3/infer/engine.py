@@ -13,6 +13,12 @@ final hidden state at i and the embedding of token i + 1 and predicts token i + 
 [last token, draft] to the main model in one forward, verifies the draft by rejection sampling, then
 runs the MTP layer over the newly committed positions (its own cache layer, same slots) to draft the
 next token.
+
+Failures belong to rows. A request that cannot start, or whose logits (or MTP draft logits) are not
+finite, ends alone with finish_reason "error" and a message, rather than emitting a made-up token
+(the argmax of NaN is 0) or raising for the whole batch. Rows attend only to their own slots, except
+that a masked slot still multiplies its value by zero: a padded batch whose prefill comes out
+non-finite is therefore prefilled again one request at a time (see ``Engine.start``).
 """
 
 from __future__ import annotations
