@@ -1,6 +1,12 @@
 """`dsv3 generate`, `dsv3 chat`, `dsv3 bench decode` on a tiny saved checkpoint, and resident FP8 weights."""
 
+import copy
+import dataclasses
 import json
+import re
+import socket
+import threading
+import time
 
 import pytest
 import torch
@@ -101,3 +107,142 @@ def test_fp8_resident_weights_halve_memory_and_keep_the_logits(tmp_path, model):
         0.45 * bf16_bytes
     greedy = Engine(resident).generate([Request([5, 17, 42], 6)])[0].token_ids
     assert greedy == Engine(dequantized).generate([Request([5, 17, 42], 6)])[0].token_ids
+
+
+# ---- the context, training run folders, serve's output, readable output ---------------------------
+
+@pytest.fixture(scope="module")
+def short_context(tmp_path_factory, model, tokenizer):
+    """The tiny model with a 32-position context."""
+    folder = tmp_path_factory.mktemp("short")
+    short = copy.copy(model)
+    short.config = dataclasses.replace(model.config, max_position_embeddings=32)
+    short.save_pretrained(folder)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def test_generate_stops_at_the_context_and_says_so(short_context, capsys):
+    """--max-new-tokens 1500 on a 1024-position model ran past the context silently."""
+    args = ["generate", "--model", str(short_context), "--prompt-ids", "5,6,7,8,9", "--greedy", "--ignore-eos",
+            "--max-new-tokens", "1500", "--json"]
+    assert main(args) == 0
+    captured = capsys.readouterr()
+    out = json.loads(captured.out)
+    assert len(out["token_ids"]) == 27 and out["finish_reason"] == "length"
+    assert out["capped_to_context"] is True and out["max_new_tokens"] == 27
+    assert "warning: --max-new-tokens 1500 capped to 27" in captured.err and "context of 32" in captured.err
+    within = run_json(capsys, args[:-3] + ["--max-new-tokens", "4", "--json"])
+    assert within["capped_to_context"] is False and len(within["token_ids"]) == 4
+    assert main(["generate", "--model", str(short_context), "--prompt-ids", ",".join(["5"] * 32)]) == 2
+    assert "fills the model's context of 32" in capsys.readouterr().err
+
+
+def test_chat_caps_its_replies_at_the_context(short_context, monkeypatch, capsys):
+    lines = iter(["hi", "a much longer message that cannot fit the tiny context at all, " * 3, "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", "--model", str(short_context), "--max-new-tokens", "1000", "--temperature", "0"]) == 0
+    captured = capsys.readouterr()
+    assert "capped to" in captured.err and "no longer fits the model's context of 32" in captured.err
+    assert captured.out.count("assistant> ") == 1
+
+
+@pytest.fixture(scope="module")
+def run_folder(tmp_path_factory, model, tokenizer):
+    """A training run folder as `dsv3 train` leaves it: two checkpoints, `latest` at the newer one."""
+    from dsv3.train.checkpoints import save_checkpoint
+
+    run = tmp_path_factory.mktemp("run")
+    for step in (10, 20):
+        save_checkpoint(run, step, model, {"step": step}, {"step": step},
+                        lambda folder: tokenizer.save(str(folder / "tokenizer.json")), keep_last=3)
+    return run
+
+
+def test_a_training_run_folder_resolves_to_its_latest_checkpoint(run_folder, checkpoint, capsys):
+    """It said "has no tokenizer.json; pass token ids with --prompt-ids" (chat has no such option)."""
+    base = ["generate", "--prompt", "the cat", "--max-new-tokens", "5", "--greedy", "--ignore-eos", "--json"]
+    by_run = run_json(capsys, base[:1] + ["--model", str(run_folder)] + base[1:])
+    by_checkpoint = run_json(capsys, base[:1] + ["--model", str(checkpoint)] + base[1:])
+    assert by_run["token_ids"] == by_checkpoint["token_ids"]
+    bench = run_json(capsys, ["bench", "decode", "--model", str(run_folder), "--context", "8", "--new-tokens", "3",
+                              "--json"])
+    assert bench["tokens_per_s"] > 0
+
+
+def test_chat_with_a_training_run_folder(run_folder, monkeypatch, capsys):
+    lines = iter(["hello", "/exit"])
+    monkeypatch.setattr("builtins.input", lambda prompt="": next(lines))
+    assert main(["chat", "--model", str(run_folder), "--max-new-tokens", "4", "--temperature", "0"]) == 0
+    assert capsys.readouterr().out.count("assistant> ") == 1
+
+
+def test_chat_without_a_tokenizer_says_what_to_do(tmp_path, model, capsys):
+    model.save_pretrained(tmp_path)
+    assert main(["chat", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "--prompt-ids instead" in err and "dsv3 generate" in err
+
+
+def test_serve_prints_its_address_and_model_and_logs_each_request(run_folder, monkeypatch, capsys):
+    """`dsv3 serve` printed nothing at all."""
+    uvicorn = pytest.importorskip("uvicorn")
+    httpx = pytest.importorskip("httpx")
+    servers = []
+    real_run = uvicorn.Server.run
+
+    def run_in_a_thread(self, sockets=None):  # main() returns at once; the server keeps running
+        thread = threading.Thread(target=real_run, args=(self,), kwargs={"sockets": sockets}, daemon=True)
+        thread.start()
+        servers.append((self, thread))
+
+    monkeypatch.setattr(uvicorn.Server, "run", run_in_a_thread)
+    assert main(["serve", "--model", str(run_folder), "--port", "0", "--threads", "1"]) == 0
+    assert main(["serve", "--model", str(run_folder), "--port", "0", "--quiet"]) == 0
+    err = capsys.readouterr().err
+    assert f"model {run_folder.name!r} from {run_folder / 'latest'}" in err and "parameters" in err
+    ports = [int(p) for p in re.findall(r"listening on http://127\.0\.0\.1:(\d+)/v1", err)]
+    try:
+        deadline = time.time() + 20
+        while not all(s.started for s, _ in servers) and time.time() < deadline:
+            time.sleep(0.02)
+        for port in ports:
+            r = httpx.post(f"http://127.0.0.1:{port}/v1/completions", timeout=30,
+                           json={"prompt": "the cat", "max_tokens": 3, "temperature": 0})
+            assert r.status_code == 200 and r.json()["model"] == run_folder.name
+    finally:
+        for server, thread in servers:
+            server.should_exit = True
+            thread.join(timeout=20)
+    log = [line for line in capsys.readouterr().err.splitlines() if '"POST /v1/completions"' in line]
+    assert len(log) == 1 and re.search(r'"POST /v1/completions" 200 3 tokens \d+ ms$', log[0])  # --quiet: none
+
+
+def test_serve_on_a_port_in_use_is_one_clear_error(checkpoint, capsys):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        assert main(["serve", "--model", str(checkpoint), "--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot listen on 127.0.0.1:") and "Traceback" not in err
+
+
+def test_bench_decode_prints_readable_lines(checkpoint, capsys):
+    """It printed one raw float per key (tokens_per_s 312.4567891...)."""
+    assert main(["bench", "decode", "--model", str(checkpoint), "--context", "16", "--new-tokens", "3",
+                 "--speculative", "mtp"]) == 0
+    out = capsys.readouterr().out
+    assert "tokens/s" in out and re.search(r"\d (µs|ms|s) per step", out) and "MTP" in out
+    assert re.search(r"[\d.]+ (B|KB|MB) \(", out)
+    assert not re.search(r"\d\.\d{4,}", out), out  # no raw floats
+    assert all(len(line) <= 80 for line in out.splitlines())
+
+
+@pytest.mark.parametrize("command", [["generate"], ["chat"], ["serve"], ["bench", "decode"]])
+def test_help_reads_well_at_80_columns(command, monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main([*command, "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--model" in out and all(len(line) <= 80 for line in out.splitlines())
+    assert "``" not in out and "range>" not in out  # no reStructuredText, no typer range metavars

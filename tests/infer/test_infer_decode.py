@@ -148,3 +148,19 @@ def test_fp8_and_bf16_caches_stay_close(model):
             errors[dtype] = float((out - ref).norm() / ref.norm())
     assert errors[torch.bfloat16] < 0.02
     assert errors[torch.bfloat16] < errors[torch.float8_e4m3fn] < 0.15
+
+
+def test_a_list_of_eos_ids_in_the_config_stops_on_any_of_them(model):
+    """HF configs may give eos_token_id as a list; the engine stops at whichever comes first."""
+    import copy
+    import dataclasses
+
+    from dsv3.infer.loading import eos_ids
+
+    free = collect(Engine(model), [Request(PROMPTS[0], 10)])[0]
+    listed = copy.copy(model)
+    listed.config = dataclasses.replace(model.config, eos_token_id=[free[6], free[3]])
+    result = Engine(listed).generate([Request(PROMPTS[0], 10)])[0]
+    first = min(free.index(free[6]), free.index(free[3]))
+    assert result.token_ids == free[: first + 1] and result.finish_reason == "stop"
+    assert eos_ids(listed, None) == {free[6], free[3]}

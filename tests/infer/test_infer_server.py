@@ -1,14 +1,20 @@
 """The OpenAI-compatible server, driven by the official `openai` client against a real uvicorn server on
 127.0.0.1 (a free port, in a thread, stopped at the end)."""
 
+import copy
+import dataclasses
+import json
+import re
 import socket
 import threading
 import time
+from contextlib import contextmanager
 
 import httpx
 import pytest
+import torch
 
-from dsv3.infer.engine import Engine
+from dsv3.infer.engine import Engine, Request
 from dsv3.infer.server import create_app
 
 openai = pytest.importorskip("openai")
@@ -21,10 +27,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def server(model, tokenizer):
-    engine = Engine(model, tokenizer)
-    app = create_app(engine, model_name="tiny", max_batch=4)
+@contextmanager
+def serving(app):
+    """``app`` on a real uvicorn server on 127.0.0.1 (a free port, in a thread); yields its base URL."""
     port = _free_port()
     srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
     thread = threading.Thread(target=srv.run, daemon=True)
@@ -33,9 +38,21 @@ def server(model, tokenizer):
     while not srv.started:
         assert time.time() < deadline and thread.is_alive(), "server did not start"
         time.sleep(0.02)
-    yield f"http://127.0.0.1:{port}", app, engine
-    srv.should_exit = True
-    thread.join(timeout=20)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=20)
+
+
+@pytest.fixture(scope="module")
+def server(model, tokenizer):
+    engine = Engine(model, tokenizer)
+    log: list[str] = []
+    app = create_app(engine, model_name="tiny", max_batch=4, access_log=log.append)
+    app.state.log = log
+    with serving(app) as url:
+        yield url, app, engine
 
 
 @pytest.fixture()
@@ -128,3 +145,176 @@ def test_concurrent_requests_are_batched_and_disconnect_frees_the_slot(client, s
     while scheduler.active and time.time() < deadline:
         time.sleep(0.02)
     assert row.finish_reason == "cancelled" and scheduler.active == 0
+
+
+# ---- one request never harms another -----------------------------------------------------------
+
+def _concurrently(url: str, bodies: list[dict], path: str = "/v1/completions") -> list[httpx.Response]:
+    """POST every body at once (a barrier lines the threads up) and return the responses in order."""
+    responses: list[httpx.Response | None] = [None] * len(bodies)
+    barrier = threading.Barrier(len(bodies))
+
+    def post(i):
+        barrier.wait(timeout=10)
+        responses[i] = httpx.post(url + path, json=bodies[i], timeout=60)
+
+    threads = [threading.Thread(target=post, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=90)
+    assert all(r is not None for r in responses), "a request hung"
+    return responses
+
+
+def _alone_text(engine, prompt: list[int], n: int) -> str:
+    from dsv3.infer.engine import Request
+
+    return engine.generate([Request(prompt, n)])[0].text
+
+
+def test_a_bad_seed_among_six_concurrent_requests_harms_no_one(server):
+    """`"seed": 2**70` overflowed torch's generator when the batch started: 2-5 of the others got 500."""
+    url, _, engine = server
+    prompts = [[3 + i, 4, 5, 6, 7][: 2 + i % 3] for i in range(6)]
+    bodies = [{"prompt": p, "max_tokens": 10, "temperature": 0, "seed": i} for i, p in enumerate(prompts)]
+    bodies[2]["seed"] = 2**70
+    responses = _concurrently(url, bodies)
+    assert responses[2].status_code == 400 and responses[2].json()["error"]["param"] == "seed"
+    for i in (0, 1, 3, 4, 5):
+        assert responses[i].status_code == 200
+        assert responses[i].json()["choices"][0]["text"] == _alone_text(engine, prompts[i], 10)
+
+
+def test_non_finite_logits_end_only_the_request_that_has_them(model, tokenizer):
+    """A NaN in the weights (set in memory, as load-time checks would refuse it): greedy emitted token 0
+    silently, sampling failed the whole batch with 500."""
+    goods = [[5, 6, 7], [11, 12], [40, 41, 42, 43], [9, 8], [100, 101, 102]]
+    reference = Engine(model, tokenizer)
+    used = {t for p in goods for t in p + reference.generate([Request(p, 10)])[0].token_ids}
+    broken = next(t for t in range(299, 0, -1) if t not in used)
+    sick = copy.deepcopy(model)
+    with torch.no_grad():
+        sick.model.embed_tokens.weight[broken] = float("nan")
+    app = create_app(Engine(sick, tokenizer), model_name="sick", max_batch=8)
+    with serving(app) as url:
+        bodies = [{"prompt": p, "max_tokens": 10, "temperature": 0} for p in goods]
+        bodies.append({"prompt": [broken, 5], "max_tokens": 10, "temperature": 0})
+        bodies.append({"prompt": [7, broken], "max_tokens": 10, "temperature": 1.0, "seed": 1})
+        streamed: list[str] = []
+        thread = threading.Thread(target=lambda: streamed.extend(_sse_lines(url, {
+            "prompt": [broken], "max_tokens": 10, "stream": True})))
+        thread.start()
+        responses = _concurrently(url, bodies)
+        thread.join(timeout=60)
+    for p, r in zip(goods, responses, strict=False):
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == _alone_text(reference, p, 10)
+    for r in responses[-2:]:
+        assert r.status_code == 500 and "non-finite" in r.json()["error"]["message"]
+    events = [json.loads(line) for line in streamed if line != "[DONE]"]
+    assert streamed[-1] == "[DONE]" and "non-finite" in events[-1]["error"]["message"]
+    assert not any(c["choices"][0]["text"] for c in events[:-1])  # no token was made up
+
+
+def _sse_lines(url: str, body: dict, path: str = "/v1/completions") -> list[str]:
+    with httpx.stream("POST", url + path, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        return [line[len("data: "):] for line in r.iter_lines() if line.startswith("data: ")]
+
+
+def test_a_config_without_max_position_embeddings_gives_400_not_500(model, tokenizer):
+    unbounded = copy.copy(model)  # the same weights; only the config differs
+    unbounded.config = dataclasses.replace(model.config, max_position_embeddings=None)
+    with serving(create_app(Engine(unbounded, tokenizer), model_name="u")) as url:
+        r = httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 4}, timeout=30)
+    assert r.status_code == 400 and "max_position_embeddings" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("field, value", [
+    ("temperature", "0.5"), ("top_p", 1.5), ("top_k", 2.5), ("max_tokens", True), ("max_tokens", 0),
+    ("stop", 5), ("stop", ["x"] * 17), ("stop", "y" * 513), ("seed", -1), ("seed", 2**64), ("stream", "yes"),
+    ("logprobs", 21),
+])
+def test_every_field_is_checked_before_admission(server, field, value):
+    r = httpx.post(server[0] + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 4, field: value},
+                   timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+    assert r.json()["error"]["message"].startswith(field)
+
+
+@pytest.mark.parametrize("field, value", [
+    ("tools", [{"type": "function", "function": {"name": "f"}}]), ("tool_choice", "auto"),
+    ("response_format", {"type": "json_object"}), ("functions", [{"name": "f"}]), ("n", 2),
+    ("logit_bias", {"5": 10}), ("presence_penalty", 0.5), ("min_p", 0.1),
+])
+def test_unsupported_fields_are_refused_by_name(server, field, value):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
+    r = httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == field
+    neutral = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "n": 1, "user": "me",
+               "presence_penalty": 0, "tools": []}
+    assert httpx.post(server[0] + "/v1/chat/completions", json=neutral, timeout=30).status_code == 200
+
+
+def test_content_as_an_array_of_text_parts(client, server, tokenizer):
+    parts = [{"type": "text", "text": "hello "}, {"type": "text", "text": "cat"}]
+    reply = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": parts}],
+                                           max_tokens=8, temperature=0)
+    want = expected_reply(server[2], tokenizer, [{"role": "user", "content": "hello cat"}], 8)
+    assert reply.choices[0].message.content == want.text
+    image = [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "x"}}]
+    with pytest.raises(openai.BadRequestError) as err:
+        client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": image}])
+    assert "image_url" in err.value.body["message"] and err.value.body["param"] == "messages.0.content.1.type"
+
+
+def test_completion_logprobs_match_a_direct_forward(server, model, tokenizer):
+    ids = tokenizer.encode("the dog").ids
+    body = {"prompt": ids, "max_tokens": 6, "temperature": 0, "logprobs": 2}
+    got = httpx.post(server[0] + "/v1/completions", json=body, timeout=30).json()["choices"][0]["logprobs"]
+    generated = server[2].generate([Request(ids, 6)])[0].token_ids
+    with torch.no_grad():
+        ref = model(torch.tensor([ids + generated]))[0, len(ids) - 1 : -1].log_softmax(-1)
+    assert got["token_logprobs"] == pytest.approx([float(ref[j, t]) for j, t in enumerate(generated)], abs=1e-4)
+    assert got["tokens"] == [tokenizer.decode([t]) for t in generated]
+    for j, top in enumerate(got["top_logprobs"]):  # keyed by text: two tokens with one text share a key
+        best = ref[j].topk(2).values.tolist()
+        assert max(top.values()) == pytest.approx(best[0], abs=1e-4)
+        assert all(min(abs(v - b) for b in best) < 1e-4 for v in top.values())
+    streamed = _sse_lines(server[0], {**body, "stream": True})
+    chunks = [json.loads(line)["choices"][0]["logprobs"] for line in streamed[:-1]]
+    assert sum((c["token_logprobs"] for c in chunks), []) == pytest.approx(got["token_logprobs"], abs=1e-6)
+
+
+def test_chat_logprobs_through_the_openai_client(client, server, model, tokenizer):
+    from dsv3.infer.chat_template import render
+
+    messages = [{"role": "user", "content": "hello cat"}]
+    reply = client.chat.completions.create(model="tiny", messages=messages, max_tokens=5, temperature=0,
+                                           logprobs=True, top_logprobs=3)
+    prompt = tokenizer.encode(render(messages, tokenizer)).ids
+    want = expected_reply(server[2], tokenizer, messages, 5).token_ids
+    with torch.no_grad():
+        ref = model(torch.tensor([prompt + want]))[0, len(prompt) - 1 : -1].log_softmax(-1)
+    content = reply.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx([float(ref[j, t]) for j, t in enumerate(want)], abs=1e-4)
+    assert all(len(c.top_logprobs) == 3 and c.top_logprobs[0].logprob >= c.logprob - 1e-6 for c in content)
+    text = bytes(b for c in content for b in c.bytes).decode("utf-8", "replace")  # bytes are exact, pieces not
+    assert text == reply.choices[0].message.content
+    with pytest.raises(openai.BadRequestError):  # top_logprobs without logprobs
+        client.chat.completions.create(model="tiny", messages=messages, max_tokens=2, top_logprobs=2)
+
+
+def test_access_log_has_one_line_per_request(server):
+    url, app, _ = server
+    before = len(app.state.log)
+    httpx.post(url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 3, "temperature": 0}, timeout=30)
+    httpx.get(url + "/v1/models", timeout=30)
+    _sse_lines(url, {"prompt": [1, 2], "max_tokens": 4, "stream": True})
+    deadline = time.time() + 5
+    while len(app.state.log) < before + 3 and time.time() < deadline:
+        time.sleep(0.01)
+    lines = app.state.log[before:]
+    assert '"POST /v1/completions" 200 3 tokens' in lines[0] and lines[0].endswith(" ms")
+    assert re.search(r'"GET /v1/models" 200 \d+ ms$', lines[1])
+    assert '"POST /v1/completions" 200 4 tokens' in lines[2] and lines[0].startswith("127.0.0.1:")

@@ -12,17 +12,19 @@ from dsv3.errors import DSV3Error
 
 
 def _model(source: str, dtype: str, weights: str):
-    """A checkpoint folder, or a preset name (random weights: speed does not depend on their values)."""
+    """A checkpoint or training run folder, or a preset name (random weights: speed does not depend on
+    their values)."""
     from dsv3.config import PRESETS, preset
     from dsv3.infer.fp8_weights import to_fp8_weights
     from dsv3.infer.loading import load_model, parse_dtype
     from dsv3.model.transformer import Transformer
 
     compute = parse_dtype(dtype, "--dtype", ("fp32", "bf16"))
-    if Path(source).is_dir():
-        return load_model(source, compute, weights)
+    if Path(source).exists():
+        return load_model(source, compute, weights)  # a checkpoint or training run folder
     if source not in PRESETS:
-        raise DSV3Error(f"--model {source!r} is neither a checkpoint folder nor a preset ({', '.join(PRESETS)})")
+        raise DSV3Error(f"--model {source!r} is neither a checkpoint or run folder nor a preset "
+                        f"({', '.join(PRESETS)})")
     torch.manual_seed(0)
     model = Transformer(preset(source)).to(compute or torch.float32).eval()
     return to_fp8_weights(model) if weights == "fp8" else model
@@ -47,20 +49,31 @@ def cache_precision(model, context: int = 256, steps: int = 32, seed: int = 1) -
 
 
 def main(
-    model: str = typer.Option(..., "--model", help="Checkpoint folder, or a preset name for random weights."),
-    context: int = typer.Option(2048, "--context", min=1, help="Prompt length before decoding."),
-    new_tokens: int = typer.Option(64, "--new-tokens", min=2),
-    batch: int = typer.Option(1, "--batch", min=1),
-    speculative: str = typer.Option("none", "--speculative", help="mtp or none."),
-    dtype: str = typer.Option("auto", "--dtype", help="auto, fp32, bf16."),
-    weights: str = typer.Option("native", "--weights", help="native or fp8 (resident FP8 blocks)."),
-    cache_dtype: str = typer.Option("auto", "--cache-dtype", help="auto, fp32, bf16, fp8."),
-    threads: int = typer.Option(0, "--threads", min=0, help="torch intra-op threads (0: torch's default)."),
-    seed: int = typer.Option(0, "--seed"),
-    cache_error: bool = typer.Option(False, "--cache-error", help="Also measure bf16/fp8 cache error vs fp32."),
-    as_json: bool = typer.Option(False, "--json"),
+    model: str = typer.Option(..., "--model", metavar="PATH|PRESET",
+                              help="Checkpoint folder, training run folder, or a preset name (random weights)."),
+    context: int = typer.Option(2048, "--context", metavar="N", show_default=False,
+                                help="Prompt tokens per row before decoding (default: 2048)."),
+    new_tokens: int = typer.Option(64, "--new-tokens", metavar="N", show_default=False,
+                                   help="Decode steps timed, at least 2 (default: 64)."),
+    batch: int = typer.Option(1, "--batch", metavar="N", show_default=False,
+                              help="Rows decoded together (default: 1)."),
+    speculative: str = typer.Option("none", "--speculative", metavar="NAME", show_default=False,
+                                    help="mtp or none (default: none)."),
+    dtype: str = typer.Option("auto", "--dtype", metavar="NAME", show_default=False,
+                              help="auto, fp32 or bf16 (default: auto)."),
+    weights: str = typer.Option("native", "--weights", metavar="NAME", show_default=False,
+                                help="native, or fp8: resident FP8 blocks (default: native)."),
+    cache_dtype: str = typer.Option("auto", "--cache-dtype", metavar="NAME", show_default=False,
+                                    help="auto, fp32, bf16 or fp8 (default: auto)."),
+    threads: int = typer.Option(0, "--threads", metavar="N", show_default=False,
+                                help="torch CPU threads (default 0: torch's choice)."),
+    seed: int = typer.Option(0, "--seed", metavar="N", show_default=False,
+                             help="Seed of the random prompts and weights (default: 0)."),
+    cache_error: bool = typer.Option(False, "--cache-error", metavar="",
+                                     help="Also measure the bf16/fp8 cache's logit error against fp32."),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="Print one JSON object."),
 ) -> None:
-    """Prefill ``--context`` random tokens per row, then time ``--new-tokens`` decode steps alone."""
+    """Decode speed: prefill --context random tokens per row, then time --new-tokens decode steps alone."""
     from dsv3.infer.engine import Engine, Request
     from dsv3.infer.fp8_weights import resident_bytes
     from dsv3.infer.loading import parse_dtype
@@ -68,6 +81,10 @@ def main(
 
     if speculative not in ("mtp", "none"):
         raise DSV3Error(f"--speculative must be mtp or none, got {speculative!r}")
+    for value, low, flag in ((context, 1, "--context"), (new_tokens, 2, "--new-tokens"), (batch, 1, "--batch"),
+                             (threads, 0, "--threads"), (seed, 0, "--seed")):
+        if value < low:
+            raise DSV3Error(f"{flag} must be >= {low}, got {value}")
     if threads:
         torch.set_num_threads(threads)
     net = _model(model, dtype, weights)
@@ -90,12 +107,35 @@ def main(
         "cache_bytes_per_token_per_layer": stats.cache_bytes_per_token_per_layer,
         "weight_bytes": resident_bytes(net),
         "acceptance_rate": stats.acceptance_rate, "tokens_per_forward": stats.tokens_per_forward,
+        "beyond_context": engine.context is not None and context + new_tokens > engine.context,
     }
     if cache_error:
         out["cache_precision"] = cache_precision(net, context=min(context, 512), seed=seed)
-    if as_json:
-        print(json.dumps(out))
-    else:
-        for key, value in out.items():
-            print(f"{key:32s} {value}")
+    print(json.dumps(out) if as_json else "\n".join(report_lines(out)))
 
+
+def report_lines(r: dict) -> list[str]:
+    """The human report of one run: short labelled lines with scaled units, none wider than 80 columns."""
+    from dsv3.infer.units import fmt_bytes, fmt_duration
+
+    step_s = r["ms_per_step"] / 1000
+    lines = [
+        f"decode benchmark of {r['model']}",
+        f"  batch {r['batch']}, context {r['context']}, {r['new_tokens']} new tokens, speculative "
+        f"{r['speculative']}, {r['threads']} threads",
+        f"  {r['dtype']} compute, {r['weights']} weights, {r['cache_dtype']} cache",
+        f"  decode   {r['tokens_per_s']:,.1f} tokens/s, {fmt_duration(step_s)} per step",
+        f"  prefill  {fmt_duration(r['prefill_s'])}",
+        f"  cache    {fmt_bytes(r['cache_bytes'])} ({fmt_bytes(r['cache_bytes_per_token_per_layer'])} per token "
+        "per layer)",
+        f"  weights  {fmt_bytes(r['weight_bytes'])} resident",
+    ]
+    if r["acceptance_rate"] is not None:
+        lines.append(f"  MTP      {r['acceptance_rate']:.0%} of drafts accepted, {r['tokens_per_forward']:.2f} "
+                     "tokens per forward")
+    for name, err in (r.get("cache_precision") or {}).items():
+        lines.append(f"  {name} cache vs fp32: logit error {err['relative_logit_error']:.2%}, argmax agrees "
+                     f"{err['argmax_agreement']:.0%}")
+    if r["beyond_context"]:
+        lines.append("  note: context + new tokens exceed the model's max_position_embeddings (speed only)")
+    return lines

@@ -1,8 +1,14 @@
-"""`dsv3 generate`, `dsv3 chat`, `dsv3 serve`: thin commands over the engine."""
+"""`dsv3 generate`, `dsv3 chat`, `dsv3 serve`: thin commands over the engine.
+
+``--model`` takes a checkpoint folder or a training run folder (its latest checkpoint). Numeric flags
+are checked here rather than by typer's ranges, so that a bad value ends as one ``error:`` line and the
+help stays readable at 80 columns.
+"""
 
 from __future__ import annotations
 
 import json
+import socket
 import sys
 import time
 from pathlib import Path
@@ -15,33 +21,47 @@ generate_app = typer.Typer(add_completion=False, help="Generate text from a chec
 chat_app = typer.Typer(add_completion=False, help="Chat with a checkpoint in the terminal.")
 serve_app = typer.Typer(add_completion=False, help="Serve a checkpoint over an OpenAI-compatible HTTP API.")
 
-MODEL = typer.Option(..., "--model", help="Checkpoint folder (config.json + safetensors [+ tokenizer.json]).")
-DTYPE = typer.Option("auto", "--dtype", help="Compute/weight dtype: auto (as stored), fp32, bf16.")
-WEIGHTS = typer.Option("native", "--weights", help="native, or fp8: projections resident as FP8 blocks.")
-CACHE_DTYPE = typer.Option("auto", "--cache-dtype", help="Latent cache dtype: auto (= compute), fp32, bf16, fp8.")
-SPECULATIVE = typer.Option("none", "--speculative", help="mtp: draft with the MTP layer; none: plain decoding.")
-THREADS = typer.Option(0, "--threads", min=0, help="torch intra-op threads (0: torch's default; 1 is often "
-                       "fastest for small models on a busy machine).")
+MODEL = typer.Option(..., "--model", metavar="PATH",
+                     help="Checkpoint folder, or a training run folder (its latest checkpoint).")
+DTYPE = typer.Option("auto", "--dtype", metavar="NAME", show_default=False,
+                     help="Compute dtype: auto (as stored), fp32 or bf16 (default: auto).")
+WEIGHTS = typer.Option("native", "--weights", metavar="NAME", show_default=False,
+                       help="native, or fp8: projections kept as FP8 blocks (default: native).")
+CACHE_DTYPE = typer.Option("auto", "--cache-dtype", metavar="NAME", show_default=False,
+                           help="Latent cache dtype: auto (the compute dtype), fp32, bf16 or fp8 (default: auto).")
+SPECULATIVE = typer.Option("none", "--speculative", metavar="NAME", show_default=False,
+                           help="mtp: draft with the MTP layer; none: plain decoding (default: none).")
+THREADS = typer.Option(0, "--threads", metavar="N", show_default=False,
+                       help="torch CPU threads (default 0: torch's choice; 1 is often fastest for a small model "
+                            "on a busy machine).")
+SEED = typer.Option(None, "--seed", metavar="N", help="Sampling seed, 0 to 2**64-1 (default: random).")
+
+
+def at_least(value: int | float | None, low: int | float, flag: str) -> None:
+    if value is not None and value < low:
+        raise DSV3Error(f"{flag} must be >= {low}, got {value}")
 
 
 def build_engine(model_dir: str, dtype: str, weights: str, cache_dtype: str, speculative: str,
-                 ignore_eos: bool = False, require_tokenizer: bool = False, threads: int = 0):
-    """Model, tokenizer and engine from the shared command-line options."""
+                 ignore_eos: bool = False, tokenizer_needed_for: str | None = None, threads: int = 0):
+    """Model, tokenizer and engine from the shared command-line options. ``tokenizer_needed_for`` says
+    why a tokenizer is required (the error names it), or None when it is optional."""
     import torch
 
+    at_least(threads, 0, "--threads")
     if threads:
         torch.set_num_threads(threads)
     from dsv3.infer.engine import Engine
     from dsv3.infer.loading import eos_ids, load_model, load_tokenizer, parse_dtype
+    from dsv3.run_dir import resolve_checkpoint
 
     if speculative not in ("mtp", "none"):
         raise DSV3Error(f"--speculative must be mtp or none, got {speculative!r}")
     compute = parse_dtype(dtype, "--dtype", ("fp32", "bf16"))
     cache = parse_dtype(cache_dtype, "--cache-dtype", ("fp32", "bf16", "fp8"))
-    if not Path(model_dir).is_dir():
-        raise DSV3Error(f"checkpoint folder not found: {model_dir}")
-    tokenizer = load_tokenizer(model_dir, required=require_tokenizer)
-    model = load_model(model_dir, compute, weights)
+    folder = resolve_checkpoint(model_dir)
+    tokenizer = load_tokenizer(folder, needed_for=tokenizer_needed_for)
+    model = load_model(folder, compute, weights)
     eos = frozenset() if ignore_eos else eos_ids(model, tokenizer)
     return Engine(model, tokenizer, speculative=speculative == "mtp", cache_dtype=cache, eos_token_ids=eos)
 
@@ -71,25 +91,42 @@ def parse_ids(text: str, vocab_size: int) -> list[int]:
     return ids
 
 
+def fit_context(engine, prompt_tokens: int, max_new_tokens: int) -> int:
+    """``max_new_tokens``, or fewer with a warning on stderr when the prompt and the reply would not fit
+    the model's context (positions past it were never trained and RoPE has no meaning there)."""
+    limit = engine.context
+    if limit is None:
+        return max_new_tokens
+    if prompt_tokens >= limit:
+        raise DSV3Error(f"the prompt ({prompt_tokens} tokens) fills the model's context of {limit} tokens")
+    room = limit - prompt_tokens
+    if max_new_tokens > room:
+        print(f"warning: --max-new-tokens {max_new_tokens} capped to {room}: the prompt ({prompt_tokens} tokens) "
+              f"and the reply must fit the model's context of {limit} tokens", file=sys.stderr, flush=True)
+        return room
+    return max_new_tokens
+
+
 @generate_app.command()
 def generate(
     model: str = MODEL,
-    prompt: str | None = typer.Option(None, "--prompt", help="Prompt text (needs tokenizer.json)."),
-    prompt_ids: str | None = typer.Option(None, "--prompt-ids", help="Prompt as token ids: 1,2,3."),
-    max_new_tokens: int = typer.Option(64, "--max-new-tokens", min=1),
-    greedy: bool = typer.Option(False, "--greedy", help="Always take the most likely token."),
-    temperature: float | None = typer.Option(None, "--temperature", min=0.0, help="Default 1.0."),
-    top_p: float | None = typer.Option(None, "--top-p", help="Nucleus sampling mass, (0, 1]."),
-    top_k: int | None = typer.Option(None, "--top-k", min=0),
-    seed: int | None = typer.Option(None, "--seed"),
+    prompt: str | None = typer.Option(None, "--prompt", metavar="TEXT", help="Prompt text (needs tokenizer.json)."),
+    prompt_ids: str | None = typer.Option(None, "--prompt-ids", metavar="IDS", help="Prompt as token ids: 1,2,3."),
+    max_new_tokens: int = typer.Option(64, "--max-new-tokens", metavar="N", show_default=False,
+                                       help="Most tokens to generate, capped at the model's context (default: 64)."),
+    greedy: bool = typer.Option(False, "--greedy", metavar="", help="Always take the most likely token."),
+    temperature: float | None = typer.Option(None, "--temperature", metavar="T", help="Default 1.0; 0 is greedy."),
+    top_p: float | None = typer.Option(None, "--top-p", metavar="P", help="Nucleus sampling mass, (0, 1]."),
+    top_k: int | None = typer.Option(None, "--top-k", metavar="K", help="Sample from the K likeliest only."),
+    seed: int | None = SEED,
     speculative: str = SPECULATIVE,
-    stop: list[str] = typer.Option([], "--stop", help="Stop string (repeatable)."),
-    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Do not stop at the end-of-sequence token."),
+    stop: list[str] = typer.Option([], "--stop", metavar="TEXT", help="Stop string (repeatable)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", metavar="", help="Do not stop at end-of-sequence."),
     dtype: str = DTYPE,
     weights: str = WEIGHTS,
     cache_dtype: str = CACHE_DTYPE,
     threads: int = THREADS,
-    as_json: bool = typer.Option(False, "--json", help="Print one JSON object instead of streaming text."),
+    as_json: bool = typer.Option(False, "--json", metavar="", help="Print one JSON object instead of streaming."),
 ) -> None:
     """Generate a continuation of one prompt, streaming it (or one JSON object with --json)."""
     from dsv3.infer.engine import Request
@@ -98,34 +135,46 @@ def generate(
 
     if (prompt is None) == (prompt_ids is None):
         raise DSV3Error("give exactly one of --prompt or --prompt-ids")
+    at_least(max_new_tokens, 1, "--max-new-tokens")
+    at_least(top_k, 0, "--top-k")
     params = sampling_from_flags(greedy, temperature, top_p, top_k, seed)
-    engine = build_engine(model, dtype, weights, cache_dtype, speculative, ignore_eos,
-                          require_tokenizer=prompt is not None or bool(stop), threads=threads)
+    why = "--prompt" if prompt is not None else "--stop" if stop else None
+    engine = build_engine(model, dtype, weights, cache_dtype, speculative, ignore_eos, tokenizer_needed_for=why,
+                          threads=threads)
     ids = parse_ids(prompt_ids, engine.model.config.vocab_size) if prompt_ids else encode(engine.tokenizer, prompt)
-    request = Request(ids, max_new_tokens, params, stop_strings=tuple(stop))
-    tokens, text, reason = [], [], "length"
+    if not ids:
+        raise DSV3Error("the prompt encodes to no tokens")
+    allowed = fit_context(engine, len(ids), max_new_tokens)
+    request = Request(ids, allowed, params, stop_strings=tuple(stop))
+    tokens, text, reason, error = [], [], "length", None
     t0 = time.perf_counter()
     for ev in engine.stream([request]):
         tokens += ev.token_ids
         text.append(ev.text)
         reason = ev.finish_reason or reason
+        error = ev.error or error
         if not as_json:
             _echo_stream(ev, engine.tokenizer)
     elapsed = time.perf_counter() - t0
     stats = engine.last_stats
     if as_json:
         out = {"text": "".join(text), "token_ids": tokens, "finish_reason": reason, "prompt_tokens": len(ids),
+               "max_new_tokens": allowed, "capped_to_context": allowed < max_new_tokens,
                "tokens_per_s": len(tokens) / elapsed, "prefill_s": stats.prefill_s,
                "decode_tokens_per_s": stats.tokens / stats.decode_s if stats.decode_s else None,
                "cache_bytes": stats.cache_bytes, "weight_bytes": resident_bytes(engine.model),
                "speculative": speculative}
+        if error:
+            out["error"] = error
         if engine.speculative:
             out["acceptance_rate"] = stats.acceptance_rate
             out["tokens_per_forward"] = stats.tokens_per_forward
         print(json.dumps(out))
-        return
-    sys.stdout.write("\n")
-    _report(len(tokens), elapsed, stats, engine.speculative)
+    else:
+        sys.stdout.write("\n")
+        _report(len(tokens), elapsed, stats, engine.speculative)
+    if error:
+        raise DSV3Error(error)
 
 
 def _echo_stream(ev, tokenizer) -> None:
@@ -139,7 +188,10 @@ def _echo_stream(ev, tokenizer) -> None:
 def _report(n_tokens: int, elapsed: float, stats, speculative: bool) -> None:
     from rich.console import Console
 
-    line = f"{n_tokens} tokens in {elapsed:.2f} s ({n_tokens / elapsed:.1f} tokens/s), cache {stats.cache_bytes} B"
+    from dsv3.infer.units import fmt_bytes
+
+    line = f"{n_tokens} tokens in {elapsed:.2f} s ({n_tokens / elapsed:.1f} tokens/s)"
+    line += f", cache {fmt_bytes(stats.cache_bytes)}"
     if speculative and stats.acceptance_rate is not None:
         line += f", MTP acceptance {stats.acceptance_rate:.0%}, {stats.tokens_per_forward:.2f} tokens/forward"
     Console(stderr=True).print(f"[dim]{line}[/dim]")
@@ -148,11 +200,14 @@ def _report(n_tokens: int, elapsed: float, stats, speculative: bool) -> None:
 @chat_app.command()
 def chat(
     model: str = MODEL,
-    system: str | None = typer.Option(None, "--system", help="System prompt."),
-    max_new_tokens: int = typer.Option(256, "--max-new-tokens", min=1),
-    temperature: float = typer.Option(0.7, "--temperature", min=0.0),
-    top_p: float = typer.Option(0.95, "--top-p"),
-    seed: int | None = typer.Option(None, "--seed"),
+    system: str | None = typer.Option(None, "--system", metavar="TEXT", help="System prompt."),
+    max_new_tokens: int = typer.Option(256, "--max-new-tokens", metavar="N", show_default=False,
+                                       help="Most tokens per reply, capped at the model's context (default: 256)."),
+    temperature: float = typer.Option(0.7, "--temperature", metavar="T", show_default=False,
+                                      help="Sampling temperature; 0 is greedy (default: 0.7)."),
+    top_p: float = typer.Option(0.95, "--top-p", metavar="P", show_default=False,
+                                help="Nucleus sampling mass, (0, 1] (default: 0.95)."),
+    seed: int | None = SEED,
     speculative: str = SPECULATIVE,
     dtype: str = DTYPE,
     weights: str = WEIGHTS,
@@ -161,16 +216,15 @@ def chat(
     """Talk to a model in the terminal. /reset forgets the conversation; /exit or Ctrl-D quits."""
     from rich.console import Console
 
-    from dsv3.infer.chat_template import render, stop_strings
-    from dsv3.infer.engine import Request
-    from dsv3.infer.loading import encode
     from dsv3.infer.sampling import SamplingParams
 
+    at_least(max_new_tokens, 1, "--max-new-tokens")
     params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
-    engine = build_engine(model, dtype, weights, "auto", speculative, require_tokenizer=True, threads=threads)
+    engine = build_engine(model, dtype, weights, "auto", speculative, tokenizer_needed_for="chat", threads=threads)
     console = Console(stderr=True)
-    console.print(f"[bold]dsv3 chat[/bold] with {Path(model).name}: /reset, /exit")
-    history = [{"role": "system", "content": system}] if system else []
+    console.print(f"[bold]dsv3 chat[/bold] with {_model_name(model)}: /reset, /exit")
+    base = [{"role": "system", "content": system}] if system else []
+    history = list(base)
     while True:
         try:
             line = input("you> ")
@@ -179,39 +233,106 @@ def chat(
         if line.strip() == "/exit":
             break
         if line.strip() == "/reset":
-            history = history[:1] if system else []
+            history = list(base)
             continue
-        history.append({"role": "user", "content": line})
-        ids = encode(engine.tokenizer, render(history, engine.tokenizer))
-        request = Request(ids, max_new_tokens, params, stop_strings=stop_strings(engine.tokenizer))
-        sys.stdout.write("assistant> ")
-        reply = []
-        for ev in engine.stream([request]):
-            reply.append(ev.text)
-            sys.stdout.write(ev.text)
-            sys.stdout.flush()
-        sys.stdout.write("\n")
-        history.append({"role": "assistant", "content": "".join(reply).strip()})
+        reply = _chat_turn(engine, history + [{"role": "user", "content": line}], params, max_new_tokens)
+        if reply is not None:
+            history += [{"role": "user", "content": line}, {"role": "assistant", "content": reply}]
+
+
+def _chat_turn(engine, history: list[dict[str, str]], params, max_new_tokens: int) -> str | None:
+    """Answer the conversation, streaming; None when it no longer fits the context (nothing is kept)."""
+    from dsv3.infer.chat_template import render, stop_strings
+    from dsv3.infer.engine import Request
+    from dsv3.infer.loading import encode
+
+    ids = encode(engine.tokenizer, render(history, engine.tokenizer))
+    if engine.context is not None and len(ids) >= engine.context:
+        print(f"the conversation ({len(ids)} tokens) no longer fits the model's context of {engine.context} "
+              "tokens; /reset starts over", file=sys.stderr, flush=True)
+        return None
+    request = Request(ids, fit_context(engine, len(ids), max_new_tokens), params,
+                      stop_strings=stop_strings(engine.tokenizer))
+    sys.stdout.write("assistant> ")
+    reply = []
+    for ev in engine.stream([request]):
+        reply.append(ev.text)
+        sys.stdout.write(ev.text)
+        sys.stdout.flush()
+        if ev.error:
+            print(f"\nerror: {ev.error}", file=sys.stderr, flush=True)
+    sys.stdout.write("\n")
+    return "".join(reply).strip()
+
+
+def _model_name(model: str) -> str:
+    """What the server calls the model: the folder's name as given (``latest``, or the run's name)."""
+    path = Path(model)
+    return path.name if path.name not in ("", ".", "..") else path.resolve().name
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """A bound listening socket, so that the address can be printed (port 0 picks a free one) and a port in
+    use is one clear error rather than a log line from deep inside the server."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as exc:
+        raise DSV3Error(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
+    sock.listen(2048)
+    return sock
 
 
 @serve_app.command()
 def serve(
     model: str = MODEL,
-    host: str = typer.Option("127.0.0.1", "--host"),
-    port: int = typer.Option(8000, "--port", min=0, max=65535),
-    max_batch: int = typer.Option(8, "--max-batch", min=1, help="Most requests decoded together."),
+    host: str = typer.Option("127.0.0.1", "--host", metavar="ADDR", show_default=False,
+                             help="Address to listen on (default: 127.0.0.1, this machine only)."),
+    port: int = typer.Option(8000, "--port", metavar="N", show_default=False,
+                             help="Port (default: 8000; 0 picks a free one)."),
+    max_batch: int = typer.Option(8, "--max-batch", metavar="N", show_default=False,
+                                  help="Most requests decoded together (default: 8)."),
     speculative: str = SPECULATIVE,
     dtype: str = DTYPE,
     weights: str = WEIGHTS,
     cache_dtype: str = CACHE_DTYPE,
     threads: int = THREADS,
+    quiet: bool = typer.Option(False, "--quiet", metavar="", help="No access log line per request."),
 ) -> None:
-    """OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions (stream: true as SSE)."""
+    """OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions (stream: true as SSE).
+    Prints the address and the model on start, then one access log line per request on stderr."""
     import uvicorn
 
     from dsv3.infer.server import create_app
+    from dsv3.run_dir import resolve_checkpoint
 
-    engine = build_engine(model, dtype, weights, cache_dtype, speculative, threads=threads)
-    name = Path(model).name if Path(model).name not in ("", ".", "..") else Path(model).resolve().name
-    app = create_app(engine, model_name=name, max_batch=max_batch)
-    uvicorn.run(app, host=host, port=port, log_level="warning")
+    at_least(max_batch, 1, "--max-batch")
+    if not 0 <= port <= 65535:
+        raise DSV3Error(f"--port must be in [0, 65535], got {port}")
+    folder = resolve_checkpoint(model)
+    engine = build_engine(str(folder), dtype, weights, cache_dtype, speculative, threads=threads)
+    name = _model_name(model)
+    app = create_app(engine, model_name=name, max_batch=max_batch, access_log=None if quiet else _log_line)
+    sock = listen(host, port)
+    bound_host, bound_port = sock.getsockname()[:2]
+    where = f"[{bound_host}]" if ":" in bound_host else bound_host
+    _log_line(f"dsv3 serve: model {name!r} from {folder} ({_describe(engine)})")
+    _log_line(f"listening on http://{where}:{bound_port}/v1 (OpenAI API); Ctrl-C stops")
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    server.run(sockets=[sock])
+
+
+def _log_line(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _describe(engine) -> str:
+    from dsv3.infer.units import fmt_count
+
+    params = sum(p.numel() for p in engine.model.parameters())
+    dtype = str(next(engine.model.parameters()).dtype).replace("torch.", "")
+    context = f"context {engine.context}" if engine.context else "no context limit in config.json"
+    spec = ", MTP speculation" if engine.speculative else ""
+    return f"{fmt_count(params)} parameters, {dtype}, {engine.device}, {context}{spec}"

@@ -6,6 +6,8 @@ U+FFFD) and any tail that could still grow into a stop string are held back unti
 
 from __future__ import annotations
 
+from functools import cache
+
 
 class TextStream:
     """Feeds token ids one at a time; returns the new text that is safe to show."""
@@ -54,3 +56,33 @@ class TextStream:
                     best = n
                     break
         return best
+
+
+def token_text_and_bytes(tokenizer, token_id: int) -> tuple[str, list[int]]:
+    """One token as OpenAI's logprobs show it: its text and its UTF-8 bytes. A byte-level BPE token may
+    hold part of a character: its bytes are then the real ones (from the byte alphabet), and its text
+    the decodable part. Without a tokenizer the token is named by its id."""
+    if tokenizer is None:
+        text = f"token_id:{token_id}"
+        return text, list(text.encode())
+    piece = tokenizer.id_to_token(token_id)
+    table = _byte_level_decoder()
+    if type(tokenizer.decoder).__name__ == "ByteLevel" and piece and all(c in table for c in piece):
+        raw = bytes(table[c] for c in piece)
+        return raw.decode("utf-8", errors="replace"), list(raw)
+    text = tokenizer.decode([token_id], skip_special_tokens=False)
+    return text, list(text.encode())
+
+
+@cache
+def _byte_level_decoder() -> dict[str, int]:
+    """GPT-2's byte-to-printable-character table (the ``ByteLevel`` alphabet), inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}

@@ -13,6 +13,12 @@ final hidden state at i and the embedding of token i + 1 and predicts token i + 
 [last token, draft] to the main model in one forward, verifies the draft by rejection sampling, then
 runs the MTP layer over the newly committed positions (its own cache layer, same slots) to draft the
 next token.
+
+Failures belong to rows. A request that cannot start, or whose logits (or MTP draft logits) are not
+finite, ends alone with finish_reason "error" and a message, rather than emitting a made-up token
+(the argmax of NaN is 0) or raising for the whole batch. Rows attend only to their own slots, except
+that a masked slot still multiplies its value by zero: a padded batch whose prefill comes out
+non-finite is therefore prefilled again one request at a time (see ``Engine.start``).
 """
 
 from __future__ import annotations
@@ -33,7 +39,8 @@ from dsv3.model.transformer import Transformer
 
 @dataclass
 class Request:
-    """One generation request. ``cancelled`` may be set from another thread; the row is then dropped."""
+    """One generation request. ``cancelled`` may be set from another thread; the row is then dropped.
+    ``logprobs``: None for none; N >= 0 for the chosen token's log-probability and the N most likely."""
 
     prompt_ids: list[int]
     max_new_tokens: int
@@ -41,23 +48,43 @@ class Request:
     stop_token_ids: frozenset[int] = frozenset()
     stop_strings: tuple[str, ...] = ()
     cancelled: bool = False
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
             raise DSV3Error("the prompt is empty: give at least one token")
         if self.max_new_tokens < 1:
             raise DSV3Error(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise DSV3Error(f"logprobs must be >= 0, got {self.logprobs}")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """log p(token) under the model's raw distribution (log-softmax of the logits, before temperature,
+    top-k or top-p, as OpenAI reports it), and the ``top`` most likely (token, logprob) pairs."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass
 class Event:
     """What one step produced for one request: new token ids, the text they release, and whether the
-    request is finished ("stop", "length" or "cancelled")."""
+    request is finished ("stop", "length", "cancelled", or "error" with ``error`` saying why)."""
 
     request: Request
     token_ids: list[int]
     text: str
     finish_reason: str | None = None
+    error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
+
+
+class RowError(Exception):
+    """A failure that belongs to one request (bad sampling state, non-finite logits): that row ends
+    with finish_reason "error" and the others go on."""
 
 
 @dataclass
@@ -89,6 +116,28 @@ class Result:
     token_ids: list[int]
     text: str
     finish_reason: str
+    error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+
+def finite_logits(logits: torch.Tensor, row: Row, what: str = "logits") -> torch.Tensor:
+    """``logits`` unchanged, or RowError when any is NaN or infinite: sampling from them would emit a
+    meaningless token (argmax of NaN is token 0) or crash the whole batch (multinomial)."""
+    if not bool(torch.isfinite(logits).all()):
+        raise RowError(f"the model produced non-finite {what} (NaN or inf) at position {row.next_pos}; "
+                       "the checkpoint or the compute dtype is broken for this input")
+    return logits
+
+
+def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
+    """logits [n >= len(tokens), V]: the log-probability of tokens[j] under row j, with the ``top`` best."""
+    lp = logits[: len(tokens)].float().log_softmax(-1)
+    best = lp.topk(min(top, lp.shape[-1]), dim=-1) if top else None
+    out = []
+    for j, tok in enumerate(tokens):
+        pairs = tuple(zip(best.indices[j].tolist(), best.values[j].tolist(), strict=True)) if best else ()
+        out.append(TokenLogprob(tok, float(lp[j, tok]), pairs))
+    return out
 
 
 class Row:
@@ -106,8 +155,9 @@ class Row:
         self.next_pos = len(request.prompt_ids)  # its position
         self.draft: int | None = None
         self.draft_q: torch.Tensor | None = None  # [V] distribution the draft was drawn from
+        self.new: list[int] = []  # tokens the last step accepted (none when it failed)
 
-    def commit(self, tokens: list[int]) -> Event:
+    def commit(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> Event:
         """Take new tokens in order until a stop condition; returns what to tell the client."""
         kept, text, hit = [], [], False
         for tok in tokens:
@@ -127,7 +177,28 @@ class Row:
         if self.finish_reason and not hit:
             text.append(self.stream.flush())  # the held-back tail is final now
         self.last = tokens[-1]
-        return Event(self.request, kept, "".join(text), self.finish_reason)
+        return Event(self.request, kept, "".join(text), self.finish_reason,
+                     logprobs=logprobs[: len(kept)] if logprobs is not None else None)
+
+    def fail(self, message: str) -> Event:
+        """End this request alone with an error (it leaves the batch at the next drop)."""
+        self.finish_reason = "error"
+        return Event(self.request, [], "", "error", error=message)
+
+
+def config_eos_ids(value) -> frozenset[int]:
+    """The config's ``eos_token_id``: one id, a list of ids (valid in HF configs) or None."""
+    if value is None:
+        return frozenset()
+    values = value if isinstance(value, list | tuple) else [value]
+    return frozenset(int(v) for v in values if isinstance(v, int) and not isinstance(v, bool))
+
+
+def context_limit(model: Transformer) -> int | None:
+    """The model's context in positions (``max_position_embeddings``), or None when the config does
+    not give a usable one."""
+    n = getattr(model.config, "max_position_embeddings", None)
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
 
 
 class Engine:
@@ -142,12 +213,28 @@ class Engine:
         self.speculative = speculative
         self.cache_dtype = cache_dtype or next(model.parameters()).dtype
         self.device = model.inv_freq.device  # inputs go where the weights are; sampling stays on the CPU
-        eos = model.config.eos_token_id
-        self.eos_ids = eos_token_ids if eos_token_ids is not None else frozenset([eos] if eos is not None else [])
+        self.eos_ids = eos_token_ids if eos_token_ids is not None else config_eos_ids(model.config.eos_token_id)
+        self.context = context_limit(model)
 
     def start(self, requests: list[Request]) -> Batch:
-        """Prefill ``requests`` as one batch; the first token of each is in ``batch.first_events``."""
-        return Batch(self, requests)
+        """Prefill ``requests`` as one batch; the first token of each is in ``batch.first_events``.
+
+        When a row's prefill comes out non-finite, the padding of the other rows may have been
+        poisoned too (a masked slot holding NaN still gives 0 * NaN in attention), so each request is
+        prefilled alone and the batches merged: only the row that is itself broken fails."""
+        try:
+            return Batch(self, requests)
+        except _Poisoned:
+            return self._merged([Batch(self, [r]) for r in requests])
+
+    @staticmethod
+    def _merged(batches: list[Batch]) -> Batch:
+        events = [ev for b in batches for ev in b.first_events]
+        live = [b for b in batches if b.rows] or batches[:1]
+        for other in live[1:]:
+            live[0].merge(other)
+        live[0].first_events = events
+        return live[0]
 
     def stream(self, requests: list[Request]) -> Iterator[Event]:
         """Events as tokens are produced, for all requests decoded together."""
@@ -158,14 +245,20 @@ class Engine:
         self.last_stats = batch.stats
 
     def generate(self, requests: list[Request]) -> list[Result]:
-        parts: dict[int, tuple[list[int], list[str], list[str]]] = {id(r): ([], [], []) for r in requests}
+        results = {id(r): Result([], "", "", logprobs=[] if r.logprobs is not None else None) for r in requests}
         for ev in self.stream(requests):
-            ids, text, reason = parts[id(ev.request)]
-            ids += ev.token_ids
-            text.append(ev.text)
-            if ev.finish_reason:
-                reason.append(ev.finish_reason)
-        return [Result(parts[id(r)][0], "".join(parts[id(r)][1]), parts[id(r)][2][0]) for r in requests]
+            res = results[id(ev.request)]
+            res.token_ids += ev.token_ids
+            res.text += ev.text
+            if ev.logprobs is not None:
+                res.logprobs += ev.logprobs
+            if ev.finish_reason and not res.finish_reason:
+                res.finish_reason, res.error = ev.finish_reason, ev.error
+        return [results[id(r)] for r in requests]
+
+
+class _Poisoned(Exception):
+    """A batched prefill came out non-finite with padding present: redo it one request at a time."""
 
 
 class Batch:
@@ -174,10 +267,16 @@ class Batch:
     def __init__(self, engine: Engine, requests: list[Request]):
         self.engine, self.model, self.device = engine, engine.model, engine.device
         self.stats = Stats()
-        self.rows = [Row(r, engine.tokenizer, engine.eos_ids) for r in requests]
         self.T = 2 if engine.speculative else 1
+        self.rows: list[Row] = []
+        failed = []
+        for r in requests:
+            try:
+                self.rows.append(Row(r, engine.tokenizer, engine.eos_ids))
+            except Exception as exc:  # e.g. a seed torch cannot take: this request fails, not the batch
+                failed.append(Event(r, [], "", "error", error=f"cannot start this request: {exc}"))
         t0 = time.perf_counter()
-        self.first_events = self._prefill()
+        self.first_events = failed + self._prefill()
         self.stats.prefill_s = time.perf_counter() - t0
 
     # ---- cache bookkeeping ---------------------------------------------------------------
@@ -244,12 +343,13 @@ class Batch:
         right so both end at the same slot; positions are per row, so nothing is recomputed."""
         cur = max(self.cur, other.cur)
         mine, theirs = list(range(len(self.rows))), list(range(len(other.rows)))
-        self.rows = self.rows + other.rows
-        slots = max(self._capacity_for(cur), self.cache.max_len + cur - self.cur,
+        slots = max(self._capacity_for(cur), other._capacity_for(cur), self.cache.max_len + cur - self.cur,
                     other.cache.max_len + cur - other.cur)
         a = self._reshape(mine, cur - self.cur, slots)
         b = other._reshape(theirs, cur - other.cur, slots)
-        self._set(torch.cat([a[0], b[0]], 1), torch.cat([a[1], b[1]], 1), torch.cat([a[2], b[2]], 0), cur)
+        merged = torch.cat([a[0], b[0]], 1), torch.cat([a[1], b[1]], 1), torch.cat([a[2], b[2]], 0)
+        self._set(*merged, cur)  # rows join only once the cache holds them (a failure leaves this batch whole)
+        self.rows = self.rows + other.rows
         self.stats.prefill_s += other.stats.prefill_s
         self.stats.cache_bytes = max(self.stats.cache_bytes, other.stats.cache_bytes)
 
@@ -257,11 +357,14 @@ class Batch:
     @torch.inference_mode()
     def _prefill(self) -> list[Event]:
         prompts = [r.request.prompt_ids for r in self.rows]
-        B, L = len(prompts), max(len(p) for p in prompts)
+        B, L = len(prompts), max((len(p) for p in prompts), default=0)
+        self.cur = 0
+        self._alloc(B, self._capacity_for(L) if B else 0)
+        self.holes = False
+        if not B:
+            return []
         pads = torch.tensor([L - len(p) for p in prompts])
         ids = torch.tensor([[0] * (L - len(p)) + list(p) for p in prompts])  # [B, L] left-padded
-        self.cur = 0
-        self._alloc(B, self._capacity_for(L))
         self.valid[:, :L] = torch.arange(L)[None, :] >= pads[:, None]
         self.holes = bool(pads.any())
         positions = (torch.arange(L)[None, :] - pads[:, None]).clamp(min=0)  # [B, L]
@@ -269,14 +372,45 @@ class Batch:
         h = self.model.hidden_states(ids.to(self.device), positions=positions.to(self.device), cache=self.cache,
                                      start_pos=0, mask=mask)
         logits = self.model.lm_head(h[:, -1]).cpu()  # [B, V]
-        events = [row.commit([draw(probabilities(logits[b], row.params), row.gen)])
+        self._check_poison(logits)
+        events = [self._guarded(row, lambda row=row, b=b: self._sample(row, logits[b][None], None))
                   for b, row in enumerate(self.rows)]
         self.cur = L
         if self.engine.speculative:
             nxt = torch.cat([ids[:, 1:], torch.tensor([[r.last] for r in self.rows])], dim=1)
-            self._draft(h, nxt.to(self.device), positions.to(self.device), 0, [L] * B)
+            events += self._draft(h, nxt.to(self.device), positions.to(self.device), 0, [L] * B)
         self.drop([b for b, r in enumerate(self.rows) if r.finish_reason])
         return events
+
+    def _check_poison(self, logits: torch.Tensor) -> None:
+        """Raise _Poisoned when some rows of a padded batch came out non-finite (see Engine.start)."""
+        if self.holes and len(self.rows) > 1 and not bool(torch.isfinite(logits).all()):
+            raise _Poisoned
+
+    # ---- per-row sampling --------------------------------------------------------------------
+    def _guarded(self, row: Row, work) -> Event:
+        """``work()``'s event, or the row's own error event when it fails: one request's broken state
+        or non-finite logits never end the others."""
+        try:
+            return work()
+        except RowError as exc:
+            return row.fail(str(exc))
+        except Exception as exc:
+            return row.fail(f"generation failed for this request: {exc}")
+
+    def _sample(self, row: Row, logits: torch.Tensor, draft_p: torch.Tensor | None) -> Event:
+        """Pick and commit the row's next token(s) from its logits [T, V] (T = 2: verify its draft)."""
+        finite_logits(logits, row)
+        p = probabilities(logits, row.params)  # [T, V]
+        if draft_p is not None:
+            new, accepted = verify(p, draft_p[None], [row.draft], row.gen)
+            self.stats.drafted += 1
+            self.stats.accepted += accepted
+        else:
+            new = [draw(p[0], row.gen)]
+        row.new = new
+        n_top = row.request.logprobs
+        return row.commit(new, token_logprobs(logits, new, n_top) if n_top is not None else None)
 
     # ---- decode ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -296,47 +430,52 @@ class Batch:
         h = self.model.hidden_states(ids, positions=positions, cache=self.cache, start_pos=start,
                                      mask=self._mask(start, T))
         logits = self.model.lm_head(h).cpu()  # [B, T, V]
-        counts, committed = [], []
+        committed = []
         for b, row in enumerate(self.rows):
-            p = probabilities(logits[b], row.params)  # [T, V]
-            if T == 2:
-                new, accepted = verify(p, row.draft_q[None], [row.draft], row.gen)
-                self.stats.drafted += 1
-                self.stats.accepted += accepted
-            else:
-                new = [draw(p[0], row.gen)]
-            counts.append(len(new))
-            committed.append(new)
-            events.append(row.commit(new))
-            row.next_pos += len(new)
-            self.stats.tokens += len(new)
+            row.new = []
+            events.append(self._guarded(row, lambda row=row, b=b: self._sample(
+                row, logits[b], row.draft_q if T == 2 else None)))
+            committed.append(row.new)
+            row.next_pos += len(row.new)
+        counts = [len(new) for new in committed]
+        self.stats.tokens += sum(counts)
         advance = max(counts)
         for b, n in enumerate(counts):
-            if n < advance:
+            if n < advance or n == 0:
                 self.valid[b, start + n : start + T] = False
                 self.holes = True
         self.cur = start + advance
         self.stats.main_forwards += 1
         self.stats.row_steps += B
-        if T == 2:
+        if T == 2 and advance:
             nxt = torch.tensor([new + [0] * (advance - len(new)) for new in committed], device=self.device)
-            self._draft(h[:, :advance], nxt, positions[:, :advance], start, counts)
+            events += self._draft(h[:, :advance], nxt, positions[:, :advance], start, counts)
         self.drop([b for b, r in enumerate(self.rows) if r.finish_reason])
         self.stats.decode_s += time.perf_counter() - t0
         return events
 
     def _draft(self, h: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, start: int,
-               counts: list[int]) -> None:
+               counts: list[int]) -> list[Event]:
         """MTP over the newly committed slots [start, start + n): h [B, n, D] with next_ids [B, n]
-        (the token after each); each row drafts from its last committed slot."""
+        (the token after each); each row drafts from its last committed slot. Returns the error events
+        of rows whose draft logits came out non-finite."""
         n = next_ids.shape[1]
         h_mtp = self.model.mtp_hidden(0, h, next_ids, positions, cache=self.cache, start_pos=start,
                                       mask=self._mask(start, n))
-        last = torch.tensor(counts) - 1
-        logits = self.model.mtp_logits(0, h_mtp[torch.arange(len(counts)), last]).cpu()  # [B, V]
+        last = (torch.tensor(counts).clamp(min=1) - 1).to(h_mtp.device)
+        logits = self.model.mtp_logits(0, h_mtp[torch.arange(len(counts), device=h_mtp.device), last]).cpu()
+        if start == 0:  # the prefill's draft: padding may have poisoned it too
+            self._check_poison(logits)
+        events = []
         for b, row in enumerate(self.rows):
-            row.draft_q = probabilities(logits[b], row.params)
-            row.draft = draw(row.draft_q, row.gen)
+            if not row.finish_reason:
+                failed = self._guarded(row, lambda row=row, b=b: self._draw_draft(row, logits[b]))
+                events += [failed] if failed is not None else []
+        return events
+
+    def _draw_draft(self, row: Row, logits: torch.Tensor) -> None:
+        row.draft_q = probabilities(finite_logits(logits, row, "MTP draft logits"), row.params)
+        row.draft = draw(row.draft_q, row.gen)
 
     def _cancel(self) -> list[Event]:
         gone = [b for b, r in enumerate(self.rows) if r.request.cancelled]

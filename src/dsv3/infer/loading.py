@@ -7,8 +7,10 @@ from pathlib import Path
 import torch
 
 from dsv3.errors import DSV3Error
+from dsv3.infer.engine import config_eos_ids
 from dsv3.infer.fp8_weights import stored_fp8, to_fp8_weights
 from dsv3.model.transformer import Transformer
+from dsv3.run_dir import resolve_checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 TOKENIZER_FILE = "tokenizer.json"
@@ -30,20 +32,28 @@ def load_model(path: str | Path, dtype: torch.dtype | None = None, weights: str 
 
     if weights not in ("native", "fp8"):
         raise DSV3Error(f"unknown weights format {weights!r}; choose native or fp8")
-    if not Path(path).is_dir():
-        raise DSV3Error(f"model folder not found: {path}")
+    path = resolve_checkpoint(path)
     model = dsv3.load_pretrained(path, dtype=dtype)
     if weights == "fp8":
         to_fp8_weights(model, stored_fp8(path))
     return model.eval()
 
 
-def load_tokenizer(path: str | Path, required: bool = False):
-    """The HF ``tokenizers`` tokenizer saved beside the weights, or None."""
+TOKENIZER_HINTS = {  # why a command needs the tokenizer -> what the user can do without one
+    "--prompt": "pass token ids with --prompt-ids instead",
+    "--stop": "stop strings need it; drop --stop",
+    "chat": "chat turns text into tokens with it; use dsv3 generate --prompt-ids instead",
+}
+
+
+def load_tokenizer(path: str | Path, needed_for: str | None = None):
+    """The HF ``tokenizers`` tokenizer saved beside the weights, or None. ``needed_for`` (a key of
+    TOKENIZER_HINTS) makes a missing one an error that says what to do instead."""
     file = Path(path) / TOKENIZER_FILE
-    if not file.exists():
-        if required:
-            raise DSV3Error(f"{path} has no {TOKENIZER_FILE}; pass token ids with --prompt-ids instead")
+    if not file.is_file():
+        if needed_for is not None:
+            hint = TOKENIZER_HINTS.get(needed_for, f"{needed_for} needs it")
+            raise DSV3Error(f"{path} has no {TOKENIZER_FILE}; {hint}")
         return None
     from tokenizers import Tokenizer
 
@@ -59,9 +69,7 @@ def encode(tokenizer, text: str) -> list[int]:
 
 def eos_ids(model: Transformer, tokenizer) -> frozenset[int]:
     """End-of-sequence ids: the config's, plus the tokenizer's usual end tokens when it defines them."""
-    ids = set()
-    if model.config.eos_token_id is not None:
-        ids.add(int(model.config.eos_token_id))
+    ids = set(config_eos_ids(model.config.eos_token_id))  # one id or a list of them
     if tokenizer is not None:
         for token in ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<｜end▁of▁sentence｜>"):
             tid = tokenizer.token_to_id(token)

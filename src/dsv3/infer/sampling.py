@@ -7,11 +7,14 @@ the argmax, and its residual is the argmax itself.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
 from dsv3.errors import DSV3Error
+
+MAX_SEED = 2**64 - 1  # torch.Generator takes 64-bit seeds; a larger one overflows when the request starts
 
 
 @dataclass(frozen=True)
@@ -24,12 +27,14 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise DSV3Error(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise DSV3Error(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:
             raise DSV3Error(f"top_k must be >= 0, got {self.top_k}")
         if not 0 < self.top_p <= 1:
             raise DSV3Error(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
+            raise DSV3Error(f"seed must be an integer in [0, 2**64 - 1], got {self.seed}")
 
     @property
     def greedy(self) -> bool:

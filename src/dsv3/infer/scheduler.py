@@ -84,15 +84,31 @@ class Scheduler:
             return
         for r, d in new:
             self.listeners[id(r)] = d
+        for fresh in self._prefill([r for r, _ in new]):
+            self._join(fresh)
+
+    def _prefill(self, requests: list[Request]) -> list[Batch]:
+        """The new requests prefilled together; when that fails, each alone, so that a request that
+        breaks the prefill fails by itself (per-row failures are already the row's own error event)."""
         try:
-            fresh = self.engine.start([r for r, _ in new])
+            return [self.engine.start(requests)]
         except Exception as exc:
-            self._fail([r for r, _ in new], exc)
+            if len(requests) == 1:
+                self._fail(requests, exc)
+                return []
+        return [b for r in requests for b in self._prefill([r])]
+
+    def _join(self, fresh: Batch) -> None:
+        """Merge a prefilled batch into the running one at this step boundary."""
+        try:
+            if fresh.rows and (self.batch is None or not self.batch.rows):
+                self.batch = fresh
+            elif fresh.rows:
+                self.batch.merge(fresh)
+        except Exception as exc:  # the running batch is left as it was: only the newcomers fail
+            self._send([ev for ev in fresh.first_events if ev.finish_reason])
+            self._fail([r.request for r in fresh.rows], exc)
             return
-        if fresh.rows and (self.batch is None or not self.batch.rows):
-            self.batch = fresh
-        elif fresh.rows:
-            self.batch.merge(fresh)
         self._send(fresh.first_events)
 
     def _send(self, events: list[Event]) -> None:

@@ -3,6 +3,11 @@
 ``stream: true`` answers with server-sent events (``data: {chunk}`` lines, then ``data: [DONE]``).
 Every error is a 4xx/5xx with OpenAI's JSON body ``{"error": {"message", "type", "param", "code"}}``.
 A client that disconnects cancels its request, and the scheduler drops it from the batch.
+
+One request never harms another: every field is checked before the request reaches the batch (types
+strictly, ranges, the context), fields this server does not implement are refused by name rather than
+ignored, and a failure that belongs to one request during decoding (non-finite logits, say) ends that
+request alone: an HTTP 500 for it, or an ``error`` event in its stream, while the batch goes on.
 """
 
 from __future__ import annotations
@@ -11,8 +16,9 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -22,41 +28,88 @@ from starlette.exceptions import HTTPException
 
 from dsv3.errors import DSV3Error
 from dsv3.infer import chat_template
-from dsv3.infer.engine import Engine, Event
+from dsv3.infer.detok import token_text_and_bytes
+from dsv3.infer.engine import Engine, Event, TokenLogprob
 from dsv3.infer.engine import Request as GenRequest
-from dsv3.infer.sampling import SamplingParams
+from dsv3.infer.sampling import MAX_SEED, SamplingParams
 from dsv3.infer.scheduler import Scheduler
+
+MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
+MAX_STOPS, MAX_STOP_CHARS = 16, 512
+STRICT = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)  # "0.5" is not a number, nor true a 1
+
+# OpenAI fields this server does not implement, with the values that mean "not used" (accepted).
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
+    "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "presence_penalty": (None, 0),
+    "frequency_penalty": (None, 0), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
+    "web_search_options": (None,), "n": (None, 1),
+}
+# Fields that do not change what is generated (bookkeeping for the client's side): accepted and unused.
+HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
+                      "prompt_cache_key"})
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
 
 
 class _Common(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = STRICT
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(0, ge=0)  # extension (not in OpenAI's API)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stop: str | list[str] | None = None
     stream: bool = False
-    n: int = Field(1, ge=1, le=1)
+    stream_options: StreamOptions | None = None
 
 
 class CompletionBody(_Common):
     prompt: str | list[int]
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+
+class ContentPart(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+    type: str
+    text: str | None = None
 
 
 class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
     role: str
-    content: str
+    content: str | list[ContentPart]
+    name: str | None = None
 
 
 class ChatBody(_Common):
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
 
-def create_app(engine: Engine, model_name: str = "dsv3", max_batch: int = 8) -> FastAPI:
-    """The API over one engine; the decode worker runs while the app is up."""
+class RequestError(DSV3Error):
+    """A 400 that names the offending field in the body's ``param``."""
+
+    def __init__(self, message: str, param: str | None = None):
+        super().__init__(message)
+        self.param = param
+
+
+class GenerationError(Exception):
+    """This request's generation failed (a 500 for it alone)."""
+
+
+def create_app(engine: Engine, model_name: str = "dsv3", max_batch: int = 8,
+               access_log: Callable[[str], None] | None = None) -> FastAPI:
+    """The API over one engine; the decode worker runs while the app is up. ``access_log`` receives one
+    line per request (method, path, status, tokens generated, milliseconds)."""
     scheduler = Scheduler(engine, max_batch)
 
     @asynccontextmanager
@@ -68,7 +121,8 @@ def create_app(engine: Engine, model_name: str = "dsv3", max_batch: int = 8) -> 
     app = FastAPI(title="dsv3", lifespan=lifespan)
     app.state.scheduler = scheduler
     _install_error_handlers(app)
-    context = engine.model.config.max_position_embeddings
+    if access_log is not None:
+        app.add_middleware(AccessLog, write=access_log)
 
     @app.get("/health")
     async def health() -> dict:
@@ -80,30 +134,68 @@ def create_app(engine: Engine, model_name: str = "dsv3", max_batch: int = 8) -> 
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: Request):
-        _check_model(body.model, model_name)
+        _check_body(body, model_name)
         ids = body.prompt if isinstance(body.prompt, list) else _encode(engine, body.prompt)
-        request = _request(engine, body, ids, body.max_tokens or 16, (), context)
-        return await _respond(scheduler, http, request, body.stream, _CompletionShape(model_name))
+        request = _request(engine, body, ids, body.max_tokens, 16, (), body.logprobs)
+        offset = len(body.prompt) if isinstance(body.prompt, str) else 0
+        shape = _CompletionShape(model_name, engine.tokenizer, body.logprobs is not None, offset)
+        return await _respond(scheduler, http, request, body, shape)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: Request):
-        _check_model(body.model, model_name)
+        _check_body(body, model_name)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
         if engine.tokenizer is None:
             raise DSV3Error("this model has no tokenizer.json, so it cannot chat; use /v1/completions with token ids")
-        prompt = chat_template.render([m.model_dump() for m in body.messages], engine.tokenizer)
-        max_tokens = body.max_completion_tokens or body.max_tokens or 256
-        request = _request(engine, body, _encode(engine, prompt), max_tokens,
-                           chat_template.stop_strings(engine.tokenizer), context)
-        return await _respond(scheduler, http, request, body.stream, _ChatShape(model_name))
+        prompt = chat_template.render(_messages(body.messages), engine.tokenizer)
+        n_top = (body.top_logprobs or 0) if body.logprobs else None
+        request = _request(engine, body, _encode(engine, prompt), body.max_completion_tokens or body.max_tokens,
+                           256, chat_template.stop_strings(engine.tokenizer), n_top)
+        shape = _ChatShape(model_name, engine.tokenizer, body.logprobs)
+        return await _respond(scheduler, http, request, body, shape)
 
     return app
 
 
 # ---- requests --------------------------------------------------------------------------------
 
-def _check_model(asked: str | None, served: str) -> None:
-    if asked is not None and asked != served:
-        raise HTTPException(404, f"model {asked!r} not found; this server serves {served!r}")
+def _check_body(body: _Common, served: str) -> None:
+    """The model asked for, and every field that is not ours: harmless bookkeeping passes, a feature we
+    do not implement is refused by name (silently ignoring ``tools`` would answer a different question)."""
+    if body.model is not None and body.model != served:
+        raise HTTPException(404, f"model {body.model!r} not found; this server serves {served!r}")
+    for name, value in (body.model_extra or {}).items():
+        if name in HARMLESS:
+            continue
+        if name not in UNSUPPORTED:
+            raise RequestError(f"{name}: unrecognized field", name)
+        if not any(value == ok and type(value) is not bool or value is ok for ok in UNSUPPORTED[name]):
+            raise RequestError(f"{name}: not supported by this server", name)
+
+
+def _messages(messages: list[Message]) -> list[dict[str, str]]:
+    """Plain role/content dicts for the chat template: text parts joined, other parts refused by name;
+    "developer" is OpenAI's newer name for "system"."""
+    out = []
+    for i, m in enumerate(messages):
+        if m.role not in (*chat_template.ROLES, "developer"):
+            raise RequestError(f"messages.{i}.role: {m.role!r} is not supported (use system, user or assistant)",
+                               f"messages.{i}.role")
+        content = m.content
+        if isinstance(content, list):
+            parts = []
+            for j, part in enumerate(content):
+                where = f"messages.{i}.content.{j}"
+                if part.type != "text":
+                    raise RequestError(f"{where}.type: {part.type!r} content parts are not supported, only "
+                                       "'text'", f"{where}.type")
+                if part.text is None:
+                    raise RequestError(f"{where}.text: a text part needs a string 'text'", f"{where}.text")
+                parts.append(part.text)
+            content = "".join(parts)
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+    return out
 
 
 def _encode(engine: Engine, text: str) -> list[int]:
@@ -112,21 +204,38 @@ def _encode(engine: Engine, text: str) -> list[int]:
     return engine.tokenizer.encode(text).ids
 
 
-def _request(engine: Engine, body: _Common, ids: list[int], max_tokens: int, extra_stops: tuple[str, ...],
-             context: int) -> GenRequest:
-    vocab = engine.model.config.vocab_size
+def _context(engine: Engine) -> int:
+    """The model's context, or a clear 400 when its config gives none: no request can be bounded."""
+    if engine.context is None:
+        raise DSV3Error("the model's config.json has no usable max_position_embeddings, so the server cannot "
+                        "bound a request's length; set it in config.json")
+    return engine.context
+
+
+def _request(engine: Engine, body: _Common, ids: list[int], max_tokens: int | None, default_max: int,
+             extra_stops: tuple[str, ...], logprobs: int | None) -> GenRequest:
+    """The engine request, after every check that could otherwise fail inside the shared batch."""
+    vocab, context = engine.model.config.vocab_size, _context(engine)
     if not ids:
-        raise DSV3Error("the prompt is empty")
+        raise RequestError("the prompt is empty", "prompt")
     if any(not 0 <= i < vocab for i in ids):
-        raise DSV3Error(f"prompt token ids must lie in [0, {vocab})")
+        raise RequestError(f"prompt token ids must lie in [0, {vocab})", "prompt")
+    if len(ids) >= context:
+        raise RequestError(f"the prompt ({len(ids)} tokens) fills the model's context of {context} tokens",
+                           "prompt")
+    if max_tokens is None:  # not asked for: as many as fit, up to the usual default
+        max_tokens = min(default_max, context - len(ids))
     if len(ids) + max_tokens > context:
-        raise DSV3Error(f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds the model's "
-                        f"context of {context} tokens")
+        raise RequestError(f"prompt ({len(ids)} tokens) plus max_tokens ({max_tokens}) exceeds the model's "
+                           f"context of {context} tokens", "max_tokens")
     stops = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+    if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+        # every stop string is checked after every token of the shared batch: bound the work
+        raise RequestError(f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters", "stop")
     if stops and engine.tokenizer is None:
-        raise DSV3Error("stop strings need a tokenizer; this model has none")
+        raise RequestError("stop strings need a tokenizer; this model has none", "stop")
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
-    return GenRequest(ids, max_tokens, params, stop_strings=tuple(stops) + extra_stops)
+    return GenRequest(ids, max_tokens, params, stop_strings=tuple(stops) + extra_stops, logprobs=logprobs)
 
 
 async def _events(scheduler: Scheduler, http: Request, request: GenRequest) -> AsyncIterator[Event]:
@@ -141,7 +250,9 @@ async def _events(scheduler: Scheduler, http: Request, request: GenRequest) -> A
                     return
                 continue
             if isinstance(item, BaseException):
-                raise item
+                raise GenerationError(f"generation failed: {item}") from item
+            if item.finish_reason == "error":
+                raise GenerationError(item.error or "generation failed")
             yield item
             if item.finish_reason:
                 return
@@ -149,83 +260,203 @@ async def _events(scheduler: Scheduler, http: Request, request: GenRequest) -> A
         request.cancelled = True  # a no-op when it already finished
 
 
-async def _respond(scheduler: Scheduler, http: Request, request: GenRequest, stream: bool, shape):
+def _usage(request: GenRequest, count: int) -> dict:
+    return {"prompt_tokens": len(request.prompt_ids), "completion_tokens": count,
+            "total_tokens": len(request.prompt_ids) + count}
+
+
+def _count_tokens(http: Request, count: int) -> None:
+    """Tell the access log how many tokens this request generated."""
+    info = http.scope.get(AccessLog.KEY)
+    if info is not None:
+        info["tokens"] = count
+
+
+async def _respond(scheduler: Scheduler, http: Request, request: GenRequest, body: _Common, shape):
     rid, created = f"{shape.prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
-    if stream:
-        return StreamingResponse(_sse(scheduler, http, request, shape, rid, created),
+    if body.stream:
+        usage = body.stream_options is not None and body.stream_options.include_usage
+        return StreamingResponse(_sse(scheduler, http, request, shape, rid, created, usage),
                                  media_type="text/event-stream")
-    text, count, reason = [], 0, "length"
+    text, count, reason, logprobs = [], 0, "length", []
     async for ev in _events(scheduler, http, request):
         text.append(ev.text)
         count += len(ev.token_ids)
+        _count_tokens(http, count)
         reason = ev.finish_reason or reason
-    usage = {"prompt_tokens": len(request.prompt_ids), "completion_tokens": count,
-             "total_tokens": len(request.prompt_ids) + count}
-    return {**shape.head(rid, created, final=True), "choices": [shape.final(("".join(text)), reason)],
-            "usage": usage}
+        logprobs += ev.logprobs or []
+    return {**shape.head(rid, created, final=True), "choices": [shape.final("".join(text), reason, logprobs)],
+            "usage": _usage(request, count)}
 
 
-async def _sse(scheduler, http, request, shape, rid, created) -> AsyncIterator[str]:
+async def _sse(scheduler, http, request, shape, rid, created, include_usage: bool) -> AsyncIterator[str]:
     head = shape.head(rid, created, final=False)
-    first = True
-    async for ev in _events(scheduler, http, request):
-        reason = ev.finish_reason if ev.finish_reason in ("stop", "length") else None
-        if ev.text or reason or first:
-            yield f"data: {json.dumps({**head, 'choices': [shape.delta(ev.text, reason, first)]})}\n\n"
-            first = False
+    first, count = True, 0
+    try:
+        async for ev in _events(scheduler, http, request):
+            count += len(ev.token_ids)
+            _count_tokens(http, count)
+            reason = ev.finish_reason if ev.finish_reason in ("stop", "length") else None
+            if ev.text or reason or first or ev.logprobs:
+                chunk = shape.delta(ev.text, reason, first, ev.logprobs)
+                yield f"data: {json.dumps({**head, 'choices': [chunk]})}\n\n"
+                first = False
+    except GenerationError as exc:  # the status line is sent already: the error travels in the stream
+        yield f"data: {json.dumps(_error_body(str(exc), 'server_error'))}\n\n"
+        yield "data: [DONE]\n\n"
+        return
+    if include_usage:
+        yield f"data: {json.dumps({**head, 'choices': [], 'usage': _usage(request, count)})}\n\n"
     yield "data: [DONE]\n\n"
 
 
+# ---- response shapes ---------------------------------------------------------------------------
+
 class _CompletionShape:
+    """/v1/completions: text, and logprobs in the legacy layout (tokens, token_logprobs, top_logprobs,
+    text_offset)."""
+
     prefix = "cmpl"
 
-    def __init__(self, model: str):
-        self.model = model
+    def __init__(self, model: str, tokenizer=None, logprobs: bool = False, offset: int = 0):
+        self.model, self.tokenizer, self.logprobs = model, tokenizer, logprobs
+        self.offset = offset  # text_offset of the next token (counted from the prompt's start)
 
     def head(self, rid: str, created: int, final: bool) -> dict:
         return {"id": rid, "object": "text_completion", "created": created, "model": self.model}
 
-    def final(self, text: str, reason: str) -> dict:
-        return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+    def final(self, text: str, reason: str, logprobs: list[TokenLogprob]) -> dict:
+        return {"index": 0, "text": text, "finish_reason": reason, "logprobs": self._logprobs(logprobs)}
 
-    def delta(self, text: str, reason: str | None, first: bool) -> dict:
-        return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+    def delta(self, text: str, reason: str | None, first: bool, logprobs: list[TokenLogprob] | None) -> dict:
+        return {"index": 0, "text": text, "finish_reason": reason, "logprobs": self._logprobs(logprobs or [])}
+
+    def _text(self, token_id: int) -> str:
+        return token_text_and_bytes(self.tokenizer, token_id)[0]
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
+        if not self.logprobs:
+            return None
+        tokens = [self._text(e.token_id) for e in entries]
+        offsets = []
+        for t in tokens:
+            offsets.append(self.offset)
+            self.offset += len(t)
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [self._top(e) for e in entries], "text_offset": offsets}
+
+    def _top(self, entry: TokenLogprob) -> dict[str, float]:
+        """text -> logprob of the best alternatives; where two tokens share a text, the likelier one."""
+        top: dict[str, float] = {}
+        for token_id, logprob in entry.top:
+            top.setdefault(self._text(token_id), logprob)
+        return top
 
 
 class _ChatShape(_CompletionShape):
+    """/v1/chat/completions: message or delta, and logprobs as ``{"content": [{token, logprob, bytes,
+    top_logprobs}]}``."""
+
     prefix = "chatcmpl"
 
     def head(self, rid: str, created: int, final: bool) -> dict:
         kind = "chat.completion" if final else "chat.completion.chunk"
         return {"id": rid, "object": kind, "created": created, "model": self.model}
 
-    def final(self, text: str, reason: str) -> dict:
+    def final(self, text: str, reason: str, logprobs: list[TokenLogprob]) -> dict:
         return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                "logprobs": None}
+                "logprobs": self._logprobs(logprobs)}
 
-    def delta(self, text: str, reason: str | None, first: bool) -> dict:
+    def delta(self, text: str, reason: str | None, first: bool, logprobs: list[TokenLogprob] | None) -> dict:
         delta = {"role": "assistant", "content": text} if first else {"content": text}
-        return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": self._logprobs(logprobs or [])}
+
+    def _entry(self, token_id: int, logprob: float) -> dict:
+        text, raw = token_text_and_bytes(self.tokenizer, token_id)
+        return {"token": text, "logprob": logprob, "bytes": raw}
+
+    def _logprobs(self, entries: list[TokenLogprob]) -> dict | None:
+        if not self.logprobs:
+            return None
+        content = [{**self._entry(e.token_id, e.logprob), "top_logprobs": [self._entry(t, lp) for t, lp in e.top]}
+                   for e in entries]
+        return {"content": content, "refusal": None}
+
+
+# ---- access log ----------------------------------------------------------------------------------
+
+class AccessLog:
+    """ASGI middleware: one line per request once its response is complete (streams included):
+    client, method, path, status, tokens generated, milliseconds."""
+
+    KEY = "dsv3.access"
+
+    def __init__(self, app, write: Callable[[str], None]):
+        self.app, self.write = app, write
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        info: dict[str, Any] = {"status": None, "tokens": None, "done": False}
+        scope[self.KEY] = info
+        t0 = time.perf_counter()
+
+        async def logged_send(message) -> None:
+            if message["type"] == "http.response.start":
+                info["status"] = message["status"]
+            await send(message)
+            if message["type"] == "http.response.body" and not message.get("more_body", False):
+                info["done"] = True
+
+        try:
+            await self.app(scope, receive, logged_send)
+        finally:
+            self.write(self._line(scope, info, time.perf_counter() - t0))
+
+    @staticmethod
+    def _line(scope, info: dict, seconds: float) -> str:
+        client = scope.get("client")
+        who = f"{client[0]}:{client[1]}" if client else "-"
+        tokens = "" if info["tokens"] is None else f' {info["tokens"]} tokens'
+        status = info["status"] if info["status"] is not None else 500
+        tail = "" if info["done"] else " (client gone)"
+        return f'{who} "{scope["method"]} {scope["path"]}" {status}{tokens} {seconds * 1000:.0f} ms{tail}'
 
 
 # ---- errors ------------------------------------------------------------------------------------
 
+def _error_body(message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+
+
 def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}},
-                        status_code=status)
+    return JSONResponse(_error_body(message, kind, param), status_code=status)
+
+
+def _field(loc: tuple) -> str:
+    """'messages.0.content' from pydantic's location, without "body" and without union-member tags
+    such as 'str' or 'list[int]'."""
+    tags = ("str", "int", "float", "bool", "none")
+    parts = [str(p) for p in loc if p != "body" and str(p) not in tags and "[" not in str(p)]
+    return ".".join(parts)
 
 
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def invalid(_, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
-        where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return _error(400, f"{where}: {first.get('msg', 'invalid request')}" if where else "invalid request",
-                      param=where or None)
+        where = _field(tuple(first.get("loc", ())))
+        message = first.get("msg", "invalid request")
+        return _error(400, f"{where}: {message}" if where else message, param=where or None)
 
     @app.exception_handler(DSV3Error)
     async def bad_input(_, exc: DSV3Error):
-        return _error(400, str(exc))
+        return _error(400, str(exc), param=getattr(exc, "param", None))
+
+    @app.exception_handler(GenerationError)
+    async def failed(_, exc: GenerationError):
+        return _error(500, str(exc), "server_error")
 
     @app.exception_handler(HTTPException)
     async def http_error(_, exc: HTTPException):
