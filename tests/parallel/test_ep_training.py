@@ -3,8 +3,8 @@
 
 import pytest
 
-from dsv3.parallel.launch import launch
-from dsv3.parallel.scenarios import TrainSpec, trains_worker
+from dsv3.testing.ep_scenarios import TrainSpec, trains_worker
+from dsv3.testing.launch import launch
 
 SPECS = [
     TrainSpec(gpus_per_node=2, steps=3, dispatch="fp32", combine="fp32"),
