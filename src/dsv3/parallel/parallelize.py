@@ -56,7 +56,7 @@ class Layout:
     @property
     def ep_combine(self) -> str:
         """The EP combine's wire format."""
-        return self.combine or COMBINE_FOR_DISPATCH[self.dispatch]
+        return self.combine or COMBINE_FOR_DISPATCH.get(self.dispatch, "bf16")
 
     @property
     def world(self) -> int:

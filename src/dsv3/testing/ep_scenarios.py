@@ -393,6 +393,8 @@ class TrainSpec:
     combine: str = "bf16"
     lr: float = 1e-2
     seed: int = 0
+    precision: str | None = None  # set: build the EP model with the trainer's own build_model (wire formats
+    # then follow the precision, as in `dsv3 train --ep N --precision P`); the reference gets its numerics
 
 
 def tiny_config(nodes: int) -> ModelConfig:
@@ -433,9 +435,16 @@ def train_worker(rank: int, world: int, spec: TrainSpec) -> dict | None:
     torch.manual_seed(spec.seed)
     model = Transformer(cfg)
     reference = copy.deepcopy(model) if rank == 0 else None
-    layout = Layout(dp=world, ep=world, gpus_per_node=spec.gpus_per_node, dispatch=spec.dispatch,
-                    combine=spec.combine)
-    parallel = parallelize(model, layout)
+    if spec.precision is None:
+        layout = Layout(dp=world, ep=world, gpus_per_node=spec.gpus_per_node, dispatch=spec.dispatch,
+                        combine=spec.combine)
+        parallel = parallelize(model, layout)
+    else:
+        parallel, reference = _as_the_trainer_builds_it(cfg, spec, rank, world, reference)
+        model = parallel.model
+    expert_calls = []  # the experts modules must really run (not be bypassed by the dispatcher)
+    for m in model.moe_layers():
+        m.experts.register_forward_hook(lambda *_: expert_calls.append(1))
     # one fixed batch, seen every step: the loss must fall (memorization), in both runs alike
     data = torch.randint(
         0,
@@ -451,11 +460,28 @@ def train_worker(rank: int, world: int, spec: TrainSpec) -> dict | None:
     bias = [m.gate.e_score_correction_bias for m in ep_layers(model)]
     ref_bias = [m.gate.e_score_correction_bias for m in reference.moe_layers()]
     return {
+        "expert_kinds": sorted({type(m.experts).__name__ for m in model.moe_layers()}),
+        "expert_forward_calls": len(expert_calls),
         "ep_losses": losses,
         "single_losses": ref_losses,
         "bias_max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(bias, ref_bias, strict=True)),
         "bias_max_abs": max(float(b.abs().max()) for b in ref_bias),
     }
+
+
+def _as_the_trainer_builds_it(cfg: ModelConfig, spec: TrainSpec, rank: int, world: int, reference):
+    """`dsv3 train --ep WORLD --precision P`'s model (its build_model, same seed) and the single-process
+    reference with the same numerics."""
+    from dsv3.train.distributed import World
+    from dsv3.train.options import TrainOptions
+    from dsv3.train.precision import apply_fp8
+    from dsv3.train.run import build_model
+
+    opts = TrainOptions(precision=spec.precision, ep=world, gpus_per_node=spec.gpus_per_node, seed=spec.seed)
+    parallel = build_model(cfg, opts, None, World(rank, world, rank, torch.device("cpu")))
+    if reference is not None and spec.precision == "fp8":
+        apply_fp8(reference)
+    return parallel, reference
 
 
 def trains_worker(rank: int, world: int, specs: list[TrainSpec]) -> list[dict | None]:
