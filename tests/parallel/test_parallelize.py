@@ -11,7 +11,7 @@ import torch
 from dsv3.config import ModelConfig
 from dsv3.errors import DSV3Error
 from dsv3.model import LocalDispatcher, Transformer
-from dsv3.parallel.parallelize import Layout, Parallelized, parallelize
+from dsv3.parallel.layout import Layout, Parallelized, parallelize
 
 
 def tiny_model(seed=0) -> Transformer:

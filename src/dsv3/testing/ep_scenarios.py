@@ -26,7 +26,7 @@ from dsv3.parallel.ep import (
 )
 from dsv3.parallel.ep_groups import NodeLayout, make_ep_groups
 from dsv3.parallel.ep_traffic import analytic_bytes, copy_counts
-from dsv3.parallel.parallelize import Layout, parallelize
+from dsv3.parallel.layout import Layout, parallelize
 from dsv3.parallel.placement import Placement
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

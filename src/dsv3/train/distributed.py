@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dsv3.errors import DSV3Error
-from dsv3.parallel.parallelize import Layout
+from dsv3.parallel.layout import Layout
 
 # The EP dispatch's wire format by training precision (V3: FP8 dispatch; the combine follows, FP8 -> BF16).
 DISPATCH_FORMATS = {"fp32": "fp32", "bf16": "bf16", "fp8": "fp8"}

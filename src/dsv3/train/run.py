@@ -28,7 +28,7 @@ from dsv3.data import (
 from dsv3.data.tokenizer import default_cache_dir
 from dsv3.errors import DSV3Error
 from dsv3.model.transformer import Transformer
-from dsv3.parallel.parallelize import Parallelized, parallelize
+from dsv3.parallel.layout import Parallelized, parallelize
 from dsv3.train import checkpoints as ckpt
 from dsv3.train.distributed import World, setup_world, teardown_world, training_layout
 from dsv3.train.evaluate import eval_windows, evaluate
