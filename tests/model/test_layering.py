@@ -10,41 +10,35 @@ import pytest
 import torch
 
 from dsv3 import checkpoint
-from dsv3.config import ModelConfig
 from dsv3.model import Transformer
 from dsv3.model.moe import stays_fp32
 from dsv3.precision import fp8
+from dsv3.testing.ep_scenarios import tiny_config
 
 
 def test_number_formats_do_not_import_the_model_nor_the_model_any_higher_layer():
     """One fresh interpreter: after the FP8 layers no dsv3.model module is loaded; after dsv3.model no
-    checkpoint, parallel, train, infer or testing module is."""
+    checkpoint, parallel, train, infer or testing module is, nor the server's or the plots' libraries."""
     code = (
         "import sys\n"
-        "def loaded(): return ' '.join(m for m in sys.modules if m.startswith('dsv3'))\n"
+        "def loaded(): return ' '.join(m for m in sys.modules if m.startswith(('dsv3', 'fastapi', 'uvicorn', "
+        "'networkx', 'matplotlib')))\n"
         "import dsv3.precision.fp8_linear\nprint(loaded())\n"
         "import dsv3.model\nprint(loaded())\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     after_formats, after_model = (set(line.split()) for line in out.splitlines())
     assert not any(m.startswith("dsv3.model") for m in after_formats)
-    higher = ("dsv3.checkpoint", "dsv3.parallel", "dsv3.train", "dsv3.infer", "dsv3.testing")
+    higher = ("dsv3.checkpoint", "dsv3.parallel", "dsv3.train", "dsv3.infer", "dsv3.testing",
+              "fastapi", "uvicorn", "networkx", "matplotlib")  # the server's and the plots' libraries too
     assert "dsv3.model.transformer" in after_model and not [m for m in after_model if m.startswith(higher)]
-
-
-def tiny() -> ModelConfig:
-    return ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                       num_hidden_layers=2, num_attention_heads=2, q_lora_rank=None, kv_lora_rank=16,
-                       qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4,
-                       num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
-                       num_nextn_predict_layers=1, max_position_embeddings=32, rope_scaling=None).validate()
 
 
 def test_init_buffers_completes_a_model_loaded_on_the_meta_device():
     torch.manual_seed(0)
-    source = Transformer(tiny()).train()
+    source = Transformer(tiny_config(2)).train()
     with torch.device("meta"):
-        copy = Transformer(tiny())
+        copy = Transformer(tiny_config(2))
     copy.load_state_dict(source.state_dict(), strict=True, assign=True)
     copy.init_buffers("cpu")
     copy.train()
@@ -74,7 +68,7 @@ def test_the_router_alone_stays_fp32(tmp_path):
     assert stays_fp32("model.layers.3.mlp.gate.e_score_correction_bias")
     assert not stays_fp32("model.layers.3.mlp.experts.0.gate_proj.weight")
     torch.manual_seed(0)
-    Transformer(tiny()).save_pretrained(tmp_path / "ckpt", dtype=torch.bfloat16)
+    Transformer(tiny_config(2)).save_pretrained(tmp_path / "ckpt", dtype=torch.bfloat16)
     model = checkpoint.load_pretrained(tmp_path / "ckpt")
     dtypes = {name: t.dtype for name, t in model.state_dict().items()}
     assert {d for n, d in dtypes.items() if stays_fp32(n)} == {torch.float32}

@@ -8,18 +8,14 @@ import copy
 import pytest
 import torch
 
-from dsv3.config import ModelConfig
 from dsv3.errors import DSV3Error
 from dsv3.model import LocalDispatcher, Transformer
 from dsv3.parallel.layout import Layout, Parallelized, parallelize
+from dsv3.testing.ep_scenarios import tiny_config
 
 
 def tiny_model(seed=0) -> Transformer:
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=48, moe_intermediate_size=16,
-                      num_hidden_layers=2, num_attention_heads=2, q_lora_rank=None, kv_lora_rank=16,
-                      qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=4,
-                      num_experts_per_tok=2, n_group=2, topk_group=1, first_k_dense_replace=1,
-                      num_nextn_predict_layers=1, max_position_embeddings=32, rope_scaling=None).validate()
+    cfg = tiny_config(2)
     torch.manual_seed(seed)
     return Transformer(cfg).train()
 
