@@ -11,7 +11,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 PY=${PYTHON:-python3}
-SECTION_TIMEOUT=${SECTION_TIMEOUT:-200}
+SECTION_TIMEOUT=${SECTION_TIMEOUT:-150}
 
 # The GPU image brings its own CUDA torch: never reinstall over it. Install (with our pins) only where
 # torch is missing; otherwise import dsv3 straight from the source tree.
@@ -43,6 +43,8 @@ run_section fp8_gemm
 run_section model
 run_section logfmt
 run_section accumulation
+run_section ep
+run_section decode
 
 if [ "${#failed[@]}" -gt 0 ]; then
     echo "{\"check\": \"summary\", \"failed\": \"${failed[*]}\"}"

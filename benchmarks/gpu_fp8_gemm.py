@@ -67,7 +67,8 @@ def check_correctness(available: list[str]) -> bool:
                 got = fp8.scaled_mm(a_q, a_s, b_q, b_s, torch.float32, b_block, backend=name).cpu().double()
                 rel = float(torch.linalg.norm(got - ref) / torch.linalg.norm(ref))
                 rel_cpu = float(torch.linalg.norm(got - cpu.double()) / torch.linalg.norm(ref))
-                passed = rel <= 1e-5
+                # the CUDA kernels sum each 128-chunk in the tensor cores' narrow FP8 adder (see fp8.py)
+                passed = rel <= (fp8.CUDA_PROBE_TOLERANCE if name in ("torch", "triton") else 1e-5)
                 ok &= passed
                 emit(kind="correctness", backend=name, b_block=list(b_block), mnk=[m, n, k],
                      rel_err_vs_float64=rel, rel_diff_vs_cpu=rel_cpu, passed=passed)  # fmt: skip
@@ -82,8 +83,8 @@ def check_fp8_linear() -> bool:
     dy = torch.randn(512, 768, generator=gen).bfloat16()
     results = {}
     for device in ("cpu", "cuda"):
-        xd = x.to(device).requires_grad_(True)
-        wd = w.to(device).requires_grad_(True)
+        xd = x.to(device).detach().requires_grad_(True)  # a fresh leaf per device (.to is a no-op on the CPU)
+        wd = w.to(device).detach().requires_grad_(True)
         y = fp8_linear(xd, wd)
         y.backward(dy.to(device))
         results[device] = [t.detach().float().cpu() for t in (y, xd.grad, wd.grad)]
@@ -137,9 +138,10 @@ def main() -> int:
          torch=torch.__version__, cuda=torch.version.cuda)  # fmt: skip
     available = []
     for name in ("torch", "triton"):
-        usable = {str(blk): fp8.cuda_backend_ok(name, blk) for blk in ((128, 128), (1, 128))}
-        emit(kind="backend", backend=name, validated=usable)
-        if usable[str((128, 128))]:
+        probes = {str(blk): fp8.probe_cuda_backend(name, blk) for blk in ((128, 128), (1, 128))}
+        emit(kind="backend", backend=name, validated={k: v[0] for k, v in probes.items()},
+             detail={k: v[1] for k, v in probes.items()})  # fmt: skip
+        if probes[str((128, 128))][0]:
             available.append(name)
     available.append("dequantized")
     ok = check_correctness([*available, "chunked"])

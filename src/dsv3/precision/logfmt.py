@@ -34,6 +34,7 @@ _INT_VIEW = {  # same-width integer views of each float dtype, for bit-level wor
     torch.float64: torch.int64,
 }
 _BLOCK_ELEMENTS = 1 << 17  # per cache block; float64 temporaries of one block stay in L2/L3
+_GPU_BLOCK_ELEMENTS = 1 << 24  # on a GPU the per-block kernel launches and syncs dominate: few, large blocks
 
 
 @dataclass(frozen=True)
@@ -88,7 +89,7 @@ def quantize(x: torch.Tensor, bits: int, *, fallback: bool = False, rounding: st
         return x.clone()
     rows = _rows(x)  # [R, D]
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    for start, stop in _row_blocks(*rows.shape):
+    for start, stop in _row_blocks(*rows.shape, x.device):
         tiles = _tiles(rows[start:stop])  # [r, T, 128]
         meta = _tile_meta(tiles)
         log_min, step = _log_scales(meta, bits)
@@ -110,7 +111,7 @@ def encode(x: torch.Tensor, bits: int, *, fallback: bool = False, rounding: str 
     meta = torch.empty(n_rows, -(-width // TILE), 2, dtype=x.dtype, device=x.device)
     payload = torch.empty((x.numel() * bits + 7) // 8, dtype=torch.uint8, device=x.device)
     masks, fallback_values = [], []
-    for start, stop in _row_blocks(n_rows, width):
+    for start, stop in _row_blocks(n_rows, width, x.device):
         tiles = _tiles(rows[start:stop])
         meta[start:stop] = block_meta = _tile_meta(tiles)
         log_min, step = _log_scales(block_meta, bits)
@@ -136,7 +137,7 @@ def decode(packed: LogFMTPacked) -> torch.Tensor:
     _check_packed(packed, n_rows, width)
     out = torch.empty(n_rows, width, dtype=packed.dtype, device=packed.payload.device)
     used_fallback = 0
-    for start, stop in _row_blocks(n_rows, width):
+    for start, stop in _row_blocks(n_rows, width, out.device):
         first, last = start * width * bits // 8, -(-stop * width * bits // 8)
         words = _tiles(_unpack(packed.payload[first:last], bits, (stop - start) * width).view(-1, width))
         meta = packed.meta[start:stop]
@@ -193,10 +194,11 @@ def _rows(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(_rows_shape(tuple(x.shape)))
 
 
-def _row_blocks(n_rows: int, width: int) -> Iterator[tuple[int, int]]:
-    """Row ranges of about _BLOCK_ELEMENTS elements, a multiple of 8 rows each so every block but the last
-    fills whole payload bytes. Cache blocking only: each block holds many tiles, processed at once."""
-    step = max(8, _BLOCK_ELEMENTS // max(width, 1) // 8 * 8)
+def _row_blocks(n_rows: int, width: int, device: torch.device) -> Iterator[tuple[int, int]]:
+    """Row ranges of about _BLOCK_ELEMENTS elements (many more on a GPU), a multiple of 8 rows each so every
+    block but the last fills whole payload bytes. Cache blocking only: each block holds many tiles."""
+    size = _BLOCK_ELEMENTS if device.type == "cpu" else _GPU_BLOCK_ELEMENTS
+    step = max(8, size // max(width, 1) // 8 * 8)
     for start in range(0, n_rows, step):
         yield start, min(start + step, n_rows)
 
