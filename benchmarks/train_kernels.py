@@ -5,7 +5,7 @@ and the matmul roofline that caps the fp32 speed-up over transformers.
     .venv/bin/python benchmarks/train_kernels.py --sections roofline --json
 
 Sections (each a median of --repeats timed runs after one warm-up):
-  loss        output head + cross-entropy, forward and backward: fused (dsv3.model.loss) vs the plain
+  loss        output head + cross-entropy, forward and backward: fused (dsv3.model.kernels) vs the plain
               matmul + F.cross_entropy, at the nano and small shapes (2048 tokens)
   experts     one routed-expert layer (nano and small shapes, bf16 autocast), forward and backward, with
               new expert row counts every step vs the same counts, with and without padding rows to a
