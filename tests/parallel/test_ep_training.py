@@ -11,6 +11,7 @@ SPECS = [
     TrainSpec(gpus_per_node=2, steps=3, dispatch="fp32", combine="fp32"),
     TrainSpec(gpus_per_node=2, steps=3, dispatch="fp8", combine="bf16"),
     TrainSpec(gpus_per_node=2, steps=3, precision="fp8"),
+    TrainSpec(gpus_per_node=2, steps=2, seqs_per_rank=2, micro_batches=2, dispatch="fp32", combine="fp32"),
 ]
 
 
@@ -42,3 +43,12 @@ def test_ep_training_with_fp8_precision_uses_fp8_experts(runs):
     assert fp8["expert_forward_calls"] == 3 * 2  # 3 steps x 2 MoE layers (layer 1 and the MTP layer)
     for ep, single in zip(fp8["ep_losses"], fp8["single_losses"], strict=True):
         assert abs(ep - single) <= 1e-2 * abs(single)  # FP8 dispatch on the wire; FP8 GEMMs on both sides
+
+
+def test_ep_training_with_gradient_accumulation_matches_single_process(runs):
+    """Micro-batches under expert parallelism (the trainer's --grad-accum with --ep once failed: its
+    no_sync belonged to DDP); the layout object's no_sync lets gradients accumulate and sync once."""
+    accumulated = runs[3]
+    for ep, single in zip(accumulated["ep_losses"], accumulated["single_losses"], strict=True):
+        assert abs(ep - single) <= 1e-5 * abs(single)
+    assert accumulated["bias_max_abs_diff"] <= 1e-6

@@ -6,6 +6,7 @@ part; rank 0 also computes the single-process reference.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import time
@@ -393,6 +394,7 @@ class TrainSpec:
     combine: str = "bf16"
     lr: float = 1e-2
     seed: int = 0
+    micro_batches: int = 1  # > 1: each rank's sequences in that many micro-batches (gradient accumulation)
     precision: str | None = None  # set: build the EP model with the trainer's own build_model (wire formats
     # then follow the precision, as in `dsv3 train --ep N --precision P`); the reference gets its numerics
 
@@ -489,6 +491,19 @@ def trains_worker(rank: int, world: int, specs: list[TrainSpec]) -> list[dict | 
     return [train_worker(rank, world, spec) for spec in specs]
 
 
+def _accumulate(parallel, batch: torch.Tensor, micro_batches: int) -> torch.Tensor:
+    """Backward of the batch's mean loss in ``micro_batches`` parts, the gradient sync skipped for all but
+    the last (as the trainer's --grad-accum does); returns the detached mean loss."""
+    total = torch.zeros(())
+    parts = batch.chunk(micro_batches)
+    for j, part in enumerate(parts):
+        with contextlib.nullcontext() if j == len(parts) - 1 else parallel.no_sync():
+            loss, _ = parallel(part[:, :-1], part[:, 1:])
+            (loss / len(parts)).backward()
+        total += loss.detach() / len(parts)
+    return total
+
+
 def _train(model, data: torch.Tensor, spec: TrainSpec, parallel) -> list[float]:
     """AdamW steps on ``data``; through ``parallel`` (a `Parallelized`) when given, as the trainer does."""
     model.train()
@@ -501,8 +516,7 @@ def _train(model, data: torch.Tensor, spec: TrainSpec, parallel) -> list[float]:
             loss = model.loss(batch[:, :-1], batch[:, 1:]).loss
             loss.backward()
         else:
-            loss, _ = parallel(batch[:, :-1], batch[:, 1:])
-            loss.backward()
+            loss = _accumulate(parallel, batch, spec.micro_batches)
             parallel.sync_and_clip(float("inf"))
             parallel.reduce_expert_loads()
             loss = parallel.sum_(loss.detach().clone()) / parallel.world
