@@ -85,5 +85,5 @@ def test_resuming_a_checkpoint_of_another_ep_size_is_refused():
     fields = parallel.checkpoint_fields()
     assert fields["ep_size"] == 0 and fields["world_size"] == 1 and fields["layout"]["dp"] == 1
     parallel.check_resume(fields, "run")
-    with pytest.raises(DSV3Error, match="saved by 4 expert-parallel rank"):
+    with pytest.raises(DSV3Error, match="saved by 4 expert-parallel ranks; resume it with the same --ep"):
         parallel.check_resume({"ep_size": 4}, "run")

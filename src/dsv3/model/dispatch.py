@@ -49,6 +49,15 @@ class ExpertRows:
     counts: list[int]
 
 
+def group_by_expert(x: torch.Tensor, row: torch.Tensor, expert: torch.Tensor, gate: torch.Tensor,
+                    n_experts: int) -> ExpertRows:
+    """Pairs (row of x, expert, gate), each [S], grouped by expert for the experts: a stable sort, so
+    each expert sees its rows in their order. Every dispatcher ends its dispatch here."""
+    order = expert.argsort(stable=True)
+    counts = torch.bincount(expert, minlength=n_experts).tolist()
+    return ExpertRows(x, row[order], gate[order], counts)
+
+
 class TokenDispatcher(nn.Module):
     """Moves token rows to the experts they were routed to and the outputs back.
 
@@ -78,11 +87,9 @@ class LocalDispatcher(TokenDispatcher):
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Steps:
         yield from ()  # no communication: never yields
-        flat = routing.idx.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.n_experts).tolist()
-        token = order // routing.idx.shape[1]
-        return ExpertRows(x, token, routing.weights.flatten()[order], counts), None
+        expert = routing.idx.flatten()  # pair p = (token p // K, its (p % K)-th choice)
+        token = torch.arange(expert.numel(), device=expert.device) // routing.idx.shape[1]
+        return group_by_expert(x, token, expert, routing.weights.flatten(), self.n_experts), None
 
     def combine(self, y: torch.Tensor, handle: Any) -> Steps:
         yield from ()

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dsv3.errors import DSV3Error
-from dsv3.model.dispatch import ExpertRows, LocalDispatcher, Routing, Steps, TokenDispatcher, run
+from dsv3.model.dispatch import ExpertRows, LocalDispatcher, Routing, Steps, TokenDispatcher, group_by_expert, run
 from dsv3.model.moe import MoE
 from dsv3.parallel.ep_groups import EPGroups, make_ep_groups
 from dsv3.parallel.exchange import TrafficMeter, TwoHopPlan, broadcast, handshake, reduce
@@ -167,11 +167,7 @@ def _local_rows(x_e: torch.Tensor, slots: torch.Tensor, w_e: torch.Tensor, n_loc
     of this rank's experts, grouped by slot. On a rank that got no tokens the (empty) rows and gates still
     reach the experts, so that its backward joins the collectives (and its expert grads are zeros)."""
     rows, ks = (slots >= 0).nonzero(as_tuple=True)
-    slot = slots[rows, ks]
-    order = slot.argsort(stable=True)
-    rows, ks, slot = rows[order], ks[order], slot[order]
-    counts = torch.bincount(slot, minlength=n_local).tolist()
-    return ExpertRows(x_e, rows, w_e[rows, ks], counts)
+    return group_by_expert(x_e, rows, slots[rows, ks], w_e[rows, ks], n_local)
 
 
 def forward_micro_batches(moe: MoE, xs: list[torch.Tensor]) -> list[torch.Tensor]:

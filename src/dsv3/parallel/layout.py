@@ -209,10 +209,8 @@ class Parallelized:
         """Refuse a checkpoint whose optimizer state is split differently from this layout's."""
         saved_ep = saved.get("ep_size") or 1
         if saved_ep != self.layout.ep:
-            raise DSV3Error(
-                f"{folder} was saved by {saved_ep if saved_ep > 1 else 'no'} expert-parallel rank(s); resume it "
-                "with the same --ep and number of processes"
-            )
+            how = f"by {saved_ep} expert-parallel ranks" if saved_ep > 1 else "without expert parallelism"
+            raise DSV3Error(f"{folder} was saved {how}; resume it with the same --ep and number of processes")
 
 
 class ExpertParallelized(Parallelized):
