@@ -25,10 +25,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from dsv3.parallel.ep import ExpertParallelMoE
-from dsv3.parallel.launch import free_port
-from dsv3.parallel.scenarios import LayerSpec, build_layer
-from dsv3.parallel.topology import make_ep_groups
+from dsv3.parallel.ep import make_expert_parallel
+from dsv3.parallel.ep_groups import make_ep_groups
+from dsv3.testing.ep_scenarios import LayerSpec, build_layer
+from dsv3.testing.launch import free_port
 
 DEVICE = os.environ.get("DSV3_GPU_CHECK_DEVICE", "cuda")
 # (dispatch, combine, relative tolerance on outputs and input gradients)
@@ -60,7 +60,7 @@ def check_formats(rank: int, world: int, gpus_per_node: int) -> list[dict]:
         moe = moe.to(DEVICE).train()
         x_all, g_all = x_all.to(DEVICE), g_all.to(DEVICE)
         reference = copy.deepcopy(moe)
-        ep = ExpertParallelMoE(moe, make_ep_groups(gpus_per_node), None, dispatch, combine).train()
+        ep = make_expert_parallel(moe, make_ep_groups(gpus_per_node), None, dispatch, combine).train()
         x = x_all[rank : rank + 1].clone().requires_grad_()
         y = ep(x)
         (y.float() * g_all[rank : rank + 1]).sum().backward()
@@ -83,7 +83,7 @@ def time_layer(rank: int, world: int, gpus_per_node: int) -> dict:
     moe, x_all, g_all = build_layer(spec)
     moe = moe.to(DEVICE).train()
     local = copy.deepcopy(moe)
-    ep = ExpertParallelMoE(moe, make_ep_groups(gpus_per_node), None, "fp8", "bf16").train()
+    ep = make_expert_parallel(moe, make_ep_groups(gpus_per_node), None, "fp8", "bf16").train()
     x = x_all[rank : rank + 1].to(DEVICE).requires_grad_()
     g = g_all[rank : rank + 1].to(DEVICE)
 
@@ -102,7 +102,8 @@ def time_layer(rank: int, world: int, gpus_per_node: int) -> dict:
             step(layer)
         _sync()
         out[f"{name}_ms"] = (time.perf_counter() - t0) / 10 * 1e3
-    out["host_stage_share"] = {k: v / max(sum(ep.stage_seconds.values()), 1e-12) for k, v in ep.stage_seconds.items()}
+    stages = ep.dispatcher.stage_seconds
+    out["host_stage_share"] = {k: v / max(sum(stages.values()), 1e-12) for k, v in stages.items()}
     out.update(tokens_per_rank=spec.tokens, hidden=spec.hidden, experts=spec.experts, topk=spec.topk)
     return out
 

@@ -5,7 +5,7 @@ and the matmul roofline that caps the fp32 speed-up over transformers.
     .venv/bin/python benchmarks/train_kernels.py --sections roofline --json
 
 Sections (each a median of --repeats timed runs after one warm-up):
-  loss        output head + cross-entropy, forward and backward: fused (dsv3.model.loss) vs the plain
+  loss        output head + cross-entropy, forward and backward: fused (dsv3.model.kernels) vs the plain
               matmul + F.cross_entropy, at the nano and small shapes (2048 tokens)
   experts     one routed-expert layer (nano and small shapes, bf16 autocast), forward and backward, with
               new expert row counts every step vs the same counts, with and without padding rows to a
@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from dsv3.config import preset
-from dsv3.model import mla, moe
-from dsv3.model.loss import linear_cross_entropy, plain_cross_entropy
+from dsv3.model import kernels
+from dsv3.model.kernels import linear_cross_entropy, plain_cross_entropy
 
 SECTIONS = ("loss", "experts", "attention", "fresh", "roofline")
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::addmm_", "aten::bmm", "aten::baddbmm")
@@ -79,33 +79,34 @@ def _bench_expert_layer(repeats: int, n_experts: int, dim: int, inter: int, toke
         counts = torch.bincount(idx.flatten(), minlength=n_experts).tolist()
         gates = torch.rand(tokens * top_k, generator=rng)[order]
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            out = moe.routed_swiglu(x, gates, order // top_k, counts, *weights)
+            out = kernels.routed_swiglu(x, gates, order // top_k, counts, *weights)
         out.float().sum().backward()
 
-    default, out = moe.CPU_LOW_PRECISION_ROW_MULTIPLE, {}
+    default, out = kernels.CPU_LOW_PRECISION_ROW_MULTIPLE, {}
     for multiple in (1, default):
-        moe.CPU_LOW_PRECISION_ROW_MULTIPLE = multiple
+        kernels.CPU_LOW_PRECISION_ROW_MULTIPLE = multiple
         out[f"rows_multiple_{multiple}"] = {
             "same_counts_ms": median_ms(lambda: step(0), repeats),
             "new_counts_ms": median_ms(lambda: step(next(seeds)), repeats),
         }
-    moe.CPU_LOW_PRECISION_ROW_MULTIPLE = default
+    kernels.CPU_LOW_PRECISION_ROW_MULTIPLE = default
     return out
 
 
 def bench_attention(repeats: int) -> dict:
     B, H, T, d_qk, d_v = 8, 8, 256, 96, 64  # one layer of the small preset, batch 8 x 256
-    limit, out = mla.EXPLICIT_SCORES_LIMIT, {}
+    limit, out = kernels.EXPLICIT_SCORES_LIMIT, {}
     for dtype in (torch.float32, torch.bfloat16):
         g = torch.Generator().manual_seed(0)
         q, k = (torch.randn(B, H, T, d_qk, generator=g).to(dtype).requires_grad_() for _ in range(2))
         v = torch.randn(B, H, T, d_v, generator=g).to(dtype).requires_grad_()
         row = {}
         for kernel, explicit_limit in (("explicit", 1 << 62), ("sdpa", 0)):
-            mla.EXPLICIT_SCORES_LIMIT = explicit_limit
-            row[f"{kernel}_ms"] = median_ms(lambda: mla.attention_core(q, k, v, d_qk**-0.5).sum().backward(), repeats)  # noqa: B023
+            kernels.EXPLICIT_SCORES_LIMIT = explicit_limit
+            attend = kernels.attention_core
+            row[f"{kernel}_ms"] = median_ms(lambda: attend(q, k, v, d_qk**-0.5).sum().backward(), repeats)  # noqa: B023
         out[str(dtype).removeprefix("torch.")] = row
-    mla.EXPLICIT_SCORES_LIMIT = limit
+    kernels.EXPLICIT_SCORES_LIMIT = limit
     return out
 
 

@@ -25,36 +25,20 @@ from safetensors.torch import save_file
 
 from dsv3.config import ModelConfig
 from dsv3.errors import DSV3Error
-from dsv3.model.rope import inverse_frequencies
+from dsv3.model.moe import stays_fp32
+from dsv3.precision import fp8
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
-FP8_BLOCK = 128
-FP8_MAX = 448.0  # largest finite float8_e4m3fn
+FP8_BLOCK = fp8.TILE
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 
 
-# ---- FP8 128x128 block format -------------------------------------------------------------
+# ---- FP8 128x128 block format: implemented once, in dsv3.precision.fp8 ------------------------
 
-def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor, block: int = FP8_BLOCK) -> torch.Tensor:
-    """fp8 weight [N, K] * scale_inv [ceil(N/128), ceil(K/128)] per block -> float32 [N, K], exactly."""
-    n, k = weight.shape
-    scale = scale_inv.float().repeat_interleave(block, 0).repeat_interleave(block, 1)[:n, :k]
-    return weight.float() * scale
-
-
-def quantize_fp8_blocks(weight: torch.Tensor, block: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
-    """float weight [N, K] -> (float8_e4m3fn [N, K], float32 scale_inv per 128x128 block), DeepSeek's
-    layout: scale_inv = amax / 448 of each block (zero-padded at the edges)."""
-    n, k = weight.shape
-    nb, kb = -(-n // block), -(-k // block)
-    padded = torch.zeros(nb * block, kb * block, dtype=torch.float32)
-    padded[:n, :k] = weight.float()
-    blocks = padded.view(nb, block, kb, block)
-    scale_inv = (blocks.abs().amax(dim=(1, 3)) / FP8_MAX).clamp(min=1e-12)
-    q = (blocks / scale_inv[:, None, :, None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q.view(nb * block, kb * block)[:n, :k].contiguous(), scale_inv
+dequantize_fp8_blocks = fp8.dequantize_weight_blocks
+quantize_fp8_blocks = fp8.quantize_weight_blocks
 
 
 # ---- names: model state dict <-> checkpoint -------------------------------------------------
@@ -124,8 +108,7 @@ def _prepare(items, dtype, fp8) -> dict[str, torch.Tensor]:
 
 def _save_dtype(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> torch.dtype:
     """``dtype`` for floating tensors, except the router's weight and bias, which stay fp32."""
-    keep_fp32 = name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias")
-    return dtype if dtype is not None and t.is_floating_point() and not keep_fp32 else t.dtype
+    return dtype if dtype is not None and t.is_floating_point() and not stays_fp32(name) else t.dtype
 
 
 def _stored_bytes(name: str, t: torch.Tensor, dtype: torch.dtype | None, fp8: bool) -> int:
@@ -297,12 +280,9 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
     _check_names_and_shapes(model, tensors)
     state = {}
     for name, t in tensors.items():
-        keep_fp32 = name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias")
-        state[name] = t.to(device=device, dtype=torch.float32 if keep_fp32 else target_dtype)
+        state[name] = t.to(device=device, dtype=torch.float32 if stays_fp32(name) else target_dtype)
     model.load_state_dict(state, strict=True, assign=True)
-    model.inv_freq = inverse_frequencies(cfg)[0].to(device)  # non-persistent buffers are still meta
-    for moe in model.moe_layers():
-        moe.expert_load = torch.zeros(cfg.n_routed_experts, device=device)
+    model.init_buffers(device)  # non-persistent buffers are still meta
     return model.eval()
 
 

@@ -1,13 +1,16 @@
-"""Grouped expert computation: exact against a per-token reference, correct gradients (float64
-gradcheck, including experts that receive no token), and autocast like nn.Linear."""
+"""Grouped expert computation: exact against a per-token reference, the fused kernel against its readable
+reference, correct gradients (float64 gradcheck, including experts that receive no token), and autocast
+like nn.Linear."""
 
 import torch
 import torch.nn.functional as F
 
-from dsv3.model.moe import Experts, routed_swiglu
+from dsv3.model.dispatch import local_rows
+from dsv3.model.experts import GroupedExperts
+from dsv3.model.kernels import routed_swiglu, routed_swiglu_reference
 
 
-def _reference(experts: Experts, x, idx, weights):
+def _reference(experts: GroupedExperts, x, idx, weights):
     out = torch.zeros_like(x)
     for n in range(x.shape[0]):
         for k in range(idx.shape[1]):
@@ -19,14 +22,14 @@ def _reference(experts: Experts, x, idx, weights):
 
 def test_experts_equal_the_per_token_reference():
     torch.manual_seed(0)
-    experts = Experts(6, 16, 8).double()
+    experts = GroupedExperts(6, 16, 8).double()
     for p in experts.parameters():
         torch.nn.init.normal_(p, std=0.3)
     x = torch.randn(20, 16, dtype=torch.float64)
     idx = torch.randint(0, 5, (20, 2))  # expert 5 gets no token
     idx[:, 1] = (idx[:, 0] + 1) % 5
     weights = torch.rand(20, 2, dtype=torch.float64)
-    assert torch.allclose(experts(x, idx, weights), _reference(experts, x, idx, weights))
+    assert torch.allclose(experts(local_rows(x, idx, weights, 6)), _reference(experts, x, idx, weights))
 
 
 def _routed_inputs(dtype, n=9, d=5, inter=3, experts=4, k=2, seed=1):
@@ -53,6 +56,20 @@ def test_routed_swiglu_gradients():
     assert all(w.grad[[1, 3]].abs().max() == 0 for w in ws)
 
 
+def test_routed_swiglu_equals_its_readable_reference():
+    """The fused kernel (one autograd node, hand-written backward) against per-expert plain autograd:
+    outputs and every gradient, float64."""
+    x, gates, token, counts, ws = _routed_inputs(torch.float64, n=12, d=6, inter=4)
+    results = []
+    for fn in (routed_swiglu, routed_swiglu_reference):
+        inputs = [t.clone().requires_grad_() for t in (x, gates, *ws)]
+        y = fn(inputs[0], inputs[1], token, counts, *inputs[2:])
+        (y * torch.linspace(-1, 1, y.numel(), dtype=y.dtype).view_as(y)).sum().backward()
+        results.append([y, *(t.grad for t in inputs)])
+    for fused, plain in zip(*results, strict=True):
+        torch.testing.assert_close(fused, plain, rtol=1e-12, atol=1e-12)
+
+
 def test_routed_swiglu_follows_autocast():
     x, gates, token, counts, ws = _routed_inputs(torch.float32, n=6, d=8, inter=4)
     ws = [w.requires_grad_() for w in ws]
@@ -73,12 +90,12 @@ def test_routed_swiglu_follows_autocast():
 def test_padding_expert_rows_changes_nothing(monkeypatch):
     """In bf16 on CPU each expert's rows are padded to a multiple of 32 (recurring matmul shapes); the
     padding rows carry gate 0, so outputs and every gradient equal the unpadded computation."""
-    from dsv3.model import moe
+    from dsv3.model import kernels
 
     x, gates, token, counts, ws = _routed_inputs(torch.float32, n=40, d=16, inter=8)
     results = []
     for multiple in (1, 32):
-        monkeypatch.setattr(moe, "CPU_LOW_PRECISION_ROW_MULTIPLE", multiple)
+        monkeypatch.setattr(kernels, "CPU_LOW_PRECISION_ROW_MULTIPLE", multiple)
         inputs = [t.clone().requires_grad_() for t in (x, gates, *ws)]
         with torch.autocast("cpu", dtype=torch.bfloat16):
             y = routed_swiglu(inputs[0], inputs[1], token, counts, *inputs[2:])

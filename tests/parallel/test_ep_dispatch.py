@@ -3,8 +3,8 @@ outputs and gradients, traffic counted from what was sent against the analytic c
 
 import pytest
 
-from dsv3.parallel.launch import launch
-from dsv3.parallel.scenarios import LayerSpec, layers_worker
+from dsv3.testing.ep_scenarios import LayerSpec, layers_worker
+from dsv3.testing.launch import launch
 
 TIMEOUT_S = 90
 
@@ -24,6 +24,8 @@ FOUR = {
         move_to_placement=True,
         phy2log=(0, 1, 2, 3, 4, 0, 5, 6, 7, 8, 1, 9, 10, 11, 12, 2, 13, 14, 15, 3),
     ),
+    # the trainer's FP8 recipe on the sharded layer (exact wires): the experts must compute in FP8 there too
+    "fp8_experts": LayerSpec(nodes=2, gpus_per_node=2, fp8=True, seed=6),
 }
 EIGHT = {
     "exact": LayerSpec(nodes=4, gpus_per_node=2, topk_groups=2, tokens=16),
@@ -137,3 +139,18 @@ def test_eight_processes_bf16_dispatch_logfmt10_combine(eight):
     assert_close(r, 1e-2, 2e-2)
     assert_traffic(r, EIGHT["bf16_logfmt10"])
     assert r["bytes_per_token_row"]["combine_inter"] == 128 * 10 // 8 + 4
+
+
+def test_four_processes_fp8_experts_equal_the_single_process_fp8_layer(four):
+    """`--ep` with `--precision fp8`: the sharded experts run the FP8 GEMMs, so outputs and gradients equal
+    the single-process FP8 layer's up to fp32 rounding (activation tiles are per row; each expert's few rows
+    fit one 128-row Wgrad tile wherever they are computed). Plain experts would be off by FP8's error.
+    Only the shared experts' weight gradients differ more: data parallel, each rank's FP8 Wgrad tiles hold
+    its own tokens, one process's hold all of them."""
+    r = four["fp8_experts"]
+    assert r["output_rel_error"] <= 1e-5, r["output_rel_error"]
+    errors = r["grad_rel_error"]
+    for name in ("x", "gate.weight", "experts.gate_proj", "experts.up_proj", "experts.down_proj"):
+        assert errors[name] <= 1e-5, (name, errors[name])
+    assert max(errors.values()) <= 0.05
+    assert r["expert_load_equal"] and r["traffic_matches_analytic"]

@@ -6,10 +6,10 @@ import torch
 
 from dsv3.errors import DSV3Error
 from dsv3.parallel import eplb
+from dsv3.parallel.ep_groups import NodeLayout
+from dsv3.parallel.ep_traffic import analytic_bytes, copy_counts
 from dsv3.parallel.overlap import run_interleaved
 from dsv3.parallel.placement import Placement
-from dsv3.parallel.topology import NodeLayout
-from dsv3.parallel.traffic import analytic_bytes, copy_counts
 from dsv3.parallel.wire import WireFormat
 
 

@@ -239,10 +239,10 @@ def test_bf16_autocast_does_not_touch_the_fp8_gemms():
 
 
 def make_experts(n_experts=4, dim=256, inter=192, tokens=64, top_k=2, seed=0):
-    from dsv3.model.moe import Experts
+    from dsv3.model.experts import GroupedExperts
 
     gen = torch.Generator().manual_seed(seed)
-    experts = Experts(n_experts, dim, inter)
+    experts = GroupedExperts(n_experts, dim, inter)
     with torch.no_grad():
         for p in (experts.gate_proj, experts.up_proj):
             p.copy_(torch.randn(p.shape, generator=gen) / dim**0.5)
@@ -253,9 +253,16 @@ def make_experts(n_experts=4, dim=256, inter=192, tokens=64, top_k=2, seed=0):
     return experts, x, idx, weights
 
 
+def run_experts(experts, x, idx, weights):
+    """The experts on tokens x routed to idx/weights, with the rows a local dispatcher hands them."""
+    from dsv3.model.dispatch import local_rows
+
+    return experts(local_rows(x, idx, weights, experts.n_experts))
+
+
 def experts_grads(experts, x, idx, weights, dtype):
     x = x.detach().to(dtype).requires_grad_(True)
-    out = experts(x, idx, weights.to(dtype))
+    out = run_experts(experts, x, idx, weights.to(dtype))
     out.backward(torch.ones_like(out) * torch.linspace(-1, 1, out.shape[1], dtype=out.dtype))
     grads = [p.grad.clone() for p in (experts.gate_proj, experts.up_proj, experts.down_proj)]
     return out, x.grad, grads
@@ -264,7 +271,7 @@ def experts_grads(experts, x, idx, weights, dtype):
 def test_fp8_experts_output_and_gradients_match_float64_within_fp8_tolerance():
     import copy
 
-    from dsv3.precision.fp8_linear import FP8Experts
+    from dsv3.model.experts import FP8Experts
 
     experts, x, idx, weights = make_experts()
     reference = copy.deepcopy(experts).double()
@@ -277,7 +284,7 @@ def test_fp8_experts_output_and_gradients_match_float64_within_fp8_tolerance():
 
 
 def test_fp8_experts_share_parameters_and_keep_checkpoint_names():
-    from dsv3.precision.fp8_linear import FP8Experts
+    from dsv3.model.experts import FP8Experts
 
     experts, x, idx, weights = make_experts()
     before = {k: v.data_ptr() for k, v in experts.state_dict().items()}
@@ -286,7 +293,7 @@ def test_fp8_experts_share_parameters_and_keep_checkpoint_names():
     fast = FP8Experts.from_experts(experts, scaling="tensor")
     assert {k: v.data_ptr() for k, v in fast.state_dict().items()} == before
     assert fast.scaling == "tensor"
-    fast(x, idx, weights)
+    run_experts(fast, x, idx, weights)
     assert calls == [1]  # hooks (e.g. the simulated MoE combine) survive the swap
 
 
@@ -305,12 +312,12 @@ def lm_loss(model, ids):
 
 
 def test_convert_to_fp8_swaps_the_routed_experts_but_not_gate_head_or_embedding():
-    from dsv3.model.moe import Experts, Router
-    from dsv3.precision.fp8_linear import FP8Experts
+    from dsv3.model.experts import FP8Experts, GroupedExperts
+    from dsv3.model.moe import Router
 
     model = tiny_transformer()
     names = convert_to_fp8(model, skip=lambda name: name == "lm_head" or name.endswith("shared_head.head"))
-    experts = [m for m in model.modules() if isinstance(m, Experts)]
+    experts = [m for m in model.modules() if isinstance(m, GroupedExperts)]
     assert experts and all(isinstance(m, FP8Experts) for m in experts)
     assert sum(name.endswith("mlp.experts") for name in names) == len(experts)
     assert type(model.lm_head) is nn.Linear and isinstance(model.model.embed_tokens, nn.Embedding)
@@ -320,7 +327,8 @@ def test_convert_to_fp8_swaps_the_routed_experts_but_not_gate_head_or_embedding(
 
 
 def test_default_scaling_switches_what_convert_to_fp8_builds():
-    from dsv3.precision.fp8_linear import FP8Experts, default_scaling
+    from dsv3.model.experts import FP8Experts
+    from dsv3.precision.fp8_linear import default_scaling
 
     model = tiny_transformer()
     with default_scaling("tensor"):
@@ -347,7 +355,7 @@ def test_a_few_fp8_training_steps_lower_the_loss():
     ids = torch.randint(0, 256, (4, 33), generator=torch.Generator().manual_seed(2))
     model = tiny_transformer()
     convert_to_fp8(model, skip=lambda name: name == "lm_head" or name.endswith("shared_head.head"))
-    from dsv3.precision.fp8_linear import FP8Experts
+    from dsv3.model.experts import FP8Experts
 
     expert = next(m for m in model.modules() if isinstance(m, FP8Experts))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)

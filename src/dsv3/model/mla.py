@@ -10,10 +10,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsv3.config import ModelConfig
+from dsv3.model.kernels import attention_core, causal_mask
 from dsv3.model.norm import RMSNorm
 from dsv3.model.rope import apply_rope
 
@@ -129,40 +129,3 @@ class MLA(nn.Module):
         probs = scores.softmax(dim=-1).to(c_kv.dtype)
         o_lat = torch.einsum("bhts,bsr->bthr", probs, c_kv)
         return torch.einsum("bthr,hvr->bthv", o_lat, w_uv)
-
-
-def causal_mask(T: int, S: int, start_pos: int, device, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """bool [B|1, T, S]: query i (at position start_pos + i) sees keys 0..start_pos + i, and ``mask``."""
-    q_pos = torch.arange(start_pos, start_pos + T, device=device)[:, None]
-    allowed = (torch.arange(S, device=device)[None, :] <= q_pos).unsqueeze(0)
-    return allowed if mask is None else allowed & mask
-
-
-EXPLICIT_SCORES_LIMIT = 1 << 26  # B*H*T*S scores; above it the memory of explicit scores outweighs their speed
-
-
-def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                   mask: torch.Tensor | None = None) -> torch.Tensor:
-    """softmax(q k^T * scale, masked) v for q, k [B, H, T|S, d_qk], v [B, H, S, d_v]; mask: bool
-    [B|1, 1, T, S] (True = attend) or None for causal. Returns [B, H, T, d_v].
-
-    Picks the fastest exact kernel for the case. On a CPU, for short sequences, two batched matmuls
-    around a softmax beat PyTorch's flash kernel (2x in bf16, where the softmax still accumulates in
-    fp32 internally; even in fp32); their [B, H, T, S] scores cost memory, so long sequences go to
-    SDPA's fused kernels, whose flash variants want equal q/k/v head dims: V is zero-padded there
-    (exact: the padded output columns are sliced off)."""
-    d_v = v.shape[-1]
-    B, H, T, S = *q.shape[:3], k.shape[2]
-    if q.device.type == "cpu" and B * H * T * S <= EXPLICIT_SCORES_LIMIT:
-        keep = mask if mask is not None else causal_mask(T, S, S - T, q.device)
-        bias = torch.zeros(keep.shape, dtype=q.dtype, device=q.device).masked_fill_(~keep, float("-inf"))
-        scores = torch.baddbmm(bias.expand(B, H, T, S).flatten(0, 1), q.flatten(0, 1), k.flatten(0, 1).transpose(1, 2),
-                               alpha=scale)  # [B*H, T, S]: scaled and masked in one op
-        return (scores.softmax(dim=-1) @ v.flatten(0, 1)).unflatten(0, (B, H))
-    if d_v < q.shape[-1]:
-        v = F.pad(v, (0, q.shape[-1] - d_v))
-    if mask is None:
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
-    else:
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
-    return out[..., :d_v]

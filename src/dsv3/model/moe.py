@@ -1,5 +1,10 @@
 """DeepSeekMoE (V3 §2.1.2): shared experts plus fine-grained routed experts, group-limited routing,
 aux-loss-free balancing through a selection-only bias, and the complementary sequence-wise balance loss.
+
+The routed part is Router -> TokenDispatcher -> GroupedExperts: the router picks experts (fp32), a
+dispatcher moves rows to where their experts live and back (``LocalDispatcher`` here, the two-hop
+expert-parallel one in ``dsv3.parallel.ep``), grouped experts compute on the rows they receive (plain,
+FP8 training GEMMs or resident FP8, ``experts.py``). Any dispatcher works with any kind of experts.
 """
 
 from __future__ import annotations
@@ -9,7 +14,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from dsv3.config import ModelConfig
-from dsv3.model.autocast import compute_dtype
+from dsv3.model.dispatch import LocalDispatcher, Routing, Steps, TokenDispatcher, run
+from dsv3.model.experts import GroupedExperts
+
+# The router stays fp32 whatever the model's dtype (DeepSeek's rule, which transformers follows): its
+# scores are computed in fp32 (Router.scores) and these tensors are stored and loaded in fp32.
+ROUTER_FP32_SUFFIXES = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")
+
+
+def stays_fp32(name: str) -> bool:
+    """True for the state-dict or checkpoint names of the router's tensors, which are kept in fp32."""
+    return name.endswith(ROUTER_FP32_SUFFIXES)
 
 
 class MLP(nn.Module):
@@ -74,169 +89,6 @@ class Router(nn.Module):
         return idx, weights * self.route_scale, scores
 
 
-class _RoutedSwiGLU(torch.autograd.Function):
-    """The routed experts of one MoE layer in one autograd node: for every expert e and its rows,
-    out[token] += gate * down_e(silu(gate_e(x[token])) * up_e(x[token])).
-
-    ``token [S]`` lists rows of ``x [N, D]`` sorted by expert (``counts[e]`` rows each) and ``gates [S]``
-    their gate values. Each expert's slice runs as a few small matmuls whose temporaries stay in cache;
-    nothing of size [S, D] is ever built, the gate values scale the [S, I] activation rather than the
-    [S, D] output, and the backward writes each expert's weight gradient straight into one [E, ...]
-    buffer. Only the two [S, I] projections are saved for backward (plain autograd keeps the gathered
-    [S, D] input and five [S, I] tensors). Under autocast everything runs in the autocast dtype, as
-    ``nn.Linear`` would; gradients come back in each input's own dtype."""
-
-    @staticmethod
-    def forward(ctx, x, gates, token, counts, w_gate, w_up, w_down):
-        ctx.dtypes = (x.dtype, gates.dtype, w_gate.dtype)
-        dtype = compute_dtype(x)
-        x, gates, w_gate, w_up, w_down = (t.to(dtype) for t in (x, gates, w_gate, w_up, w_down))
-        g = x.new_empty(token.numel(), w_gate.shape[1])  # [S, I] gate projection, kept for backward
-        u = torch.empty_like(g)  # [S, I] up projection, kept for backward
-        with torch.autocast(x.device.type, enabled=False):
-            out = routed_forward(x, gates, token, counts, lambda e: (w_gate[e], w_up[e], w_down[e]), g, u)
-        ctx.save_for_backward(x, gates, token, g, u, w_gate, w_up, w_down)
-        ctx.counts = counts
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, gates, token, g, u, w_gate, w_up, w_down = ctx.saved_tensors
-        need_x, need_gates = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        need_w = ctx.needs_input_grad[4:7]
-        grad_out = grad_out.to(x.dtype)
-        grad_x = torch.zeros_like(x) if need_x else None
-        grad_gates = torch.empty_like(gates) if need_gates else None
-        grad_w = [_expert_grad_buffer(w, ctx.counts) if need else None
-                  for w, need in zip((w_gate, w_up, w_down), need_w, strict=True)]
-        with torch.autocast(x.device.type, enabled=False):
-            for e, rows in _expert_slices(ctx.counts):
-                tok = token[rows]
-                go, ge, ue, gate = grad_out[tok], g[rows], u[rows], gates[rows, None]  # [n, D], [n, I] x2, [n, 1]
-                sig = torch.sigmoid(ge)
-                act = ge * sig * ue  # silu(g) * u
-                if grad_w[2] is not None:
-                    torch.mm(go.t(), act * gate, out=grad_w[2][e])
-                d_act = go @ w_down[e]  # [n, I]
-                if grad_gates is not None:
-                    grad_gates[rows] = (d_act * act).sum(-1)
-                d_act.mul_(gate)
-                d_up = d_act * ge * sig
-                d_gate = d_act.mul_(ue).mul_(sig).mul_(1 + ge * (1 - sig))  # silu'(g) = sig * (1 + g (1 - sig))
-                xe = x[tok]
-                if grad_w[0] is not None:
-                    torch.mm(d_gate.t(), xe, out=grad_w[0][e])
-                if grad_w[1] is not None:
-                    torch.mm(d_up.t(), xe, out=grad_w[1][e])
-                if grad_x is not None:
-                    grad_x.index_add_(0, tok, torch.addmm(d_gate @ w_gate[e], d_up, w_up[e]))
-        x_dtype, gates_dtype, w_dtype = ctx.dtypes
-        grads_w = [None if gw is None else gw.to(w_dtype) for gw in grad_w]
-        return (None if grad_x is None else grad_x.to(x_dtype),
-                None if grad_gates is None else grad_gates.to(gates_dtype), None, None, *grads_w)
-
-
-def routed_forward(x, gates, token, counts, expert_weights, g=None, u=None) -> torch.Tensor:
-    """The routed experts' forward, one expert's slice at a time: out[token] += gate * SwiGLU_e(x[token]).
-
-    ``expert_weights(e)`` gives expert e's (gate [I, D], up [I, D], down [D, I]) weights, so lazily
-    dequantized inference weights run the very same arithmetic as training's. ``g``/``u`` [S, I], when
-    given, receive the gate and up projections (what the backward needs)."""
-    out = torch.zeros_like(x)
-    for e, rows in _expert_slices(counts):
-        tok = token[rows]
-        xe = x[tok]
-        w_gate, w_up, w_down = expert_weights(e)
-        ge = torch.mm(xe, w_gate.t(), out=None if g is None else g[rows])
-        ue = torch.mm(xe, w_up.t(), out=None if u is None else u[rows])
-        act = F.silu(ge).mul_(ue).mul_(gates[rows, None])
-        out.index_add_(0, tok, act @ w_down.t())
-    return out
-
-
-def _expert_grad_buffer(w: torch.Tensor, counts: list[int]) -> torch.Tensor:
-    """An uninitialized [E, ...] gradient whose experts without tokens are zero (the others get written)."""
-    grad = torch.empty_like(w)
-    for e, n in enumerate(counts):
-        if not n:
-            grad[e].zero_()
-    return grad
-
-
-def _expert_slices(counts: list[int]):
-    start = 0
-    for e, n in enumerate(counts):
-        if n:
-            yield e, slice(start, start + n)
-        start += n
-
-
-def routed_swiglu(x: torch.Tensor, gates: torch.Tensor, token: torch.Tensor, counts: list[int],
-                  w_gate: torch.Tensor, w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
-    """sum over routed (token, expert) pairs of gate * SwiGLU_expert(x[token]) -> [N, D].
-
-    x [N, D]; token [S] and gates [S] sorted by expert, ``counts[e]`` pairs for expert e;
-    w_gate, w_up [E, I, D]; w_down [E, D, I]."""
-    multiple = _row_multiple(x)
-    if multiple > 1:
-        token, gates, counts = _pad_groups(token, gates, counts, multiple)
-    return _RoutedSwiGLU.apply(x, gates, token, counts, w_gate, w_up, w_down)
-
-
-CPU_LOW_PRECISION_ROW_MULTIPLE = 32
-
-
-def _row_multiple(x: torch.Tensor) -> int:
-    """Row-count granularity of the per-expert matmuls. On a CPU in bf16/fp16 the matmul library
-    compiles a kernel for every new shape, and expert row counts change every step (a nano-sized expert
-    layer then costs 3x, `benchmarks/train_kernels.py --sections experts`); rounding the counts up to a
-    multiple of 32 makes the shapes recur."""
-    low = compute_dtype(x) in (torch.bfloat16, torch.float16)
-    return CPU_LOW_PRECISION_ROW_MULTIPLE if x.device.type == "cpu" and low else 1
-
-
-def _pad_groups(token: torch.Tensor, gates: torch.Tensor, counts: list[int], multiple: int):
-    """Pads each expert's rows to a multiple of ``multiple`` with rows that read token 0 and carry gate 0:
-    they add exactly zero to the output and to every gradient."""
-    padded = [-(-n // multiple) * multiple for n in counts]
-    if padded == counts:
-        return token, gates, counts
-    token_parts, gate_parts = [], []
-    for (e, rows), n in zip(_expert_slices(counts), (n for n in padded if n), strict=True):
-        extra = n - counts[e]
-        token_parts += [token[rows], token.new_zeros(extra)]
-        gate_parts += [gates[rows], gates.new_zeros(extra)]
-    return torch.cat(token_parts), torch.cat(gate_parts), padded
-
-
-class Experts(nn.Module):
-    """The routed experts as stacked SwiGLU weights, computed grouped: tokens sorted by expert, one
-    matmul per expert over a contiguous slice (no Python loop over tokens).
-    Checkpoints store them one module per expert (``experts.E.gate_proj.weight``); see checkpoint.py."""
-
-    def __init__(self, n_experts: int, dim: int, inter_dim: int):
-        super().__init__()
-        self.gate_proj = nn.Parameter(torch.empty(n_experts, inter_dim, dim))
-        self.up_proj = nn.Parameter(torch.empty(n_experts, inter_dim, dim))
-        self.down_proj = nn.Parameter(torch.empty(n_experts, dim, inter_dim))
-
-    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, D], idx/weights [N, K] -> sum_k weights * expert_idx(x): [N, D]."""
-        n_experts = self.gate_proj.shape[0]
-        flat = idx.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=n_experts).tolist()
-        token = order // idx.shape[1]
-        gates = weights.flatten()[order]
-        if isinstance(self.gate_proj, torch.Tensor):
-            return routed_swiglu(x, gates, token, counts, self.gate_proj, self.up_proj, self.down_proj)
-        # Inference's FP8 stand-ins dequantize lazily, one routed-to expert at a time.
-        return routed_forward(x, gates.to(x.dtype), token, counts, self._expert_weights)
-
-    def _expert_weights(self, e: int):
-        return self.gate_proj[e], self.up_proj[e], self.down_proj[e]
-
-
 class MoE(nn.Module):
     """Routed experts + shared experts, with the balancing state that training reads."""
 
@@ -245,25 +97,39 @@ class MoE(nn.Module):
         self.n_experts, self.top_k = cfg.n_routed_experts, cfg.num_experts_per_tok
         self.aux_alpha = cfg.aux_loss_alpha
         self.gate = Router(cfg)
-        self.experts = Experts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        self.dispatcher: TokenDispatcher = LocalDispatcher(cfg.n_routed_experts)
+        self.experts = GroupedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
         self.shared_experts = (MLP(cfg.hidden_size, cfg.moe_intermediate_size * cfg.n_shared_experts)
                                if cfg.n_shared_experts else None)
-        # Tokens routed to each expert since the last bias update (the load the aux-free rule reads).
+        # Tokens this process routed to each expert since the last bias update (the load the aux-free rule
+        # reads; a data-parallel trainer sums it over ranks before the update).
         self.register_buffer("expert_load", torch.zeros(cfg.n_routed_experts), persistent=False)
         self.aux_loss: torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, D]."""
+        """x: [B, T, D] -> [B, T, D]. Under an expert-parallel dispatcher every rank must call it."""
+        return run(self.steps(x))
+
+    def steps(self, x: torch.Tensor) -> Steps:
+        """Generator: the layer's forward, yielding whenever the dispatcher has a collective in flight
+        (so two micro-batches can overlap, ``dsv3.parallel.overlap``); returns [B, T, D]."""
         B, T, D = x.shape
         flat = x.reshape(-1, D)
+        routing = self.route(flat, B, T)
+        rows, handle = yield from self.dispatcher.dispatch(flat, routing)
+        y = self.experts(rows)
+        out = (yield from self.dispatcher.combine(y, handle)).view(B, T, D)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+    def route(self, flat: torch.Tensor, B: int, T: int) -> Routing:
+        """The router's choice for flat [B*T, D]; in training also counts the load and the balance loss."""
         idx, weights, scores = self.gate(flat)
         if self.training:
             self.expert_load += torch.bincount(idx.flatten(), minlength=self.n_experts).to(self.expert_load)
             self.aux_loss = self._sequence_balance_loss(idx.view(B, T, -1), scores.view(B, T, -1))
-        out = self.experts(flat, idx, weights).view(B, T, D)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        return Routing(idx, weights)
 
     def _sequence_balance_loss(self, idx: torch.Tensor, scores: torch.Tensor) -> torch.Tensor | None:
         """alpha * sum_i f_i P_i per sequence, averaged over the batch (V3 eqs. 17-20)."""

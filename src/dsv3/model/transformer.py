@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from dsv3.config import ModelConfig
-from dsv3.model.loss import linear_cross_entropy, plain_cross_entropy
+from dsv3.model.kernels import linear_cross_entropy, plain_cross_entropy
 from dsv3.model.mla import MLA, LatentCache
 from dsv3.model.moe import MLP, MoE
 from dsv3.model.norm import RMSNorm
@@ -129,6 +129,16 @@ class Transformer(nn.Module):
                 moe.gate.e_score_correction_bias.zero_()
         self.inv_freq.copy_(inverse_frequencies(self.config)[0])
 
+    @torch.no_grad()
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        """Create the non-persistent buffers (RoPE frequencies, expert-load counters) on ``device`` (default:
+        the parameters'): what a model built on the meta device and filled with ``load_state_dict(...,
+        assign=True)`` still lacks, since state dicts do not carry them."""
+        device = next(self.parameters()).device if device is None else device
+        self.inv_freq = inverse_frequencies(self.config)[0].to(device)
+        for moe in self.moe_layers():
+            moe.expert_load = torch.zeros(moe.n_experts, device=device)
+
     # ---- forward -----------------------------------------------------------------------
     def angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         return rope_angles(self.inv_freq, self.rope_scale, positions)
@@ -215,6 +225,8 @@ class Transformer(nn.Module):
         return LatentCache(self.config, batch_size, max_len, dtype=dtype, device=self.inv_freq.device)
 
     def save_pretrained(self, path, **kwargs) -> None:
+        """``dsv3.checkpoint.save_pretrained(self, path, **kwargs)``: HF-layout safetensors in DeepSeek's
+        names. The checkpoint layer knows the model, not the reverse: imported here, on call only."""
         from dsv3.checkpoint import save_pretrained
 
         save_pretrained(self, path, **kwargs)

@@ -19,10 +19,10 @@ from rich.table import Table
 
 from dsv3.errors import DSV3Error
 from dsv3.parallel import eplb
-from dsv3.parallel.launch import launch
 from dsv3.parallel.placement import Placement
-from dsv3.parallel.scenarios import LayerSpec, global_load, layer_worker, rank_assignments
 from dsv3.parallel.wire import COMBINE_FORMATS, DISPATCH_FORMATS
+from dsv3.testing.ep_scenarios import LayerSpec, global_load, layer_worker, rank_assignments
+from dsv3.testing.launch import launch
 
 EPLB_POLICIES = ("none", "hierarchical", "global")
 MAX_PROCESSES = 64

@@ -1,5 +1,7 @@
-"""The expert-parallel DeepSeekMoE layer: the single-process `MoE`'s router and shared experts, this rank's
-routed experts only, and the two-hop dispatch/combine of `exchange.py` in between, differentiable.
+"""The expert-parallel token dispatcher: the two-hop dispatch/combine of `exchange.py`, differentiable,
+behind the same interface as the model's `LocalDispatcher`. `apply_expert_parallel` gives every `MoE` of a
+model this dispatcher and keeps only this rank's share of its grouped experts (of whatever kind: plain,
+FP8 training GEMMs); router, shared experts and the rest of the layer are the single-process code.
 
 Routing is the replicated `Router`, so decisions are the single-process model's; with ``n_group`` a
 multiple of the node count each group lives on one node, so ``topk_group`` caps the nodes a token visits.
@@ -19,11 +21,12 @@ import torch.distributed as dist
 from torch import nn
 
 from dsv3.errors import DSV3Error
-from dsv3.model.moe import Experts, MoE, routed_swiglu
-from dsv3.parallel.exchange import TrafficMeter, TwoHopPlan, broadcast, handshake, reduce, run
+from dsv3.model.dispatch import ExpertRows, LocalDispatcher, Routing, Steps, TokenDispatcher, group_by_expert, run
+from dsv3.model.moe import MoE
+from dsv3.parallel.ep_groups import EPGroups, make_ep_groups
+from dsv3.parallel.exchange import TrafficMeter, TwoHopPlan, broadcast, handshake, reduce
 from dsv3.parallel.overlap import run_interleaved
 from dsv3.parallel.placement import Placement
-from dsv3.parallel.topology import EPGroups, make_ep_groups
 from dsv3.parallel.wire import COMBINE_FORMATS, DISPATCH_FORMATS, WireFormat, wire_format
 
 
@@ -78,91 +81,73 @@ class _Combine(torch.autograd.Function):
         return g_e, None, None, None
 
 
-class ExpertParallelMoE(MoE):
-    """A `MoE` whose routed experts are sharded over an EP group; same forward contract ([B, T, D])."""
+@dataclass
+class _Handle:
+    """What combine needs from dispatch: the plan of both hops and when dispatch finished (for timing)."""
+
+    plan: TwoHopPlan
+    clock: float
+
+
+class ExpertParallelDispatcher(TokenDispatcher):
+    """Dispatches a MoE layer's rows over an EP group: each rank holds ``placement``'s slots of experts.
+    Every rank of the group must run every MoE forward (and backward): they are collectives."""
 
     def __init__(
         self,
-        moe: MoE,
+        n_experts: int,
+        dim: int,
         groups: EPGroups,
         placement: Placement | None = None,
         dispatch: str = "bf16",
         combine: str = "bf16",
     ):
-        nn.Module.__init__(self)
-        self.n_experts, self.top_k, self.aux_alpha = moe.n_experts, moe.top_k, moe.aux_alpha
-        self.gate, self.shared_experts = moe.gate, moe.shared_experts
-        self.groups = groups
+        super().__init__()
+        self.n_experts, self.groups = n_experts, groups
         self.formats = WireFormats.named(dispatch, combine)
-        self.formats.combine_inter.check(moe.experts.gate_proj.shape[2])
-        self.placement = placement or Placement.contiguous(moe.n_experts, groups.layout.world)
-        self._check_placement()
-        ids = self.placement.rank_experts(groups.rank)
-        self.register_buffer("expert_ids", ids.clone(), persistent=False)
-        full = moe.experts
-        self.experts = Experts(ids.numel(), full.gate_proj.shape[2], full.gate_proj.shape[1]).to(
-            full.gate_proj
-        )
-        with torch.no_grad():
-            for name in ("gate_proj", "up_proj", "down_proj"):
-                getattr(self.experts, name).copy_(getattr(full, name)[ids])
-        self.register_buffer("expert_load", moe.expert_load.clone(), persistent=False)
-        self.aux_loss = None
+        self.formats.combine_inter.check(dim)
+        self.placement = placement or Placement.contiguous(n_experts, groups.layout.world)
+        self.check_placement(self.placement)
+        self.register_buffer("expert_ids", self.placement.rank_experts(groups.rank).clone(), persistent=False)
         self.meter = TrafficMeter()
         self.stage_seconds: dict[str, float] = defaultdict(float)
         self.last_slots: torch.Tensor | None = None  # routing of the last forward (for traffic checks)
         self.last_expert_slots: torch.Tensor | None = None  # what this rank's experts got last forward
 
-    def _check_placement(self) -> None:
-        p, world = self.placement, self.groups.layout.world
+    def check_placement(self, p: Placement) -> None:
+        world = self.groups.layout.world
         if p.world != world:
             raise DSV3Error(f"placement is for {p.world} EP ranks, the EP group has {world}")
         if p.n_experts != self.n_experts or bool((p.replica_counts == 0).any()):
             raise DSV3Error(f"placement must hold every one of the {self.n_experts} routed experts")
 
-    @property
-    def node_limit(self) -> int | None:
-        """Most nodes a token can visit (topk_group), or None when groups are not node-aligned."""
-        g = self.gate
-        aligned = g.method != "greedy" and self.placement.is_node_aligned(
-            g.n_group, self.groups.layout.gpus_per_node
+    def node_limit(self, gate: nn.Module) -> int | None:
+        """Most nodes a token can visit (the router's topk_group), or None when groups are not node-aligned."""
+        aligned = gate.method != "greedy" and self.placement.is_node_aligned(
+            gate.n_group, self.groups.layout.gpus_per_node
         )
-        return g.topk_group if aligned else None
+        return gate.topk_group if aligned else None
 
-    # ---- forward ------------------------------------------------------------------------------
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """x: [B, T, D] -> [B, T, D]; collectives in the EP group (every rank must call it)."""
-        return run(self.steps(x))
-
-    def forward_micro_batches(self, xs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Dual micro-batch overlap: one micro-batch's dispatch/combine is in flight while the other
-        computes (round-robin over their steps)."""
-        return run_interleaved([self.steps(x) for x in xs])
-
-    def steps(self, x: torch.Tensor):
-        """Generator: the layer's forward, yielding whenever a collective is in flight; returns [B, T, D]."""
-        B, T, D = x.shape
-        flat = x.reshape(-1, D)
-        idx, weights, scores = self.gate(flat)
-        if self.training:
-            self._count_load(idx)
-            self.aux_loss = self._sequence_balance_loss(idx.view(B, T, -1), scores.view(B, T, -1))
-        slots = self.placement.choose_slots(idx.cpu(), salt=self.groups.rank).to(idx.device)
+    def dispatch(self, x: torch.Tensor, routing: Routing) -> Steps:
+        """Generator: x [N, D] to the ranks holding the experts each token chose; returns the rows this
+        rank's experts compute (received rows, their (row, local slot, gate) pairs) and a handle."""
+        slots = self.placement.choose_slots(routing.idx.cpu(), salt=self.groups.rank).to(routing.idx.device)
         self.last_slots = slots
         clock = time.perf_counter()
         plan = yield from handshake(slots, self.groups, self.placement.slots_per_rank, self.meter)
-        done = yield from broadcast(plan, flat.detach(), self.formats.dispatch, extra=weights.detach())
-        x_e, w_e = _Dispatch.apply(flat, weights, plan, self.formats, done)
+        done = yield from broadcast(plan, x.detach(), self.formats.dispatch, extra=routing.weights.detach())
+        x_e, w_e = _Dispatch.apply(x, routing.weights, plan, self.formats, done)
         self.last_expert_slots = plan.expert_slots
-        clock = self._tick("dispatch", clock)
-        y_e = self._local_experts(x_e, plan.expert_slots, w_e)
-        clock = self._tick("experts", clock)
+        rows = _local_rows(x_e, plan.expert_slots, w_e, self.placement.slots_per_rank)
+        return rows, _Handle(plan, self._tick("dispatch", clock))
+
+    def combine(self, y: torch.Tensor, handle: _Handle) -> Steps:
+        """Generator: this rank's per-row partial sums y [R, D] back to their tokens' ranks, summed; [N, D]."""
+        clock = self._tick("experts", handle.clock)
         f = self.formats
-        y, _ = yield from reduce(plan, y_e.detach(), f.combine_intra, f.combine_inter)
-        out = _Combine.apply(y_e, plan, f, y).view(B, T, D)
+        out, _ = yield from reduce(handle.plan, y.detach(), f.combine_intra, f.combine_inter)
+        out = _Combine.apply(y, handle.plan, f, out)
         self._tick("combine", clock)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
         return out
 
     def _tick(self, stage: str, since: float) -> float:
@@ -170,59 +155,66 @@ class ExpertParallelMoE(MoE):
         self.stage_seconds[stage] += now - since
         return now
 
-    def _count_load(self, idx: torch.Tensor) -> None:
-        """Global tokens per logical expert (summed over the EP group), so the aux-free update is the same
-        on every rank and equals the single-process one."""
-        load = torch.bincount(idx.flatten(), minlength=self.n_experts).float()
-        dist.all_reduce(load, group=self.groups.ep)
-        self.expert_load += load.to(self.expert_load)
+    def extra_repr(self) -> str:
+        layout = self.groups.layout
+        return (f"rank={self.groups.rank}/{layout.world}, gpus_per_node={layout.gpus_per_node}, "
+                f"experts_here={self.expert_ids.numel()}, dispatch={self.formats.dispatch.name}, "
+                f"combine={self.formats.combine_inter.name}")
 
-    def _local_experts(self, x_e: torch.Tensor, slots: torch.Tensor, w_e: torch.Tensor) -> torch.Tensor:
-        """Rows x_e [R, D] with local slots [R, K] (-1: elsewhere) and gates w_e [R, K] -> per-row sum of
-        this rank's weighted expert outputs [R, D]."""
-        rows, ks = (slots >= 0).nonzero(as_tuple=True)
-        slot = slots[rows, ks]
-        order = slot.argsort(stable=True)
-        rows, ks, slot = rows[order], ks[order], slot[order]
-        counts = torch.bincount(slot, minlength=self.experts.gate_proj.shape[0]).tolist()
-        e = self.experts
-        # On a rank that got no tokens this still keeps x_e and the gates in the graph, so its backward
-        # joins the collectives (and its expert grads are zeros, not None).
-        return routed_swiglu(x_e, w_e[rows, ks], rows, counts, e.gate_proj, e.up_proj, e.down_proj)
 
-    # ---- placement changes --------------------------------------------------------------------
-    @torch.no_grad()
-    def logical_expert_weights(self) -> dict[str, torch.Tensor]:
-        """All logical experts' weights [E, ...] on every rank (one replica each, via all_reduce).
-        Simple and memory-hungry: meant for small models, tests and rebalancing demos."""
-        first = torch.zeros(self.placement.phy2log.numel(), dtype=torch.bool)
-        seen = set()
-        for p, e in enumerate(self.placement.phy2log.tolist()):
-            first[p] = e not in seen
-            seen.add(e)
-        S, r = self.placement.slots_per_rank, self.groups.rank
-        mine = first[r * S : (r + 1) * S]
-        out = {}
-        for name, p in self.experts.named_parameters():
-            buf = p.new_zeros(self.n_experts, *p.shape[1:])
-            mine = mine.to(p.device)
-            buf.index_add_(0, self.expert_ids[mine], p[mine])
-            dist.all_reduce(buf, group=self.groups.ep)
-            out[name] = buf
-        return out
+def _local_rows(x_e: torch.Tensor, slots: torch.Tensor, w_e: torch.Tensor, n_local: int) -> ExpertRows:
+    """Received rows x_e [R, D] with local slots [R, K] (-1: elsewhere) and gates w_e [R, K] -> the pairs
+    of this rank's experts, grouped by slot. On a rank that got no tokens the (empty) rows and gates still
+    reach the experts, so that its backward joins the collectives (and its expert grads are zeros)."""
+    rows, ks = (slots >= 0).nonzero(as_tuple=True)
+    return group_by_expert(x_e, rows, slots[rows, ks], w_e[rows, ks], n_local)
 
-    @torch.no_grad()
-    def set_placement(self, placement: Placement) -> None:
-        """Move to a new placement (e.g. from EPLB); each rank ends up with its new slots' weights."""
-        weights = self.logical_expert_weights()
-        self.placement = placement
-        self._check_placement()
-        ids = placement.rank_experts(self.groups.rank)
-        self.expert_ids = ids.to(self.expert_ids.device)
-        shape = weights["gate_proj"].shape
-        self.experts = Experts(ids.numel(), shape[2], shape[1]).to(weights["gate_proj"])
-        for name, full in weights.items():
-            getattr(self.experts, name).copy_(full[ids])
+
+def forward_micro_batches(moe: MoE, xs: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Dual micro-batch overlap: one micro-batch's dispatch/combine is in flight while the other computes
+    (round-robin over their steps)."""
+    return run_interleaved([moe.steps(x) for x in xs])
+
+
+# ---- placement changes ------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def logical_expert_weights(moe: MoE) -> dict[str, torch.Tensor]:
+    """All logical experts' weights [E, ...] of an expert-parallel layer on every rank (one replica each,
+    via all_reduce). Simple and memory-hungry: meant for small models, saving, tests and rebalancing."""
+    d: ExpertParallelDispatcher = moe.dispatcher
+    first = torch.zeros(d.placement.phy2log.numel(), dtype=torch.bool)
+    seen = set()
+    for p, e in enumerate(d.placement.phy2log.tolist()):
+        first[p] = e not in seen
+        seen.add(e)
+    S, r = d.placement.slots_per_rank, d.groups.rank
+    mine = first[r * S : (r + 1) * S]
+    out = {}
+    for name, p in moe.experts.named_parameters():
+        buf = p.new_zeros(d.n_experts, *p.shape[1:])
+        mine = mine.to(p.device)
+        buf.index_add_(0, d.expert_ids[mine], p[mine])
+        dist.all_reduce(buf, group=d.groups.ep)
+        out[name] = buf
+    return out
+
+
+@torch.no_grad()
+def set_placement(moe: MoE, placement: Placement) -> None:
+    """Move an expert-parallel layer to a new placement (e.g. from EPLB); each rank ends up with its new
+    slots' weights, in experts of the same kind."""
+    d: ExpertParallelDispatcher = moe.dispatcher
+    d.check_placement(placement)
+    weights = logical_expert_weights(moe)
+    d.placement = placement
+    ids = placement.rank_experts(d.groups.rank)
+    d.expert_ids = ids.to(d.expert_ids.device)
+    full = moe.experts.select(torch.zeros(0, dtype=torch.long))  # an empty shard of the same kind ...
+    for name, w in weights.items():
+        setattr(full, name, nn.Parameter(w))  # ... holding every logical expert
+    moe.experts = full.select(ids)
 
 
 def apply_expert_parallel(
@@ -233,27 +225,40 @@ def apply_expert_parallel(
     combine: str = "bf16",
     placement: Placement | None = None,
 ) -> nn.Module:
-    """Swap every `MoE` of ``model`` for an `ExpertParallelMoE` holding this rank's experts only.
+    """Give every `MoE` of ``model`` an `ExpertParallelDispatcher` and only this rank's share of its
+    routed experts (same kind: plain or FP8).
 
     Every rank must call it with the same full model (same seed or checkpoint): experts are sliced from
     it. The rest of the model stays replicated (data parallel); average its gradients with `sync_grads`.
     """
     groups = make_ep_groups(gpus_per_node, group)
-    targets = [
-        (parent, name, child)
-        for parent in model.modules()
-        for name, child in parent.named_children()
-        if type(child) is MoE
-    ]
+    targets = [m for m in model.modules() if isinstance(m, MoE) and isinstance(m.dispatcher, LocalDispatcher)]
     if not targets:
         raise DSV3Error("the model has no MoE layers to make expert-parallel")
-    for parent, name, moe in targets:
-        setattr(parent, name, ExpertParallelMoE(moe, groups, placement, dispatch, combine))
+    for moe in targets:
+        make_expert_parallel(moe, groups, placement, dispatch, combine)
     return model
 
 
-def ep_layers(model: nn.Module) -> list[ExpertParallelMoE]:
-    return [m for m in model.modules() if isinstance(m, ExpertParallelMoE)]
+def make_expert_parallel(
+    moe: MoE,
+    groups: EPGroups,
+    placement: Placement | None = None,
+    dispatch: str = "bf16",
+    combine: str = "bf16",
+) -> MoE:
+    """Make one (full, single-process) `MoE` expert-parallel in place: the two-hop dispatcher, and of its
+    experts only this rank's slots (copies, of the same kind). Returns the layer."""
+    dim = moe.experts.gate_proj.shape[2]
+    dispatcher = ExpertParallelDispatcher(moe.n_experts, dim, groups, placement, dispatch, combine)
+    moe.dispatcher = dispatcher.to(moe.expert_load.device)
+    moe.experts = moe.experts.select(moe.dispatcher.expert_ids)
+    return moe
+
+
+def ep_layers(model: nn.Module) -> list[MoE]:
+    """The MoE layers of ``model`` whose experts are spread over an EP group."""
+    return [m for m in model.modules() if isinstance(m, MoE) and isinstance(m.dispatcher, ExpertParallelDispatcher)]
 
 
 @torch.no_grad()
@@ -275,13 +280,14 @@ def sync_grads(model: nn.Module, group: dist.ProcessGroup | None = None) -> None
         for p, g in zip(dense, flat.split([p.numel() for p in dense]), strict=True):
             p.grad.copy_(g.view_as(p))
     for m in layers:
-        replicated = bool((m.placement.replica_counts > 1).any())
+        d: ExpertParallelDispatcher = m.dispatcher
+        replicated = bool((d.placement.replica_counts > 1).any())
         for p in m.experts.parameters():
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             if replicated:
                 buf = p.grad.new_zeros(m.n_experts, *p.shape[1:])
-                buf.index_add_(0, m.expert_ids, p.grad)
-                dist.all_reduce(buf, group=m.groups.ep)
-                p.grad.copy_(buf[m.expert_ids])
+                buf.index_add_(0, d.expert_ids, p.grad)
+                dist.all_reduce(buf, group=d.groups.ep)
+                p.grad.copy_(buf[d.expert_ids])
             p.grad /= world

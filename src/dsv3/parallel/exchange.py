@@ -7,30 +7,21 @@ sums its experts' weighted outputs per row, the forwarder sums the rows of its n
 goes back over the inter-node hop, where the source sums its nodes.
 
 Every step is a generator that yields while its all-to-all (``async_op=True``) is in flight, so a driver
-can run another micro-batch's compute meanwhile; ``run`` drives one to completion. Collectives are issued
-in the same order on every rank because the number and order of steps never depend on the data.
+can run another micro-batch's compute meanwhile; ``run`` (dsv3.model.dispatch) drives one to completion.
+Collectives are issued in the same order on every rank because the number and order of steps never
+depend on the data.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Generator
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from dsv3.parallel.topology import EPGroups
+from dsv3.parallel.ep_groups import EPGroups
 from dsv3.parallel.wire import WireFormat, from_raw, pack_fields, raw_bytes
-
-
-def run(steps: Generator):
-    """Drive a step generator to completion, waiting on each collective at once; return its value."""
-    while True:
-        try:
-            next(steps)
-        except StopIteration as done:
-            return done.value
 
 
 @dataclass

@@ -99,7 +99,40 @@ def dequantize(
             f"scale shape {tuple(scale.shape)} does not match {tuple(q.shape)} in {block} blocks "
             f"(expected {scale_shape(q.shape, block)})"
         )
+    *lead, rows, cols = q.shape
+    if rows % block[0] == 0 and cols % block[1] == 0:  # whole blocks: broadcast the scales, no expanded copy
+        blocks = q.reshape(*lead, rows // block[0], block[0], cols // block[1], block[1]).float()
+        return (blocks * scale.float()[..., :, None, :, None]).reshape(q.shape).to(dtype)
     return (q.float() * _expand(scale.float(), block, q.shape)).to(dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# DeepSeek's checkpoint format: 128x128 weight blocks with ``weight_scale_inv``
+# --------------------------------------------------------------------------------------------------
+
+WEIGHT_BLOCK = (TILE, TILE)
+CHECKPOINT_SCALE_FLOOR = 1e-12  # DeepSeek's weight_scale_inv of an all-zero block
+
+
+def quantize_weight_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float weight [..., N, K] -> (float8_e4m3fn [..., N, K], float32 ``weight_scale_inv`` [..., ceil(N/128),
+    ceil(K/128)]), the layout DeepSeek ships: scale_inv = amax / 448 of each block (edges zero-padded),
+    values clamped to the E4M3 range. The one implementation of the format: checkpoints, conversion and
+    inference's resident FP8 weights all call it."""
+    top = fmt_max("e4m3")
+    *lead, rows, cols = weight.shape
+    blocks = _blocked(weight.float(), WEIGHT_BLOCK)  # [..., Nb, 128, Kb, 128]
+    scale_inv = (blocks.abs().amax(dim=(-3, -1)) / top).clamp(min=CHECKPOINT_SCALE_FLOOR)
+    q = (blocks / scale_inv[..., :, None, :, None]).clamp(-top, top).to(torch.float8_e4m3fn)
+    padded = q.reshape(*lead, blocks.shape[-4] * TILE, blocks.shape[-2] * TILE)
+    return padded[..., :rows, :cols].contiguous(), scale_inv
+
+
+def dequantize_weight_blocks(
+    q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """fp8 weight [..., N, K] times its ``weight_scale_inv`` per 128x128 block -> ``dtype`` (exact in fp32)."""
+    return dequantize(q, scale_inv, WEIGHT_BLOCK, dtype)
 
 
 def quantize_per_tensor(x: torch.Tensor, fmt: str = "e4m3") -> tuple[torch.Tensor, torch.Tensor]:

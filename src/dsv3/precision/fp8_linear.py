@@ -16,11 +16,9 @@ import math
 from collections.abc import Callable, Iterator
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsv3.errors import DSV3Error
-from dsv3.model.moe import Experts
 from dsv3.precision import fp8
 
 SCALINGS = ("fine", "tensor")
@@ -35,13 +33,18 @@ _DEFAULT_SCALING: contextvars.ContextVar[str] = contextvars.ContextVar("fp8_defa
 @contextlib.contextmanager
 def default_scaling(scaling: str) -> Iterator[None]:
     """Within the block, ``convert_to_fp8(...)`` without ``scaling`` converts to ``scaling``."""
-    if scaling not in SCALINGS:
-        raise DSV3Error(f"unknown FP8 scaling {scaling!r}; expected one of {SCALINGS}")
-    token = _DEFAULT_SCALING.set(scaling)
+    token = _DEFAULT_SCALING.set(check_scaling(scaling))
     try:
         yield
     finally:
         _DEFAULT_SCALING.reset(token)
+
+
+def check_scaling(scaling: str) -> str:
+    """``scaling`` itself when it is one of SCALINGS, else a clear DSV3Error."""
+    if scaling not in SCALINGS:
+        raise DSV3Error(f"unknown FP8 scaling {scaling!r}; expected one of {SCALINGS}")
+    return scaling
 
 
 def _quantize(x: torch.Tensor, block: tuple[int, int], scaling: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -100,8 +103,7 @@ def fp8_linear(
     x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, scaling: str = "fine"
 ) -> torch.Tensor:
     """Functional form of :class:`FP8Linear`; output has ``x``'s dtype (BF16 under the recipe)."""
-    if scaling not in SCALINGS:
-        raise DSV3Error(f"unknown FP8 scaling {scaling!r}; expected one of {SCALINGS}")
+    check_scaling(scaling)
     if x.shape[-1] != weight.shape[1]:
         raise DSV3Error(f"input has {x.shape[-1]} features but the weight expects {weight.shape[1]}")
     return FP8LinearFunction.apply(x, weight, bias, scaling)
@@ -119,8 +121,7 @@ class FP8Linear(nn.Module):
         device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
-        if scaling not in SCALINGS:
-            raise DSV3Error(f"unknown FP8 scaling {scaling!r}; expected one of {SCALINGS}")
+        check_scaling(scaling)
         self.in_features, self.out_features, self.scaling = in_features, out_features, scaling
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=torch.float32))
         self.register_parameter("bias", nn.Parameter(torch.empty(out_features, device=device)) if bias else None)
@@ -144,94 +145,49 @@ class FP8Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, scaling: str = "fine") -> FP8Linear:
         """Wrap an existing ``nn.Linear``; an FP32 weight Parameter is shared, not copied."""
         module = cls(linear.in_features, linear.out_features, bias=False, scaling=scaling, device="meta")
-        module.weight = _fp32_parameter(linear.weight)
-        module.register_parameter("bias", None if linear.bias is None else _fp32_parameter(linear.bias))
+        module.weight = fp32_parameter(linear.weight)
+        module.register_parameter("bias", None if linear.bias is None else fp32_parameter(linear.bias))
         return module
 
 
-def _fp32_parameter(p: nn.Parameter) -> nn.Parameter:
+def fp32_parameter(p: nn.Parameter) -> nn.Parameter:
     """The master weight is FP32: keep the Parameter itself when it already is, else make an FP32 copy."""
     if p.dtype == torch.float32:
         return p
     return nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
 
 
-class FP8Experts(Experts):
-    """The routed experts with every projection an FP8 GEMM (V3: "experts included").
-
-    Same stacked FP32 master parameters as :class:`Experts` (gate_proj/up_proj [E, I, D], down_proj
-    [E, D, I]), so checkpoints do not change; each expert's slice of tokens runs its three projections
-    through :class:`FP8LinearFunction` with the V3 tiling, in both directions.
-    """
-
-    def __init__(self, n_experts: int, dim: int, inter_dim: int, scaling: str = "fine") -> None:
-        super().__init__(n_experts, dim, inter_dim)
-        if scaling not in SCALINGS:
-            raise DSV3Error(f"unknown FP8 scaling {scaling!r}; expected one of {SCALINGS}")
-        self.scaling = scaling
-
-    def forward(self, x: torch.Tensor, idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [N, D], idx/weights [N, K] -> sum_k weights * expert_idx(x): [N, D]; grouped as in Experts."""
-        flat = idx.flatten()
-        order = flat.argsort(stable=True)
-        counts = torch.bincount(flat, minlength=self.gate_proj.shape[0]).tolist()
-        token = order // idx.shape[1]
-        xs = x[token]  # [N*K, D], grouped by expert
-        stacked = (self.gate_proj, self.up_proj, self.down_proj)
-        per_expert = zip(*(w.unbind(0) for w in stacked), strict=True)  # unbind once: one stack in backward
-        outs = [self.expert_mlp(chunk, *w) for chunk, w in zip(xs.split(counts), per_expert, strict=True) if len(chunk)]
-        ys = torch.cat(outs) * weights.flatten()[order, None].to(x.dtype)  # FP8 GEMMs return x's dtype
-        return torch.zeros_like(x).index_add_(0, token, ys)
-
-    def expert_mlp(self, chunk: torch.Tensor, w_gate, w_up, w_down) -> torch.Tensor:
-        """SwiGLU of one expert on its tokens chunk [n, D] with FP8 GEMMs; output in chunk's dtype."""
-        gate = fp8_linear(chunk, w_gate, None, self.scaling)
-        up = fp8_linear(chunk, w_up, None, self.scaling)
-        return fp8_linear(F.silu(gate) * up, w_down, None, self.scaling)
-
-    def extra_repr(self) -> str:
-        e, i, d = self.gate_proj.shape
-        return f"n_experts={e}, dim={d}, inter_dim={i}, scaling={self.scaling}"
-
-    @classmethod
-    def from_experts(cls, experts: Experts, scaling: str = "fine") -> FP8Experts:
-        """Wrap existing experts: the FP32 Parameters (and any forward hooks) are shared, not copied."""
-        e, i, d = experts.gate_proj.shape
-        module = cls(0, d, i, scaling=scaling)
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            setattr(module, name, _fp32_parameter(getattr(experts, name)))
-        module._forward_hooks = experts._forward_hooks
-        module._forward_pre_hooks = experts._forward_pre_hooks
-        module.train(experts.training)
-        return module
-
-
 def convert_to_fp8(
     module: nn.Module, skip: Callable[[str], bool] | None = None, scaling: str | None = None
 ) -> list[str]:
-    """Swap every ``nn.Linear`` for an :class:`FP8Linear` and every routed ``Experts`` for
-    :class:`FP8Experts`, in place; returns the converted modules' names.
+    """Swap every ``nn.Linear`` for an :class:`FP8Linear`, and every module that offers an FP8 training
+    form (``fp8_training_form(scaling)``: the routed experts) for that form, in place; returns the
+    converted modules' names. The module knows its FP8 form, so number formats need not know the model.
 
     ``skip(name)`` gets each candidate's qualified name (``"layers.0.mlp.gate"``) and keeps it in high
     precision when true: the V3 recipe keeps the embedding, output head, router gate, norms and the
     attention core out of FP8 (the last four are not ``nn.Linear`` here, so they never convert).
     ``scaling`` defaults to "fine", or to what an enclosing :func:`default_scaling` says.
     """
-    scaling = scaling if scaling is not None else _DEFAULT_SCALING.get()
-    if scaling not in SCALINGS:
-        raise DSV3Error(f"unknown FP8 scaling {scaling!r}; expected one of {SCALINGS}")
+    scaling = check_scaling(scaling if scaling is not None else _DEFAULT_SCALING.get())
     converted = []
     for name, child in list(module.named_modules()):
-        convertible = isinstance(child, nn.Linear) or type(child) is Experts
-        if not convertible or (skip is not None and skip(name)):
+        if skip is not None and skip(name):
+            continue
+        replacement = _fp8_form(child, scaling)
+        if replacement is None:
             continue
         if not name:
             raise DSV3Error("convert_to_fp8 swaps modules inside a module; wrap a bare one with from_linear")
         parent_name, _, attr = name.rpartition(".")
         parent = module.get_submodule(parent_name) if parent_name else module
-        if isinstance(child, nn.Linear):
-            setattr(parent, attr, FP8Linear.from_linear(child, scaling=scaling))
-        else:
-            setattr(parent, attr, FP8Experts.from_experts(child, scaling=scaling))
+        setattr(parent, attr, replacement)
         converted.append(name)
     return converted
+
+
+def _fp8_form(child: nn.Module, scaling: str) -> nn.Module | None:
+    if isinstance(child, nn.Linear):
+        return FP8Linear.from_linear(child, scaling=scaling)
+    form = getattr(child, "fp8_training_form", None)
+    return form(scaling) if callable(form) else None

@@ -56,7 +56,8 @@ def capture_inputs(model: nn.Module, input_ids: torch.Tensor, layers: list[int])
             key = f"L{layer}.{suffix}"
 
             def hook(_module, args, key=key):
-                captured[key] = args[0].detach().float().reshape(-1, args[0].shape[-1]).clone()
+                x = getattr(args[0], "x", args[0])  # grouped experts receive ExpertRows: their rows are .x
+                captured[key] = x.detach().float().reshape(-1, x.shape[-1]).clone()
 
             handles.append(module.register_forward_pre_hook(hook))
     try:

@@ -13,6 +13,10 @@ import torch
 import torch.distributed as dist
 
 from dsv3.errors import DSV3Error
+from dsv3.parallel.layout import Layout
+
+# The EP dispatch's wire format by training precision (V3: FP8 dispatch; the combine follows, FP8 -> BF16).
+DISPATCH_FORMATS = {"fp32": "fp32", "bf16": "bf16", "fp8": "fp8"}
 
 
 @dataclass
@@ -82,3 +86,15 @@ def _device(name: str, local_rank: int) -> torch.device:
         return torch.device(name)
     except RuntimeError:
         raise DSV3Error(f"unknown --device {name!r}; use auto, cpu or cuda") from None
+
+
+def training_layout(opts, world: World) -> Layout:
+    """The layout ``dsv3 train``'s options ask for on this world: data parallel over every process, the
+    routed experts over ``--ep`` of them, ``--moe-output-format`` as the (real or simulated) combine."""
+    return Layout(
+        dp=world.size,
+        ep=opts.ep or 1,
+        gpus_per_node=opts.gpus_per_node,
+        dispatch=DISPATCH_FORMATS[opts.precision],
+        combine=opts.moe_output_format,
+    )

@@ -1,5 +1,6 @@
 """The optimizer step: micro-batches, backward, clipping, the non-finite guard, AdamW, and the
-aux-loss-free bias update from the expert loads of the whole global batch."""
+aux-loss-free bias update from the expert loads of the whole global batch. Whatever the layout, the step
+talks to one `Parallelized` object (``dsv3.parallel.parallelize``) for everything that differs."""
 
 from __future__ import annotations
 
@@ -10,11 +11,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from dsv3.data.packing import PackedSequences, SampleOrder
 from dsv3.errors import DSV3Error
+from dsv3.parallel.layout import Parallelized
 from dsv3.train.distributed import World
 
 
@@ -30,45 +30,12 @@ class RunState:
     train_seconds: float = 0.0  # time inside steps, for the average throughput
 
 
-class LossStep(nn.Module):
-    """``model.loss`` as a forward, so that DDP's gradient hooks see it; returns detached parts too."""
-
-    def __init__(self, model: nn.Module):
-        super().__init__()
-        self.model = model
-
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        out = self.model.loss(input_ids, labels)
-        zero = out.loss.new_zeros(())
-        parts = torch.stack(
-            [
-                out.loss.detach().float(),
-                out.lm_loss.detach().float(),
-                (out.mtp_loss if out.mtp_loss is not None else zero).detach().float(),
-                (out.balance_loss if out.balance_loss is not None else zero).detach().float(),
-            ]
-        )
-        return out.loss, parts  # parts: [total, lm, mtp, balance]
-
-
-def wrap_for_training(model: nn.Module, world: World, expert_parallel: bool = False) -> nn.Module:
-    """LossStep, inside DDP when there are several ranks (without DDP under expert parallelism, which
-    syncs its own gradients). Buffers are not broadcast: each rank counts its own expert loads, and the
-    router biases stay equal because every rank applies the same update."""
-    step = LossStep(model)
-    if not world.distributed or expert_parallel:
-        return step
-    device_ids = [world.device.index] if world.device.type == "cuda" else None
-    return DistributedDataParallel(step, device_ids=device_ids, broadcast_buffers=False)
-
-
 class StepRunner:
     """One optimizer step over a global batch of ``batch_size`` sequences."""
 
     def __init__(
         self,
-        model: nn.Module,
-        wrapped: nn.Module,
+        parallel: Parallelized,
         optimizer,
         scheduler,
         data: PackedSequences,
@@ -78,19 +45,18 @@ class StepRunner:
         grad_accum: int,
         grad_clip: float,
         autocast,
-        expert_parallel: bool = False,
     ):
         if batch_size % (world.size * grad_accum):
             raise DSV3Error(
                 f"--batch-size ({batch_size}) must be a multiple of the number of processes "
                 f"({world.size}) times --grad-accum ({grad_accum})"
             )
-        self.model, self.wrapped, self.optimizer, self.scheduler = model, wrapped, optimizer, scheduler
+        self.parallel, self.model = parallel, parallel.model
+        self.optimizer, self.scheduler = optimizer, scheduler
         self.data, self.order, self.world = data, order, world
         self.batch_size, self.grad_accum, self.grad_clip = batch_size, grad_accum, grad_clip
         self.per_rank = batch_size // (world.size * grad_accum)
-        self.autocast, self.expert_parallel = autocast, expert_parallel
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.autocast = autocast
 
     def micro_batches(self, samples: int) -> list[list[int]]:
         """This rank's window indices for each micro-step: micro-step j takes the j-th slice of the
@@ -109,7 +75,7 @@ class StepRunner:
         t0 = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]
         parts = self._forward_backward(self.micro_batches(state.samples))
-        grad_norm = self._sync_and_clip()
+        grad_norm = self.parallel.sync_and_clip(self.grad_clip)
         finite = math.isfinite(parts[0]) and math.isfinite(grad_norm)
         if finite:
             self.optimizer.step()
@@ -153,32 +119,19 @@ class StepRunner:
         for j, indices in enumerate(micro):
             inputs, labels = self.data.batch(indices)
             last = j == len(micro) - 1
-            sync = contextlib.nullcontext() if last or not self.world.distributed else self.wrapped.no_sync()
-            with sync:
+            with contextlib.nullcontext() if last else self.parallel.no_sync():
                 with self.autocast:
-                    loss, parts = self.wrapped(inputs.to(self.world.device), labels.to(self.world.device))
+                    loss, parts = self.parallel(inputs.to(self.world.device), labels.to(self.world.device))
                 (loss / self.grad_accum).backward()
             sums += parts.double().cpu()
         total = self.world.sum_(sums.to(self.world.device)).cpu() / (self.world.size * self.grad_accum)
         return total.tolist()
 
-    def _sync_and_clip(self) -> float:
-        """Gradient norm before clipping (DDP has already averaged the gradients over ranks)."""
-        if self.expert_parallel:
-            from dsv3.train.expert_parallel import sync_and_clip
-
-            return sync_and_clip(self.model, self.grad_clip, self.world)
-        return float(torch.nn.utils.clip_grad_norm_(self.params, self.grad_clip))
-
     def _global_expert_loads(self) -> list[list[int]]:
-        """Sum every MoE layer's token counts over ranks (so all ranks update the biases alike); an
-        expert-parallel layer has counted the whole EP group already."""
-        loads = []
-        for moe in self.model.moe_layers():
-            if not self.expert_parallel:
-                self.world.sum_(moe.expert_load)
-            loads.append([int(x) for x in moe.expert_load.tolist()])
-        return loads
+        """Every MoE layer's token counts summed over the data-parallel ranks (so all ranks update the
+        biases alike)."""
+        self.parallel.reduce_expert_loads()
+        return [[int(x) for x in moe.expert_load.tolist()] for moe in self.model.moe_layers()]
 
     def _discard_expert_loads(self) -> list[list[int]]:
         for moe in self.model.moe_layers():

@@ -33,14 +33,14 @@ def apply_fp8(model: nn.Module) -> list[str]:
 
 
 def apply_moe_output_format(model: nn.Module, fmt: str) -> int:
-    """Round-trip each routed-expert output through ``fmt`` (straight-through in backward), as the
-    combine all-to-all would deliver it; returns how many MoE layers got the hook."""
-    from dsv3.model.moe import Experts
-    from dsv3.precision.logfmt import COMBINE_FORMATS, quantize_moe_output
+    """Round-trip each MoE layer's routed output through ``fmt`` (straight-through in backward), as the
+    combine all-to-all would deliver it; returns how many MoE layers simulate it."""
+    from dsv3.model.dispatch import LocalDispatcher
+    from dsv3.precision.logfmt import COMBINE_FORMATS
 
     if fmt not in COMBINE_FORMATS:
         raise DSV3Error(f"--moe-output-format must be one of {', '.join(COMBINE_FORMATS)}, got {fmt!r}")
-    experts = [m for m in model.modules() if isinstance(m, Experts)]
-    for m in experts:
-        m.register_forward_hook(lambda _module, _inputs, out: quantize_moe_output(out, fmt))
-    return len(experts)
+    dispatchers = [m for m in model.modules() if isinstance(m, LocalDispatcher)]
+    for d in dispatchers:
+        d.combine_format = fmt
+    return len(dispatchers)

@@ -28,13 +28,14 @@ from dsv3.data import (
 from dsv3.data.tokenizer import default_cache_dir
 from dsv3.errors import DSV3Error
 from dsv3.model.transformer import Transformer
+from dsv3.parallel.layout import Parallelized, parallelize
 from dsv3.train import checkpoints as ckpt
-from dsv3.train.distributed import World, setup_world, teardown_world
+from dsv3.train.distributed import World, setup_world, teardown_world, training_layout
 from dsv3.train.evaluate import eval_windows, evaluate
-from dsv3.train.loop import RunState, StepRunner, wrap_for_training
+from dsv3.train.loop import RunState, StepRunner
 from dsv3.train.metrics import MetricsLog, read_rows
 from dsv3.train.options import TrainOptions
-from dsv3.train.precision import apply_fp8, apply_moe_output_format, autocast
+from dsv3.train.precision import apply_fp8, autocast
 from dsv3.train.progress import TrainProgress
 from dsv3.train.schedule import lr_factor
 from dsv3.train.signals import GracefulStop
@@ -109,9 +110,9 @@ def build_optimizer(model: torch.nn.Module, opts: TrainOptions):
     return optimizer, scheduler
 
 
-def build_model(cfg: ModelConfig, opts: TrainOptions, resume_from: Path | None, world: World) -> Transformer:
-    """The model to train: fresh from the seed or from a checkpoint, then the numerics and the expert
-    sharding the options ask for (every rank builds the same full model before sharding)."""
+def build_model(cfg: ModelConfig, opts: TrainOptions, resume_from: Path | None, world: World) -> Parallelized:
+    """The model to train: fresh from the seed or from a checkpoint, then the numerics and the layout the
+    options ask for (every rank builds the same full model before `parallelize` spreads it)."""
     if resume_from is not None:
         from dsv3 import load_pretrained
 
@@ -120,15 +121,9 @@ def build_model(cfg: ModelConfig, opts: TrainOptions, resume_from: Path | None, 
         torch.manual_seed(opts.seed)
         model = Transformer(cfg)
     model = model.to(world.device).train()
-    if opts.ep:
-        from dsv3.train.expert_parallel import enable
-
-        enable(model, opts.ep, opts.gpus_per_node, opts.precision, opts.moe_output_format, world)
-    elif opts.moe_output_format:
-        apply_moe_output_format(model, opts.moe_output_format)
     if opts.precision == "fp8":
         apply_fp8(model)
-    return model
+    return parallelize(model, training_layout(opts, world))
 
 
 def run_training(
@@ -166,9 +161,9 @@ class _Run:
         self.resume_from = self._start(resume)
         self.cfg = model_config(opts)
         self.data = prepare_data(opts, self.cfg.vocab_size, world, self.progress)
-        self.model = build_model(self.cfg, opts, self.resume_from, world)
-        self.expert_parallel = bool(opts.ep)
-        self.n_params = _parameter_count(self.model, world, self.expert_parallel)
+        self.parallel = build_model(self.cfg, opts, self.resume_from, world)
+        self.model = self.parallel.model
+        self.n_params = self.parallel.parameter_count()
         self.optimizer, self.scheduler = build_optimizer(self.model, opts)
         self.state = RunState()
         self.autocast = autocast(opts.precision, world.device)
@@ -177,8 +172,7 @@ class _Run:
             self._restore(self.resume_from)
         self.order = SampleOrder(len(self.data.train), opts.seed)
         self.stepper = StepRunner(
-            self.model,
-            wrap_for_training(self.model, world, self.expert_parallel),
+            self.parallel,
             self.optimizer,
             self.scheduler,
             self.data.train,
@@ -188,13 +182,8 @@ class _Run:
             opts.grad_accum,
             opts.grad_clip,
             self.autocast,
-            self.expert_parallel,
         )
-        self.val_windows = eval_windows(self.data.val, opts.eval_tokens)
-        if self.expert_parallel:  # every rank must run the same number of (collective) forwards
-            self.val_windows = self.val_windows[
-                : max(world.size, len(self.val_windows) // world.size * world.size)
-            ]
+        self.val_windows = self.parallel.windows_for_eval(eval_windows(self.data.val, opts.eval_tokens))
         self.last_eval: dict[str, Any] | None = None
         self.last_checkpoint: Path | None = self.resume_from
         self.stop_reason = "completed"
@@ -221,14 +210,9 @@ class _Run:
 
     def _restore(self, folder: Path) -> None:
         saved = ckpt.load_trainer_state(folder)
-        if self.expert_parallel:
-            if saved.get("ep_size") != self.world.size:
-                raise DSV3Error(
-                    f"{folder} was saved by {saved.get('ep_size') or 1} expert-parallel rank(s); "
-                    f"resume it with the same --ep and number of processes"
-                )
-            if not self.world.is_main:
-                saved["optimizer"] = ckpt.load_trainer_state(folder, self.world.rank)["optimizer"]
+        self.parallel.check_resume(saved, folder)
+        if self.parallel.per_rank_optimizer_state and not self.world.is_main:
+            saved["optimizer"] = ckpt.load_trainer_state(folder, self.world.rank)["optimizer"]
         self.optimizer.load_state_dict(saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
         self.state = RunState(**saved["run"])
@@ -293,11 +277,8 @@ class _Run:
         )
 
     def _save(self) -> None:
-        model, extras = self.model, []
-        if self.expert_parallel:  # each rank's optimizer holds its own experts' moments
-            from dsv3.train.expert_parallel import gathered_model
-
-            model = gathered_model(self.model, self.cfg)
+        model, extras = self.parallel.full_model(), []
+        if self.parallel.per_rank_optimizer_state:  # e.g. each rank's optimizer holds its own experts' moments
             if not self.world.is_main:
                 ckpt.save_rank_state(
                     self.run_dir, self.state.step, self.world.rank, {"optimizer": self.optimizer.state_dict()}
@@ -310,8 +291,7 @@ class _Run:
                 "scheduler": self.scheduler.state_dict(),
                 "rng": ckpt.rng_state(),
                 "run": dataclasses.asdict(self.state),
-                "world_size": self.world.size,
-                "ep_size": self.world.size if self.expert_parallel else 0,
+                **self.parallel.checkpoint_fields(),
             }
             summary = {
                 "step": self.state.step,
@@ -345,11 +325,7 @@ class _Run:
         train_rows = [r for r in rows if r.get("kind") == "train" and r.get("loss") is not None]
         plots = {}
         sample = None
-        sampler = self.model
-        if self.opts.sample_tokens and self.expert_parallel:
-            from dsv3.train.expert_parallel import gathered_model
-
-            sampler = gathered_model(self.model, self.cfg)
+        sampler = self.parallel.full_model() if self.opts.sample_tokens else self.model  # a collective
         if self.world.is_main and self.plots:
             from dsv3.train.plots import write_plots
 
@@ -401,15 +377,3 @@ def moe_layer_names(model: Transformer) -> list[str]:
         for i, block in enumerate(model.model.layers)
     }
     return [names.get(id(m), "MoE") for m in model.moe_layers()]
-
-
-def _parameter_count(model: torch.nn.Module, world: World, expert_parallel: bool) -> int:
-    """All parameters of the model; under expert parallelism each rank's share of experts is summed."""
-    total = sum(p.numel() for p in model.parameters())
-    if expert_parallel:
-        from dsv3.train.expert_parallel import expert_parameter_ids
-
-        experts = expert_parameter_ids(model)
-        local = sum(p.numel() for p in model.parameters() if id(p) in experts)
-        total += int(world.sum_(torch.tensor([float(local)], device=world.device)).item()) - local
-    return total

@@ -53,7 +53,7 @@ def launch(fn: Callable, world: int, args: tuple = (), timeout_s: float = 120.0)
     ``fn`` must be importable by name (a module-level function of an installed module).
     """
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(["dsv3.parallel.scenarios"])
+    ctx.set_forkserver_preload(["dsv3.testing.ep_scenarios"])
     results = ctx.Queue()
     port = free_port()
     procs = [

@@ -1,10 +1,12 @@
-"""Multi-process checks of the EP layer against the single-process `MoE`, run by `dsv3 bench ep` and the
-tests through `launch`: one MoE layer forward + backward on random inputs, and a few training steps of a
-tiny Transformer. Every rank returns its part; rank 0 also computes the single-process reference.
+"""Multi-process checks of the expert-parallel dispatcher against the single-process `MoE`, run by
+`dsv3 bench ep` and the tests through `launch`: one MoE layer forward + backward on random inputs (plain or
+FP8 experts), and a few training steps of a tiny Transformer through `parallelize`. Every rank returns its
+part; rank 0 also computes the single-process reference.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import statistics
 import time
@@ -16,10 +18,17 @@ import torch.distributed as dist
 from dsv3.config import ModelConfig
 from dsv3.errors import DSV3Error
 from dsv3.model.moe import MoE
-from dsv3.parallel.ep import ExpertParallelMoE, apply_expert_parallel, ep_layers, sync_grads
+from dsv3.parallel.ep import (
+    ExpertParallelDispatcher,
+    ep_layers,
+    forward_micro_batches,
+    make_expert_parallel,
+    set_placement,
+)
+from dsv3.parallel.ep_groups import NodeLayout, make_ep_groups
+from dsv3.parallel.ep_traffic import analytic_bytes, copy_counts
+from dsv3.parallel.layout import Layout, parallelize
 from dsv3.parallel.placement import Placement
-from dsv3.parallel.topology import NodeLayout, make_ep_groups
-from dsv3.parallel.traffic import analytic_bytes, copy_counts
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -46,6 +55,7 @@ class LayerSpec:
     phy2log: tuple[int, ...] | None = None  # an EPLB placement; None: contiguous
     move_to_placement: bool = False  # start contiguous, then move the weights with set_placement
     overlap_repeats: int = 0  # > 0: also time two micro-batches sequential vs overlapped
+    fp8: bool = False  # the training recipe's FP8 (dsv3.train.precision.apply_fp8): FP8 experts and linears
 
     @property
     def world(self) -> int:
@@ -105,11 +115,12 @@ def layer_worker(rank: int, world: int, spec: LayerSpec) -> dict | None:
     moe, x_all, g_all = build_layer(spec)
     reference = copy.deepcopy(moe) if rank == 0 else None
     groups = make_ep_groups(spec.gpus_per_node)
+    first = None if spec.move_to_placement else spec.placement()
+    ep = make_expert_parallel(moe, groups, first, spec.dispatch, spec.combine).train()
     if spec.move_to_placement:
-        ep = ExpertParallelMoE(moe, groups, None, spec.dispatch, spec.combine).train()
-        ep.set_placement(spec.placement())
-    else:
-        ep = ExpertParallelMoE(moe, groups, spec.placement(), spec.dispatch, spec.combine).train()
+        set_placement(ep, spec.placement())
+    if spec.fp8:
+        _apply_fp8(ep, reference)
 
     x = x_all[rank : rank + 1].clone().requires_grad_()
     y = ep(x)
@@ -117,10 +128,10 @@ def layer_worker(rank: int, world: int, spec: LayerSpec) -> dict | None:
     start = time.perf_counter()
     loss.backward()
     backward_s = time.perf_counter() - start
-    stages = dict(ep.stage_seconds)
+    stages = dict(ep.dispatcher.stage_seconds)
 
     gathered = _gather_results(ep, x, y, world)
-    assignments = torch.tensor([int((ep.last_expert_slots >= 0).sum())])
+    assignments = torch.tensor([int((ep.dispatcher.last_expert_slots >= 0).sum())])
     per_rank = [torch.empty_like(assignments) for _ in range(world)]
     dist.all_gather(per_rank, assignments)
     traffic = _traffic(ep, spec, groups.layout, rank)
@@ -142,12 +153,25 @@ def layer_worker(rank: int, world: int, spec: LayerSpec) -> dict | None:
     return result
 
 
+def _apply_fp8(ep: MoE, reference: MoE | None) -> None:
+    """The trainer's FP8 recipe, applied after the sharding as the trainer does: the shard's experts must
+    become FP8 experts (they once stayed in high precision under EP)."""
+    from dsv3.model.experts import FP8Experts
+    from dsv3.train.precision import apply_fp8
+
+    apply_fp8(ep)
+    if reference is not None:
+        apply_fp8(reference)
+    if not isinstance(ep.experts, FP8Experts):
+        raise DSV3Error(f"the expert-parallel layer computes with {type(ep.experts).__name__}, not FP8Experts")
+
+
 def layers_worker(rank: int, world: int, specs: list[LayerSpec]) -> list[dict | None]:
     """Several layer checks in one launch (process start-up dominates on a small machine)."""
     return [layer_worker(rank, world, spec) for spec in specs]
 
 
-def _gather_results(ep: ExpertParallelMoE, x: torch.Tensor, y: torch.Tensor, world: int) -> dict:
+def _gather_results(ep: MoE, x: torch.Tensor, y: torch.Tensor, world: int) -> dict:
     """Outputs, input grads, logical expert grads, summed replicated grads, global aux loss and load."""
     ys = [torch.empty_like(y) for _ in range(world)]
     dist.all_gather(ys, y.detach().contiguous())
@@ -156,7 +180,7 @@ def _gather_results(ep: ExpertParallelMoE, x: torch.Tensor, y: torch.Tensor, wor
     expert_grads = {}
     for name, p in ep.experts.named_parameters():
         buf = torch.zeros(ep.n_experts, *p.shape[1:])  # replicas each hold their tokens' share: sum them
-        buf.index_add_(0, ep.expert_ids, p.grad.float())
+        buf.index_add_(0, ep.dispatcher.expert_ids, p.grad.float())
         dist.all_reduce(buf)
         expert_grads[name] = buf
     dense = {"gate.weight": ep.gate.weight.grad.clone()}
@@ -166,13 +190,15 @@ def _gather_results(ep: ExpertParallelMoE, x: torch.Tensor, y: torch.Tensor, wor
         dist.all_reduce(g)
     aux = ep.aux_loss.detach().clone()
     dist.all_reduce(aux)
+    load = ep.expert_load.clone()  # this rank's tokens: the trainer sums the loads over ranks, as here
+    dist.all_reduce(load)
     return {
         "y": torch.cat(ys),
         "gx": torch.cat(gxs),
         "experts": expert_grads,
         "dense": dense,
         "aux": float(aux) / world,
-        "load": ep.expert_load.clone(),
+        "load": load,
     }
 
 
@@ -238,10 +264,11 @@ def _compare(ep: dict, ref: dict) -> dict:
     }
 
 
-def _traffic(ep: ExpertParallelMoE, spec: LayerSpec, layout: NodeLayout, rank: int) -> dict:
+def _traffic(ep: MoE, spec: LayerSpec, layout: NodeLayout, rank: int) -> dict:
     """Measured bytes (summed over ranks) next to the analytic bytes and per-token copy statistics."""
-    counts = copy_counts(ep.last_slots, layout, rank, ep.placement.slots_per_rank)
-    f, dim = ep.formats, spec.hidden
+    d: ExpertParallelDispatcher = ep.dispatcher
+    counts = copy_counts(d.last_slots, layout, rank, d.placement.slots_per_rank)
+    f, dim = d.formats, spec.hidden
     analytic = analytic_bytes(
         counts,
         spec.topk,
@@ -249,8 +276,8 @@ def _traffic(ep: ExpertParallelMoE, spec: LayerSpec, layout: NodeLayout, rank: i
         f.combine_intra.row_bytes(dim),
         f.combine_inter.row_bytes(dim),
     )
-    keys = sorted(set(analytic) | set(ep.meter.bytes))
-    both = torch.tensor([[ep.meter.bytes.get(k, 0), analytic.get(k, 0)] for k in keys], dtype=torch.float64)
+    keys = sorted(set(analytic) | set(d.meter.bytes))
+    both = torch.tensor([[d.meter.bytes.get(k, 0), analytic.get(k, 0)] for k in keys], dtype=torch.float64)
     dist.all_reduce(both)
     measured = {"/".join(k): int(v) for k, v in zip(keys, both[:, 0].tolist(), strict=True)}
     expected = {"/".join(k): int(v) for k, v in zip(keys, both[:, 1].tolist(), strict=True)}
@@ -270,15 +297,15 @@ def _traffic(ep: ExpertParallelMoE, spec: LayerSpec, layout: NodeLayout, rank: i
         "mean_inter_node_copies_without_dedup": float(naive.mean()),
         "max_inter_node_copies_without_dedup": int(naive.max()),
         "mean_intra_node_copies_per_token": float(intra.mean()),
-        "node_limit": ep.node_limit,
+        "node_limit": d.node_limit(ep.gate),
         "inter_node_bytes": fwd("inter"),
         "intra_node_bytes": fwd("intra"),
         "inter_node_metadata_bytes": fwd("inter", ("gate", "slots")),
         "intra_node_metadata_bytes": fwd("intra", ("gate", "slots")),
         "bytes_per_token_row": {
-            "dispatch": ep.formats.dispatch.row_bytes(spec.hidden),
-            "combine_inter": ep.formats.combine_inter.row_bytes(spec.hidden),
-            "combine_intra": ep.formats.combine_intra.row_bytes(spec.hidden),
+            "dispatch": f.dispatch.row_bytes(spec.hidden),
+            "combine_inter": f.combine_inter.row_bytes(spec.hidden),
+            "combine_intra": f.combine_intra.row_bytes(spec.hidden),
         },
         "traffic_measured": measured,
         "traffic_analytic": expected,
@@ -320,7 +347,7 @@ def _gather_floats(values: dict[str, float], world: int) -> dict[str, dict[str, 
     }
 
 
-def _overlap(ep: ExpertParallelMoE, x: torch.Tensor, repeats: int) -> dict:
+def _overlap(ep: MoE, x: torch.Tensor, repeats: int) -> dict:
     """Two micro-batches (the rank's tokens and a perturbed copy): forward one after the other vs
     overlapped. Hidden fraction = time saved / communication time of the sequential run."""
     ep.eval()
@@ -328,15 +355,16 @@ def _overlap(ep: ExpertParallelMoE, x: torch.Tensor, repeats: int) -> dict:
     seq, ovl, comm = [], [], []
     with torch.no_grad():
         for _ in range(repeats):
-            ep.stage_seconds.clear()
+            stages = ep.dispatcher.stage_seconds
+            stages.clear()
             dist.barrier()
             start = time.perf_counter()
             outs_seq = [ep(xi) for xi in xs]
             seq.append(time.perf_counter() - start)
-            comm.append(ep.stage_seconds["dispatch"] + ep.stage_seconds["combine"])
+            comm.append(stages["dispatch"] + stages["combine"])
             dist.barrier()
             start = time.perf_counter()
-            outs_ovl = ep.forward_micro_batches(xs)
+            outs_ovl = forward_micro_batches(ep, xs)
             ovl.append(time.perf_counter() - start)
     diff = max(float((a - b).abs().max()) for a, b in zip(outs_seq, outs_ovl, strict=True))
     t = torch.tensor(
@@ -366,6 +394,9 @@ class TrainSpec:
     combine: str = "bf16"
     lr: float = 1e-2
     seed: int = 0
+    micro_batches: int = 1  # > 1: each rank's sequences in that many micro-batches (gradient accumulation)
+    precision: str | None = None  # set: build the EP model with the trainer's own build_model (wire formats
+    # then follow the precision, as in `dsv3 train --ep N --precision P`); the reference gets its numerics
 
 
 def tiny_config(nodes: int) -> ModelConfig:
@@ -406,7 +437,16 @@ def train_worker(rank: int, world: int, spec: TrainSpec) -> dict | None:
     torch.manual_seed(spec.seed)
     model = Transformer(cfg)
     reference = copy.deepcopy(model) if rank == 0 else None
-    apply_expert_parallel(model, spec.gpus_per_node, dispatch=spec.dispatch, combine=spec.combine)
+    if spec.precision is None:
+        layout = Layout(dp=world, ep=world, gpus_per_node=spec.gpus_per_node, dispatch=spec.dispatch,
+                        combine=spec.combine)
+        parallel = parallelize(model, layout)
+    else:
+        parallel, reference = _as_the_trainer_builds_it(cfg, spec, rank, world, reference)
+        model = parallel.model
+    expert_calls = []  # the experts modules must really run (not be bypassed by the dispatcher)
+    for m in model.moe_layers():
+        m.experts.register_forward_hook(lambda *_: expert_calls.append(1))
     # one fixed batch, seen every step: the loss must fall (memorization), in both runs alike
     data = torch.randint(
         0,
@@ -415,13 +455,15 @@ def train_worker(rank: int, world: int, spec: TrainSpec) -> dict | None:
         generator=torch.Generator().manual_seed(spec.seed + 1),
     ).expand(spec.steps, -1, -1)
     mine = slice(rank * spec.seqs_per_rank, (rank + 1) * spec.seqs_per_rank)
-    losses = _train(model, data[:, mine], spec, sync=True)
+    losses = _train(model, data[:, mine], spec, parallel)
     if rank != 0:
         return None
-    ref_losses = _train(reference, data, spec, sync=False)
+    ref_losses = _train(reference, data, spec, None)
     bias = [m.gate.e_score_correction_bias for m in ep_layers(model)]
     ref_bias = [m.gate.e_score_correction_bias for m in reference.moe_layers()]
     return {
+        "expert_kinds": sorted({type(m.experts).__name__ for m in model.moe_layers()}),
+        "expert_forward_calls": len(expert_calls),
         "ep_losses": losses,
         "single_losses": ref_losses,
         "bias_max_abs_diff": max(float((a - b).abs().max()) for a, b in zip(bias, ref_bias, strict=True)),
@@ -429,25 +471,55 @@ def train_worker(rank: int, world: int, spec: TrainSpec) -> dict | None:
     }
 
 
+def _as_the_trainer_builds_it(cfg: ModelConfig, spec: TrainSpec, rank: int, world: int, reference):
+    """`dsv3 train --ep WORLD --precision P`'s model (its build_model, same seed) and the single-process
+    reference with the same numerics."""
+    from dsv3.train.distributed import World
+    from dsv3.train.options import TrainOptions
+    from dsv3.train.precision import apply_fp8
+    from dsv3.train.run import build_model
+
+    opts = TrainOptions(precision=spec.precision, ep=world, gpus_per_node=spec.gpus_per_node, seed=spec.seed)
+    parallel = build_model(cfg, opts, None, World(rank, world, rank, torch.device("cpu")))
+    if reference is not None and spec.precision == "fp8":
+        apply_fp8(reference)
+    return parallel, reference
+
+
 def trains_worker(rank: int, world: int, specs: list[TrainSpec]) -> list[dict | None]:
     """Several training comparisons in one launch."""
     return [train_worker(rank, world, spec) for spec in specs]
 
 
-def _train(model, data: torch.Tensor, spec: TrainSpec, sync: bool) -> list[float]:
+def _accumulate(parallel, batch: torch.Tensor, micro_batches: int) -> torch.Tensor:
+    """Backward of the batch's mean loss in ``micro_batches`` parts, the gradient sync skipped for all but
+    the last (as the trainer's --grad-accum does); returns the detached mean loss."""
+    total = torch.zeros(())
+    parts = batch.chunk(micro_batches)
+    for j, part in enumerate(parts):
+        with contextlib.nullcontext() if j == len(parts) - 1 else parallel.no_sync():
+            loss, _ = parallel(part[:, :-1], part[:, 1:])
+            (loss / len(parts)).backward()
+        total += loss.detach() / len(parts)
+    return total
+
+
+def _train(model, data: torch.Tensor, spec: TrainSpec, parallel) -> list[float]:
+    """AdamW steps on ``data``; through ``parallel`` (a `Parallelized`) when given, as the trainer does."""
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, weight_decay=0.0)
     losses = []
     for step in range(spec.steps):
         batch = data[step]
-        out = model.loss(batch[:, :-1], batch[:, 1:])
         opt.zero_grad(set_to_none=True)
-        out.loss.backward()
-        loss = out.loss.detach().clone()
-        if sync:
-            sync_grads(model)
-            dist.all_reduce(loss)
-            loss /= dist.get_world_size()
+        if parallel is None:
+            loss = model.loss(batch[:, :-1], batch[:, 1:]).loss
+            loss.backward()
+        else:
+            loss = _accumulate(parallel, batch, spec.micro_batches)
+            parallel.sync_and_clip(float("inf"))
+            parallel.reduce_expert_loads()
+            loss = parallel.sum_(loss.detach().clone()) / parallel.world
         opt.step()
         model.update_router_biases()
         losses.append(float(loss))

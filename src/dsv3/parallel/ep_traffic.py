@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dsv3.parallel.topology import NodeLayout
+from dsv3.parallel.ep_groups import NodeLayout
 
 
 @dataclass(frozen=True)

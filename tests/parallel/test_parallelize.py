@@ -1,0 +1,89 @@
+"""`parallelize(model, layout)` in one process: the all-ones layout trains exactly like the bare model (the
+trainer's only path), a simulated combine format reaches the local dispatchers, the layouts that do not
+exist yet are refused with one clear error, and a checkpoint of another EP size is refused on resume.
+(DDP and EP layouts run on gloo processes in tests/train and tests/parallel/test_ep_training.py.)"""
+
+import copy
+
+import pytest
+import torch
+
+from dsv3.errors import DSV3Error
+from dsv3.model import LocalDispatcher, Transformer
+from dsv3.parallel.layout import Layout, Parallelized, parallelize
+from dsv3.testing.ep_scenarios import tiny_config
+
+
+def tiny_model(seed=0) -> Transformer:
+    cfg = tiny_config(2)
+    torch.manual_seed(seed)
+    return Transformer(cfg).train()
+
+
+def test_one_process_is_the_all_ones_layout_and_trains_like_the_bare_model():
+    model, bare = tiny_model(), tiny_model()
+    parallel = parallelize(model)
+    assert type(parallel) is Parallelized and parallel.layout == Layout() and parallel.full_model() is model
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    for _ in range(2):  # micro-batch accumulation: no_sync is a plain context here
+        with parallel.no_sync():
+            loss, parts = parallel(ids, ids)
+        loss.backward()
+        bare.loss(ids, ids).loss.backward()
+        assert float(parts[0]) == float(loss.detach())
+    norm = parallel.sync_and_clip(0.5)
+    bare_norm = torch.nn.utils.clip_grad_norm_(bare.parameters(), 0.5)
+    assert norm == float(bare_norm)
+    for p, q in zip(model.parameters(), bare.parameters(), strict=True):
+        assert torch.equal(p.grad, q.grad)
+    parallel.reduce_expert_loads()
+    assert all(torch.equal(a.expert_load, b.expert_load) for a, b in zip(model.moe_layers(), bare.moe_layers(),
+                                                                          strict=True))
+    assert parallel.parameter_count() == sum(p.numel() for p in bare.parameters())
+    assert parallel.windows_for_eval([0, 1, 2]) == [0, 1, 2]
+
+
+def test_a_combine_format_without_ep_is_simulated_by_the_local_dispatchers():
+    model = tiny_model()
+    reference = copy.deepcopy(model)
+    parallelize(model, Layout(combine="logfmt8"))
+    assert {d.combine_format for d in model.modules() if isinstance(d, LocalDispatcher)} == {"logfmt8"}
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(1))
+    assert not torch.equal(model(ids), reference(ids))  # rounded for real
+
+
+@pytest.mark.parametrize(
+    ("layout", "message"),
+    [
+        (Layout(pp=2), "pipeline parallelism (pp=2) is not implemented"),
+        (Layout(dp_shard="zero1"), "sharded data parallelism (dp_shard=zero1) is not implemented"),
+        (Layout(dp_shard="fsdp"), "sharded data parallelism (dp_shard=fsdp) is not implemented"),
+        (Layout(dp_shard="zero3"), "dp_shard must be one of none, zero1, fsdp"),
+        (Layout(dp=4), "needs pp x dp = 4 processes, but 1 are running"),
+        (Layout(ep=4), "--ep 4 must equal the number of data-parallel processes (1)"),
+        (Layout(combine="fp4"), "--moe-output-format must be one of"),
+        (Layout(ep=0), "ep must be at least 1"),
+    ],
+)
+def test_layouts_that_do_not_exist_yet_are_refused(layout, message):
+    with pytest.raises(DSV3Error, match=message.replace("(", r"\(").replace(")", r"\)")):
+        parallelize(tiny_model(), layout)
+
+
+def test_ep_layout_checks_before_any_process_group_is_needed():
+    with pytest.raises(DSV3Error, match="must equal the number of data-parallel processes"):
+        Layout(dp=4, ep=2, gpus_per_node=2).check(4)  # EP over part of the dp ranks: not yet
+    with pytest.raises(DSV3Error, match="--gpus-per-node 3 must divide"):
+        Layout(dp=4, ep=4, gpus_per_node=3).check(4)
+    with pytest.raises(DSV3Error, match="EP wire formats"):
+        Layout(dp=4, ep=4, gpus_per_node=2, dispatch="fp16").check(4)
+    assert Layout(dp=4, ep=4, gpus_per_node=2, dispatch="fp8").ep_combine == "bf16"
+
+
+def test_resuming_a_checkpoint_of_another_ep_size_is_refused():
+    parallel = parallelize(tiny_model())
+    fields = parallel.checkpoint_fields()
+    assert fields["ep_size"] == 0 and fields["world_size"] == 1 and fields["layout"]["dp"] == 1
+    parallel.check_resume(fields, "run")
+    with pytest.raises(DSV3Error, match="saved by 4 expert-parallel ranks; resume it with the same --ep"):
+        parallel.check_resume({"ep_size": 4}, "run")
