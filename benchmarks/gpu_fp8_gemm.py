@@ -16,7 +16,7 @@ from dsv3.precision import fp8
 from dsv3.precision.fp8_linear import fp8_linear
 
 BENCH_SHAPES = [(4096, 7168, 7168), (4096, 2048, 7168), (128, 7168, 2048)]
-CHECK_SHAPES = [(256, 512, 1024), (200, 384, 640), (1024, 2048, 7168)]
+CHECK_SHAPES = [(256, 512, 1024), (200, 384, 640), (1024, 2048, 7168), (31, 384, 256), (1, 512, 128)]
 KERNELS = ("torch", "triton", "dequantized")
 
 

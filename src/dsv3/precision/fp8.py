@@ -189,9 +189,13 @@ def _dispatch(choice, a_q, a_scale, b_q, b_scale, out_dtype, b_block) -> torch.T
     if choice == "chunked":
         return scaled_mm_chunked(a_q, a_scale, b_q, b_scale, out_dtype, b_block)
     if a_q.is_cuda and choice != "dequantized":
-        kernel = _cuda_kernel(choice, a_q, b_q, b_block)
-        if kernel is not None:
-            return kernel(a_q, a_scale, b_q, b_scale, out_dtype)
+        for name in _cuda_kernels(choice, a_q, b_q, b_block):
+            try:
+                return _CUDA_KERNELS[name](a_q, a_scale, b_q, b_scale, out_dtype)
+            except RuntimeError as err:  # cuBLAS refuses some shapes its probe did not cover: try the next
+                if choice != "auto":
+                    raise DSV3Error(f"FP8 GEMM backend {name!r} failed on {tuple(a_q.shape)} x "
+                                    f"{tuple(b_q.shape)}: {err}") from err  # fmt: skip
     if choice in ("torch", "triton"):
         raise DSV3Error(f"FP8 GEMM backend {choice!r} is not available for these operands on this device")
     a = dequantize(a_q, a_scale, (1, TILE))
@@ -242,17 +246,14 @@ def scaled_mm_chunked(
 # --------------------------------------------------------------------------------------------------
 
 
-def _cuda_kernel(choice: str, a_q: torch.Tensor, b_q: torch.Tensor, b_block: tuple[int, int]):
-    """First CUDA kernel among ``choice``'s candidates that fits the operands and passed its probe."""
+def _cuda_kernels(choice: str, a_q: torch.Tensor, b_q: torch.Tensor, b_block: tuple[int, int]) -> list[str]:
+    """The CUDA kernels among ``choice``'s candidates that fit the operands and passed their probe, in order."""
     if a_q.dtype != torch.float8_e4m3fn or b_q.dtype != torch.float8_e4m3fn:
-        return None  # the fast paths are validated for the V3 recipe (E4M3 everywhere) only
+        return []  # the fast paths are validated for the V3 recipe (E4M3 everywhere) only
     device_index = a_q.device.index or 0
     names = ("torch", "triton") if choice == "auto" else (choice,)
-    for name in names:
-        fits = name == "triton" or (a_q.shape[1] % TILE == 0 and b_q.shape[0] % 16 == 0)
-        if fits and cuda_backend_ok(name, b_block, device_index):
-            return _CUDA_KERNELS[name]
-    return None
+    fits = {"torch": a_q.shape[1] % TILE == 0 and b_q.shape[0] % 16 == 0, "triton": True}
+    return [name for name in names if fits[name] and cuda_backend_ok(name, b_block, device_index)]
 
 
 # The tensor cores' FP8 products are summed in a narrow adder within each 128-wide chunk (about 13 fraction
@@ -288,6 +289,14 @@ def probe_cuda_backend(name: str, b_block: tuple[int, int] = (TILE, TILE), devic
 def _torch_blockwise(a_q, a_scale, b_q, b_scale, out_dtype):
     """cuBLAS blockwise FP8 GEMM (sm90, CUDA >= 12.9, K % 128 == 0) through ``F.scaled_mm`` with explicit
     recipes: torch 2.11's ``torch._scaled_mm`` no longer infers the blockwise recipes from scale shapes."""
+    m = a_q.shape[0]
+    if m == 0:
+        return torch.empty(0, b_q.shape[0], dtype=out_dtype, device=a_q.device)
+    pad = -m % 4  # the scales' leading dimension is M: cuBLAS wants it 16-byte aligned
+    if pad:
+        zeros = torch.zeros(pad, a_q.shape[1], dtype=torch.uint8, device=a_q.device)
+        a_q = torch.cat([a_q.view(torch.uint8), zeros]).view(a_q.dtype)  # FP8 zero is all-zero bits
+        a_scale = torch.cat([a_scale, a_scale.new_ones(pad, a_scale.shape[1])])
     sa = a_scale.float().t().contiguous().t()  # [M, K/128], outer-dim-major (stride (1, M))
     if b_scale.shape[0] == b_q.shape[0]:  # 1x128 tiles on B too: [N, K/128], outer-dim-major
         sb, recipe_b = b_scale.float().t().contiguous().t(), F.ScalingType.BlockWise1x128
@@ -295,8 +304,9 @@ def _torch_blockwise(a_q, a_scale, b_q, b_scale, out_dtype):
         kb = b_scale.shape[1]
         sb = F.pad(b_scale.float(), (0, -(-kb // 4) * 4 - kb)).t()
         recipe_b = F.ScalingType.BlockWise128x128
-    return F.scaled_mm(a_q.contiguous(), b_q.contiguous().t(), sa, F.ScalingType.BlockWise1x128, sb, recipe_b,
-                       output_dtype=out_dtype)  # fmt: skip
+    out = F.scaled_mm(a_q.contiguous(), b_q.contiguous().t(), sa, F.ScalingType.BlockWise1x128, sb, recipe_b,
+                      output_dtype=out_dtype)  # fmt: skip
+    return out[:m]
 
 
 def _triton_blockwise(a_q, a_scale, b_q, b_scale, out_dtype):
