@@ -50,8 +50,10 @@ class TrainProgress:
             self.console.print(f"step {row['step']}/{self.total}  {stats}", highlight=False)
 
     def note(self, message: str) -> None:
+        """One message, unwrapped: rich would break a long path or number at 80 columns when stderr is
+        a file, which no reader (or grep) expects; a terminal wraps long lines by itself."""
         if self.enabled:
-            self.console.print(message, highlight=False)
+            self.console.print(message, highlight=False, soft_wrap=True)
 
     def close(self) -> None:
         if self._progress is not None:
