@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import shutil
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -32,18 +34,33 @@ def human_bytes(n: float) -> str:
     return f"{n:g}B"
 
 
-def format_table(headers: list[str], rows: list[list], markdown: bool = False) -> str:
-    """A plain aligned text table, or a GitHub Markdown table."""
+def format_table(headers: list[str], rows: list[list], markdown: bool = False, width: int | None = None) -> str:
+    """A plain aligned text table, or a GitHub Markdown table. When one-line headers would make the
+    table wider than ``width`` (default: the terminal's), headers wrap at spaces onto more lines;
+    cells never wrap, so no number is ever split."""
     cells = [[_fmt(c) for c in row] for row in rows]
     if markdown:
         lines = ["| " + " | ".join(headers) + " |", "|" + "|".join("---" for _ in headers) + "|"]
         return "\n".join(lines + ["| " + " | ".join(r) + " |" for r in cells])
+    width = width or shutil.get_terminal_size().columns
+    head = [[h] for h in headers]
     widths = [max(len(h), *(len(r[i]) for r in cells)) if cells else len(h) for i, h in enumerate(headers)]
-    out = ["  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True))]
+    if sum(widths) + 2 * (len(widths) - 1) > width:
+        widths = [max([len(w) for w in h.split()] + [len(r[i]) for r in cells]) for i, h in enumerate(headers)]
+        head = [textwrap.wrap(h, w) or [""] for h, w in zip(headers, widths, strict=True)]
+    depth = max(len(h) for h in head)
+    head = [[""] * (depth - len(h)) + h for h in head]  # headers sit on the rule, as rich's do
+    out = ["  ".join(h[line].ljust(w) for h, w in zip(head, widths, strict=True)).rstrip() for line in range(depth)]
     out.append("  ".join("-" * w for w in widths))
     out += ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True)))
             for r in cells]
     return "\n".join(out)
+
+
+def format_notes(notes: list[str], width: int | None = None) -> str:
+    """``note: ...`` lines wrapped at spaces to the terminal's width, continuation lines indented."""
+    width = width or shutil.get_terminal_size().columns
+    return "\n".join(textwrap.fill(f"note: {n}", width, subsequent_indent="  ") for n in notes)
 
 
 def _fmt(value) -> str:

@@ -21,7 +21,6 @@ import numpy as np
 import typer
 from rich.console import Console
 from rich.progress import Progress
-from rich.table import Table
 
 from dsv3.errors import DSV3Error
 from dsv3.io import save_figure
@@ -239,15 +238,15 @@ def markdown_table(headers: list[str], cells: list[list[str]]) -> str:
 
 
 def print_rich(title: str, headers: list[str], cells: list[list[str]], footer: str = "") -> None:
-    table = Table(title=title)
-    for i, header in enumerate(headers):
-        table.add_column(header, justify="left" if i == 0 and not header == "K" else "right")
-    for row in cells:
-        table.add_row(*row)
+    """The title on its own line (rich wrapped it to the table's width), the table sized to the terminal."""
+    from dsv3.termtable import fitted_table
+
     console = Console()
-    console.print(table)
+    console.print(title, style="bold", highlight=False)
+    left = () if headers[0] == "K" else (0,)
+    console.print(fitted_table(headers, cells, console.width, left=left))
     if footer:
-        console.print(footer)
+        console.print(footer, highlight=False)
 
 
 def write_plot(result: dict, path: Path) -> None:

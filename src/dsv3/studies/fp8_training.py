@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 import typer
 from rich.console import Console
-from rich.table import Table
 from torch import nn
 
 from dsv3.errors import DSV3Error
 from dsv3.io import save_figure
 from dsv3.precision import fp8
 from dsv3.precision.fp8_linear import convert_to_fp8
+from dsv3.termtable import fitted_table
 
 SCHEMES = ("per-tensor", "per-row", "1x128")
 # Training variants: (trainer precision, FP8 scaling or None).
@@ -291,18 +291,24 @@ def _cell(m: dict) -> str:
 
 
 def print_rich(result: dict) -> None:
-    table = Table(title="FP8 E4M3 quantization error: rel RMSE / median channel rel RMSE / flushed to zero")
-    for col in ("tensor", "outlier scale", "outliers"):
-        table.add_column(col)
-    for scheme in SCHEMES:
-        table.add_column(scheme, justify="right")
+    """One row per tensor and scaling scheme (the three errors side by side in one cell broke over three
+    lines at 80 columns); a rule separates the tensors."""
+    console = Console()
+    rows, ends = [], []
     for row in result["quantization_error"]:
         scale = "-" if row["outlier_scale"] is None else f"{row['outlier_scale']:g}"
-        cells = [_cell(row["schemes"][s]) for s in SCHEMES]
-        table.add_row(row["tensor"], scale, str(row["outlier_channels"]), *cells)
-    console = Console()
+        for i, scheme in enumerate(SCHEMES):
+            m = row["schemes"][scheme]
+            label = [row["tensor"], scale, str(row["outlier_channels"])] if i == 0 else ["", "", ""]
+            rows.append([*label, scheme, f"{m['rel_rmse']:.3f}", f"{m['median_channel_rel_rmse']:.3f}",
+                         f"{m['flushed_to_zero']:.3f}"])
+        ends.append(len(rows) - 1)
+    headers = ["tensor", "outlier scale", "outliers", "scaling", "rel RMSE", "median channel rel RMSE",
+               "flushed to zero"]
+    table = fitted_table(headers, rows, console.width, left=(0, 3), section_ends=set(ends[:-1]))
+    console.print("FP8 E4M3 quantization error", style="bold", highlight=False)
     console.print(table)
-    console.print(markdown(result).splitlines()[-1])
+    console.print(markdown(result).splitlines()[-1], highlight=False)
 
 
 def write_plot(result: dict, path: Path) -> None:

@@ -126,22 +126,26 @@ def markdown_table(result: dict) -> str:
 
 
 def print_rich(result: dict) -> None:
+    """The data set heads each group of rows (as its own row) instead of filling a column of its own,
+    which at 80 columns cut 'student-t(df=3)' to 'student-t(…'."""
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(title="rounding error of MoE-combine formats (biases relative to mean |x|)")
-    for column in ("data", "format", "bits/element", "rel. RMSE", "mean bias", "magnitude bias"):
-        table.add_column(column, justify="left" if column in ("data", "format") else "right")
+    from dsv3.termtable import fitted_table
+
+    console = Console()
+    rows, ends, previous = [], set(), None
     for row in result["rows"]:
-        table.add_row(
-            row["data"],
-            row["format"],
-            f"{row['bits_per_element']:.2f}",
-            f"{row['rel_rmse']:.2e}",
-            f"{row['mean_bias']:+.1e}",
-            f"{row['magnitude_bias']:+.1e}",
-        )
-    Console().print(table)
+        if row["data"] != previous:
+            if rows:
+                ends.add(len(rows) - 1)
+            rows.append([row["data"], "", "", "", ""])
+            previous = row["data"]
+        rows.append([f"  {row['format']}", f"{row['bits_per_element']:.2f}", f"{row['rel_rmse']:.2e}",
+                     f"{row['mean_bias']:+.1e}", f"{row['magnitude_bias']:+.1e}"])
+    headers = ["data / format", "bits per element", "rel. RMSE", "mean bias", "magnitude bias"]
+    console.print("rounding error of MoE-combine formats (biases relative to mean |x|)", style="bold",
+                  highlight=False)
+    console.print(fitted_table(headers, rows, console.width, section_ends=ends))
 
 
 def write_plot(result: dict, path: Path) -> None:
@@ -356,15 +360,15 @@ def train_markdown(result: dict) -> str:
 
 def print_train_rich(result: dict) -> None:
     from rich.console import Console
-    from rich.table import Table
 
+    from dsv3.termtable import fitted_table
+
+    console = Console()
     seeds = result["config"]["seeds"]
-    table = Table(title=f"final validation loss by MoE-combine format ({len(seeds)} seeds)")
-    for column in ("format", "val loss mean ± std", "Δ vs bf16 (paired)", "per seed"):
-        table.add_column(column, justify="left" if column == "format" else "right")
-    for fmt, _, mean, delta, per_seed in _train_rows(result):
-        table.add_row(fmt, mean, delta, per_seed)
-    Console().print(table)
+    rows = [[fmt, mean, delta, per_seed] for fmt, _, mean, delta, per_seed in _train_rows(result)]
+    console.print(f"final validation loss by MoE-combine format ({len(seeds)} seeds)", style="bold", highlight=False)
+    console.print(fitted_table(["format", "val loss mean ± std", "Δ vs bf16 (paired)", "per seed"], rows,
+                               console.width))
 
 
 def write_train_plot(result: dict, path: Path) -> None:
