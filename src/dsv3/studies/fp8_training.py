@@ -151,8 +151,9 @@ def activation_memory(tokens: int, dim: int, layers: int, seed: int) -> dict:
     }
 
 
-def train_variant(variant: str, seed: int, run_dir: Path, **options) -> dict:
-    """One training run of ``variant`` through ``dsv3.train.run.run_training``; returns its curves."""
+def train_variant(variant: str, seed: int, run_dir: Path, on_step=None, **options) -> dict:
+    """One training run of ``variant`` through ``dsv3.train.run.run_training``; returns its curves.
+    ``on_step(row)`` sees every step (the study's progress bar)."""
     from dsv3.precision.fp8_linear import default_scaling
     from dsv3.train.metrics import read_rows
     from dsv3.train.options import TrainOptions
@@ -162,7 +163,7 @@ def train_variant(variant: str, seed: int, run_dir: Path, **options) -> dict:
     opts = TrainOptions(out=str(run_dir), precision=precision, seed=seed, keep_last=1, **options)
     opts.save_every = opts.steps  # only the final checkpoint
     with default_scaling(scaling or "fine"):
-        summary = run_training(opts, show_progress=False, plots=False)
+        summary = run_training(opts, on_step=on_step, show_progress=False, plots=False)
     rows = read_rows(run_dir / "metrics.jsonl")
     evals = [r for r in rows if r.get("kind") == "eval"]
     return {
@@ -181,11 +182,16 @@ def compare_training(
 ) -> dict:
     """Every variant for every seed (same seed: same initial weights and batch order), and per seed
     the relative gap of each variant's final held-out loss to BF16's."""
-    runs = [
-        train_variant(v, seed, runs_dir / f"seed{seed}-{v}", **options)
-        for seed in seeds
-        for v in variants
-    ]
+    from dsv3.studies.progress import RunsProgress
+
+    runs = []
+    with RunsProgress("fp8 study", len(seeds) * len(variants), options.get("steps", 100)) as progress:
+        for seed in seeds:
+            for v in variants:
+                on_step = progress.start_run(f"{v}, seed {seed}")
+                runs.append(train_variant(v, seed, runs_dir / f"seed{seed}-{v}", on_step=on_step, **options))
+                progress.note(f"seed {seed} {v}: val loss {runs[-1]['val_loss']:.4f} "
+                              f"({runs[-1]['train_seconds']:.0f}s)")
     summary = {}
     for v in variants:
         losses = [r["val_loss"] for r in runs if r["variant"] == v]

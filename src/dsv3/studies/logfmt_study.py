@@ -274,15 +274,17 @@ def training_options(fmt: str, seed: int, settings: dict, out: Path):
     )
 
 
-def train_one(fmt: str, seed: int, settings: dict) -> dict:
-    """Train one (format, seed) run in a throwaway folder with the trainer's Python API; its numbers."""
+def train_one(fmt: str, seed: int, settings: dict, on_step=None) -> dict:
+    """Train one (format, seed) run in a throwaway folder with the trainer's Python API; its numbers.
+    ``on_step(row)`` sees every step (the study's progress bar)."""
     import tempfile
 
     from dsv3.train.run import run_training
 
     with tempfile.TemporaryDirectory(prefix="dsv3-logfmt-") as folder:
         summary = run_training(
-            training_options(fmt, seed, settings, Path(folder) / "run"), show_progress=False, plots=False
+            training_options(fmt, seed, settings, Path(folder) / "run"), on_step=on_step, show_progress=False,
+            plots=False,
         )
     keys = ("first_loss", "final_loss", "val_loss", "val_bpb", "train_seconds", "skipped_steps", "tokens")
     return {"format": fmt, "seed": seed, **{k: summary[k] for k in keys}}
@@ -315,15 +317,15 @@ def summarize_runs(runs: list[dict], formats: list[str], seeds: list[int]) -> di
 
 def run_training_study(formats: list[str], seeds: list[int], settings: dict) -> dict:
     """Every (format, seed) run, seed-major so a partial sweep still compares all formats."""
-    from rich.console import Console
+    from dsv3.studies.progress import RunsProgress
 
-    console = Console(stderr=True)
     runs = []
-    for seed in seeds:
-        for fmt in formats:
-            run = train_one(fmt, seed, settings)
-            console.print(f"[dim]seed {seed} {fmt}: val loss {run['val_loss']:.4f} ({run['train_seconds']:.0f}s)[/dim]")
-            runs.append(run)
+    with RunsProgress("logfmt study", len(seeds) * len(formats), settings["steps"]) as progress:
+        for seed in seeds:
+            for fmt in formats:
+                run = train_one(fmt, seed, settings, progress.start_run(f"{fmt}, seed {seed}"))
+                progress.note(f"seed {seed} {fmt}: val loss {run['val_loss']:.4f} ({run['train_seconds']:.0f}s)")
+                runs.append(run)
     return {
         "study": "logfmt-train",
         "config": {**settings, "formats": formats, "seeds": seeds},
