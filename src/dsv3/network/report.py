@@ -84,7 +84,9 @@ def plot_utilization(util_by_kind: dict[str, np.ndarray], title: str, path: Path
     """Histogram of time-averaged link utilization, one panel per link class that carried traffic."""
     plt = _pyplot()
     kinds = [k for k, u in util_by_kind.items() if len(u)]
-    fig, axes = plt.subplots(1, max(1, len(kinds)), figsize=(4 * max(1, len(kinds)), 3.2), squeeze=False)
+    # constrained layout: the figure title above the panels' titles, each y label clear of its neighbour's ticks
+    fig, axes = plt.subplots(1, max(1, len(kinds)), figsize=(4 * max(1, len(kinds)), 3.4), squeeze=False,
+                             layout="constrained")
     for ax, kind in zip(axes[0], kinds, strict=False):
         ax.hist(np.clip(util_by_kind[kind], 0, 1), bins=20, range=(0, 1), color="#4477aa")
         ax.set_title(f"{kind} ({len(util_by_kind[kind])} links)")
