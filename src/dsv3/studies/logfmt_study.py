@@ -1,4 +1,4 @@
-"""`dsv3 study logfmt`: how much each candidate MoE-combine format loses (PAPER.md §7).
+"""`dsv3 study logfmt`: how much each candidate MoE-combine format loses (ISCA 2025 §3.2).
 
 Every format rounds the same float32 data: BF16, E4M3 and E5M2 with one amax scale per 1x128 tile, and
 LogFMT-8/10 (plus LogFMT-8 rounded in log space, the variant the paper rejects for its bias). Data: Gaussian,
@@ -171,7 +171,7 @@ def write_plot(result: dict, path: Path) -> None:
         ax.grid(True, axis="y", which="both", alpha=0.3)
     handles, labels = ax_rmse.get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(formats), fontsize=8)
-    fig.suptitle("MoE-combine formats, 1x128 tiles (LogFMT: PAPER.md §7)")
+    fig.suptitle("MoE-combine formats, 1x128 tiles (LogFMT: ISCA 2025 §3.2)")
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     if not path.parent.is_dir():
         raise DSV3Error(f"--plot: directory does not exist: {path.parent}")
