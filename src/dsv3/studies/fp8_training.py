@@ -371,7 +371,27 @@ def _emit(result: dict, as_json: bool, as_markdown: bool, text: str) -> None:
     elif as_markdown:
         sys.stdout.write(text + "\n")
     else:
-        Console().print(text)
+        print_training_rich(result["training_comparison"])
+
+
+def print_training_rich(training: dict) -> None:
+    """The training comparison as a table sized to the terminal (the Markdown text, printed as it was,
+    broke its rows across lines at 80 columns)."""
+    console = Console()
+    o = training["options"]
+    rows = []
+    for v, s in training["summary"].items():
+        gap = s["mean_rel_gap_to_bf16"]
+        rows.append([v, ", ".join(f"{x:.4f}" for x in s["val_loss"]), f"{s['mean_val_loss']:.4f}",
+                     ", ".join(f"{100 * g:+.2f}%" for g in s["rel_gap_to_bf16"]),
+                     "-" if gap is None else f"{100 * gap:+.2f}%"])
+    console.print(f"FP8 training: {o.get('steps')} steps of {o.get('batch_size')} x {o.get('seq_len')} tokens, "
+                  f"seeds {training['seeds']}", style="bold", highlight=False)
+    headers = ["variant", "final val loss per seed", "mean", "gap to BF16 per seed", "mean gap"]
+    console.print(fitted_table(headers, rows, console.width))
+    if training["bf16_seed_spread"] is not None:
+        console.print(f"Run-to-run spread of BF16 over seeds: {100 * training['bf16_seed_spread']:.2f}%.",
+                      highlight=False)
 
 
 def main(
