@@ -54,3 +54,27 @@ def test_network_utilization_title_clears_the_panel_titles(tmp_path, monkeypatch
     title = fig._suptitle.get_window_extent()
     assert all(title.y0 > ax.title.get_window_extent().y1 for ax in fig.axes)
     plt.close(fig)
+
+
+def test_labels_of_nearly_coinciding_models_go_to_opposite_sides():
+    from dsv3.analysis.plots import _label_offset
+
+    points = [(235.7, 21.4, "deepseek-v2"), (235.1, 22.1, "qwen3-235b-a22b"), (671.0, 37.5, "deepseek-v3")]
+    upper, lower = _label_offset(points[1], points), _label_offset(points[0], points)
+    assert upper[1] > 0 > lower[1]
+    assert _label_offset(points[2], points)[1] > 0
+
+
+def test_sweep_series_with_equal_bandwidth_stay_visible(tmp_path, monkeypatch):
+    from dsv3.network import report
+
+    figs = []
+    monkeypatch.setattr(report, "save_figure", lambda fig, path, **kw: figs.append(fig))
+    rows = [{"topology": t, "routing": "adaptive", "gpus": g, "message_bytes": m, "algbw_GBps": 57.1}
+            for t in ("ft3", "mpft", "mrft") for g in (16, 64) for m in (2**27, 2**32)]
+    report.plot_sweep(rows, "alltoall", tmp_path)
+    for fig in figs:
+        widths = [line.get_linewidth() for line in fig.axes[0].lines]
+        assert widths == sorted(widths, reverse=True) and len(set(widths)) == 3  # each drawn thinner on top
+        assert fig.axes[0].get_ylim()[0] == 0
+        plt.close(fig)

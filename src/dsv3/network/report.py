@@ -107,15 +107,20 @@ def plot_sweep(rows: list[dict], traffic: str, plot_dir: Path) -> list[Path]:
     for axis, fixed_key, fixed, name in (("message_bytes", "gpus", big_n, "bw_vs_size"),
                                          ("gpus", "message_bytes", big_s, "bw_vs_gpus")):
         fig, ax = plt.subplots(figsize=(6, 4))
-        for topo, routing in series:
+        for i, (topo, routing) in enumerate(series):
             pts = sorted((r[axis], r["algbw_GBps"]) for r in rows
                          if r["topology"] == topo and r["routing"] == routing and r[fixed_key] == fixed)
             if pts:
                 xs, ys = zip(*pts, strict=True)
-                ax.plot(xs, ys, marker="o", label=f"{topo.upper()} {routing}")
+                # topologies often reach the same bandwidth: later series are drawn thinner on top of earlier
+                # ones, so a series equal to another stays visible instead of vanishing under it
+                width = 1.0 + 2.5 * (len(series) - 1 - i) / max(1, len(series) - 1)
+                ax.plot(xs, ys, marker="o", lw=width, ms=3 + 1.5 * width, label=f"{topo.upper()} {routing}")
         ax.set_xscale("log", base=2)
         ax.set_xlabel("message size (bytes)" if axis == "message_bytes" else "GPUs")
         ax.set_ylabel("algorithm bandwidth per GPU (GB/s)")
+        top = max((line.get_ydata().max() for line in ax.lines), default=1.0)
+        ax.set_ylim(0, 1.15 * top)  # from zero: a difference of a few tenths of a percent must not look like a cliff
         where = f"{fixed} GPUs" if fixed_key == "gpus" else human_bytes(fixed)
         ax.set_title(f"{traffic}, {where}")
         ax.grid(alpha=0.3)
