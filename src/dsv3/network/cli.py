@@ -87,7 +87,7 @@ def topology(
     rows += [["diameter (switch hops)", d["diameter_switch_hops"]["formula"], d["diameter_switch_hops"]["graph"]],
              ["bisection links", d["bisection_links"]["formula"], d["bisection_links"]["graph"]]]
     text = f"{kind.upper()} {d['params']}\n" + format_table(["metric", "formula", "graph"], rows, markdown)
-    text += "\n" + format_notes(d["notes"])
+    text += "\n" + format_notes(d["notes"], 10**6 if markdown else None)
     _emit(d, as_json, text)
 
 
@@ -122,7 +122,7 @@ def cost(
     ]
     payload = {"preset": preset, "prices": asdict(prices),
                "preset_description": PRESETS[preset][1], "rows": rows, "notes": notes}
-    text = format_table(headers, table, markdown) + "\n" + format_notes(notes)
+    text = format_table(headers, table, markdown) + "\n" + format_notes(notes, 10**6 if markdown else None)
     _emit(payload, as_json, text)
 
 
