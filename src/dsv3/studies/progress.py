@@ -43,7 +43,7 @@ class RunsProgress:
         done_before = (self._started - 1) * self.steps
         text = f"{self.title}: run {self._started}/{self.runs} ({label})"
         if self._bar is None:
-            self.console.print(text, highlight=False, soft_wrap=True)
+            self.console.print(text, highlight=False, soft_wrap=True)  # not a terminal: one line per run
         else:
             self._bar.update(self._task, description=text, completed=done_before)
 

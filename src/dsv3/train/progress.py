@@ -50,10 +50,10 @@ class TrainProgress:
             self.console.print(f"step {row['step']}/{self.total}  {stats}", highlight=False)
 
     def note(self, message: str) -> None:
-        """One message, unwrapped: rich would break a long path or number at 80 columns when stderr is
-        a file, which no reader (or grep) expects; a terminal wraps long lines by itself."""
+        """One message: on a terminal wrapped at spaces to its width; into a file or a pipe one line,
+        since rich would otherwise break it at an assumed 80 columns, which no reader (or grep) expects."""
         if self.enabled:
-            self.console.print(message, highlight=False, soft_wrap=True)
+            self.console.print(message, highlight=False, soft_wrap=not self.console.is_terminal)
 
     def close(self) -> None:
         if self._progress is not None:
