@@ -97,3 +97,14 @@ def test_units_scale():
     assert fmt_flops(2.473e12) == "2.473 TFLOP" and fmt_flops(512) == "512 FLOP"
     assert fmt_seconds(15.11e-3) == "15.11 ms" and fmt_seconds(9.83e-6) == "9.830 µs" and fmt_seconds(2) == "2.000 s"
     assert fmt_bytes(28_185_722_880) == "28.19 GB" and fmt_bytes(640) == "640 B"
+
+
+def test_accumulation_readings_stay_whole_at_80_columns(capsys, monkeypatch):
+    """The readings table has more long words than 80 columns hold: it folded 'bit-accurate' into
+    'bit-accu' / 'rate' and '0.053%' into '0.05' / '3%'; now each reading is a block of lines."""
+    text = _run(["study", "accumulation", "--readings", "--k", "256,1024", "--trials", "1", "--size", "16"],
+                capsys, monkeypatch)
+    assert _layout_problems(text) == []
+    tokens = _tokens(text)
+    assert {"bit-accurate", "--product-rounding", "complement:"} <= tokens
+    assert all(re.fullmatch(r"[0-9.]+%", t) for t in tokens if t.endswith("%"))

@@ -57,6 +57,31 @@ def longest_word(texts: Sequence[str]) -> int:
     return max((len(word) for text in texts for word in str(text).split()), default=1)
 
 
+def minimum_widths(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> list[int]:
+    """Each column's longest word (at most MAX_WORD): the narrowest it can be without splitting one."""
+    columns = [[h, *(row[i] for row in rows)] for i, h in enumerate(headers)]
+    return [min(longest_word(col), MAX_WORD, max(len(str(c)) for c in col)) for col in columns]
+
+
+def fits(headers: Sequence[str], rows: Sequence[Sequence[str]], width: int) -> bool:
+    """Whether a table of these cells can be ``width`` columns wide without splitting a word."""
+    return sum(minimum_widths(headers, rows)) + 3 * len(headers) + 1 <= width
+
+
+def print_table_or_records(console, title: str, headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """A fitted table when its words fit the console; otherwise one block per row ("header: value" lines
+    under the row's first cell), which stays readable however many columns the table has."""
+    console.print(title, style="bold", highlight=False)
+    if fits(headers, rows, console.width):
+        console.print(fitted_table(headers, rows, console.width))
+        return
+    for row in rows:
+        console.print(row[0], style="bold", highlight=False)
+        for name, cell in zip(headers[1:], row[1:], strict=True):
+            if cell:
+                console.print(f"  {name}: {cell}", highlight=False)
+
+
 def column_widths(headers: Sequence[str], rows: Sequence[Sequence[str]], width: int) -> list[int] | None:
     """Explicit widths when the table's natural width exceeds ``width`` terminal columns, else None
     (rich's own layout). Each column first gets its longest word; the space left then goes to keeping
@@ -66,7 +91,7 @@ def column_widths(headers: Sequence[str], rows: Sequence[Sequence[str]], width: 
     room = width - (3 * len(headers) + 1)  # borders and one space of padding on each side
     if sum(natural) <= room:
         return None
-    widths = [min(longest_word(col), MAX_WORD, n) for col, n in zip(columns, natural, strict=True)]
+    widths = minimum_widths(headers, rows)
     cells = [max([len(str(c)) for c in col[1:]] + [w]) for col, w in zip(columns, widths, strict=True)]
     spare = room - sum(widths)
     for target in (cells, natural):

@@ -239,12 +239,14 @@ def markdown_table(headers: list[str], cells: list[list[str]]) -> str:
 
 def print_rich(title: str, headers: list[str], cells: list[list[str]], footer: str = "") -> None:
     """The title on its own line (rich wrapped it to the table's width), the table sized to the terminal."""
-    from dsv3.termtable import fitted_table
+    from dsv3.termtable import fitted_table, print_table_or_records
 
     console = Console()
-    console.print(title, style="bold", highlight=False)
-    left = () if headers[0] == "K" else (0,)
-    console.print(fitted_table(headers, cells, console.width, left=left))
+    if headers[0] == "K":
+        console.print(title, style="bold", highlight=False)
+        console.print(fitted_table(headers, cells, console.width, left=()))
+    else:  # the readings: long labels and flags, one block per reading when they cannot fit as a table
+        print_table_or_records(console, title, headers, [[c.strip("`") for c in row] for row in cells])
     if footer:
         console.print(footer, highlight=False)
 
