@@ -11,8 +11,7 @@ HEAVY = ("fastapi", "uvicorn", "networkx", "matplotlib")
 
 
 def test_core_imports_pull_in_no_server_or_plotting_library():
-    modules = ["dsv3", "dsv3.model", "dsv3.checkpoint", "dsv3.infer.engine", "dsv3.train.run", "dsv3.analysis.cli",
-               "dsv3.studies.cli", "dsv3.network.report"]
+    modules = ["dsv3", "dsv3.model", "dsv3.checkpoint", "dsv3.train.run", "dsv3.analysis.cli", "dsv3.network.report"]
     code = (
         f"import sys\nimport {', '.join(modules)}\n"
         f"print(sorted({{m.split('.')[0] for m in sys.modules}} & {set(HEAVY)!r}))"

@@ -7,7 +7,6 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -123,18 +122,27 @@ def test_quickstart_after_ctrl_c_says_where_the_checkpoint_is(train_argv, tmp_pa
     assert out == "" and "sample from" not in err
 
 
-def test_a_run_killed_before_its_first_checkpoint_resumes_afresh(train_argv, tmp_path, capsys):
-    """kill -9 (or an early Ctrl-C) before the first save leaves run.json and metrics rows but no
+def test_a_run_stopped_before_its_first_checkpoint_resumes_afresh(train_argv, tmp_path, capsys, monkeypatch):
+    """An early Ctrl-C (or a crash) before the first save leaves run.json and metrics rows but no
     checkpoint: --resume used to refuse ("holds no complete checkpoint"); it now starts the run afresh,
     without the stale rows. Resuming the finished run then still reports its held-out loss."""
+    from dsv3.train.loop import StepRunner
+
+    real_run = StepRunner.run
+
+    def interrupted_at_step_3(self, state):
+        if state.step == 3:
+            raise KeyboardInterrupt
+        return real_run(self, state)
+
     out = tmp_path / "run"
-    args = train_argv(out, "--steps", "100000", "--save-every", "100000", "--eval-every", "100000")
-    proc = subprocess.Popen([sys.executable, "-m", "dsv3", *args], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    _wait_for_rows(out / "metrics.jsonl", proc, 3)
-    proc.kill()
-    proc.wait(timeout=60)
+    with monkeypatch.context() as patch:
+        patch.setattr(StepRunner, "run", interrupted_at_step_3)
+        args = train_argv(out, "--steps", "100000", "--save-every", "100000", "--eval-every", "100000")
+        assert main(args) == 130
     assert (out / "run.json").exists() and not (out / "checkpoints").exists()
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    capsys.readouterr()
 
     assert main(["train", "--resume", str(out), "--steps", "3", "--json"]) == 0
     captured = capsys.readouterr()
