@@ -5,7 +5,8 @@
 #   scripts/quickstart.sh                 # RUN=runs/quickstart STEPS=300 THREADS=1 by default
 #   RUN=runs/mine STEPS=800 THREADS=2 scripts/quickstart.sh
 #
-# Running it again continues (or just reports) the same run: `dsv3 train --resume`.
+# Running it again continues (or just reports) the same run: `dsv3 train --resume`; a run stopped before
+# its first checkpoint starts afresh. Ctrl-C stops training after the current step and saves a checkpoint.
 # THREADS=1: this 3M-parameter model gains little from a second thread, and two threads on two busy cores
 # collapse (measured 4,800 -> 200 tokens/s whenever another process wanted a core); one thread is steady.
 set -euo pipefail
@@ -14,6 +15,7 @@ cd "$(dirname "$0")/.."
 RUN=${RUN:-runs/quickstart}
 STEPS=${STEPS:-300}
 THREADS=${THREADS:-1}
+EXTRA_TRAIN_ARGS=${EXTRA_TRAIN_ARGS:-}  # more `dsv3 train` options (the tests pass a tiny model and corpus)
 PY=.venv/bin/python
 
 if [ ! -x "$PY" ]; then
@@ -23,26 +25,24 @@ if [ ! -x "$PY" ]; then
 fi
 
 echo "== training: dsv3 train --preset nano --steps $STEPS --out $RUN" >&2
-if [ -f "$RUN/run.json" ]; then
-    "$PY" -m dsv3 train --resume "$RUN" --steps "$STEPS" --threads "$THREADS" --json > "$RUN.summary.json"
+trap 'rm -f "$RUN.summary.json.tmp"' EXIT
+# `dsv3 train` prints the outcome on stderr (or, stopped early, where its last checkpoint is); the JSON
+# summary is written beside the run folder only when the command ends normally.
+if [ -f "$RUN/run.json" ]; then  # a run folder with no complete checkpoint yet is started afresh
+    "$PY" -m dsv3 train --resume "$RUN" --steps "$STEPS" --threads "$THREADS" $EXTRA_TRAIN_ARGS \
+        --json > "$RUN.summary.json.tmp"
 else
     mkdir -p "$(dirname "$RUN")"
     "$PY" -m dsv3 train --preset nano --steps "$STEPS" --batch-size 16 --seq-len 256 --lr 2e-3 \
         --eval-every 100 --save-every 100 --log-every 25 --threads "$THREADS" --out "$RUN" \
-        --json > "$RUN.summary.json"
+        $EXTRA_TRAIN_ARGS --json > "$RUN.summary.json.tmp"
 fi
-"$PY" - "$RUN.summary.json" <<'PYEOF'
-import json, sys
-s = json.load(open(sys.argv[1]))
-print(f"== {s['step']} steps, {s['tokens']:,} tokens at {s['tokens_per_s']:,.0f} tokens/s: train loss "
-      f"{s['first_loss']:.3f} -> {s['final_loss']:.3f}; held-out {s['val_loss']:.3f} nats/token = "
-      f"{s['val_bpb']:.3f} bits/byte", file=sys.stderr)
-PYEOF
+mv "$RUN.summary.json.tmp" "$RUN.summary.json"
+if ! grep -q '"stopped": "completed"' "$RUN.summary.json"; then  # Ctrl-C or SIGTERM: it saved and said where
+    echo "== training stopped before step $STEPS; run scripts/quickstart.sh again to continue" >&2
+    exit 130
+fi
 
 echo "== sample from $RUN/latest" >&2
-if "$PY" -m dsv3 generate --help > /dev/null 2>&1; then
-    "$PY" -m dsv3 generate --model "$RUN/latest" --prompt "def" --max-new-tokens 120 \
-        --temperature 0.8 --top-k 40 --seed 0
-else
-    "$PY" -m dsv3.train.sample "$RUN/latest" --prompt "def" --max-new-tokens 120
-fi
+"$PY" -m dsv3 generate --model "$RUN/latest" --prompt "def" --max-new-tokens 120 --temperature 0.8 --top-k 40 \
+    --seed 0

@@ -51,7 +51,7 @@ def test_local_decode_v2_on_ai_soc_is_near_20_and_dense_70b_single_digit():
     m4_pro = HARDWARE_PRESETS["m4-pro"]
     v2_tps = bounds.local_decode(v2, count_params(v2), m4_pro, "4bit", context=0)
     dense_tps = bounds.local_decode(dense, count_params(dense), m4_pro, "4bit", context=0)
-    assert 20 <= v2_tps.tps <= 30  # PAPER §3.3's own estimate: ~26 TPS at 273 GB/s
+    assert 20 <= v2_tps.tps <= 30  # docs/references.md#local-deployment's estimate: ~26 TPS at 273 GB/s
     assert dense_tps.tps < 10
     assert not v2_tps.fits and v2_tps.devices_needed == 2  # 118 GB of 4-bit weights in 64 GB
     assert bounds.local_decode(v2, count_params(v2), HARDWARE_PRESETS["m4-max"], "4bit", context=0).fits

@@ -17,7 +17,7 @@ def test_deepseek_v3_is_671b_without_mtp_and_37_5b_activated():
     c = counts("deepseek-v3")
     assert c.total_params == 671_026_419_200  # 671B: the paper's and README's figure
     assert c.active_params == 37_552_297_472  # incl. 0.93B embedding and 0.93B head
-    assert c.matmul_active == 36_624_596_992  # the N of Table 2's 6N (PAPER §3.2: 36.62B)
+    assert c.matmul_active == 36_624_596_992  # the N of Table 2's 6N (docs/references.md#flops-per-token: 36.62B)
     assert c.total["embedding"] == c.total["output_head"] == 129280 * 7168
     assert c.active["routed_experts"] == 58 * 8 * 3 * 7168 * 2048
     assert c.total["routed_experts"] == 58 * 256 * 3 * 7168 * 2048

@@ -71,7 +71,7 @@ def test_ecmp_matches_balls_into_bins_and_static_adaptive_do_not_collide():
     ecmp = [sim("ft2", 64, traffic="permutation", routing="ecmp", message_bytes=size, seed=s)["algbw_GBps"]
             for s in range(64)]
     measured = np.mean(ecmp) / adaptive["algbw_GBps"]
-    # balls into bins (NETWORK.md §5.1): two independent directions of 32 balls in 32 bins
+    # balls into bins (docs/references.md#ecmp-collisions): two independent directions of 32 balls in 32 bins
     rng = np.random.default_rng(0)
     loads = np.stack([np.apply_along_axis(np.bincount, 1, rng.integers(0, 32, (4000, 32)), minlength=32).max(1)
                       for _ in range(2)])

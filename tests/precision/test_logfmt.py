@@ -121,7 +121,8 @@ def test_decode_of_encode_is_quantize_bit_for_bit_and_the_payload_is_exact(bits,
 
 
 def test_deepep_byte_count_for_a_7168_wide_bf16_token():
-    """PAPER.md §7.5: hidden*10/8 + hidden/128*4 = 9,184 bytes for LogFMT-10 of one 7168-wide token."""
+    """DeepEP's LogFMT-10 (docs/references.md): hidden*10/8 + hidden/128*4 = 9,184 bytes for one 7168-wide
+    token."""
     packed = logfmt.encode(torch.randn(1, 7168).to(torch.bfloat16), 10)
     assert (packed.payload_bytes, packed.metadata_bytes, packed.nbytes) == (8960, 224, 9184)
 

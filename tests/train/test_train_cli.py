@@ -4,6 +4,10 @@ one clear error line for bad input."""
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -79,3 +83,111 @@ def test_missing_data_and_missing_resume_folder(tmp_path, capsys):
     assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
     assert "not a training run folder" in capsys.readouterr().err
     assert not Path(tmp_path / "nothing").exists()
+
+
+# ---- interrupted runs: re-running must always work, and the user is told where the checkpoint is ----
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _wait_for_rows(path: Path, proc: subprocess.Popen, rows: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists() and sum(1 for _ in path.open()) >= rows:
+            return
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.02)
+    raise AssertionError("training did not reach the expected step in time")
+
+
+def test_quickstart_after_ctrl_c_says_where_the_checkpoint_is(train_argv, tmp_path):
+    """The real script on the tiny model: Ctrl-C (SIGINT to the whole process group, as a terminal sends
+    it) before any evaluation used to crash the summary on a null val_loss; now the script names the
+    checkpoint, says how to continue, skips the sample and exits 130. (Running it again is `dsv3 train
+    --resume`, tested below.)"""
+    run = tmp_path / "q"
+    extra = train_argv(run, "--eval-every", "1000", "--save-every", "1000", "--log-every", "1")
+    extra = extra[1:extra.index("--out")] + extra[extra.index("--out") + 2:]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "RUN": str(run), "EXTRA_TRAIN_ARGS": " ".join(extra),
+           "STEPS": "100000"}
+    proc = subprocess.Popen(["bash", str(REPO / "scripts" / "quickstart.sh")], env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    _wait_for_rows(run / "metrics.jsonl", proc, 2)
+    os.killpg(proc.pid, signal.SIGINT)
+    out, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    step = json.loads((tmp_path / "q.summary.json").read_text())["step"]
+    assert f"stopped at step {step} of 100000 (signal)" in err
+    assert f"last checkpoint {run}/checkpoints/step-{step:06d}" in err and "quickstart.sh again" in err
+    assert out == "" and "sample from" not in err
+
+
+def test_a_run_stopped_before_its_first_checkpoint_resumes_afresh(train_argv, tmp_path, capsys, monkeypatch):
+    """An early Ctrl-C (or a crash) before the first save leaves run.json and metrics rows but no
+    checkpoint: --resume used to refuse ("holds no complete checkpoint"); it now starts the run afresh,
+    without the stale rows. Resuming the finished run then still reports its held-out loss."""
+    from dsv3.train.loop import StepRunner
+
+    real_run = StepRunner.run
+
+    def interrupted_at_step_3(self, state):
+        if state.step == 3:
+            raise KeyboardInterrupt
+        return real_run(self, state)
+
+    out = tmp_path / "run"
+    with monkeypatch.context() as patch:
+        patch.setattr(StepRunner, "run", interrupted_at_step_3)
+        args = train_argv(out, "--steps", "100000", "--save-every", "100000", "--eval-every", "100000")
+        assert main(args) == 130
+    assert (out / "run.json").exists() and not (out / "checkpoints").exists()
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 3
+    capsys.readouterr()
+
+    assert main(["train", "--resume", str(out), "--steps", "3", "--json"]) == 0
+    captured = capsys.readouterr()
+    assert "holds no complete checkpoint yet; starting the run afresh" in captured.err
+    summary = json.loads(captured.out)
+    assert summary["step"] == 3 and summary["stopped"] == "completed" and summary["val_loss"] is not None
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows if r["kind"] == "train"] == [1, 2, 3]
+
+    assert main(["train", "--resume", str(out), "--steps", "3", "--json"]) == 0  # nothing left to do
+    again = json.loads(capsys.readouterr().out)
+    assert again["step"] == 3 and again["val_loss"] == summary["val_loss"]
+
+
+@pytest.mark.parametrize("save_every", [1000, 1])
+def test_ctrl_c_that_interrupts_at_once_says_what_is_on_disk(train_argv, tmp_path, capsys, monkeypatch,
+                                                              save_every):
+    """A second Ctrl-C (or one before training began) raises KeyboardInterrupt mid-step: exit 130 with
+    one line naming the last checkpoint, or saying there is none and that re-running starts afresh."""
+    from dsv3.train.loop import StepRunner
+
+    real_run = StepRunner.run
+
+    def run_then_interrupt(self, state):
+        if state.step == 2:
+            raise KeyboardInterrupt
+        return real_run(self, state)
+
+    monkeypatch.setattr(StepRunner, "run", run_then_interrupt)
+    out = tmp_path / "run"
+    code = main(train_argv(out, "--steps", "5", "--save-every", str(save_every), "--eval-every", "1000"))
+    err = capsys.readouterr().err
+    assert code == 130 and "Traceback" not in err
+    if save_every == 1:
+        assert f"interrupted; last checkpoint {out}/checkpoints/step-000002; continue with" in err
+    else:
+        assert f"interrupted before the first checkpoint: {out} holds none" in err
+
+
+def test_summary_message_of_a_stopped_run_without_evaluation():
+    from dsv3.train.cli import summary_message
+
+    summary = {"step": 7, "steps": 300, "tokens": 896, "tokens_per_s": None, "first_loss": 5.0,
+               "final_loss": 4.5, "val_loss": None, "val_bpb": None, "stopped": "signal",
+               "checkpoint": None, "run_dir": "runs/x"}
+    text = summary_message(summary)
+    assert "stopped at step 7 of 300 (signal)" in text and "no checkpoint was saved" in text
+    assert "None" not in text and "held-out" not in text

@@ -1,6 +1,6 @@
 """FLOPs per token for training and inference.
 
-Convention (it reproduces ISCA Table 2's DeepSeek-V2 and V3 rows, PAPER.md §3.2):
+Convention (it reproduces ISCA Table 2's DeepSeek-V2 and V3 rows; docs/references.md#flops-per-token):
     train  = 6 N + c L H (d_qk + d_v) S,  c = 3 causal (half the score matrix), 6 non-causal
 where N is the activated matmul weights (attention projections, activated experts, router, output head;
 no embedding lookup, norms or MTP), L layers, H query heads, S the sequence length. A multiply-add is

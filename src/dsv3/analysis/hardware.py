@@ -76,7 +76,7 @@ HARDWARE_PRESETS: dict[str, Hardware] = {h.name: h for h in [
     Hardware(
         "rtx4090-ddr5-server", memory_gb=1024 + 24, memory_bandwidth_gbs=614.4, bf16_tflops=165,
         fp8_tflops=330,
-        source="KTransformers' V3 setup [PAPER §3.3]: 2x Xeon Gold 6454S, 8 channels of DDR5-4800 per socket "
+        source="KTransformers' V3 setup [ISCA §2.2.2]: 2x Xeon Gold 6454S, 8 channels of DDR5-4800 per socket "
                "(2 x 8 x 38.4 = 614.4 GB/s theoretical, NUMA: one socket sees half), 1 TB DRAM + one RTX 4090 "
                "24 GB (1008 GB/s GDDR6X, 165 TFLOPS BF16 / 330 FP8 dense with FP32 accumulate, "
                f"{_DATASHEET}). Experts stream from DRAM, so DRAM bandwidth bounds decode. Cost ~$10,000 "
@@ -84,23 +84,23 @@ HARDWARE_PRESETS: dict[str, Hardware] = {h.name: h for h in [
     ),
     Hardware(
         "m4-pro", memory_gb=64, memory_bandwidth_gbs=273, bf16_tflops=8.0,
-        source="Apple M4 Pro: up to 64 GB unified memory at 273 GB/s (Apple's pages, as cited in PAPER §3.3). "
+        source="Apple M4 Pro: up to 64 GB unified memory at 273 GB/s (Apple's pages; docs/references.md). "
                "GPU compute ~8 TFLOPS (20 cores x 128 lanes x 2 x ~1.58 GHz) is an estimate: not verified. No FP8.",
     ),
     Hardware(
         "m4-max", memory_gb=128, memory_bandwidth_gbs=546, bf16_tflops=16.0,
         source="Apple M4 Max (40-core GPU): up to 128 GB unified memory at 546 GB/s (Apple's pages, as cited in "
-               "PAPER §3.3). GPU compute ~16 TFLOPS is an estimate: not verified. No FP8.",
+               "docs/references.md#local-deployment). GPU compute ~16 TFLOPS is an estimate: not verified. No FP8.",
     ),
     Hardware(
         "ryzen-ai-max-395", memory_gb=128, memory_bandwidth_gbs=256, bf16_tflops=59.0,
         source="AMD Ryzen AI Max+ 395: up to 128 GB LPDDR5X-8000 on a 256-bit bus = 256 GB/s (press coverage; "
-               "PAPER marks it not verified). Radeon 8060S (40 CU, 2.9 GHz) FP16 ~59 TFLOPS is an estimate: "
+               "not verified). Radeon 8060S (40 CU, 2.9 GHz) FP16 ~59 TFLOPS is an estimate: "
                "not verified. No FP8 on the GPU.",
     ),
     Hardware(
         "dgx-spark", memory_gb=128, memory_bandwidth_gbs=273, bf16_tflops=125, fp8_tflops=250, scale_out_gbs=25,
-        source="NVIDIA DGX Spark (GB10): 128 GB LPDDR5x at 273 GB/s (press coverage; PAPER marks it not verified), "
+        source="NVIDIA DGX Spark (GB10): 128 GB LPDDR5x at 273 GB/s (press coverage; not verified), "
                "ConnectX-7 200 GbE = 25 GB/s. NVIDIA quotes only 1 PFLOP FP4 with sparsity; the dense FP8 250 "
                "and BF16 125 TFLOPS here are derived by halving per step: not verified.",
     ),

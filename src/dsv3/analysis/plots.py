@@ -82,18 +82,31 @@ def plot_tpot_vs_bandwidth(out_dir: Path, hardware: list[Hardware], arch: Archit
     return _save(plt, fig, out_dir / "tpot_vs_bandwidth.png")
 
 
+def _label_offset(point: tuple[float, float, str], points: list[tuple[float, float, str]]) -> tuple[int, int]:
+    """Where a point's label goes: beside it, or, when another point sits almost on it (V2 and
+    Qwen3-235B, both about 236B total and 21B active), above for the upper one and below for the
+    lower, so the two names do not print over each other."""
+    x, y, name = point
+    near = [(py, pname) for px, py, pname in points if pname != name
+            and abs(np.log10(px / x)) < 0.08 and abs(np.log10(py / y)) < 0.2]
+    if not near:
+        return (5, 2)
+    return (5, 5) if (y, name) > max(near) else (5, -12)
+
+
 def plot_active_vs_total(out_dir: Path, extra: Architecture | None = None) -> Path:
     """Activated versus total parameters of public models: MoE models sit far below the diagonal."""
     plt, fig, ax = _figure()
     archs = public_architectures()
     if extra is not None and extra.name not in {a.name for a in archs}:
         archs.append(extra)
-    for i, arch in enumerate(archs):
+    points = []
+    for arch in archs:
         c = count_params(arch)
-        total, active = c.total_params / 1e9, c.active_params / 1e9
-        ax.scatter([total], [active], color="tab:red" if arch.is_moe else "tab:blue", s=20)
-        offset = (4, 3) if i % 2 == 0 else (4, -10)  # alternate, so neighbours of similar size stay legible
-        ax.annotate(arch.name, (total, active), textcoords="offset points", xytext=offset, fontsize=7)
+        points.append((c.total_params / 1e9, c.active_params / 1e9, arch.name))
+        ax.scatter([points[-1][0]], [points[-1][1]], color="tab:red" if arch.is_moe else "tab:blue", s=20)
+    for point in points:
+        ax.annotate(point[2], point[:2], textcoords="offset points", xytext=_label_offset(point, points), fontsize=7)
     line = np.array([1, 1000])
     ax.loglog(line, line, ":", color="gray", label="dense (active = total)")
     ax.set_xlabel("total parameters (B)")

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dsv3.analysis.paper import PaperRow
+from dsv3.termtable import fmt_flops, fmt_rate, fmt_seconds
 
 
 @dataclass
@@ -27,6 +28,10 @@ def fmt_count(n: float) -> str:
     return f"{n:.0f}"
 
 
+__all__ = ["Section", "analyze_sections", "fmt_bytes", "fmt_count", "fmt_flops", "fmt_num", "fmt_rate", "fmt_seconds",
+           "paper_sections", "print_rich", "to_markdown"]
+
+
 def fmt_bytes(n: float) -> str:
     """Decimal units, as the paper's 70.272 KB."""
     for scale, suffix in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "KB")):
@@ -35,17 +40,17 @@ def fmt_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-def fmt_flops(n: float) -> str:
-    return f"{n / 1e9:.1f} GFLOP"
-
-
 def fmt_num(x: float) -> str:
     """Six significant digits: enough to show 70.272 and 516.096 exactly, short for everything else."""
     return f"{x:,.6g}"
 
 
 def _ep_cell(ep: dict[str, float] | None) -> str:
-    return "-" if not ep else f"{ep['tpot_s'] * 1e3:.2f} ms / {ep['tps']:.0f} TPS"
+    return "-" if not ep else f"{fmt_seconds(ep['tpot_s'])} / {fmt_rate(ep['tps'])} TPS"
+
+
+def _tpot_cell(ep: dict[str, float] | None) -> str:
+    return "-" if not ep else fmt_seconds(ep["tpot_s"])
 
 
 def analyze_sections(r: dict[str, Any]) -> list[Section]:
@@ -98,13 +103,18 @@ def _memory_section(r: dict[str, Any]) -> Section:
 
 
 def _hardware_section(r: dict[str, Any]) -> Section:
+    """One row per device; the EP columns give TPOT only (TPS is its inverse), so that the seven columns
+    fit 80 terminal columns without breaking a number."""
     rows = [[h["hardware"], f"{h['memory_gb']:g}", f"{h['memory_bandwidth_gbs']:g}",
-             "yes" if h["fits"] else f"no ({h['devices_needed']})", f"{h['tps']:.1f}",
-             _ep_cell(h["ep_bound_scale_out"]), _ep_cell(h["ep_bound_scale_up"])] for h in r["hardware"]]
-    notes = [r["conventions"]["local_decode"]] + [f"{h['hardware']}: {h['source']}" for h in r["hardware"]]
+             "yes" if h["fits"] else f"no: {h['devices_needed']}", fmt_rate(h["tps"]),
+             _tpot_cell(h["ep_bound_scale_out"]), _tpot_cell(h["ep_bound_scale_up"])] for h in r["hardware"]]
+    notes = [r["conventions"]["local_decode"],
+             "fits: whether the weights fit one device (else how many are needed); EP TPOT: the EP bound's time "
+             "per output token over scale-out and over scale-up links (TPS = 1 / TPOT)"]
+    notes += [f"{h['hardware']}: {h['source']}" for h in r["hardware"]]
     return Section(f"Hardware (weights {r['weight_dtype']}, KV {r['kv_dtype']}, context {r['decode_context']})",
-                   ["hardware", "memory GB", "mem GB/s", "fits (devices)", "local decode TPS bound",
-                    "EP bound scale-out", "EP bound scale-up"], rows, notes)
+                   ["hardware", "memory GB", "mem GB/s", "fits", "local decode TPS", "EP TPOT out", "EP TPOT up"],
+                   rows, notes)
 
 
 def _training_section(r: dict[str, Any]) -> Section:
@@ -139,18 +149,21 @@ def to_markdown(sections: list[Section], title: str = "") -> str:
 
 
 def print_rich(sections: list[Section]) -> None:
+    """Rich tables sized to the terminal (no number or name split across lines); each title is its
+    own line rather than wrapped to the table's width, and the paper's long notes go below their
+    table, labelled by row, instead of into a column a few characters wide."""
     from rich.console import Console
-    from rich.table import Table
+
+    from dsv3.termtable import fitted_table
 
     console = Console()
     for s in sections:
-        table = Table(title=s.title, title_justify="left", show_lines=False)
-        for i, name in enumerate(s.header):
-            table.add_column(name, justify="left" if i == 0 or name == "note" else "right",
-                             overflow="fold", max_width=70 if name == "note" else None)
-        for row in s.rows:
-            table.add_row(*row)
-        console.print(table)
-        for note in s.notes:
-            console.print(f"  [dim]{note}[/dim]")
+        note_col = s.header.index("note") if "note" in s.header else None
+        header = [h for i, h in enumerate(s.header) if i != note_col]
+        rows = [[c for i, c in enumerate(row) if i != note_col] for row in s.rows]
+        row_notes = [f"{row[0]}: {row[note_col]}" for row in s.rows if note_col is not None and row[note_col]]
+        console.print(s.title, style="bold", highlight=False)
+        console.print(fitted_table(header, rows, console.width))
+        for note in row_notes + s.notes:
+            console.print(f"  [dim]{note}[/dim]", highlight=False)
         console.print()

@@ -16,8 +16,9 @@ from dsv3.network.catalog import KINDS, TopologySpec, build_topology, describe
 from dsv3.network.cost import PRESETS, price_table, resolve_prices
 from dsv3.network.fabric import LinkSpeeds
 from dsv3.network.moe import EPSpec
-from dsv3.network.report import format_table, human_bytes, parse_bytes, plot_sweep, plot_utilization
+from dsv3.network.report import format_notes, format_table, human_bytes, parse_bytes, plot_sweep, plot_utilization
 from dsv3.network.simulate import TRAFFICS, SimConfig, run_simulation, sweep
+from dsv3.termtable import fmt_bytes, fmt_seconds
 
 app = typer.Typer(help="Network topologies, their cost, and a flow-level simulator.", no_args_is_help=True,
                   add_completion=False)
@@ -86,7 +87,7 @@ def topology(
     rows += [["diameter (switch hops)", d["diameter_switch_hops"]["formula"], d["diameter_switch_hops"]["graph"]],
              ["bisection links", d["bisection_links"]["formula"], d["bisection_links"]["graph"]]]
     text = f"{kind.upper()} {d['params']}\n" + format_table(["metric", "formula", "graph"], rows, markdown)
-    text += "\n" + "\n".join(f"note: {n}" for n in d["notes"])
+    text += "\n" + format_notes(d["notes"], 10**6 if markdown else None)
     _emit(d, as_json, text)
 
 
@@ -105,7 +106,8 @@ def cost(
     """Table 3: counts, cost and cost per endpoint for FT2, MPFT, FT3, SF, DF, beside the paper's."""
     prices = resolve_prices(preset, switch_price, link_price, local_link_price, endpoint_price)
     rows = price_table(prices, k, planes, endpoint_cables=endpoint_price is not None)
-    headers = ["row", "endpoints", "switches", "links", "cost M$", "paper M$", "k$/endpoint", "paper k$/EP", "match"]
+    headers = ["row", "endpoints", "switches", "links", "cost M$", "paper M$", "k$ per endpoint", "paper k$/EP",
+               "match"]
     table = []
     for r in rows:
         paper = r.get("paper", {})
@@ -120,7 +122,7 @@ def cost(
     ]
     payload = {"preset": preset, "prices": asdict(prices),
                "preset_description": PRESETS[preset][1], "rows": rows, "notes": notes}
-    text = format_table(headers, table, markdown) + "\n" + "\n".join(f"note: {n}" for n in notes)
+    text = format_table(headers, table, markdown) + "\n" + format_notes(notes, 10**6 if markdown else None)
     _emit(payload, as_json, text)
 
 
@@ -143,11 +145,12 @@ def _sim_config(**o) -> SimConfig:
 
 def _sim_text(r: dict, markdown: bool) -> str:
     t = r["traffic"]
-    rows = [["time (us)", r["time_us"]], ["fluid time per step (us)", r["step"]["fluid_us"]],
-            ["latency per step (us)", r["step"]["latency_us"]], ["steps", t["steps"]],
+    rows = [["time", fmt_seconds(r["time_us"] * 1e-6)],
+            ["fluid time per step", fmt_seconds(r["step"]["fluid_us"] * 1e-6)],
+            ["latency per step", fmt_seconds(r["step"]["latency_us"] * 1e-6)], ["steps", t["steps"]],
             ["size S", human_bytes(t["size_bytes"])], ["algbw per GPU (GB/s)", r["algbw_GBps"]],
             ["busbw (GB/s)", r["busbw_GBps"]], ["NIC tx mean (GB/s)", r["nic"]["tx_GBps_mean"]],
-            ["NVLink-forwarded bytes", r["bytes"]["forwarded_over_nvlink"]]]
+            ["NVLink-forwarded bytes", fmt_bytes(r["bytes"]["forwarded_over_nvlink"])]]
     for kind, u in r["link_utilization"].items():
         if u["links"]:
             rows.append([f"{kind} utilization mean / max", f"{u['mean']:.3f} / {u['max']:.3f}"])
@@ -226,7 +229,8 @@ def simulate(
 def sweep_cmd(
     topologies: str = typer.Option("mpft,mrft,ft3", help="comma-separated kinds"),
     gpus: str = typer.Option("16,32,64,128", help="comma-separated GPU counts"),
-    sizes: str = typer.Option("128MiB,256MiB,512MiB,1GiB,2GiB,4GiB,8GiB,16GiB", help="message sizes"),
+    sizes: str = typer.Option("128MiB,256MiB,512MiB,1GiB,2GiB,4GiB,8GiB,16GiB", help="message sizes",
+                              show_default="128MiB,256MiB,...,16GiB (powers of 2)"),
     routings: str = typer.Option("adaptive", help="comma-separated: adaptive,ecmp,static"),
     traffic: str = typer.Option("alltoall", help=" | ".join(TRAFFICS[:5])),
     group: str = typer.Option("dp"), placement: str = typer.Option("linear"),
@@ -253,7 +257,7 @@ def sweep_cmd(
     payload: dict = {"traffic": traffic, "rows": rows}
     if plot_dir is not None:
         payload["plots"] = [str(p_) for p_ in plot_sweep(rows, traffic, plot_dir)]
-    table = [[r["topology"], r["gpus"], r["routing"], human_bytes(r["message_bytes"]), r["time_us"],
+    table = [[r["topology"], r["gpus"], r["routing"], human_bytes(r["message_bytes"]), fmt_seconds(r["time_us"] * 1e-6),
               r["algbw_GBps"], r["busbw_GBps"]] for r in rows]
-    text = format_table(["topology", "GPUs", "routing", "size", "time us", "algbw GB/s", "busbw GB/s"], table, markdown)
+    text = format_table(["topology", "GPUs", "routing", "size", "time", "algbw GB/s", "busbw GB/s"], table, markdown)
     _emit(payload, as_json, text)

@@ -3,7 +3,7 @@
 The paper gives no unit prices, only "the methodology of the Slim Fly paper". Prices are therefore
 parameters. The default preset ``table3`` sits in the middle of the region where all 25 cells of Table 3
 (counts, cost, cost per endpoint) round to the paper's printed values; it prices Dragonfly's short
-intra-group links below the long ones, as a length-aware cable model does (NETWORK.md §1.3).
+intra-group links below the long ones, as a length-aware cable model does (docs/references.md#network-cost).
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ PRESETS: dict[str, tuple[Prices, str]] = {
     "table3": (Prices(switch=81_960, link=545, local_link=437),
                "centre of the price region that reproduces every Table 3 cell within rounding"),
     "two-price": (Prices(switch=82_428, link=526),
-                  "NETWORK.md model A: two prices solved exactly on FT2 and FT3 (DF 1.8% high)"),
+                  "two prices solved exactly on FT2 and FT3 (DF 1.8% high)"),
     "lsq": (Prices(switch=81_262, link=572, local_link=467),
-            "NETWORK.md model B: relative least squares on FT2, FT3, SF, DF"),
+            "relative least squares on FT2, FT3, SF, DF"),
 }
 
 # The paper's Table 3, verbatim: endpoints, switches, links, cost [M$], cost per endpoint [k$]

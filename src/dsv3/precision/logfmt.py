@@ -1,4 +1,4 @@
-"""LogFMT-n: the per-tile logarithmic n-bit format the paper proposes for the MoE combine (PAPER.md §7).
+"""LogFMT-n: the per-tile logarithmic n-bit format the paper proposes for the MoE combine (ISCA 2025 §3.2).
 
 Every 1x128 tile along the last dimension stores one sign bit and an (n-1)-bit magnitude code per element.
 Code 0 is zero; codes 1..top are `exp2((code - 1) * step + log_min)`, evenly spaced in log2 between the
@@ -24,7 +24,7 @@ from dsv3.errors import DSV3Error
 
 TILE = 128
 MIN_BITS, MAX_BITS = 4, 16
-LOG2_RANGE = 32.0  # log_min >= log_max - 32: about the range of a 5-bit exponent (PAPER.md §7.2, item 10)
+LOG2_RANGE = 32.0  # log_min >= log_max - 32: about the range of a 5-bit exponent (ISCA paper §3.2)
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 ROUNDINGS = ("linear", "log")
 _INT_VIEW = {  # same-width integer views of each float dtype, for bit-level work

@@ -21,7 +21,6 @@ import numpy as np
 import typer
 from rich.console import Console
 from rich.progress import Progress
-from rich.table import Table
 
 from dsv3.errors import DSV3Error
 from dsv3.io import save_figure
@@ -239,15 +238,17 @@ def markdown_table(headers: list[str], cells: list[list[str]]) -> str:
 
 
 def print_rich(title: str, headers: list[str], cells: list[list[str]], footer: str = "") -> None:
-    table = Table(title=title)
-    for i, header in enumerate(headers):
-        table.add_column(header, justify="left" if i == 0 and not header == "K" else "right")
-    for row in cells:
-        table.add_row(*row)
+    """The title on its own line (rich wrapped it to the table's width), the table sized to the terminal."""
+    from dsv3.termtable import fitted_table, print_table_or_records
+
     console = Console()
-    console.print(table)
+    if headers[0] == "K":
+        console.print(title, style="bold", highlight=False)
+        console.print(fitted_table(headers, cells, console.width, left=()))
+    else:  # the readings: long labels and flags, one block per reading when they cannot fit as a table
+        print_table_or_records(console, title, headers, [[c.strip("`") for c in row] for row in cells])
     if footer:
-        console.print(footer)
+        console.print(footer, highlight=False)
 
 
 def write_plot(result: dict, path: Path) -> None:
@@ -264,13 +265,36 @@ def write_plot(result: dict, path: Path) -> None:
         (line,) = ax.plot(ks, [r["max"][mode] for r in rows], "o-", label=mode)
         ax.plot(ks, [r["median"][mode] for r in rows], "--", color=line.get_color())
     ax.plot([V3_CLAIM["k"]], [V3_CLAIM["max_relative_error"]], "k*", markersize=12, label="V3 report: ~2%")
-    ax.set(xscale="log", yscale="log", xlabel="K (inner dimension)", ylabel=f"{result['metric']} relative error")
+    ax.set(yscale="log", xlabel="K (inner dimension)", ylabel=f"{result['metric']} relative error")
+    _k_axis(ax, sorted({r["k"] for r in result["rows"]} | {V3_CLAIM["k"]}))
     cfg = result["config"]
     ax.set_title(f"{cfg['acc']['fraction_bits']}-bit accumulation, {cfg['dist']} {cfg['inputs']} inputs", fontsize=10)
     ax.legend(fontsize=8)
     ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
+
+
+def _k_axis(ax, ks: list[int]) -> None:
+    """A log2 K axis ticked at the K values themselves (256, 512, ..., 16K), skipping any closer than a
+    tenth of the axis to the last one kept. Matplotlib's own log ticks labelled minor ticks over a
+    short range, and their labels ran into one another."""
+    import math
+
+    from matplotlib.ticker import NullLocator
+
+    gap = max(math.log2(max(ks) / min(ks)), 1.0) / 10
+    kept = [ks[0]]
+    for k in ks[1:]:
+        if math.log2(k / kept[-1]) >= gap:
+            kept.append(k)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(kept, [k_label(k) for k in kept])
+    ax.xaxis.set_minor_locator(NullLocator())
+
+
+def k_label(k: int) -> str:
+    return f"{k // 1024}K" if k >= 1024 and k % 1024 == 0 else str(k)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -23,13 +23,13 @@ from pathlib import Path
 import torch
 import typer
 from rich.console import Console
-from rich.table import Table
 from torch import nn
 
 from dsv3.errors import DSV3Error
 from dsv3.io import save_figure
 from dsv3.precision import fp8
 from dsv3.precision.fp8_linear import convert_to_fp8
+from dsv3.termtable import fitted_table
 
 SCHEMES = ("per-tensor", "per-row", "1x128")
 # Training variants: (trainer precision, FP8 scaling or None).
@@ -151,8 +151,9 @@ def activation_memory(tokens: int, dim: int, layers: int, seed: int) -> dict:
     }
 
 
-def train_variant(variant: str, seed: int, run_dir: Path, **options) -> dict:
-    """One training run of ``variant`` through ``dsv3.train.run.run_training``; returns its curves."""
+def train_variant(variant: str, seed: int, run_dir: Path, on_step=None, **options) -> dict:
+    """One training run of ``variant`` through ``dsv3.train.run.run_training``; returns its curves.
+    ``on_step(row)`` sees every step (the study's progress bar)."""
     from dsv3.precision.fp8_linear import default_scaling
     from dsv3.train.metrics import read_rows
     from dsv3.train.options import TrainOptions
@@ -162,7 +163,7 @@ def train_variant(variant: str, seed: int, run_dir: Path, **options) -> dict:
     opts = TrainOptions(out=str(run_dir), precision=precision, seed=seed, keep_last=1, **options)
     opts.save_every = opts.steps  # only the final checkpoint
     with default_scaling(scaling or "fine"):
-        summary = run_training(opts, show_progress=False, plots=False)
+        summary = run_training(opts, on_step=on_step, show_progress=False, plots=False)
     rows = read_rows(run_dir / "metrics.jsonl")
     evals = [r for r in rows if r.get("kind") == "eval"]
     return {
@@ -181,11 +182,16 @@ def compare_training(
 ) -> dict:
     """Every variant for every seed (same seed: same initial weights and batch order), and per seed
     the relative gap of each variant's final held-out loss to BF16's."""
-    runs = [
-        train_variant(v, seed, runs_dir / f"seed{seed}-{v}", **options)
-        for seed in seeds
-        for v in variants
-    ]
+    from dsv3.studies.progress import RunsProgress
+
+    runs = []
+    with RunsProgress("fp8 study", len(seeds) * len(variants), options.get("steps", 100)) as progress:
+        for seed in seeds:
+            for v in variants:
+                on_step = progress.start_run(f"{v}, seed {seed}")
+                runs.append(train_variant(v, seed, runs_dir / f"seed{seed}-{v}", on_step=on_step, **options))
+                progress.note(f"seed {seed} {v}: val loss {runs[-1]['val_loss']:.4f} "
+                              f"({runs[-1]['train_seconds']:.0f}s)")
     summary = {}
     for v in variants:
         losses = [r["val_loss"] for r in runs if r["variant"] == v]
@@ -238,15 +244,20 @@ def write_training_plot(training: dict, path: Path) -> None:
 
     fig, (ax_train, ax_val) = plt.subplots(1, 2, figsize=(11, 4.2))
     colors = dict(zip(VARIANTS, ("C0", "C1", "C3"), strict=True))
+    # FP8 and BF16 curves nearly coincide: each later variant is drawn thinner on top of the earlier ones,
+    # so all stay visible where they overlap (before, the last one drawn hid the others)
+    widths = dict(zip(VARIANTS, (4.0, 2.4, 1.0), strict=True))
     styles = ("-", "--", ":", "-.")
     for i, seed in enumerate(training["seeds"]):
         for run in (r for r in training["runs"] if r["seed"] == seed):
             style, color = styles[i % len(styles)], colors[run["variant"]]
             steps, losses = zip(*run["train_curve"], strict=True)
-            ax_train.plot(steps, _smooth(list(losses)), style, color=color, label=f"{run['variant']} seed {seed}")
+            ax_train.plot(steps, _smooth(list(losses)), style, color=color, lw=widths[run["variant"]],
+                          label=f"{run['variant']} seed {seed}")
             if run["val_curve"]:
                 vsteps, vloss = zip(*run["val_curve"], strict=True)
-                ax_val.plot(vsteps, vloss, style + "o", color=color, label=f"{run['variant']} seed {seed}")
+                ax_val.plot(vsteps, vloss, style + "o", color=color, lw=widths[run["variant"]],
+                            ms=2 + widths[run["variant"]], label=f"{run['variant']} seed {seed}")
     ax_train.set(xlabel="step", ylabel="train loss (EMA 0.9)", title="Training loss")
     ax_val.set(xlabel="step", ylabel="held-out loss", title="Held-out loss")
     for ax in (ax_train, ax_val):
@@ -291,18 +302,24 @@ def _cell(m: dict) -> str:
 
 
 def print_rich(result: dict) -> None:
-    table = Table(title="FP8 E4M3 quantization error: rel RMSE / median channel rel RMSE / flushed to zero")
-    for col in ("tensor", "outlier scale", "outliers"):
-        table.add_column(col)
-    for scheme in SCHEMES:
-        table.add_column(scheme, justify="right")
+    """One row per tensor and scaling scheme (the three errors side by side in one cell broke over three
+    lines at 80 columns); a rule separates the tensors."""
+    console = Console()
+    rows, ends = [], []
     for row in result["quantization_error"]:
         scale = "-" if row["outlier_scale"] is None else f"{row['outlier_scale']:g}"
-        cells = [_cell(row["schemes"][s]) for s in SCHEMES]
-        table.add_row(row["tensor"], scale, str(row["outlier_channels"]), *cells)
-    console = Console()
+        for i, scheme in enumerate(SCHEMES):
+            m = row["schemes"][scheme]
+            label = [row["tensor"], scale, str(row["outlier_channels"])] if i == 0 else ["", "", ""]
+            rows.append([*label, scheme, f"{m['rel_rmse']:.3f}", f"{m['median_channel_rel_rmse']:.3f}",
+                         f"{m['flushed_to_zero']:.3f}"])
+        ends.append(len(rows) - 1)
+    headers = ["tensor", "outlier scale", "outliers", "scaling", "rel RMSE", "median channel rel RMSE",
+               "flushed to zero"]
+    table = fitted_table(headers, rows, console.width, left=(0, 3), section_ends=set(ends[:-1]))
+    console.print("FP8 E4M3 quantization error", style="bold", highlight=False)
     console.print(table)
-    console.print(markdown(result).splitlines()[-1])
+    console.print(markdown(result).splitlines()[-1], highlight=False)
 
 
 def write_plot(result: dict, path: Path) -> None:
@@ -354,7 +371,27 @@ def _emit(result: dict, as_json: bool, as_markdown: bool, text: str) -> None:
     elif as_markdown:
         sys.stdout.write(text + "\n")
     else:
-        Console().print(text)
+        print_training_rich(result["training_comparison"])
+
+
+def print_training_rich(training: dict) -> None:
+    """The training comparison as a table sized to the terminal (the Markdown text, printed as it was,
+    broke its rows across lines at 80 columns)."""
+    console = Console()
+    o = training["options"]
+    rows = []
+    for v, s in training["summary"].items():
+        gap = s["mean_rel_gap_to_bf16"]
+        rows.append([v, ", ".join(f"{x:.4f}" for x in s["val_loss"]), f"{s['mean_val_loss']:.4f}",
+                     ", ".join(f"{100 * g:+.2f}%" for g in s["rel_gap_to_bf16"]),
+                     "-" if gap is None else f"{100 * gap:+.2f}%"])
+    console.print(f"FP8 training: {o.get('steps')} steps of {o.get('batch_size')} x {o.get('seq_len')} tokens, "
+                  f"seeds {training['seeds']}", style="bold", highlight=False)
+    headers = ["variant", "final val loss per seed", "mean", "gap to BF16 per seed", "mean gap"]
+    console.print(fitted_table(headers, rows, console.width))
+    if training["bf16_seed_spread"] is not None:
+        console.print(f"Run-to-run spread of BF16 over seeds: {100 * training['bf16_seed_spread']:.2f}%.",
+                      highlight=False)
 
 
 def main(

@@ -1,4 +1,4 @@
-"""`dsv3 study logfmt`: how much each candidate MoE-combine format loses (PAPER.md §7).
+"""`dsv3 study logfmt`: how much each candidate MoE-combine format loses (ISCA 2025 §3.2).
 
 Every format rounds the same float32 data: BF16, E4M3 and E5M2 with one amax scale per 1x128 tile, and
 LogFMT-8/10 (plus LogFMT-8 rounded in log space, the variant the paper rejects for its bias). Data: Gaussian,
@@ -126,22 +126,26 @@ def markdown_table(result: dict) -> str:
 
 
 def print_rich(result: dict) -> None:
+    """The data set heads each group of rows (as its own row) instead of filling a column of its own,
+    which at 80 columns cut 'student-t(df=3)' to 'student-t(…'."""
     from rich.console import Console
-    from rich.table import Table
 
-    table = Table(title="rounding error of MoE-combine formats (biases relative to mean |x|)")
-    for column in ("data", "format", "bits/element", "rel. RMSE", "mean bias", "magnitude bias"):
-        table.add_column(column, justify="left" if column in ("data", "format") else "right")
+    from dsv3.termtable import fitted_table
+
+    console = Console()
+    rows, ends, previous = [], set(), None
     for row in result["rows"]:
-        table.add_row(
-            row["data"],
-            row["format"],
-            f"{row['bits_per_element']:.2f}",
-            f"{row['rel_rmse']:.2e}",
-            f"{row['mean_bias']:+.1e}",
-            f"{row['magnitude_bias']:+.1e}",
-        )
-    Console().print(table)
+        if row["data"] != previous:
+            if rows:
+                ends.add(len(rows) - 1)
+            rows.append([row["data"], "", "", "", ""])
+            previous = row["data"]
+        rows.append([f"  {row['format']}", f"{row['bits_per_element']:.2f}", f"{row['rel_rmse']:.2e}",
+                     f"{row['mean_bias']:+.1e}", f"{row['magnitude_bias']:+.1e}"])
+    headers = ["data / format", "bits per element", "rel. RMSE", "mean bias", "magnitude bias"]
+    console.print("rounding error of MoE-combine formats (biases relative to mean |x|)", style="bold",
+                  highlight=False)
+    console.print(fitted_table(headers, rows, console.width, section_ends=ends))
 
 
 def write_plot(result: dict, path: Path) -> None:
@@ -167,7 +171,7 @@ def write_plot(result: dict, path: Path) -> None:
         ax.grid(True, axis="y", which="both", alpha=0.3)
     handles, labels = ax_rmse.get_legend_handles_labels()
     fig.legend(handles, labels, loc="lower center", ncol=len(formats), fontsize=8)
-    fig.suptitle("MoE-combine formats, 1x128 tiles (LogFMT: PAPER.md §7)")
+    fig.suptitle("MoE-combine formats, 1x128 tiles (LogFMT: ISCA 2025 §3.2)")
     fig.tight_layout(rect=(0, 0.07, 1, 1))
     if not path.parent.is_dir():
         raise DSV3Error(f"--plot: directory does not exist: {path.parent}")
@@ -270,15 +274,17 @@ def training_options(fmt: str, seed: int, settings: dict, out: Path):
     )
 
 
-def train_one(fmt: str, seed: int, settings: dict) -> dict:
-    """Train one (format, seed) run in a throwaway folder with the trainer's Python API; its numbers."""
+def train_one(fmt: str, seed: int, settings: dict, on_step=None) -> dict:
+    """Train one (format, seed) run in a throwaway folder with the trainer's Python API; its numbers.
+    ``on_step(row)`` sees every step (the study's progress bar)."""
     import tempfile
 
     from dsv3.train.run import run_training
 
     with tempfile.TemporaryDirectory(prefix="dsv3-logfmt-") as folder:
         summary = run_training(
-            training_options(fmt, seed, settings, Path(folder) / "run"), show_progress=False, plots=False
+            training_options(fmt, seed, settings, Path(folder) / "run"), on_step=on_step, show_progress=False,
+            plots=False,
         )
     keys = ("first_loss", "final_loss", "val_loss", "val_bpb", "train_seconds", "skipped_steps", "tokens")
     return {"format": fmt, "seed": seed, **{k: summary[k] for k in keys}}
@@ -311,15 +317,15 @@ def summarize_runs(runs: list[dict], formats: list[str], seeds: list[int]) -> di
 
 def run_training_study(formats: list[str], seeds: list[int], settings: dict) -> dict:
     """Every (format, seed) run, seed-major so a partial sweep still compares all formats."""
-    from rich.console import Console
+    from dsv3.studies.progress import RunsProgress
 
-    console = Console(stderr=True)
     runs = []
-    for seed in seeds:
-        for fmt in formats:
-            run = train_one(fmt, seed, settings)
-            console.print(f"[dim]seed {seed} {fmt}: val loss {run['val_loss']:.4f} ({run['train_seconds']:.0f}s)[/dim]")
-            runs.append(run)
+    with RunsProgress("logfmt study", len(seeds) * len(formats), settings["steps"]) as progress:
+        for seed in seeds:
+            for fmt in formats:
+                run = train_one(fmt, seed, settings, progress.start_run(f"{fmt}, seed {seed}"))
+                progress.note(f"seed {seed} {fmt}: val loss {run['val_loss']:.4f} ({run['train_seconds']:.0f}s)")
+                runs.append(run)
     return {
         "study": "logfmt-train",
         "config": {**settings, "formats": formats, "seeds": seeds},
@@ -356,15 +362,15 @@ def train_markdown(result: dict) -> str:
 
 def print_train_rich(result: dict) -> None:
     from rich.console import Console
-    from rich.table import Table
 
+    from dsv3.termtable import fitted_table
+
+    console = Console()
     seeds = result["config"]["seeds"]
-    table = Table(title=f"final validation loss by MoE-combine format ({len(seeds)} seeds)")
-    for column in ("format", "val loss mean ± std", "Δ vs bf16 (paired)", "per seed"):
-        table.add_column(column, justify="left" if column == "format" else "right")
-    for fmt, _, mean, delta, per_seed in _train_rows(result):
-        table.add_row(fmt, mean, delta, per_seed)
-    Console().print(table)
+    rows = [[fmt, mean, delta, per_seed] for fmt, _, mean, delta, per_seed in _train_rows(result)]
+    console.print(f"final validation loss by MoE-combine format ({len(seeds)} seeds)", style="bold", highlight=False)
+    console.print(fitted_table(["format", "val loss mean ± std", "Δ vs bf16 (paired)", "per seed"], rows,
+                               console.width))
 
 
 def write_train_plot(result: dict, path: Path) -> None:

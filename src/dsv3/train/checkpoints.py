@@ -116,6 +116,16 @@ def load_trainer_state(folder: Path, rank: int = 0) -> dict[str, Any]:
         raise DSV3Error(f"cannot read {path}: {exc}") from None
 
 
+def saved_summary(folder: Path) -> dict[str, Any]:
+    """The readable summary a checkpoint was saved with (its last evaluation among others); {} when it
+    cannot be read, since nothing in it is needed to continue training."""
+    try:
+        summary = json.loads((Path(folder) / STATE_JSON).read_text())
+    except (OSError, ValueError):
+        return {}
+    return summary if isinstance(summary, dict) else {}
+
+
 # Under expert parallelism each rank > 0 writes its optimizer state beside the checkpoint being built;
 # rank 0 moves those files into the staging folder before the rename, so they appear atomically with it.
 

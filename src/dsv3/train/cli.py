@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import typer
@@ -96,9 +98,52 @@ def train(
     opts = _options(given, resume)
     from dsv3.train.run import run_training
 
-    summary = run_training(opts, resume=resume is not None)
-    if json_out and int(os.environ.get("RANK", "0")) == 0:  # under torchrun, rank 0 speaks for the run
-        print(json.dumps(summary))
+    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 speaks for the run
+    try:
+        summary = run_training(opts, resume=resume is not None)
+    except KeyboardInterrupt:
+        if main_rank:
+            print(interrupted_message(opts.out), file=sys.stderr)
+        raise typer.Exit(130) from None
+    if main_rank:
+        print(summary_message(summary), file=sys.stderr)
+        if json_out:
+            print(json.dumps(summary))
+
+
+def summary_message(summary: dict[str, Any]) -> str:
+    """The run's outcome in one or two lines for stderr: what was trained and how well, or, for a run
+    stopped early, that it stopped, where its last checkpoint is and how to continue. Fields a short
+    run lacks (no evaluation yet, no step timed) are left out rather than printed as null."""
+    parts = [f"{summary['step']} steps, {summary['tokens']:,} tokens"]
+    if summary.get("tokens_per_s"):
+        parts[0] += f" at {summary['tokens_per_s']:,.0f} tokens/s"
+    if summary.get("first_loss") is not None and summary.get("final_loss") is not None:
+        parts.append(f"train loss {summary['first_loss']:.3f} -> {summary['final_loss']:.3f}")
+    if summary.get("val_loss") is not None:
+        parts.append(f"held-out {summary['val_loss']:.3f} nats/token = {summary['val_bpb']:.3f} bits/byte")
+    text = "; ".join(parts)
+    if summary.get("stopped", "completed") == "completed":
+        return f"== {text}"
+    where = summary.get("checkpoint")
+    saved = f"last checkpoint {where}" if where else "no checkpoint was saved"
+    return (
+        f"== stopped at step {summary['step']} of {summary['steps']} ({summary['stopped']}): {text}\n"
+        f"== {saved}; continue with: dsv3 train --resume {summary['run_dir']}"
+    )
+
+
+def interrupted_message(run_dir: str) -> str:
+    """What an interrupted run (a second Ctrl-C, or one before training began) left on disk."""
+    from dsv3.train.checkpoints import latest_checkpoint
+
+    latest = latest_checkpoint(Path(run_dir))
+    if latest is None:
+        return (
+            f"interrupted before the first checkpoint: {run_dir} holds none; "
+            f"`dsv3 train --resume {run_dir}` starts it afresh"
+        )
+    return f"interrupted; last checkpoint {latest}; continue with: dsv3 train --resume {run_dir}"
 
 
 def _options(given: dict[str, Any], resume: str | None) -> TrainOptions:

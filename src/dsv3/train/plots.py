@@ -43,13 +43,19 @@ def _loss_figure(train, evals):
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     steps = [r["step"] for r in train]
-    ax.plot(steps, [r["loss"] for r in train], lw=0.8, alpha=0.5, label="train (next token)")
-    ax.plot(steps, _smooth([r["loss"] for r in train]), lw=1.5, label="train, smoothed")
+    # The MTP loss tracks the train loss closely; drawn last and as noisy as it, it hid the train line. So
+    # MTP is a smoothed dashed line underneath, and the train loss (raw, faint; smoothed, bold) is on top.
     mtp = [(r["step"], r["mtp_loss"]) for r in train if r.get("mtp_loss")]
     if mtp:
-        ax.plot(*zip(*mtp, strict=True), lw=0.8, alpha=0.6, label="MTP (token after next)")
+        mtp_steps, mtp_loss = zip(*mtp, strict=True)
+        ax.plot(mtp_steps, _smooth(list(mtp_loss)), color="tab:green", ls="--", lw=1.2, zorder=2,
+                label="MTP (token after next), smoothed")
+    ax.plot(steps, [r["loss"] for r in train], color="tab:blue", lw=0.7, alpha=0.35, zorder=3,
+            label="train (next token)")
+    ax.plot(steps, _smooth([r["loss"] for r in train]), color="tab:blue", lw=2.0, zorder=4, label="train, smoothed")
     if evals:
-        ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", label="held out")
+        ax.plot([r["step"] for r in evals], [r["val_loss"] for r in evals], "o-", color="tab:red", zorder=5,
+                label="held out")
         ax.set_title(
             f"final held-out: {evals[-1]['val_loss']:.3f} nats/token, {evals[-1]['val_bpb']:.3f} bits/byte"
         )
@@ -89,14 +95,14 @@ def _load_figure(loads, names):
     return fig
 
 
-def _smooth(values: list[float], window: int = 20) -> list[float]:
-    out, acc = [], []
-    for v in values:
-        acc.append(v)
-        if len(acc) > window:
-            acc.pop(0)
-        out.append(sum(acc) / len(acc))
-    return out
+def _smooth(values: list[float], window: int = 21) -> list[float]:
+    """A centred moving average (shorter at the ends): a trailing one lags the curve and drew the
+    smoothed loss visibly above the raw one."""
+    half = window // 2
+    cumsum = np.concatenate([[0.0], np.cumsum(np.asarray(values, dtype=float))])
+    idx = np.arange(len(values))
+    lo, hi = np.maximum(idx - half, 0), np.minimum(idx + half + 1, len(values))
+    return ((cumsum[hi] - cumsum[lo]) / (hi - lo)).tolist()
 
 
 def _save(fig, path: Path) -> Path:

@@ -50,8 +50,10 @@ class TrainProgress:
             self.console.print(f"step {row['step']}/{self.total}  {stats}", highlight=False)
 
     def note(self, message: str) -> None:
+        """One message: on a terminal wrapped at spaces to its width; into a file or a pipe one line,
+        since rich would otherwise break it at an assumed 80 columns, which no reader (or grep) expects."""
         if self.enabled:
-            self.console.print(message, highlight=False)
+            self.console.print(message, highlight=False, soft_wrap=not self.console.is_terminal)
 
     def close(self) -> None:
         if self._progress is not None:

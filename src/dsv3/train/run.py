@@ -168,6 +168,7 @@ class _Run:
         self.state = RunState()
         self.autocast = autocast(opts.precision, world.device)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", enabled=world.is_main)
+        self.last_eval: dict[str, Any] | None = None
         if self.resume_from is not None:
             self._restore(self.resume_from)
         self.order = SampleOrder(len(self.data.train), opts.seed)
@@ -184,26 +185,27 @@ class _Run:
             self.autocast,
         )
         self.val_windows = self.parallel.windows_for_eval(eval_windows(self.data.val, opts.eval_tokens))
-        self.last_eval: dict[str, Any] | None = None
         self.last_checkpoint: Path | None = self.resume_from
         self.stop_reason = "completed"
 
     # ---- start / resume -----------------------------------------------------------------
     def _start(self, resume: bool) -> Path | None:
-        if resume:
-            latest = ckpt.latest_checkpoint(self.run_dir)
-            if latest is None:
-                raise DSV3Error(f"{self.run_dir} holds no complete checkpoint to resume from")
-        elif ckpt.latest_checkpoint(self.run_dir) is not None:
+        """The checkpoint to continue from, or None for a fresh start. A run stopped before its first
+        checkpoint left nothing to continue, so ``--resume`` then starts it afresh (and says so) rather
+        than refusing: re-running the same command must always work."""
+        latest = ckpt.latest_checkpoint(self.run_dir)
+        if latest is not None and not resume:
             raise DSV3Error(
                 f"{self.run_dir} already holds a run; continue it with --resume {self.run_dir} "
                 "or choose another --out"
             )
-        else:
-            latest = None
+        if resume and latest is None:
+            self.progress.note(f"{self.run_dir} holds no complete checkpoint yet; starting the run afresh")
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             ckpt.clean_leftovers(self.run_dir)
+            if latest is None:  # rows of an earlier attempt that saved nothing would mix with the new ones
+                (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
             self.opts.save(self.run_dir / "run.json")
         self.world.barrier()
         return latest
@@ -216,6 +218,7 @@ class _Run:
         self.optimizer.load_state_dict(saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
         self.state = RunState(**saved["run"])
+        self.last_eval = ckpt.saved_summary(folder).get("last_eval")
         ckpt.restore_rng_state(saved["rng"])
         self.metrics.truncate_after(self.state.step)
         self.progress.note(f"resumed from {folder} at step {self.state.step}")

@@ -1,7 +1,8 @@
 """The learning-rate schedule: linear warmup, then cosine decay to ``min_ratio`` of the peak.
 
-V3 warms up linearly and decays with a cosine to a tenth of the peak (2.2e-4 -> 2.2e-5, PAPER.md
-§13.2); here the decay spans the rest of the configured steps, which suits short runs.
+V3 warms up linearly and decays with a cosine to a tenth of the peak (2.2e-4 -> 2.2e-5, V3 report
+§4.2; docs/references.md); here the decay spans the rest of the configured steps, which suits short
+runs.
 """
 
 from __future__ import annotations
