@@ -44,13 +44,13 @@ class Assumptions:
     """Rates and overlaps the model cannot derive from counts. `FITTED` names the three fitted to Table 4."""
 
     gemm_efficiency: float = 0.156  # FITTED: achieved / peak for the linear layers (FP8 peak when FP8)
-    attention_efficiency: float = 0.354  # FITTED: achieved / BF16 peak for the attention core (fwd and bwd)
+    attention_efficiency: float = 0.325  # FITTED: achieved / BF16 peak for the attention core (fwd and bwd)
     total_sms: int = 132  # H800
     comm_sms: int = 20  # V3 gave 20 of 132 SMs to communication; compute runs on the rest
     nic_efficiency: float = 0.8  # 40 of 50 GB/s achieved by EP all-to-all (ISCA §4.3)
     nvlink_efficiency: float = 0.8  # 160 of 200 GB/s achievable (ISCA §4.1)
     pair_overlap: float = 1.0  # share of an overlapped F&B pair's communication hidden under its compute
-    forward_alone_overlap: float = 0.494  # FITTED: share of a forward-only chunk's all-to-all hidden (under its
+    forward_alone_overlap: float = 0.461  # FITTED: share of a forward-only chunk's all-to-all hidden (under its
     # shared expert and attention); backward-only chunks hide none
     micro_batch_seqs: int = 1  # sequences per pipeline micro-batch
     grad_reduce_bytes: float = 2.0  # gradients are reduce-scattered in BF16
@@ -243,7 +243,7 @@ def ep_traffic(experts: int, top_k: int, ep: int, domain: int, node_limit: int, 
     if ep % domain or experts % ep:
         raise DSV3Error(f"EP {ep} must be a multiple of the scale-up domain ({domain} GPUs) and divide the "
                         f"{experts} routed experts")
-    spec = EPSpec(tokens_per_gpu=256, hidden=128, experts=experts, topk=top_k, node_limit=node_limit, ep_size=ep)
+    spec = EPSpec(tokens_per_gpu=64, hidden=128, experts=experts, topk=top_k, node_limit=node_limit, ep_size=ep)
     work = ep_workload(ep, domain, spec, "dispatch", seed)
     for _ in work.chunks():
         pass
@@ -253,11 +253,12 @@ def ep_traffic(experts: int, top_k: int, ep: int, domain: int, node_limit: int, 
 
 
 @lru_cache(maxsize=32)
-def fabric_factor(network: str, ep: int, domain: int, nic_gbps: float, nvlink_gbs: float) -> float:
-    """Achieved / line rate of the NICs in an EP dispatch on this topology, from the flow simulator.
+def fabric_factor(network: str, ep: int, domain: int, nic_gbps: float) -> float:
+    """Mean achieved / line rate of the NICs in an EP dispatch on this topology, from the flow simulator.
 
-    A non-blocking fat tree gives about 0.96 (the receive side of the busiest NIC); an oversubscribed or
-    failed fabric gives less. Latency is left out (the all-to-alls here are megabytes per GPU).
+    The scale-up links are made infinitely fast here (the planner prices them separately), so the factor
+    is the network's alone: the uneven load of the busiest NIC on a non-blocking fat tree (about 0.94 at
+    EP64), less on an oversubscribed fabric. Latency is left out (megabytes per GPU per all-to-all).
     """
     from dsv3.network.catalog import KINDS, TopologySpec
     from dsv3.network.fabric import LinkSpeeds
@@ -269,7 +270,7 @@ def fabric_factor(network: str, ep: int, domain: int, nic_gbps: float, nvlink_gb
     if ep <= domain or ep % domain:
         return 1.0
     cfg = SimConfig(topology=TopologySpec(kind=network, endpoints=ep, gpus_per_node=domain), traffic="ep-dispatch",
-                    speeds=LinkSpeeds(nic_gbps, None, nvlink_gbs), ep=EPSpec(tokens_per_gpu=128, ep_size=ep),
+                    speeds=LinkSpeeds(nic_gbps, None, 1e6), ep=EPSpec(tokens_per_gpu=256, ep_size=ep),
                     rtol=1e-2)
     rep = run_simulation(cfg)
     return max(1e-3, min(1.0, rep["nic"]["tx_GBps_mean"] / rep["nic"]["line_rate_GBps"]))
@@ -307,8 +308,7 @@ def ep_phase_seconds(tokens: float, arch: Architecture, cluster: Cluster, layout
 def _fabric(cluster: Cluster, ep: int) -> float:
     hw, k = cluster.hardware, cluster.knobs
     nic = k.nic_gbps if k.nic_gbps is not None else hw.scale_out_gbs * 8
-    nvl = k.nvlink_gbs if k.nvlink_gbs is not None else hw.scale_up_gbs
-    return fabric_factor(cluster.network, ep, cluster.domain, nic, nvl)
+    return fabric_factor(cluster.network, ep, cluster.domain, nic)
 
 
 def _node_limit(a: Assumptions, layout: Layout, cluster: Cluster) -> int:
@@ -349,6 +349,8 @@ def schedule_ops(schedule: str, pp: int, chunks: int) -> dict[str, float]:
     if schedule == "1f1b":
         warm = (pp - 1) / 2  # rank r runs pp - 1 - r forwards before its first backward: mean (pp - 1) / 2
         return {"F": warm, "B": warm, "Bi": 0.0, "W": 0.0, "FB": 0.0, "steady": chunks - warm}
+    if schedule == "dualpipev":  # every micro-batch passes each rank twice (the V), in half-size chunks
+        chunks *= 2
     ranks = [dualpipe_ops(pp, chunks, h) for h in range(pp // 2)]
     out = {key: float(np.mean([r[key] for r in ranks])) for key in ranks[0]}
     out["steady"] = 0.0
@@ -370,7 +372,7 @@ def _stage_split(counts: ModelCounts, stages: int) -> list[int]:
 
 def memory_per_gpu(arch: Architecture, counts: ModelCounts, layout: Layout, dp: int, seq_len: int,
                    prec: Precision, a: Assumptions) -> dict[str, float]:
-    """Bytes on the busiest GPU (rank 0): its stages' weights, gradients, optimizer state and in-flight
+    """Bytes on the busiest GPU: its stages' weights, gradients, optimizer state and in-flight
     activations."""
     two_chunks = layout.schedule in ("dualpipe", "dualpipev")
     stages = layout.pp * (2 if layout.schedule == "dualpipev" else 1)
@@ -379,9 +381,15 @@ def memory_per_gpu(arch: Architecture, counts: ModelCounts, layout: Layout, dp: 
     layer_ne = (counts.non_expert_params - tables) / counts.layers
     layer_ex = counts.expert_params / max(counts.moe_layers, 1)
     moe_share = counts.moe_layers / counts.layers
-    # rank 0 holds the first stage (embedding) and, in both DualPipe variants, the last one (head, MTP)
-    layers0 = split[0] + (split[-1] if two_chunks else 0)
-    ne = layer_ne * layers0 + (tables if two_chunks else counts.embedding_params)
+    # the busiest rank: in both DualPipe variants rank r holds stages r and (stages - 1 - r)
+    def rank_params(r: int) -> tuple[float, float]:
+        held = [r, stages - 1 - r] if two_chunks else [r]
+        layers = sum(split[s] for s in held)
+        tabs = (counts.embedding_params if 0 in held else 0) + \
+            (tables - counts.embedding_params if stages - 1 in held else 0)
+        return layer_ne * layers + tabs, layers
+
+    ne, layers0 = max((rank_params(r) for r in range(layout.pp)), key=lambda x: x[0] + layer_ex * x[1] / layout.ep)
     ex = layer_ex * moe_share * layers0 / max(layout.ep, 1)
     ne_shard = ne / dp if layout.dp_shard == "fsdp" else ne
     ex_dp = max(dp // max(layout.ep, 1), 1)
@@ -410,8 +418,9 @@ class ChunkTimes:
     f: float  # forward compute of one micro-batch through one chunk
     b: float  # input-gradient compute
     w: float  # weight-gradient compute
-    comm: float  # EP dispatch + combine of one chunk, forward (backward is the same volume)
+    comm: float  # EP dispatch + combine (+ FSDP weight gathers) of one chunk, forward (backward the same)
     p2p: float  # pipeline send of one micro-batch's activations
+    exposed: float = 0.0  # TP all-reduces: on the critical path of each chunk, nothing hides them
 
 
 def chunk_times(arch: Architecture, counts: ModelCounts, cluster: Cluster, layout: Layout, seq_len: int,
@@ -427,10 +436,19 @@ def chunk_times(arch: Architecture, counts: ModelCounts, cluster: Cluster, layou
     attn_fwd = tokens / stages * counts.attention_macs_per_key * seq_len / attn_rate  # causal: half of 2 x macs x S
     moe_layers_per_chunk = counts.moe_layers / stages
     comm = moe_layers_per_chunk * ep_phase_seconds(tokens / layout.tp, arch, cluster, layout, a)
-    if layout.tp > 1:  # TP all-reduces twice per layer forward (and twice backward), over NVLink
-        comm += counts.layers / stages * 2 * 2 * tokens * arch.hidden_size * 2 / cluster.nvlink_bytes_s(a)
+    if layout.dp_shard == "fsdp":  # every chunk gathers its stage's weights again (forward and backward)
+        dp = cluster.gpus // (layout.pp * layout.tp)
+        ex_dp = max(dp // layout.ep, 1)
+        stage_ne = counts.non_expert_params / stages / layout.tp
+        stage_ex = counts.expert_params / stages / layout.ep / layout.tp
+        comm += (stage_ne * (dp - 1) / dp + stage_ex * (ex_dp - 1) / ex_dp) * 2 / cluster.nic_bytes_s(a)
+    exposed = 0.0
+    if layout.tp > 1:  # two all-reduces per layer, ring: 2 (tp - 1) / tp of the activations each, over NVLink
+        ring = 2 * (layout.tp - 1) / layout.tp
+        exposed = counts.layers / stages * 2 * ring * tokens * arch.hidden_size * 2 / cluster.nvlink_bytes_s(a)
     p2p = tokens * arch.hidden_size * 2 / cluster.nic_bytes_s(a) if layout.pp > 1 else 0.0
-    return ChunkTimes(f=mm / 2 + attn_fwd, b=mm / 2 + 2 * attn_fwd, w=mm / 2, comm=comm, p2p=p2p)
+    return ChunkTimes(f=mm / 2 + attn_fwd + exposed, b=mm / 2 + 2 * attn_fwd + exposed, w=mm / 2, comm=comm,
+                      p2p=p2p, exposed=exposed)
 
 
 def _pair_seconds(compute: float, comm: float, overlap: float) -> float:
@@ -603,10 +621,13 @@ def candidate_layouts(arch: Architecture, gpus: int, global_batch: int, a: Assum
 
 
 def search(arch: Architecture, cluster: Cluster, seq_len: int, global_batch: int, prec: Precision = Precision(),
-           a: Assumptions = Assumptions(), top: int = 10) -> dict[str, Any]:
-    """Rank the layouts that fit by tokens/day; say how many did not fit and the smallest memory need."""
+           a: Assumptions = Assumptions(), top: int = 10, **space: Any) -> dict[str, Any]:
+    """Rank the layouts that fit by tokens/day; say how many did not fit and the smallest memory need.
+
+    `space` narrows the candidates (dp_shards, schedules, tps), as `candidate_layouts` takes them.
+    """
     plans, refused = [], 0
-    for layout in candidate_layouts(arch, cluster.gpus, global_batch, a):
+    for layout in candidate_layouts(arch, cluster.gpus, global_batch, a, **space):
         try:
             plans.append(plan_train(arch, cluster, layout, seq_len, global_batch, prec, a))
         except DSV3Error:
