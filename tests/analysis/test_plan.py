@@ -9,8 +9,17 @@ from dataclasses import replace
 import pytest
 
 from dsv3.analysis.plan import (
-    V3_PRETRAIN_GPU_HOURS, Assumptions, _fit_loss, Knobs, Layout, Precision, fit_to_table4, gpu_hours, paper_setup,
-    plan_train, search, table4_errors,
+    V3_PRETRAIN_GPU_HOURS,
+    Assumptions,
+    Knobs,
+    Layout,
+    _fit_loss,
+    fit_to_table4,
+    gpu_hours,
+    paper_setup,
+    plan_train,
+    search,
+    table4_errors,
 )
 from dsv3.analysis.plan_serve import ServeOptions, plan_serve
 from dsv3.cli import main

@@ -23,6 +23,7 @@ from dsv3.analysis.plan import (
     Layout,
     Precision,
     TrainPlan,
+    capacity_bytes,
     gpu_hours,
     is_paper_setup,
     plan_train,
@@ -115,7 +116,9 @@ def _render_plan(plan: TrainPlan, extra: dict[str, Any]) -> None:
     con.print(f"fits: {'yes' if plan.fits else 'NO'}; tokens/day {plan.tokens_per_day / 1e9:.1f} B; "
               f"causal MFU {plan.mfu_causal:.1%}")
     if "paper" in extra:
-        rows = [[k, f"{TABLE4[k]:g}", f"{v:+.1%}"] for k, v in extra["paper"]["relative_error"].items()]
+        rows = [[k.replace("_s", " (s)").replace("tokens_per_day", "tokens/day (B)"),
+                 f"{TABLE4[k] / (1e9 if k == 'tokens_per_day' else 1):g}", f"{v:+.1%}"]
+                for k, v in extra["paper"]["relative_error"].items()]
         con.print(_table("against ISCA Table 4", ["quantity", "paper", "planner"], rows))
         gh = extra["paper"]["gpu_hours_14_8T"]
         con.print(f"GPU-hours for 14.8T tokens: {gh / 1e6:.3f} M "
@@ -191,7 +194,8 @@ def train_command(
         if plot_dir is not None:
             from dsv3.analysis.plan_plots import plot_memory
 
-            payload["plots"] = [str(plot_memory(result["ranked"], plot_dir / "plan_memory.png"))]
+            capacity = capacity_bytes(cluster.hardware) / GB
+            payload["plots"] = [str(plot_memory(result["ranked"], plot_dir / "plan_memory.png", capacity))]
         _emit(payload, as_json, lambda: _render_search(result))
         return
     layout = Layout(pp=pp, ep=ep, dp_shard=dp_shard, schedule=schedule, tp=tp)

@@ -55,22 +55,25 @@ def plot_breakdown(plan: TrainPlan, path: Path) -> Path:
     return save_figure(fig, path)
 
 
-def plot_memory(plans: list[TrainPlan], path: Path) -> Path:
+def plot_memory(plans: list[TrainPlan], path: Path, capacity_gb: float) -> Path:
     """Stacked memory per GPU of the ranked layouts, with the device's capacity as a line."""
     _folder(path)
     fig, ax = _figure(height=4.6)
     parts = ("weights", "gradients", "optimizer", "activations", "reserve")
-    labels = [p.layout.label().replace(" ", "\n", 1) for p in plans]
+    labels = [p.layout.label() for p in plans]
     bottom = [0.0] * len(plans)
     for part in parts:
         values = [p.memory[part] / GB for p in plans]
         ax.bar(range(len(plans)), values, bottom=bottom, label=part)
         bottom = [b + v for b, v in zip(bottom, values, strict=True)]
-    ax.set_xticks(range(len(plans)), labels, fontsize=6, rotation=45, ha="right")
+    ax.axhline(capacity_gb, color="black", linestyle="--", linewidth=1)
+    ax.annotate(f"capacity {capacity_gb:.1f} GB", (len(plans) - 0.5, capacity_gb), xytext=(0, 3),
+                textcoords="offset points", ha="right", fontsize=7)
+    ax.set_xticks(range(len(plans)), labels, fontsize=7, rotation=30, ha="right")
     ax.set_ylabel("GB per GPU (busiest rank)")
     ax.set_title("Memory per GPU of the layouts that fit, best tokens/day first", fontsize=10)
     ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, 1.0))
-    ax.set_ylim(0, max(bottom) * 1.25)
+    ax.set_ylim(0, max(max(bottom), capacity_gb) * 1.3)
     fig.tight_layout()
     return save_figure(fig, path)
 
