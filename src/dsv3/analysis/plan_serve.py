@@ -20,6 +20,7 @@ from dsv3.errors import DSV3Error
 
 # DeepSeek's open-infra-index day-6 overview (Feb 2025): per H800 node, prefill and decode
 PUBLISHED = {"prefill_tokens_per_s_per_node": 73.7e3, "decode_tokens_per_s_per_node": 14.8e3}
+GPUS_PER_NODE = 8  # "per node" means per 8 GPUs (an HGX H800 node), whatever the scale-up domain
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,7 @@ def decode(arch: Architecture, cluster: Cluster, gpus: int, opts: ServeOptions, 
         "step_ms": step * 1e3, "tpot_ms": step / (tokens_per_step / b) * 1e3,
         "user_tokens_per_s": tokens_per_step / b / step,
         "tokens_per_s_per_gpu": tokens_per_step / step,
-        "tokens_per_s_per_node": tokens_per_step / step * min(cluster.domain, gpus),
+        "tokens_per_s_per_node": tokens_per_step / step * GPUS_PER_NODE,
         "ep_comm_bound_tpot_ms": bound * 1e3,
         "per_layer_us": {"attention": attn_s * 1e6, "experts": moe_s * 1e6, "all_to_all": comm * 1e6},
         "kv_cache_gb": kv / GB, "fits": kv + experts_per_gpu * expert * len(arch.moe_layers)
@@ -131,7 +132,7 @@ def prefill(arch: Architecture, cluster: Cluster, gpus: int, opts: ServeOptions,
         "gpus": gpus, "ep": gpus, "nodes": gpus / cluster.domain, "tokens_per_gpu": opts.prefill_tokens,
         "context": opts.context, "cache_hit": opts.cache_hit, "step_ms": step * 1e3,
         "compute_ms": (mm + attn) * 1e3, "all_to_all_ms": comm * 1e3,
-        "tokens_per_s_per_gpu": per_gpu, "tokens_per_s_per_node": per_gpu * min(cluster.domain, gpus),
+        "tokens_per_s_per_gpu": per_gpu, "tokens_per_s_per_node": per_gpu * GPUS_PER_NODE,
         "ttft_ms_for_context": opts.context / per_gpu * 1e3,
     }
 
