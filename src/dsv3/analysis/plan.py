@@ -637,8 +637,13 @@ def search(arch: Architecture, cluster: Cluster, seq_len: int, global_batch: int
         least = min(plans, key=lambda p: p.memory["total"], default=None)
         need = f"; the smallest layout needs {least.memory['total'] / GB:.1f} GB per GPU ({least.layout.label()})" \
             if least else ""
-        raise DSV3Error(f"no layout of {arch.name} fits in {cluster.hardware.memory_gb:g} GB on "
-                        f"{cluster.gpus} GPUs{need}")
+        counts = model_counts(arch)
+        per_param = DTYPE_BYTES[prec.weights] + DTYPE_BYTES[prec.grads] + DTYPE_BYTES[prec.master] \
+            + 2 * DTYPE_BYTES[prec.moments]
+        floor = counts.total_params * per_param / cluster.gpus / GB
+        raise DSV3Error(f"no layout of {arch.name} fits in {cluster.hardware.memory_gb:g} GB on {cluster.gpus} GPUs"
+                        f"{need}; its {counts.total_params / 1e9:.0f}B parameters x {per_param:g} B of weights, "
+                        f"gradients and optimizer state alone need {floor:.0f} GB per GPU fully sharded")
     best_tp = max((p for p in fitting if p.layout.tp > 1), key=lambda p: p.tokens_per_day, default=None)
     return {"ranked": fitting[:top], "considered": len(plans) + refused, "fit": len(fitting),
             "did_not_fit": len(plans) - len(fitting), "best_with_tp": best_tp}

@@ -134,6 +134,10 @@ def _render_search(result: dict[str, Any]) -> None:
              f"{p.tokens_per_day / 1e9:.1f}"] for p in result["ranked"]]
     con.print(_table(f"layouts that fit, best first ({result['fit']} of {result['considered']} fit)",
                      ["layout", "DP", "GB/GPU", "step s", "B tok/day"], rows))
+    m = {k: v / GB for k, v in result["ranked"][0].memory.items()}
+    con.print(f"memory budget of the best (GB per GPU): weights {m['weights']:.1f} + gradients {m['gradients']:.1f}"
+              f" + optimizer {m['optimizer']:.1f} + activations {m['activations']:.1f} + reserve {m['reserve']:.1f}"
+              f" = {m['total']:.1f}")
     tp = result["best_with_tp"]
     if tp is not None:
         con.print(f"best with TP: {tp.layout.label()} at {tp.tokens_per_day / 1e9:.1f} B tokens/day")
