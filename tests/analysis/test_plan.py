@@ -133,6 +133,11 @@ def test_fsdp_and_tensor_parallel_pay_for_their_communication(paper):
     (["train", "--gpus", "8", "--global-batch", "64"], "no layout"),
     (["train", "--pp", "16"], "both --pp and --ep"),
     (["serve", "--combine", "fp4"], "combine format"),
+    (["train", "--gpus", "1000000000"], "between 1 and"),
+    (["train", "--network", "foo", "--pp", "16", "--ep", "64"], "unknown network"),
+    (["train", "--pp", "64", "--ep", "32", "--schedule", "dualpipev"], "exceed the 62 layers"),
+    (["train", "--hardware", "m4-max", "--gpus", "16", "--global-batch", "64"], "no scale-out"),
+    (["serve", "--config", "llama-3.1-405b"], "no routed experts"),
 ])
 def test_bad_input_is_one_error_line(capsys, args, words):
     assert main(["plan", *args]) == 2

@@ -148,7 +148,10 @@ class Cluster:
         return gbps / 8 * GB * a.nic_efficiency
 
     def nvlink_bytes_s(self, a: Assumptions) -> float:
+        """Scale-up rate; a device without a scale-up domain talks to its peers over its NIC."""
         gbs = self.knobs.nvlink_gbs if self.knobs.nvlink_gbs is not None else self.hardware.scale_up_gbs
+        if self.domain <= 1 or gbs <= 0:
+            return self.nic_bytes_s(a)
         return gbs * GB * a.nvlink_efficiency
 
     def compute_share(self, a: Assumptions) -> float:
@@ -525,6 +528,25 @@ class TrainPlan:
         return out
 
 
+MAX_GPUS = 2**20
+
+
+def check_cluster(cluster: Cluster) -> None:
+    """GPU count, network name and link rates that the model can use, or one clear error."""
+    from dsv3.network.catalog import KINDS
+
+    cluster.knobs.check()
+    if not 1 <= cluster.gpus <= MAX_GPUS:
+        raise DSV3Error(f"--gpus must be between 1 and {MAX_GPUS:,}, got {cluster.gpus}")
+    if cluster.network not in KINDS:
+        raise DSV3Error(f"unknown network {cluster.network!r}; choose one of {', '.join(KINDS)}")
+    a = Assumptions()
+    if cluster.gpus > cluster.domain and cluster.nic_bytes_s(a) <= 0:
+        raise DSV3Error(f"{cluster.hardware.name} has no scale-out bandwidth; give --nic-gbps")
+    if cluster.gpus > 1 and cluster.nvlink_bytes_s(a) <= 0:
+        raise DSV3Error(f"{cluster.hardware.name} has no link to other GPUs; give --nvlink-GBps or --nic-gbps")
+
+
 def check_layout(layout: Layout, gpus: int, global_batch: int, arch: Architecture, a: Assumptions) -> int:
     """The data-parallel degree of a layout, or one clear error naming what does not divide."""
     if layout.schedule not in SCHEDULES:
@@ -544,6 +566,10 @@ def check_layout(layout: Layout, gpus: int, global_batch: int, arch: Architectur
         raise DSV3Error(f"EP{layout.ep} must divide the {arch.moe.n_routed if arch.is_moe else 0} routed experts")
     if layout.schedule in ("dualpipe", "dualpipev") and layout.pp % 2:
         raise DSV3Error(f"{layout.schedule} needs an even --pp, got {layout.pp}")
+    stages = layout.pp * (2 if layout.schedule == "dualpipev" else 1)
+    if stages > arch.num_layers + arch.mtp_layers:
+        raise DSV3Error(f"{stages} pipeline stages exceed the {arch.num_layers + arch.mtp_layers} layers "
+                        f"of {arch.name}")
     if global_batch % (dp * a.micro_batch_seqs):
         raise DSV3Error(f"--global-batch {global_batch} sequences is not a multiple of DP {dp} x micro-batch "
                         f"{a.micro_batch_seqs}")
@@ -555,7 +581,7 @@ def plan_train(arch: Architecture, cluster: Cluster, layout: Layout, seq_len: in
     """Memory per GPU and step time of one layout."""
     a.check()
     prec.check()
-    cluster.knobs.check()
+    check_cluster(cluster)
     if seq_len < 1 or global_batch < 1:
         raise DSV3Error("--seq-len and --global-batch must be >= 1")
     dp = check_layout(layout, cluster.gpus, global_batch, arch, a)
@@ -594,7 +620,9 @@ def gpu_hours(plan: TrainPlan, gpus: int, tokens: float = V3_PRETRAIN_TOKENS) ->
 # ---- search -----------------------------------------------------------------------------------------
 
 def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
+    """Divisors in increasing order, in O(sqrt n)."""
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted(set(small + [n // d for d in small]))
 
 
 def candidate_layouts(arch: Architecture, gpus: int, global_batch: int, a: Assumptions,

@@ -24,6 +24,7 @@ from dsv3.analysis.plan import (
     Precision,
     TrainPlan,
     capacity_bytes,
+    check_cluster,
     gpu_hours,
     is_paper_setup,
     plan_train,
@@ -146,6 +147,9 @@ def _render_search(result: dict[str, Any]) -> None:
 
 def _why_not_tp(result: dict[str, Any]) -> str:
     best, tp = result["ranked"][0], result["best_with_tp"]
+    if best.layout.tp > 1:
+        return (f"TP is chosen: TP{best.layout.tp} cuts the weights and activations each GPU holds, and here that "
+                "buys more than its all-reduces cost")
     if tp is None:
         return "why no TP: no layout with TP fits, or TP does not divide the GPU count"
     return (f"why no TP: TP splits every GEMM and adds two all-reduces per layer and direction over NVLink; the "
@@ -185,8 +189,7 @@ def train_command(
     arch = load_architecture(config)
     knobs = _knobs(nvlink_gbs, nic_gbps, scale_up_domain, multicast, in_network_reduce, combine, sm_offload)
     cluster = Cluster(_hardware(hardware), gpus, network, knobs)
-    if gpus < 1:
-        raise DSV3Error("--gpus must be >= 1")
+    check_cluster(cluster)
     prec = Precision(compute=compute, master=master, grads=grads, moments=moments)
     a = Assumptions()
     if (pp is None) != (ep is None):
@@ -208,7 +211,7 @@ def train_command(
         raise DSV3Error(f"{arch.name} does not fit: {layout.label()} needs {plan.memory['total'] / GB:.1f} GB per "
                         f"GPU (weights {plan.memory['weights'] / GB:.1f}, gradients {plan.memory['gradients'] / GB:.1f}"
                         f", optimizer {plan.memory['optimizer'] / GB:.1f}, activations "
-                        f"{plan.memory['activations'] / GB:.1f}) and {hardware} has {cluster.hardware.memory_gb:g}")
+                        f"{plan.memory['activations'] / GB:.1f}) and {hardware} has {cluster.hardware.memory_gb:g} GB")
     extra: dict[str, Any] = {"sensitivity": sensitivity(arch, cluster, layout, seq_len, global_batch, prec, a)}
     if is_paper_setup(arch, cluster, layout, seq_len, global_batch) and prec == Precision():
         extra["paper"] = {"relative_error": table4_errors(plan), "gpu_hours_14_8T": gpu_hours(plan, gpus),

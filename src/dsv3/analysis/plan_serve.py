@@ -15,7 +15,16 @@ from typing import Any
 from dsv3.analysis.arch import Architecture
 from dsv3.analysis.memory import kv_bytes_per_token
 from dsv3.analysis.params import attention_params, count_params, swiglu_params
-from dsv3.analysis.plan import GB, Assumptions, Cluster, Layout, _pair_seconds, capacity_bytes, token_bytes
+from dsv3.analysis.plan import (
+    GB,
+    Assumptions,
+    Cluster,
+    Layout,
+    _pair_seconds,
+    capacity_bytes,
+    check_cluster,
+    token_bytes,
+)
 from dsv3.errors import DSV3Error
 
 # DeepSeek's open-infra-index day-6 overview (Feb 2025): per H800 node, prefill and decode
@@ -142,7 +151,7 @@ def plan_serve(arch: Architecture, cluster: Cluster, prefill_gpus: int, decode_g
     """Both phases, the published figures beside them, and the assumptions used."""
     a.check()
     opts.check()
-    cluster.knobs.check()
+    check_cluster(cluster)
     if prefill_gpus < 1 or decode_gpus < 1:
         raise DSV3Error("--prefill-gpus and --decode-gpus must be >= 1")
     pre, dec = prefill(arch, cluster, prefill_gpus, opts, a), decode(arch, cluster, decode_gpus, opts, a)
