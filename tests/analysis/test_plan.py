@@ -13,6 +13,7 @@ from dsv3.analysis.plan import (
     Assumptions,
     Knobs,
     Layout,
+    Precision,
     _fit_loss,
     fit_to_table4,
     gpu_hours,
@@ -86,6 +87,19 @@ def test_small_cluster_finds_a_layout_and_v3_does_not_fit_64_gpus(paper):
                                          ("combine_format", "fp8")])
 def test_knob_that_relieves_a_bottleneck_speeds_training(paper, knob, value):
     assert _tokens_per_day(paper, **{knob: value}) > _tokens_per_day(paper)
+
+
+def test_multicast_with_reduce_speeds_training_each_alone_does_not(paper):
+    base = _tokens_per_day(paper)
+    assert _tokens_per_day(paper, multicast=True) == pytest.approx(base)
+    assert _tokens_per_day(paper, in_network_reduce=True) == pytest.approx(base)
+    assert _tokens_per_day(paper, multicast=True, in_network_reduce=True) > 1.01 * base
+
+
+def test_bf16_gemms_slow_training(paper):
+    arch, cluster, layout, seq, batch, plan = paper
+    assert plan_train(arch, cluster, layout, seq, batch, Precision(compute="bf16")).tokens_per_day < \
+        0.8 * plan.tokens_per_day
 
 
 def test_slower_links_slow_training(paper):

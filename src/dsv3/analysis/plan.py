@@ -57,7 +57,6 @@ class Assumptions:
     optimizer_hbm_efficiency: float = 0.7  # the AdamW update streams its state through HBM
     reserve_gb: float = 3.0  # CUDA context, allocator fragmentation, communication buffers
     node_limit: int = 4  # V3: a token's experts sit on at most M = 4 nodes (0 = no limit)
-    mtp_in_last_stage: bool = True
 
     FITTED = ("gemm_efficiency", "attention_efficiency", "forward_alone_overlap")
 
@@ -519,6 +518,7 @@ class TrainPlan:
     tokens_per_day: float
     mfu_causal: float
     chunk: dict[str, float]
+    ep_traffic: dict[str, Any] = field(default_factory=dict)
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -604,8 +604,18 @@ def plan_train(arch: Architecture, cluster: Cluster, layout: Layout, seq_len: in
         layout=layout, dp=dp, micro_batches=chunks, memory=mem, fits=mem["total"] <= capacity_bytes(cluster.hardware),
         breakdown=parts, optimizer=opt, step_s=step, tokens_per_step=tokens, tokens_per_day=tokens / step * 86400,
         mfu_causal=causal_flops / step / cluster.gpus / (cluster.hardware.bf16_tflops * 1e12),
-        chunk=asdict(ct),
+        chunk=asdict(ct), ep_traffic=_traffic_summary(arch, cluster, layout, a),
     )
+
+
+def _traffic_summary(arch: Architecture, cluster: Cluster, layout: Layout, a: Assumptions) -> dict[str, Any]:
+    """What the all-to-all prices rest on: copies per token and the simulated fabric factor."""
+    if not arch.is_moe or layout.ep <= 1:
+        return {}
+    t = ep_traffic(arch.moe.n_routed, arch.moe.top_k, layout.ep, cluster.domain, _node_limit(a, layout, cluster))
+    disp, comb = token_bytes(arch, cluster.knobs)
+    return {**asdict(t), "fabric_factor": _fabric(cluster, layout.ep), "dispatch_bytes_per_copy": disp,
+            "combine_bytes_per_copy": comb}
 
 
 def capacity_bytes(hw: Hardware) -> float:
