@@ -372,42 +372,54 @@ def _stage_split(counts: ModelCounts, stages: int) -> list[int]:
     return split
 
 
-def memory_per_gpu(arch: Architecture, counts: ModelCounts, layout: Layout, dp: int, seq_len: int,
-                   prec: Precision, a: Assumptions) -> dict[str, float]:
-    """Bytes on the busiest GPU: its stages' weights, gradients, optimizer state and in-flight
-    activations."""
+def _busiest_rank(arch: Architecture, counts: ModelCounts, layout: Layout) -> tuple[float, float]:
+    """(non-expert parameters, layers) of the rank holding the most: in both DualPipe variants rank r holds
+    stages r and (stages - 1 - r), so rank 0 carries the embedding and the head with the MTP module."""
     two_chunks = layout.schedule in ("dualpipe", "dualpipev")
     stages = layout.pp * (2 if layout.schedule == "dualpipev" else 1)
     split = _stage_split(counts, stages)
     tables = counts.embedding_params * (1 if arch.tie_word_embeddings else 2)
     layer_ne = (counts.non_expert_params - tables) / counts.layers
     layer_ex = counts.expert_params / max(counts.moe_layers, 1)
-    moe_share = counts.moe_layers / counts.layers
-    # the busiest rank: in both DualPipe variants rank r holds stages r and (stages - 1 - r)
-    def rank_params(r: int) -> tuple[float, float]:
+
+    def held_by(r: int) -> tuple[float, float]:
         held = [r, stages - 1 - r] if two_chunks else [r]
         layers = sum(split[s] for s in held)
         tabs = (counts.embedding_params if 0 in held else 0) + \
             (tables - counts.embedding_params if stages - 1 in held else 0)
         return layer_ne * layers + tabs, layers
 
-    ne, layers0 = max((rank_params(r) for r in range(layout.pp)), key=lambda x: x[0] + layer_ex * x[1] / layout.ep)
-    ex = layer_ex * moe_share * layers0 / max(layout.ep, 1)
-    ne_shard = ne / dp if layout.dp_shard == "fsdp" else ne
-    ex_dp = max(dp // max(layout.ep, 1), 1)
-    w = DTYPE_BYTES[prec.weights]
-    weights = (ne_shard + (ex / ex_dp if layout.dp_shard == "fsdp" else ex)) * w / layout.tp
-    grads = (ne_shard + (ex / ex_dp if layout.dp_shard == "fsdp" else ex)) * DTYPE_BYTES[prec.grads] / layout.tp
-    state = DTYPE_BYTES[prec.master] + 2 * DTYPE_BYTES[prec.moments]
-    shard_ne, shard_ex = (dp, ex_dp) if layout.dp_shard in ("zero1", "fsdp") else (1, 1)
-    optimizer = (ne / shard_ne + ex / shard_ex) * state / layout.tp
+    return max((held_by(r) for r in range(layout.pp)), key=lambda x: x[0] + layer_ex * x[1] / layout.ep)
+
+
+def _activation_bytes(arch: Architecture, counts: ModelCounts, layout: Layout, seq_len: int,
+                      a: Assumptions) -> float:
+    """In-flight micro-batches x tokens x layers per chunk x bytes kept per token and layer."""
     act = activation_bytes_per_token(arch)
+    moe_share = counts.moe_layers / counts.layers
     per_layer = act["attention"] + moe_share * act["moe_ffn"] + (1 - moe_share) * act["dense_ffn"]
-    chunk_layers = counts.layers / stages
-    tokens = a.micro_batch_seqs * seq_len
+    stages = layout.pp * (2 if layout.schedule == "dualpipev" else 1)
     in_flight = {"dualpipe": layout.pp + 1, "dualpipev": 2 * layout.pp + 1, "1f1b": layout.pp}[layout.schedule]
-    activations = in_flight * tokens * chunk_layers * per_layer / layout.tp
-    out = {"weights": weights, "gradients": grads, "optimizer": optimizer, "activations": activations,
+    return in_flight * a.micro_batch_seqs * seq_len * counts.layers / stages * per_layer / layout.tp
+
+
+def memory_per_gpu(arch: Architecture, counts: ModelCounts, layout: Layout, dp: int, seq_len: int,
+                   prec: Precision, a: Assumptions) -> dict[str, float]:
+    """Bytes on the busiest GPU: its stages' weights, gradients, optimizer state and in-flight activations.
+
+    Attention and dense layers are replicated over all DP ranks, routed experts over DP / EP of them:
+    ZeRO-1 shards the optimizer state over those replicas, FSDP also the weights and gradients.
+    """
+    ne, layers = _busiest_rank(arch, counts, layout)
+    ex = counts.expert_params / max(counts.moe_layers, 1) * counts.moe_layers / counts.layers * layers / layout.ep
+    ex_dp = max(dp // layout.ep, 1)
+    held = ne / dp + ex / ex_dp if layout.dp_shard == "fsdp" else ne + ex
+    sharded_state = ne / dp + ex / ex_dp if layout.dp_shard in ("zero1", "fsdp") else ne + ex
+    state = DTYPE_BYTES[prec.master] + 2 * DTYPE_BYTES[prec.moments]
+    out = {"weights": held * DTYPE_BYTES[prec.weights] / layout.tp,
+           "gradients": held * DTYPE_BYTES[prec.grads] / layout.tp,
+           "optimizer": sharded_state * state / layout.tp,
+           "activations": _activation_bytes(arch, counts, layout, seq_len, a),
            "reserve": a.reserve_gb * GB}
     out["total"] = sum(out.values())
     return out
