@@ -169,3 +169,22 @@ def test_json_states_fitted_assumptions_and_paper_errors(capsys):
 
 def test_layout_label_and_schedule_choice():
     assert Layout(pp=16, ep=64).label() == "PP16 dualpipe EP64 zero1"
+
+
+def test_nvl72_domain_speeds_training(paper):
+    """EP64 inside one 72-GPU NVLink domain: the all-to-all leaves the NICs for 900 GB/s links."""
+    assert _tokens_per_day(paper, scale_up_domain=72, nvlink_gbs=900.0) > _tokens_per_day(paper)
+
+
+def test_1f1b_has_the_larger_bubble(paper):
+    arch, cluster, layout, seq, batch, plan = paper
+    one = plan_train(arch, cluster, replace(layout, schedule="1f1b"), seq, batch)
+    assert one.breakdown["bubble"] > 2 * plan.breakdown["bubble"] and one.step_s > 1.2 * plan.step_s
+
+
+def test_plot_dir_writes_the_charts(tmp_path, capsys):
+    assert main(["plan", "train", "--pp", "16", "--ep", "64", "--json", "--plot-dir", str(tmp_path)]) == 0
+    plots = json.loads(capsys.readouterr().out)["plots"]
+    assert sorted(p.rsplit("/", 1)[1] for p in plots) == ["plan_nic.png", "plan_step.png"]
+    for p in plots:
+        assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
