@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "convert": ("dsv3.checkpoint_cli:app", "Convert a DeepSeek-format checkpoint between FP8 and BF16."),
     "analyze": ("dsv3.analysis.cli:analyze_app", "Memory, FLOPs and speed bounds of any model on any hardware."),
     "paper": ("dsv3.analysis.cli:paper_app", "The paper's tables side by side with our numbers."),
+    "plan": ("dsv3.analysis.plan_cli:app", "Plan a cluster: memory, step time and throughput of a layout."),
     "study": ("dsv3.studies.cli:app", "Numerical studies: FP8 accumulation, FP8 training, LogFMT."),
     "net": ("dsv3.network.cli:app", "Network topologies, their cost, and a flow-level simulator."),
     "bench": ("dsv3.bench_cli:app", "Benchmarks: expert-parallel layer, decode speed."),

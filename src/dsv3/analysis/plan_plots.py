@@ -1,0 +1,102 @@
+"""PNG charts of `dsv3 plan`: the step-time breakdown, memory per GPU per layout, tokens/day versus NIC speed.
+
+matplotlib is imported inside each function, so `dsv3 plan` without --plot-dir never loads it; each PNG
+is written atomically (dsv3.io.save_figure).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+from dsv3.analysis.plan import GB, TABLE4, TrainPlan, plan_train
+from dsv3.errors import DSV3Error
+from dsv3.io import save_figure
+
+PARTS = ("1F", "1B", "1W", "1F1B", "bubble", "opt")
+
+
+def _figure(width: float = 7.5, height: float = 4.2):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=(width, height), dpi=120)
+
+
+def _folder(path: Path) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DSV3Error(f"cannot create plot folder {path.parent}: {exc}") from None
+
+
+def plot_breakdown(plan: TrainPlan, path: Path) -> Path:
+    """One horizontal stacked bar per source: the planner's step and, for V3's layout, Table 4's."""
+    _folder(path)
+    fig, ax = _figure(height=2.8)
+    rows = [("planner", plan.breakdown)]
+    if plan.layout.label() == "PP16 dualpipe EP64 zero1" and plan.dp == 128:
+        rows.append(("ISCA Table 4", {k: TABLE4[f"{k}_s"] for k in PARTS}))
+    colors = ["#4C72B0", "#DD8452", "#55A868", "#8172B3", "#C44E52", "#937860"]
+    for y, (_name, parts) in enumerate(rows):
+        left = 0.0
+        for part, color in zip(PARTS, colors, strict=True):
+            ax.barh(y, parts[part], left=left, color=color, label=part if y == 0 else None)
+            left += parts[part]
+        ax.text(left + 0.2, y, f"{left:.2f} s", va="center", fontsize=8)
+    ax.set_yticks(range(len(rows)), [r[0] for r in rows])
+    ax.set_xlabel("seconds per optimizer step")
+    ax.set_title(f"Step time, {plan.layout.label()}, DP{plan.dp}", fontsize=10)
+    ax.set_xlim(0, max(sum(r[1][p] for p in PARTS) for r in rows) * 1.18)
+    ax.legend(ncol=6, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.32), frameon=False)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def plot_memory(plans: list[TrainPlan], path: Path, capacity_gb: float) -> Path:
+    """Stacked memory per GPU of the ranked layouts, with the device's capacity as a line."""
+    _folder(path)
+    fig, ax = _figure(height=4.6)
+    parts = ("weights", "gradients", "optimizer", "activations", "reserve")
+    labels = [p.layout.label() for p in plans]
+    bottom = [0.0] * len(plans)
+    for part in parts:
+        values = [p.memory[part] / GB for p in plans]
+        ax.bar(range(len(plans)), values, bottom=bottom, label=part)
+        bottom = [b + v for b, v in zip(bottom, values, strict=True)]
+    ax.axhline(capacity_gb, color="black", linestyle="--", linewidth=1)
+    ax.annotate(f"capacity {capacity_gb:.1f} GB", (len(plans) - 0.5, capacity_gb), xytext=(0, 3),
+                textcoords="offset points", ha="right", fontsize=7)
+    ax.set_xticks(range(len(plans)), labels, fontsize=7, rotation=30, ha="right")
+    ax.set_ylabel("GB per GPU (busiest rank)")
+    ax.set_title("Memory per GPU of the layouts that fit, best tokens/day first", fontsize=10)
+    ax.legend(fontsize=7, ncol=5, loc="upper center", bbox_to_anchor=(0.5, 1.0))
+    ax.set_ylim(0, max(max(bottom), capacity_gb) * 1.3)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def plot_knob(arch, cluster, layout, seq_len, global_batch, prec, a, path: Path) -> Path:
+    """Tokens/day versus the scale-out bandwidth, for the plan's layout (the other inputs held)."""
+    _folder(path)
+    fig, ax = _figure()
+    speeds = [100, 200, 400, 800, 1600]
+    for label, knobs in (("as given", cluster.knobs),
+                         ("+ multicast and in-network reduce", replace(cluster.knobs, multicast=True,
+                                                                       in_network_reduce=True))):
+        days = []
+        for s in speeds:
+            cl = replace(cluster, knobs=replace(knobs, nic_gbps=float(s)))
+            days.append(plan_train(arch, cl, layout, seq_len, global_batch, prec, a).tokens_per_day / 1e9)
+        ax.plot(speeds, days, "o-", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(speeds, [str(s) for s in speeds])
+    ax.set_xlabel("NIC Gb/s per GPU per direction")
+    ax.set_ylabel("B tokens/day")
+    ax.set_title(f"Tokens/day versus scale-out bandwidth, {layout.label()}", fontsize=10)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, path)
