@@ -21,8 +21,10 @@ from dsv3.model import FP8Experts, MoE, ResidentFP8Experts
 DEVICE = os.environ.get("DSV3_GPU_CHECK_DEVICE", "cuda")
 CFG = ModelConfig(hidden_size=256, moe_intermediate_size=128, n_routed_experts=8, num_experts_per_tok=2,
                   n_group=2, topk_group=1, n_shared_experts=1, rope_scaling=None).validate()
-# (kind, relative tolerance GPU vs CPU): the GPU's FP8 GEMM sums each 128-chunk in a narrow adder
-KINDS = [("plain", 1e-5), ("fp8_gemms", 5e-3), ("resident_fp8", 1e-5)]
+# (kind, relative tolerance GPU vs CPU). The GPU's FP8 GEMM sums each 128-chunk in a narrow adder, and a
+# value that lands near an E4M3 rounding boundary then re-quantizes differently (one FP8Linear: 0.34% output,
+# 0.56% weight gradient on an H200); three chained expert GEMMs measured 0.27% output, 0.81% input gradient.
+KINDS = [("plain", 1e-5), ("fp8_gemms", 2e-2), ("resident_fp8", 1e-5)]
 
 
 def emit(**fields) -> None:
