@@ -59,6 +59,7 @@ def sections(rows: dict[str, list[dict]]) -> str:
                        *(f"{100 * v:.4f}%" for v in r["normwise"].values())] for r in acc if "normwise" in r]))
     out.append(table(["check", "result"], [[r["name"], _fields(r)] for r in rows["ep_nccl"]]))
     out.append(table(["check", "result"], [[r["name"], _fields(r)] for r in rows["decode"]]))
+    out.append(table(["check", "result"], [[r["name"], _fields(r)] for r in rows["moe_seam"]]))
     return "\n\n".join(out)
 
 
