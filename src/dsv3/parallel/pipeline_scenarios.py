@@ -80,7 +80,7 @@ def single_process_run(base: ModelConfig, spec: PipeSpec) -> dict:
         model.update_router_biases()
         optimizer.zero_grad(set_to_none=True)
         parts = [out.loss, out.lm_loss, out.mtp_loss, out.balance_loss]
-        losses.append([float(p) for p in parts] + [grad_norm])
+        losses.append([float(p.detach()) for p in parts] + [grad_norm])
     return {"losses": losses, "state": _state(model)}
 
 
