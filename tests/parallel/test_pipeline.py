@@ -24,11 +24,13 @@ from dsv3.parallel.pipeline import (
 from dsv3.parallel.pipeline_scenarios import PipeSpec, pipeline_worker, single_process_run, spec_config
 
 # One launch for all (starting processes costs more than the steps): every schedule on 2 pipeline ranks
-# x 2 data-parallel replicas, and DualPipeV on 4 pipeline ranks alone.
+# x 2 data-parallel replicas, DualPipeV on 4 pipeline ranks alone, and DualPipeV with its OVERLAP_F_B
+# pairs run by the registered custom function.
 SPECS = [PipeSpec(schedule, pp=2, dp=2) for schedule in SCHEDULES] + [
-    PipeSpec("dualpipev", pp=4, layers=7, microbatches=8)
+    PipeSpec("dualpipev", pp=4, layers=7, microbatches=8),
+    PipeSpec("dualpipev", pp=4, layers=7, microbatches=8, overlap=True),
 ]
-IDS = [f"pp2xdp2-{schedule}" for schedule in SCHEDULES] + ["pp4-dualpipev"]
+IDS = [f"pp2xdp2-{schedule}" for schedule in SCHEDULES] + ["pp4-dualpipev", "pp4-dualpipev-overlap-f-b"]
 
 
 # ---- the plan ------------------------------------------------------------------------------------
@@ -174,6 +176,9 @@ def test_pipeline_trains_like_one_process(tiny_train_config, runs, index):
         assert holders == (2 if spec.schedule in ("1f1b", "interleaved") else 1)
     else:
         assert [r["stages"] for r in results] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    # the overlap seam: every OVERLAP_F_B pair of DualPipeV went through the registered function
+    pairs = [r["overlapped_pairs"] for r in results]
+    assert (min(pairs) > 0) if spec.overlap else (max(pairs) == 0)
 
 
 def test_a_failing_rank_stops_the_pipeline_with_a_clear_error(tiny_train_config):

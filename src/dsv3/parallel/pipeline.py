@@ -37,6 +37,7 @@ from torch.distributed.pipelining import (
 from dsv3.config import ModelConfig
 from dsv3.errors import DSV3Error
 from dsv3.model.moe import MoE
+from dsv3.parallel.pipeline_overlap import Overlap, register_overlap
 
 SCHEDULES = ("1f1b", "interleaved", "zbv", "dualpipev")
 V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, folded: rank r holds stages r and 2P-1-r
@@ -323,8 +324,10 @@ class PipelineParallel:
     ``optimizer.step()``, `reduce_expert_loads` then ``model.update_router_biases()``; or `train_step`."""
 
     def __init__(self, model: nn.Module, plan: PipelinePlan, pp_group: dist.ProcessGroup | None = None,
-                 dp_group: dist.ProcessGroup | None = None):
-        self.model, self.plan = model, plan
+                 dp_group: dist.ProcessGroup | None = None, overlap: Overlap | None = None):
+        self.model, self.plan, self.overlap = model, plan, overlap
+        if overlap is not None and plan.schedule != "dualpipev":
+            raise DSV3Error(f"an overlapped forward-backward step needs --pp-schedule dualpipev, not {plan.schedule}")
         self.pp_group, self.dp_group = pp_group, dp_group
         if dist.get_world_size(pp_group) != plan.ranks:
             raise DSV3Error(f"the pipeline plan has {plan.ranks} ranks, its process group "
@@ -397,9 +400,12 @@ class PipelineParallel:
         try:
             cls = _schedule_class(self.plan.schedule)
             options = dict(n_microbatches=M, loss_fn=_objective_is_output, scale_grads=False)
-            return cls(stages[0], **options) if self.plan.schedule == "1f1b" else cls(stages, **options)
+            schedule = cls(stages[0], **options) if self.plan.schedule == "1f1b" else cls(stages, **options)
         except ValueError as err:
             raise DSV3Error(f"--pp-schedule {self.plan.schedule} with {M} micro-batches: {err}") from err
+        if self.overlap is not None:
+            register_overlap(schedule, self.overlap)
+        return schedule
 
     def _stage(self, module: StageModule, micro: int, seq: int) -> PipelineStage:
         hidden = (micro, seq, self.model.config.hidden_size)

@@ -17,6 +17,7 @@ from dsv3.config import ModelConfig
 from dsv3.errors import DSV3Error
 from dsv3.model.transformer import Transformer
 from dsv3.parallel.pipeline import PipelineParallel, plan_pipeline
+from dsv3.parallel.pipeline_overlap import run_in_order
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class PipeSpec:
     lr: float = 1e-2
     grad_clip: float = 0.5
     fail_rank: int | None = None
+    overlap: bool = False  # DualPipeV: run OVERLAP_F_B through the registered custom function
 
     @property
     def world(self) -> int:
@@ -103,7 +105,8 @@ def _pipeline_run(rank: int, world: int, base: ModelConfig, spec: PipeSpec) -> d
     torch.manual_seed(spec.seed)
     model = Transformer(cfg).train()
     plan = plan_pipeline(cfg, spec.pp, spec.schedule, spec.microbatches, spec.layers_per_stage)
-    pipe = PipelineParallel(model, plan, mesh.get_group("pp"), mesh.get_group("dp"))
+    overlap = CountingInOrder() if spec.overlap else None
+    pipe = PipelineParallel(model, plan, mesh.get_group("pp"), mesh.get_group("dp"), overlap=overlap)
     optimizer = _optimizer(pipe.parameters(), spec)
     per_replica = spec.batch // spec.dp
     rows = slice(dp_rank * per_replica, (dp_rank + 1) * per_replica)
@@ -114,7 +117,19 @@ def _pipeline_run(rank: int, world: int, base: ModelConfig, spec: PipeSpec) -> d
         out = pipe.train_step(optimizer, input_ids[rows], labels[rows], spec.grad_clip)
         losses.append([out["loss"], out["lm_loss"], out["mtp_loss"], out["balance_loss"], out["grad_norm"]])
     return {"losses": losses, "state": _state(model), "stages": [m.stage for m in pipe.stage_modules],
+            "overlapped_pairs": overlap.pairs if overlap else 0,
             "finite": all(math.isfinite(x) for row in losses for x in row)}
+
+
+class CountingInOrder:
+    """The in-order overlap function, counting the OVERLAP_F_B pairs it was handed."""
+
+    def __init__(self) -> None:
+        self.pairs = 0
+
+    def __call__(self, forward, backward) -> None:
+        self.pairs += 1
+        run_in_order(forward, backward)
 
 
 def _fail_in_forward(pipe: PipelineParallel) -> None:
