@@ -421,6 +421,11 @@ class PipelineParallel:
         return PipelineStage(module, module.stage, self.plan.num_stages, device, input_args=example_in,
                              output_args=example_out, group=self.pp_group)
 
+    @property
+    def schedule(self):
+        """The torch schedule of the last step (None before the first): for instrumentation."""
+        return self._schedule
+
     # ---- one step ---------------------------------------------------------------------------------
     def parameters(self) -> list[nn.Parameter]:
         """This rank's parameters, each once (what its optimizer updates)."""
