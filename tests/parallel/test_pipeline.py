@@ -66,6 +66,8 @@ def test_plan_maps_stages_to_ranks_as_the_schedules_do(tiny_train_config):
         (dict(ranks=4, schedule="dualpipev"), "would hold no layer"),
         (dict(ranks=2, schedule="zbv", stages_per_rank=3), "runs 2 stage(s) per rank"),
         (dict(ranks=2, schedule="1f1b", microbatches=0), "at least 1"),
+        (dict(ranks=2, schedule="dualpipev", microbatches=3), "at least as many micro-batches as stages (4)"),
+        (dict(ranks=2, schedule="interleaved", microbatches=5), "a multiple of 2"),
     ],
 )
 def test_plan_refuses_impossible_layouts(tiny_train_config, kwargs, message):

@@ -88,8 +88,7 @@ def plan_pipeline(cfg: ModelConfig, ranks: int, schedule: str = "1f1b", microbat
     per_rank = _stages_per_rank(schedule, stages_per_rank)
     stages = ranks * per_rank
     microbatches = 2 * stages if microbatches is None else microbatches
-    if microbatches < 1:
-        raise DSV3Error(f"--microbatches must be at least 1, got {microbatches}")
+    _check_microbatches(schedule, ranks, stages, microbatches)
     if layers_per_stage is None:
         layers = balanced_layers(cfg.num_hidden_layers, cfg.num_nextn_predict_layers, stages)
     else:
@@ -114,6 +113,19 @@ def _stages_per_rank(schedule: str, stages_per_rank: int | None) -> int:
     if per_rank < 2:
         raise DSV3Error(f"interleaved 1F1B needs at least 2 stages per rank, got {per_rank}")
     return per_rank
+
+
+def _check_microbatches(schedule: str, ranks: int, stages: int, microbatches: int) -> None:
+    """The schedules' own requirements, checked before any process group exists."""
+    if microbatches < 1:
+        raise DSV3Error(f"--microbatches must be at least 1, got {microbatches}")
+    if schedule in ("1f1b", "dualpipev") and microbatches < stages:
+        raise DSV3Error(f"--pp-schedule {schedule} needs at least as many micro-batches as stages ({stages}), "
+                        f"got {microbatches}")
+    rounds = max(1, microbatches // ranks)
+    if schedule == "interleaved" and microbatches % rounds:
+        raise DSV3Error(f"--pp-schedule interleaved needs --microbatches a multiple of {rounds} (the number of "
+                        f"rounds of {ranks}), got {microbatches}")
 
 
 def _check_layers(layers: tuple[int, ...], n_layers: int, stages: int) -> None:
