@@ -2,6 +2,7 @@
 process, with unlabelled positions), and training on gloo processes with every schedule, pp x dp included,
 step for step equal to one process; a rank that fails stops the others with a clear error."""
 
+import re
 import time
 
 import numpy as np
@@ -169,6 +170,11 @@ def test_pipeline_trains_like_one_process(tiny_train_config, runs, index):
     _check_against_one_process(tiny_train_config, spec, results)
     expected_stages = {"1f1b": [[0], [1]], "interleaved": [[0, 2], [1, 3]], "zbv": [[0, 3], [1, 2]],
                        "dualpipev": [[0, 3], [1, 2]]}
+    total = sum(p.numel() for p in Transformer(spec_config(tiny_train_config, spec)).parameters())
+    assert all(r["parameter_count"] == total for r in results)  # tied copies counted once
+    # a rank holds its stages only: the pruned model as a whole refuses, naming where a module lives
+    assert all(re.fullmatch(r"model\.\S+ lives on pipeline rank \d, not on this one", r["whole_model_call"])
+               for r in results), [r["whole_model_call"] for r in results]
     if spec.pp == 2:
         assert [r["stages"] for r in results] == expected_stages[spec.schedule] * 2
         # MoE layers on both pipeline ranks; under 1F1B/interleaved both end ranks hold the embedding

@@ -117,8 +117,18 @@ def _pipeline_run(rank: int, world: int, base: ModelConfig, spec: PipeSpec) -> d
         out = pipe.train_step(optimizer, input_ids[rows], labels[rows], spec.grad_clip)
         losses.append([out["loss"], out["lm_loss"], out["mtp_loss"], out["balance_loss"], out["grad_norm"]])
     return {"losses": losses, "state": _state(model), "stages": [m.stage for m in pipe.stage_modules],
+            "parameter_count": pipe.parameter_count(), "whole_model_call": _call_pruned(model),
             "overlapped_pairs": overlap.pairs if overlap else 0,
             "finite": all(math.isfinite(x) for row in losses for x in row)}
+
+
+def _call_pruned(model: torch.nn.Module) -> str:
+    """What calling the pruned model as a whole says on this rank (it must refuse, naming the owner)."""
+    try:
+        model(torch.zeros(1, 4, dtype=torch.long))
+    except DSV3Error as err:
+        return str(err)
+    return "ran"
 
 
 class CountingInOrder:
