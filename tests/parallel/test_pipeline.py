@@ -2,8 +2,11 @@
 process, with unlabelled positions), and training on gloo processes with every schedule, pp x dp included,
 step for step equal to one process; a rank that fails stops the others with a clear error."""
 
+import importlib.util
 import re
+import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -22,6 +25,7 @@ from dsv3.parallel.pipeline import (
     label_counts,
     plan_pipeline,
 )
+from dsv3.parallel.pipeline_bench import SavedBytes, formula_bubble
 from dsv3.parallel.pipeline_scenarios import PipeSpec, pipeline_worker, single_process_run, spec_config
 
 # One launch for all (starting processes costs more than the steps): every schedule on 2 pipeline ranks
@@ -195,3 +199,36 @@ def test_a_failing_rank_stops_the_pipeline_with_a_clear_error(tiny_train_config)
     with pytest.raises(DSV3Error, match=r"rank 1: pipeline rank 1 \(stage 1\): RuntimeError: injected failure"):
         launch(pipeline_worker, 2, (tiny_train_config, [spec]), timeout_s=60)
     assert time.monotonic() - start < 60  # rank 0, blocked in a receive, was stopped, not waited for
+
+
+# ---- the bubble benchmark's arithmetic and its bad input -----------------------------------------
+
+
+def test_bubble_formulas_and_saved_bytes():
+    assert formula_bubble("1f1b", 4, F=1.0, B=2.0, W=0.5)[1] == 9.0  # (PP-1)(F+B)
+    assert formula_bubble("dualpipev", 4, F=1.0, B=2.0, W=0.5)[1] == 10.5  # (8/2-1)(F&B+B-3W), F&B = F+B
+    assert formula_bubble("zbv", 4, F=1.0, B=2.0, W=0.5) == (None, None)
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    saved = SavedBytes([w])
+    x = torch.randn(4, 8, requires_grad=True)
+    with saved.counting():
+        y = (x @ w).relu()  # saves x (128 B) and the relu output (128 B); w is a parameter, not counted
+    assert saved.live == saved.peak == 256
+    y.sum().backward()
+    del y
+    assert saved.live == 0 and saved.peak == 256
+
+
+def test_bubble_benchmark_refuses_an_impossible_layout_before_starting(monkeypatch, capsys):
+    path = Path(__file__).parents[2] / "benchmarks" / "pipeline_bubble.py"
+    spec = importlib.util.spec_from_file_location("pipeline_bubble", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(sys, "argv", ["pipeline_bubble.py", "--schedules", "dualpipev", "--microbatches", "3"])
+    with pytest.raises(SystemExit) as exit_info:
+        bench.main()
+    out = capsys.readouterr()
+    assert exit_info.value.code == 2 and out.out == ""
+    assert out.err.strip().splitlines() == [
+        "error: --pp-schedule dualpipev needs at least as many micro-batches as stages (4), got 3"
+    ]
