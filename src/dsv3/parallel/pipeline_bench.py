@@ -1,0 +1,265 @@
+"""Pipeline bubbles measured on gloo processes, next to the DualPipe README's formulas.
+
+Every rank times what its stages compute (forward, backward, backward-for-weights: the stage methods the
+schedule calls) and the whole step; the measured bubble is 1 - (sum over ranks of compute time) / (P x
+step wall time). F, B and W (forward, full backward, backward for weights of one stage and micro-batch)
+are measured in one process on the same stages, and give the formulas' bubble: (PP-1)(F+B) for 1F1B and
+(PP/2-1)(F&B+B-3W) for DualPipeV, whose PP counts stages (2 per rank) and whose F&B (a forward and a
+backward overlapped) is F+B here, since nothing overlaps on a CPU. Peak activation memory per rank: the
+bytes of the tensors autograd saves for backward (parameters excluded), counted by saved_tensors_hooks.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+from dsv3.config import ModelConfig, preset
+from dsv3.model.transformer import Transformer
+from dsv3.parallel.launch import launch
+from dsv3.parallel.pipeline import PipelineParallel, PipelinePlan, StageModule, StepTally, label_counts, plan_pipeline
+from dsv3.parallel.pipeline_overlap import run_in_order
+
+TIMED_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
+
+
+@dataclass(frozen=True)
+class BubbleSpec:
+    """One schedule on ``pp`` ranks, ``microbatches`` micro-batches of ``micro_batch`` sequences of
+    ``seq`` tokens, a model of ``layers`` layers and width ``hidden``; ``overlap``: DualPipeV's
+    OVERLAP_F_B pairs through the registered custom function (run in order)."""
+
+    schedule: str
+    pp: int = 2
+    microbatches: int = 8
+    micro_batch: int = 2
+    seq: int = 64
+    layers: int = 8
+    hidden: int = 128
+    steps: int = 3
+    overlap: bool = False
+    seed: int = 0
+
+    def config(self) -> ModelConfig:
+        """nano's structure at the spec's width and depth (one MTP layer, MoE from layer 1)."""
+        return preset("nano").replace(
+            hidden_size=self.hidden, num_hidden_layers=self.layers, vocab_size=2048, intermediate_size=4 * self.hidden,
+            moe_intermediate_size=self.hidden // 2, max_position_embeddings=max(128, self.seq),
+        )
+
+    def plan(self) -> PipelinePlan:
+        return plan_pipeline(self.config(), self.pp, self.schedule, self.microbatches)
+
+    def batch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(self.seed + 1)
+        tokens = torch.randint(0, self.config().vocab_size, (self.microbatches * self.micro_batch, self.seq + 1),
+                               generator=gen)
+        return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
+
+
+# ---- on P processes: the measured bubble and the saved activations ----------------------------------
+
+
+class SavedBytes:
+    """saved_tensors_hooks that count the bytes autograd holds for backward (parameters excluded): the live
+    total and its peak."""
+
+    def __init__(self, params) -> None:
+        self.param_ptrs = {p.untyped_storage().data_ptr() for p in params}
+        self.live = self.peak = 0
+
+    def pack(self, t: torch.Tensor):
+        if t.untyped_storage().data_ptr() in self.param_ptrs:
+            return t
+        return _Held(t, self)
+
+    @staticmethod
+    def unpack(held):
+        return held.tensor if isinstance(held, _Held) else held
+
+    @contextmanager
+    def counting(self):
+        with torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack):
+            yield
+
+
+class _Held:
+    """A saved tensor whose bytes count as live until autograd lets go of it."""
+
+    def __init__(self, tensor: torch.Tensor, owner: SavedBytes):
+        self.tensor, self.owner, self.nbytes = tensor, owner, tensor.numel() * tensor.element_size()
+        owner.live += self.nbytes
+        owner.peak = max(owner.peak, owner.live)
+
+    def __del__(self):
+        self.owner.live -= self.nbytes
+
+
+def _time_stage_methods(stages, totals: dict[str, float]) -> None:
+    """Wraps each torch stage's compute methods so that their time adds up in ``totals``."""
+    for stage in stages:
+        for name in TIMED_METHODS:
+            method = getattr(stage, name)
+
+            def timed(*args, _method=method, _name=name, **kwargs):
+                t0 = time.perf_counter()
+                try:
+                    return _method(*args, **kwargs)
+                finally:
+                    totals[_name] += time.perf_counter() - t0
+
+            setattr(stage, name, timed)
+
+
+def bubble_worker(rank: int, world: int, specs: list[BubbleSpec]) -> list[dict]:
+    """This rank's compute time and wall time per measured step, and its peak saved bytes, per spec."""
+    return [_measure(spec) for spec in specs]
+
+
+def _measure(spec: BubbleSpec) -> dict:
+    cfg = spec.config()
+    torch.manual_seed(spec.seed)
+    model = Transformer(cfg).train()
+    pipe = PipelineParallel(model, spec.plan(), overlap=run_in_order if spec.overlap else None)
+    input_ids, labels = spec.batch()
+    pipe.forward_backward(input_ids, labels)  # warm-up; builds the schedule
+    schedule = pipe.schedule
+    _, totals = _instrument(schedule)
+    saved = SavedBytes(pipe.parameters())
+    compute, wall = [], []
+    for _ in range(spec.steps):
+        for p in pipe.parameters():
+            p.grad = None
+        for key in totals:
+            totals[key] = 0.0
+        dist.barrier()
+        t0 = time.perf_counter()
+        with saved.counting():
+            pipe.forward_backward(input_ids, labels)
+        wall.append(time.perf_counter() - t0)
+        compute.append(sum(totals.values()))
+    return {"compute_s": compute, "wall_s": wall, "peak_saved_bytes": saved.peak,
+            "stages": [m.stage for m in pipe.stage_modules]}
+
+
+def _instrument(schedule):
+    stages = list(getattr(schedule, "_stages", None) or [schedule._stage])
+    totals = dict.fromkeys(TIMED_METHODS, 0.0)
+    _time_stage_methods(stages, totals)
+    return stages, totals
+
+
+# ---- in one process: F, B, W of every stage ----------------------------------------------------------
+
+
+def stage_costs(spec: BubbleSpec, repeats: int = 5) -> list[dict[str, float]]:
+    """Median seconds of forward (F), full backward (B), and backward split into input (I) and weights (W)
+    of every stage of the spec's plan, for one micro-batch, in this process."""
+    cfg, plan = spec.config(), spec.plan()
+    torch.manual_seed(spec.seed)
+    model = Transformer(cfg).train()
+    tally = StepTally()
+    input_ids, labels = (t[: spec.micro_batch] for t in spec.batch())
+    tally.start(label_counts(labels, cfg.num_nextn_predict_layers), spec.micro_batch)
+    hidden = torch.randn(spec.micro_batch, spec.seq, cfg.hidden_size) * 0.5
+    costs = []
+    for s in range(plan.num_stages):
+        module = StageModule(model, plan, s, tally)
+        x = input_ids if module.first else hidden
+        costs.append(_median_costs(module, x, input_ids, labels, repeats))
+    return costs
+
+
+def _median_costs(module: StageModule, x, input_ids, labels, repeats: int) -> dict[str, float]:
+    rounds = [_one_round(module, x, input_ids, labels) for _ in range(repeats + 1)][1:]  # the first warms up
+    return {key: statistics.median(r[key] for r in rounds) for key in ("F", "B", "I", "W")}
+
+
+def _one_round(module: StageModule, x, input_ids, labels) -> dict[str, float]:
+    """One forward + full backward, then one forward + backward split into input and weight parts."""
+    times = {}
+    for split in (False, True):
+        inp = x if module.first else x.detach().requires_grad_()
+        t0 = time.perf_counter()
+        out = module(inp, tokens=input_ids, labels=labels)
+        t1 = time.perf_counter()
+        grad = torch.ones_like(out)
+        if not split:
+            out.backward(grad)
+            times["F"], times["B"] = t1 - t0, time.perf_counter() - t1
+        elif module.first:  # no input gradient to send back: the whole backward is the weights'
+            out.backward(grad)
+            times["I"], times["W"] = 0.0, time.perf_counter() - t1
+        else:
+            params = list(module.parameters())
+            _, groups = stage_backward_input([out], [grad], [inp], iter(params))
+            t2 = time.perf_counter()
+            stage_backward_weight(iter(params), groups)
+            times["I"], times["W"] = t2 - t1, time.perf_counter() - t2
+        module.zero_grad(set_to_none=True)
+    return times
+
+
+# ---- the report --------------------------------------------------------------------------------------
+
+
+OVERLAP_API = (
+    "ScheduleDualPipeV emits OVERLAP_F_B actions (a FORWARD of one micro-batch paired with a FULL_BACKWARD "
+    "of another, on the rank's two stages); register_custom_function(OVERLAP_F_B, fn) replaces the default "
+    "(the two run in order) with fn(action, ctx): action.sub_actions holds the pair, ctx the schedule and "
+    "the micro-batch args, kwargs and targets. fn must redo the runtime's bookkeeping (receive waits, loss, "
+    "passing activations and gradients between the rank's stages, backward counts) from the schedule's "
+    "private fields; dsv3.parallel.pipeline_overlap.register_overlap does that once and leaves "
+    "overlap(forward, backward) to the caller. Rows with overlap=true ran through it, in order."
+)
+
+
+def formula_bubble(schedule: str, pp: int, F: float, B: float, W: float) -> tuple[str | None, float | None]:
+    """The DualPipe README's bubble (seconds) for ``pp`` ranks with per-stage times F, B, W."""
+    if schedule == "1f1b":
+        return "(PP-1)(F+B)", (pp - 1) * (F + B)
+    if schedule == "interleaved":
+        return "(PP-1)(F+B), F and B of one of a rank's stages (Megatron's interleaved bubble)", (pp - 1) * (F + B)
+    if schedule == "dualpipev":
+        return "(PP/2-1)(F&B+B-3W), PP = 2P stages, F&B = F+B", (pp - 1) * ((F + B) + B - 3 * W)
+    return None, None  # ZBV: zero in the ideal F = B = W case; the README gives no formula for it
+
+
+def summarize(spec: BubbleSpec, ranks: list[dict], costs: list[dict[str, float]]) -> dict:
+    """One report row: the measured bubble (median over steps) next to the formula's."""
+    plan = spec.plan()
+    P = spec.pp
+    measured = [1 - sum(r["compute_s"][i] for r in ranks) / (P * max(r["wall_s"][i] for r in ranks))
+                for i in range(spec.steps)]
+    F, B, I, W = (statistics.mean(c[k] for c in costs) for k in ("F", "B", "I", "W"))
+    per_rank = spec.microbatches * (plan.num_stages // P) * (F + B)  # ideal compute of one rank
+    name, bubble_s = formula_bubble(spec.schedule, P, F, B, W)
+    return {
+        "schedule": spec.schedule, "overlap_f_b_registered": spec.overlap, "pp": P,
+        "stages": plan.num_stages, "microbatches": spec.microbatches, "layers_per_stage": list(plan.layers),
+        "measured_bubble": round(statistics.median(measured), 4),
+        "measured_bubble_per_step": [round(b, 4) for b in measured],
+        "step_wall_s": round(statistics.median(max(r["wall_s"][i] for r in ranks) for i in range(spec.steps)), 4),
+        "formula": name,
+        "formula_bubble_s": None if bubble_s is None else round(bubble_s, 5),
+        "formula_bubble": None if bubble_s is None else round(bubble_s / (bubble_s + per_rank), 4),
+        "F_s": round(F, 5), "B_s": round(B, 5), "I_s": round(I, 5), "W_s": round(W, 5),
+        "peak_saved_activation_bytes_per_rank": [r["peak_saved_bytes"] for r in ranks],
+    }
+
+
+def run_bubble_bench(specs: list[BubbleSpec], timeout_s: float = 600.0) -> dict:
+    """All specs (same ``pp``) on one set of gloo processes; F, B, W here. Returns the JSON report."""
+    if len({s.pp for s in specs}) != 1:
+        raise ValueError("one pipeline size per run")
+    results = launch(bubble_worker, specs[0].pp, (specs,), timeout_s=timeout_s)
+    torch.set_num_threads(1)  # as each worker runs
+    rows = [summarize(spec, [r[i] for r in results], stage_costs(spec)) for i, spec in enumerate(specs)]
+    return {"backend": "gloo", "device": "cpu", "spec": asdict(specs[0]) | {"schedule": None, "overlap": None},
+            "rows": rows, "overlap_f_b_api": OVERLAP_API}
