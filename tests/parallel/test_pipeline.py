@@ -14,7 +14,6 @@ import torch
 
 from dsv3.errors import DSV3Error
 from dsv3.model.transformer import Transformer
-from dsv3.parallel.launch import launch
 from dsv3.parallel.pipeline import (
     IGNORE_INDEX,
     SCHEDULES,
@@ -26,7 +25,8 @@ from dsv3.parallel.pipeline import (
     plan_pipeline,
 )
 from dsv3.parallel.pipeline_bench import SavedBytes, formula_bubble
-from dsv3.parallel.pipeline_scenarios import PipeSpec, pipeline_worker, single_process_run, spec_config
+from dsv3.testing.launch import launch
+from dsv3.testing.pipeline_scenarios import PipeSpec, pipeline_worker, single_process_run, spec_config
 
 # One launch for all (starting processes costs more than the steps): every schedule on 2 pipeline ranks
 # x 2 data-parallel replicas, DualPipeV on 4 pipeline ranks alone, and DualPipeV with its OVERLAP_F_B

@@ -22,9 +22,9 @@ from torch.distributed.pipelining._backward import stage_backward_input, stage_b
 
 from dsv3.config import ModelConfig, preset
 from dsv3.model.transformer import Transformer
-from dsv3.parallel.launch import launch
 from dsv3.parallel.pipeline import PipelineParallel, PipelinePlan, StageModule, StepTally, label_counts, plan_pipeline
 from dsv3.parallel.pipeline_overlap import run_in_order
+from dsv3.testing.launch import launch
 
 TIMED_METHODS = ("forward_one_chunk", "backward_one_chunk", "backward_weight_one_chunk")
 
