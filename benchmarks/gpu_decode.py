@@ -15,16 +15,14 @@ import time
 
 import torch
 
-from dsv3.config import ModelConfig, preset
+from dsv3.config import preset
 from dsv3.infer.engine import Engine, Request
 from dsv3.model import Transformer
+from gpu_model import TINY as GPU_MODEL_TINY  # benchmarks/ is on sys.path when a script runs
 
 DEVICE = os.environ.get("DSV3_GPU_CHECK_DEVICE", "cuda")
-TINY = ModelConfig(vocab_size=257, hidden_size=128, intermediate_size=256, moe_intermediate_size=64,
-                   num_hidden_layers=3, num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64,
-                   qk_nope_head_dim=32, qk_rope_head_dim=16, v_head_dim=32, n_routed_experts=16,
-                   num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
-                   num_nextn_predict_layers=1, rope_scaling=None).validate()  # fmt: skip
+# the model check's tiny V3 with one MTP layer, for speculation (YaRN off: positions stay short)
+TINY = GPU_MODEL_TINY.replace(num_nextn_predict_layers=1, rope_scaling=None)
 
 
 def emit(**fields) -> None:
