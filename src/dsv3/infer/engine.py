@@ -142,8 +142,7 @@ class Engine:
         self.speculative = speculative
         self.cache_dtype = cache_dtype or next(model.parameters()).dtype
         self.device = model.inv_freq.device  # inputs go where the weights are; sampling stays on the CPU
-        eos = model.config.eos_token_id
-        self.eos_ids = eos_token_ids if eos_token_ids is not None else frozenset([eos] if eos is not None else [])
+        self.eos_ids = eos_token_ids if eos_token_ids is not None else model.config.eos_token_ids
 
     def start(self, requests: list[Request]) -> Batch:
         """Prefill ``requests`` as one batch; the first token of each is in ``batch.first_events``."""

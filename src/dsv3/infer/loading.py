@@ -59,9 +59,7 @@ def encode(tokenizer, text: str) -> list[int]:
 
 def eos_ids(model: Transformer, tokenizer) -> frozenset[int]:
     """End-of-sequence ids: the config's, plus the tokenizer's usual end tokens when it defines them."""
-    ids = set()
-    if model.config.eos_token_id is not None:
-        ids.add(int(model.config.eos_token_id))
+    ids = set(model.config.eos_token_ids)  # eos_token_id may be a list (valid HF)
     if tokenizer is not None:
         for token in ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<｜end▁of▁sentence｜>"):
             tid = tokenizer.token_to_id(token)
