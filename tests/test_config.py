@@ -1,8 +1,10 @@
 """ModelConfig: both rope layouts, presets equal the shared configs, one message per problem."""
 
+import contextlib
 import dataclasses
 import json
 import os
+import threading
 from pathlib import Path
 
 import pytest
@@ -180,8 +182,23 @@ def test_null_norm_topk_prob_reads_as_false_and_a_v3_config_without_mtp_key_has_
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
 def test_config_that_is_a_fifo_or_a_device_is_refused_at_once(tmp_path):
-    os.mkfifo(tmp_path / "config.json")  # opening it for reading would block forever
-    with pytest.raises(DSV3Error, match="is not a regular file"):
-        ModelConfig.from_json(tmp_path)
-    with pytest.raises(DSV3Error, match="is not a regular file"):
-        ModelConfig.from_json("/dev/zero")
+    os.mkfifo(tmp_path / "config.json")  # opening it for reading would block until a writer comes
+    done = threading.Event()
+
+    def writer():  # should the reader block, release it after 5 s: the test then fails instead of hanging
+        done.wait(5)
+        while not done.is_set():
+            with contextlib.suppress(OSError):
+                os.close(os.open(tmp_path / "config.json", os.O_WRONLY | os.O_NONBLOCK))
+            done.wait(0.05)
+
+    thread = threading.Thread(target=writer, daemon=True)
+    thread.start()
+    try:
+        with pytest.raises(DSV3Error, match="is not a regular file"):
+            ModelConfig.from_json(tmp_path)
+        with pytest.raises(DSV3Error, match="is not a regular file"):
+            ModelConfig.from_json("/dev/zero")
+    finally:
+        done.set()
+        thread.join()

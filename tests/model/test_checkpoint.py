@@ -4,8 +4,9 @@ import contextlib
 import importlib.util
 import json
 import os
-import signal
 import stat
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -349,19 +350,29 @@ def test_convert_leaves_optimizer_state_behind_and_outputs_follow_the_umask(mode
             assert _mode(f) == 0o666 & ~mask, f
 
 
-@contextlib.contextmanager
-def _deadline(seconds: float):
-    """Fail instead of hanging: a blocked open() is interrupted by the alarm."""
-    def expire(*_):
-        raise TimeoutError(f"still blocked after {seconds} s")
+_FIFO_WRITER = """
+import os, sys, time
+time.sleep(float(sys.argv[2]))
+while True:
+    try:
+        os.close(os.open(sys.argv[1], os.O_WRONLY | os.O_NONBLOCK))  # succeeds only while a reader waits
+    except OSError:
+        pass
+    time.sleep(0.05)
+"""
 
-    old = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
+
+@contextlib.contextmanager
+def fifo_unblocked_after(fifo: Path, seconds: float):
+    """Fail instead of hanging: should the code under test open ``fifo`` and block (safetensors blocks
+    in Rust holding the GIL, so this must be another process), open its write end after ``seconds``:
+    the reader then sees an empty file and the test fails on its assertions."""
+    writer = subprocess.Popen([sys.executable, "-c", _FIFO_WRITER, str(fifo), str(seconds)])
     try:
         yield
     finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
+        writer.kill()
+        writer.wait()
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
@@ -370,7 +381,7 @@ def test_fifo_in_place_of_a_checkpoint_file_is_refused_at_once(model, tmp_path, 
     model.save_pretrained(tmp_path / "ckpt")
     (tmp_path / "ckpt" / fifo).unlink(missing_ok=True)
     os.mkfifo(tmp_path / "ckpt" / fifo)
-    with _deadline(10):
+    with fifo_unblocked_after(tmp_path / "ckpt" / fifo, 5):
         _expect_error(tmp_path / "ckpt", "is not a regular file")
         assert main(["convert", str(tmp_path / "ckpt"), str(tmp_path / "out"), "--to", "bf16"]) == 2
         assert "is not a regular file" in capsys.readouterr().err
