@@ -390,6 +390,15 @@ def test_fifo_in_place_of_a_checkpoint_file_is_refused_at_once(model, tmp_path, 
         assert "is not a regular file" in capsys.readouterr().err
 
 
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")
+def test_generate_refuses_a_fifo_tokenizer_at_once(model, tmp_path, capsys):
+    model.save_pretrained(tmp_path)
+    os.mkfifo(tmp_path / "tokenizer.json")
+    with fifo_unblocked_after(tmp_path / "tokenizer.json", 5):
+        assert main(["generate", "--model", str(tmp_path), "--prompt-ids", "1,2", "--max-new-tokens", "2"]) == 2
+    assert "tokenizer.json is not a regular file" in capsys.readouterr().err
+
+
 def test_generation_stops_at_any_of_a_list_of_eos_ids(model):
     from dsv3.infer.engine import Engine, Request
     from dsv3.infer.loading import eos_ids

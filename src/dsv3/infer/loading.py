@@ -8,6 +8,7 @@ import torch
 
 from dsv3.errors import DSV3Error
 from dsv3.infer.fp8_weights import stored_fp8, to_fp8_weights
+from dsv3.io import require_regular_file
 from dsv3.model.transformer import Transformer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
@@ -47,6 +48,7 @@ def load_tokenizer(path: str | Path, required: bool = False):
         return None
     from tokenizers import Tokenizer
 
+    require_regular_file(file)  # a FIFO would block the read
     try:
         return Tokenizer.from_file(str(file))
     except Exception as exc:  # tokenizers raises a bare Exception on malformed files
