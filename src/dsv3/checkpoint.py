@@ -6,6 +6,11 @@
   (``embed_tokens``, ``shared_head.head``), loaded and saved, not dropped.
 * FP8 block-scaled weights as DeepSeek ships them: float8_e4m3fn ``weight`` plus float32
   ``weight_scale_inv`` per 128x128 block (edges padded), dequantized exactly on load, on the CPU.
+* Before any weight is read, the safetensors headers are checked against the config (names, shapes,
+  dtypes, FP8 scale shapes): `load_pretrained` and `dsv3 convert` share that check. Weights must be
+  float32, bfloat16, float16 or float64, or float8_e4m3fn with its scales; an integer or bool tensor is
+  refused by name rather than cast to float. Every tensor is checked for NaN/Inf as it is read (FP8 ones
+  after their scale), so a corrupt weight is named at load instead of producing garbage tokens.
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ import json
 import os
 import re
 import shutil
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -25,6 +29,7 @@ from safetensors.torch import save_file
 
 from dsv3.config import ModelConfig
 from dsv3.errors import DSV3Error
+from dsv3.io import publish_tree, require_regular_file, staging_dir
 from dsv3.model.moe import stays_fp32
 from dsv3.precision import fp8
 
@@ -33,11 +38,34 @@ SINGLE_NAME = "model.safetensors"
 FP8_BLOCK = fp8.TILE
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 _MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
+# safetensors dtype names: the weights we accept, and readable names for the error message.
+FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+FP8_DTYPE = "F8_E4M3"
+_DTYPE_NAMES = {"BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32",
+                "I32": "int32", "U64": "uint64", "I64": "int64", "F8_E5M2": "float8_e5m2", FP8_DTYPE: "float8_e4m3fn",
+                "F32": "float32", "BF16": "bfloat16", "F16": "float16", "F64": "float64"}
+_FINITE_CHUNK = 1 << 24  # elements per isfinite pass: bounds the temporary bool mask to 16 MB
 
 
 # ---- FP8 128x128 block format: implemented once, in dsv3.precision.fp8 ------------------------
 
-dequantize_fp8_blocks = fp8.dequantize_weight_blocks
+def fp8_scale_shape(shape: tuple[int, ...], block: int = FP8_BLOCK) -> tuple[int, int] | None:
+    """The ``weight_scale_inv`` shape of an FP8 weight of ``shape`` (None when it is not a matrix)."""
+    if len(shape) != 2:
+        return None
+    return -(-shape[0] // block), -(-shape[1] // block)
+
+
+def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
+    """fp8 weight [N, K] * scale_inv [ceil(N/128), ceil(K/128)] per block -> float32 [N, K], exactly; a scale
+    of another shape is refused (it would broadcast into nonsense)."""
+    expected = fp8_scale_shape(tuple(weight.shape))
+    if expected is None or tuple(scale_inv.shape) != expected:
+        raise DSV3Error(f"an FP8 weight of shape {tuple(weight.shape)} needs a weight_scale_inv of shape "
+                        f"{expected}, got {tuple(scale_inv.shape)}")
+    return fp8.dequantize_weight_blocks(weight, scale_inv)
+
+
 quantize_fp8_blocks = fp8.quantize_weight_blocks
 
 
@@ -82,11 +110,12 @@ def save_pretrained(model, path: str | os.PathLike, dtype: torch.dtype | None = 
         cfg = cfg.replace(quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3",
                                                "quant_method": "fp8", "weight_block_size": [128, 128]})
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=path.parent, prefix=f".{path.name}.tmp-"))
+    tmp = staging_dir(path.parent, f".{path.name}.tmp-")
     try:
         shards = _plan_shards(checkpoint_tensors(model), dtype, fp8, max_shard_bytes)
         _write_shards(shards, tmp, dtype, fp8)
         cfg.save_json(tmp / "config.json", rope_layout=rope_layout)
+        publish_tree(tmp)
         _swap_in(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -176,32 +205,112 @@ def _swap_in(tmp: Path, path: Path) -> None:
 # ---- load ---------------------------------------------------------------------------------
 
 def checkpoint_files(path: Path) -> list[Path]:
+    """The weight files of the checkpoint folder ``path``, each checked to be a regular file."""
     if (path / INDEX_NAME).exists():
-        try:
-            index = json.loads((path / INDEX_NAME).read_text())
-            names = sorted(set(index["weight_map"].values()))
-        except (json.JSONDecodeError, KeyError, TypeError) as exc:
-            raise DSV3Error(f"{path / INDEX_NAME} is not a valid safetensors index: {exc}") from None
+        names = _index_file_names(path / INDEX_NAME)
         missing = [n for n in names if not (path / n).exists()]
         if missing:
             raise DSV3Error(f"checkpoint shard(s) listed in the index are missing: {', '.join(missing)}")
-        return [path / n for n in names]
+        return [require_regular_file(path / n) for n in names]
     if (path / SINGLE_NAME).exists():
-        return [path / SINGLE_NAME]
+        return [require_regular_file(path / SINGLE_NAME)]
     found = sorted(path.glob("*.safetensors"))
     if not found:
         raise DSV3Error(f"no safetensors checkpoint in {path}")
-    return found
+    return [require_regular_file(f) for f in found]
+
+
+def _index_file_names(index_path: Path) -> list[str]:
+    """The shard file names an index lists: plain names in the same folder."""
+    require_regular_file(index_path)
+    try:
+        index = json.loads(index_path.read_text())
+        names = sorted(set(index["weight_map"].values()))
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError, RecursionError) as exc:
+        raise DSV3Error(f"{index_path} is not a valid safetensors index: {exc}") from None
+    bad = [n for n in names if not isinstance(n, str) or not n or Path(n).name != n or n in (".", "..")]
+    if bad:
+        raise DSV3Error(f"{index_path} lists shard names that are not file names in its folder: {_few(bad)}")
+    return names
 
 
 @contextmanager
 def open_safetensors(f: Path):
-    """``safe_open`` with one clear error for a truncated or corrupt file."""
+    """``safe_open`` with one clear error for a truncated or corrupt file (and none for a FIFO: refused first)."""
+    require_regular_file(f)
     try:
         with safe_open(str(f), framework="pt") as handle:
             yield handle
     except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
         raise DSV3Error(f"cannot read {f}: corrupt or truncated safetensors file ({exc})") from None
+
+
+def stored_tensors(files: list[Path]) -> dict[str, tuple[tuple[int, ...], str]]:
+    """name -> (shape, safetensors dtype name) of every tensor, from the file headers alone: checking
+    a 700 GB checkpoint against its config reads no weight."""
+    out: dict[str, tuple[tuple[int, ...], str]] = {}
+    for f in files:
+        with open_safetensors(f) as handle:
+            for name in handle.keys():
+                piece = handle.get_slice(name)
+                out[name] = (tuple(piece.get_shape()), piece.get_dtype())
+    return out
+
+
+def _check_dtypes(stored: dict[str, tuple[tuple[int, ...], str]]) -> None:
+    """Floating weights only; every FP8 weight a matrix with a float scale of the 128x128 block shape."""
+    accepted = "float32, bfloat16, float16, float64, or float8_e4m3fn with a weight_scale_inv"
+    unscaled = []
+    for name, (shape, dtype) in stored.items():
+        if dtype == FP8_DTYPE and not name.endswith("_scale_inv"):
+            scale = stored.get(name + "_scale_inv")
+            if scale is None:
+                unscaled.append(name)
+            elif scale[1] not in FLOAT_DTYPES:
+                raise DSV3Error(f"tensor {name}_scale_inv is stored as {_DTYPE_NAMES.get(scale[1], scale[1])}; "
+                                "FP8 block scales must be floating point")
+            elif fp8_scale_shape(shape) != scale[0]:
+                raise DSV3Error(f"tensor {name}_scale_inv has shape {scale[0]}, but the 128x128 blocks of {name} "
+                                f"{shape} need {fp8_scale_shape(shape)}")
+        elif dtype not in FLOAT_DTYPES:
+            raise DSV3Error(f"tensor {name} is stored as {_DTYPE_NAMES.get(dtype, dtype)}; weights must be {accepted}")
+    if unscaled:
+        raise DSV3Error(f"FP8 tensors without a weight_scale_inv: {', '.join(sorted(unscaled)[:5])}")
+
+
+def check_checkpoint(cfg: ModelConfig, files: list[Path]) -> ModelConfig:
+    """Everything ``load_pretrained`` checks before reading a weight (dtypes, FP8 scales, expert counts,
+    names, shapes), from the headers alone; `dsv3 convert` runs the same check, with the same messages.
+    Returns the config the model is built from (without MTP layers when the checkpoint has none)."""
+    from dsv3.model import Transformer
+
+    stored = stored_tensors(files)
+    _check_dtypes(stored)
+    shapes = ((name, torch.empty(shape, device="meta")) for name, (shape, _) in stored.items()
+              if not name.endswith("_scale_inv"))
+    tensors = to_model_names(shapes, cfg)
+    cfg = _without_absent_mtp(cfg, tensors)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    _attach_distinct_mtp_copies(model, tensors)
+    _check_names_and_shapes(model, tensors)
+    return cfg
+
+
+def all_finite(t: torch.Tensor) -> bool:
+    """No NaN or Inf in ``t``, in bounded chunks (a 1B-element embedding would otherwise need a 1 GB mask)."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(chunk).all()) for chunk in flat.split(_FINITE_CHUNK))
+
+
+def check_values(name: str, t: torch.Tensor) -> torch.Tensor:
+    """``t`` when it is a floating tensor without NaN or Inf; a DSV3Error naming the tensor otherwise."""
+    if not t.is_floating_point() or t.dtype not in FLOAT_DTYPES.values():
+        raise DSV3Error(f"tensor {name} is stored as {str(t.dtype).removeprefix('torch.')}; weights must be "
+                        "float32, bfloat16, float16, float64, or float8_e4m3fn with a weight_scale_inv")
+    if not all_finite(t):
+        raise DSV3Error(f"tensor {name} holds NaN or infinite values: the checkpoint is corrupt")
+    return t
 
 
 def read_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -213,7 +322,13 @@ def read_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
 
 
 def dequantized(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Pair FP8 weights with their ``weight_scale_inv`` and yield the exact float32 product."""
+    """Pair FP8 weights with their ``weight_scale_inv`` and yield the exact float32 product; every
+    tensor yielded is checked to be floating and finite (FP8 ones after their scale)."""
+    for name, t in _paired(items):
+        yield name, check_values(name, t)
+
+
+def _paired(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     pending: dict[str, torch.Tensor] = {}
     for name, t in items:
         if name.endswith("_scale_inv"):
@@ -271,8 +386,9 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
     if not path.is_dir():
         raise DSV3Error(f"checkpoint folder not found: {path}")
     cfg = ModelConfig.from_json(path / "config.json")
-    tensors = to_model_names(dequantized(read_tensors(checkpoint_files(path))), cfg)
-    cfg = _without_absent_mtp(cfg, tensors)
+    files = checkpoint_files(path)
+    cfg = check_checkpoint(cfg, files)  # from the headers, before any weight is read
+    tensors = to_model_names(dequantized(read_tensors(files)), cfg)
     with torch.device("meta"):
         model = Transformer(cfg)
     _attach_distinct_mtp_copies(model, tensors)
@@ -315,7 +431,8 @@ def _attach_distinct_mtp_copies(model, tensors: dict[str, torch.Tensor]) -> None
             copy = tensors.get(prefix + suffix)
             if copy is None:
                 continue
-            if main in tensors and copy.shape == tensors[main].shape and torch.equal(copy, tensors[main]):
+            same_shape = main in tensors and copy.shape == tensors[main].shape
+            if same_shape and (copy.is_meta or torch.equal(copy, tensors[main])):  # meta: a header-only check
                 del tensors[prefix + suffix]
             elif suffix.startswith("embed"):
                 layer.embed_tokens = nn.Embedding(*copy.shape, device="meta")

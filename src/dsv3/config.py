@@ -5,6 +5,13 @@ config.json maps onto it key for key. Two rope layouts are read: the old one Dee
 (``rope_theta`` + ``rope_scaling``) and the new one transformers 5 writes (``rope_parameters``).
 A few training knobs that no HF config carries (balancing speed, balance-loss alpha, MTP loss weight)
 live here too, with the V3 report's values as defaults, and are written as extra keys that HF ignores.
+
+Fields missing from a config.json take the defaults of its ``model_type`` as transformers' config class
+and modeling code read them (``MODEL_TYPE_DEFAULTS``): a V2 config has softmax scores, greedy routing and
+no MTP layer, a V3 one sigmoid scores, ``noaux_tc`` and one MTP layer. Every field is type-checked, and
+sizes are bounded by ``LIMITS`` (far above any published model: 1,024 layers, 16,384 routed experts,
+4M vocabulary, ...), so a corrupt or hostile config is refused with one line naming the field instead of
+exhausting memory later.
 """
 
 from __future__ import annotations
@@ -22,7 +29,65 @@ from dsv3.io import atomic_write_text, read_json_object
 
 TOPK_METHODS = ("noaux_tc", "group_limited_greedy", "greedy")
 SCORING_FUNCS = ("sigmoid", "softmax")
+MODEL_TYPES = ("deepseek_v3", "deepseek_v2")
 CONFIGS_DIR = Path(__file__).parent / "configs"
+
+# Integer fields: (smallest allowed, largest allowed, null allowed). The upper bounds are dsv3's own, far
+# above any published model (DeepSeek-V3: 61 layers, 256 experts, 129,280 tokens), so that a corrupt
+# config cannot make the analyzer or the meta-device model build loop for hours or exhaust memory.
+LIMITS: dict[str, tuple[int, int, bool]] = {
+    "vocab_size": (1, 1 << 22, False),
+    "hidden_size": (1, 1 << 16, False),
+    "intermediate_size": (1, 1 << 18, False),
+    "moe_intermediate_size": (1, 1 << 18, False),
+    "num_hidden_layers": (1, 1 << 10, False),
+    "num_attention_heads": (1, 1 << 10, False),
+    "num_key_value_heads": (1, 1 << 10, True),
+    "q_lora_rank": (1, 1 << 16, True),
+    "kv_lora_rank": (1, 1 << 16, False),
+    "qk_nope_head_dim": (0, 1 << 12, False),
+    "qk_rope_head_dim": (1, 1 << 12, False),
+    "v_head_dim": (1, 1 << 12, False),
+    "n_routed_experts": (0, 1 << 14, True),
+    "n_shared_experts": (0, 1 << 10, True),
+    "num_experts_per_tok": (1, 1 << 14, True),
+    "n_group": (1, 1 << 14, True),
+    "topk_group": (1, 1 << 14, True),
+    "first_k_dense_replace": (0, 1 << 10, False),
+    "moe_layer_freq": (1, 1 << 10, False),
+    "num_nextn_predict_layers": (0, 1 << 6, False),
+    "max_position_embeddings": (1, 1 << 24, False),
+    "bos_token_id": (0, 1 << 31, True),
+}
+# Other families' names for the same sizes (the analyzer reads Llama, Qwen and Mixtral configs).
+LIMITS_BY_HF_NAME: dict[str, int] = {
+    **{name: hi for name, (_, hi, _) in LIMITS.items()},
+    "num_local_experts": 1 << 14, "num_experts": 1 << 14, "head_dim": 1 << 12, "decoder_sparse_step": 1 << 10,
+    "shared_expert_intermediate_size": 1 << 18,
+}
+# Float fields: (must be > 0 rather than >= 0).
+FLOATS: dict[str, bool] = {"rms_norm_eps": True, "routed_scaling_factor": True, "rope_theta": True,
+                           "initializer_range": False, "bias_update_speed": False, "aux_loss_alpha": False,
+                           "mtp_loss_weight": False}
+BOOLS = ("norm_topk_prob", "tie_word_embeddings", "attention_bias")
+STRINGS = ("topk_method", "scoring_func", "hidden_act", "torch_dtype", "model_type")
+
+# Defaults for fields a config.json leaves out, per model_type, as transformers 5 reads them: the values
+# of DeepseekV2Config/DeepseekV3Config, and for the fields those classes lack, what the modeling code
+# does regardless of config (V2 always scores with softmax and has no MTP layer; V3 always uses sigmoid
+# scores with noaux_tc group routing). DeepSeek's own configuration_deepseek.py agrees on every field
+# that changes the logits. ``ModelConfig``'s dataclass defaults are the V3 column.
+MODEL_TYPE_DEFAULTS: dict[str, dict[str, Any]] = {
+    "deepseek_v3": {"num_nextn_predict_layers": 1},
+    "deepseek_v2": {
+        "vocab_size": 102400, "hidden_size": 4096, "intermediate_size": 11008, "moe_intermediate_size": 1407,
+        "num_hidden_layers": 32, "num_attention_heads": 32, "n_routed_experts": 64, "n_shared_experts": 2,
+        "num_experts_per_tok": None, "n_group": None, "topk_group": None, "topk_method": "greedy",
+        "scoring_func": "softmax", "norm_topk_prob": False, "routed_scaling_factor": 1.0,
+        "first_k_dense_replace": 0, "moe_layer_freq": 1, "num_nextn_predict_layers": 0,
+        "max_position_embeddings": 2048, "bos_token_id": 1, "eos_token_id": 2,
+    },
+}
 
 
 @dataclass
@@ -76,7 +141,7 @@ class ModelConfig:
     attention_bias: bool = False
     initializer_range: float = 0.02
     bos_token_id: int | None = 0
-    eos_token_id: int | None = 1
+    eos_token_id: int | list[int] | None = 1  # HF allows a list: generation stops at any of them
     torch_dtype: str = "bfloat16"
     # Training knobs (not in HF configs; V3 report values).
     bias_update_speed: float = 0.001  # gamma of aux-loss-free balancing; 0 disables
@@ -95,6 +160,14 @@ class ModelConfig:
     @property
     def qk_head_dim(self) -> int:
         return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every end-of-sequence id: ``eos_token_id`` may be one id, a list of them, or null."""
+        eos = self.eos_token_id
+        if eos is None:
+            return frozenset()
+        return frozenset(eos) if isinstance(eos, list) else frozenset([eos])
 
     @property
     def has_moe(self) -> bool:
@@ -121,17 +194,12 @@ class ModelConfig:
 
     # ---- validation ---------------------------------------------------------------------
     def problems(self) -> list[str]:
-        """Every inconsistency, one message each; empty when the config is usable."""
-        p: list[str] = []
-        positive = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "kv_lora_rank",
-                    "qk_rope_head_dim", "v_head_dim", "intermediate_size"]
-        p += [f"{name} must be a positive integer, got {getattr(self, name)!r}"
-              for name in positive if not _positive_int(getattr(self, name))]
-        if self.qk_nope_head_dim is None or self.qk_nope_head_dim < 0:
-            p.append(f"qk_nope_head_dim must be >= 0, got {self.qk_nope_head_dim!r}")
-        if self.q_lora_rank is not None and not _positive_int(self.q_lora_rank):
-            p.append(f"q_lora_rank must be null or a positive integer, got {self.q_lora_rank!r}")
-        if _positive_int(self.qk_rope_head_dim) and self.qk_rope_head_dim % 2:
+        """Every inconsistency, one message each; empty when the config is usable. Types and bounds come
+        first: when a field has the wrong type, the consistency checks (which compare fields) are skipped."""
+        p = self._type_problems()
+        if p:
+            return p
+        if self.qk_rope_head_dim % 2:
             p.append(f"qk_rope_head_dim must be even (RoPE rotates pairs), got {self.qk_rope_head_dim}")
         if self.topk_method not in TOPK_METHODS:
             p.append(f"unknown topk_method {self.topk_method!r}; expected one of {', '.join(TOPK_METHODS)}")
@@ -139,16 +207,62 @@ class ModelConfig:
             p.append(f"unknown scoring_func {self.scoring_func!r}; expected one of {', '.join(SCORING_FUNCS)}")
         if self.hidden_act != "silu":
             p.append(f"hidden_act must be 'silu' (SwiGLU), got {self.hidden_act!r}")
-        if self.num_nextn_predict_layers < 0:
-            p.append(f"num_nextn_predict_layers must be >= 0, got {self.num_nextn_predict_layers}")
+        if self.model_type not in MODEL_TYPES:
+            p.append(f"unsupported model_type {self.model_type!r}; expected one of {', '.join(MODEL_TYPES)}")
         if self.has_moe:
             p += self._moe_problems()
+        p += self._rope_problems() + self._unsupported_layout_problems()
+        return p
+
+    def _type_problems(self) -> list[str]:
+        """Wrong JSON types, nulls where a value is needed, negative or absurd sizes, non-finite floats."""
+        p = [msg for name, (lo, hi, nullable) in LIMITS.items()
+             if (msg := _int_problem(name, getattr(self, name), lo, hi, nullable))]
+        p += [msg for name, positive in FLOATS.items() if (msg := _float_problem(name, getattr(self, name), positive))]
+        p += [f"{name} must be true or false, got {_show(getattr(self, name))}"
+              for name in BOOLS if not isinstance(getattr(self, name), bool)]
+        p += [f"{name} must be a string, got {_show(getattr(self, name))}"
+              for name in STRINGS if not isinstance(getattr(self, name), str)]
+        p += _eos_problems(self.eos_token_id)
+        if self.quantization_config is not None and not isinstance(self.quantization_config, dict):
+            p.append(f"quantization_config must be an object or null, got {_show(self.quantization_config)}")
         rs = self.rope_scaling
-        if rs is not None:
-            if rs.type != "yarn":
-                p.append(f"rope scaling type {rs.type!r} is not supported; DeepSeek uses 'yarn'")
-            if not rs.factor or rs.factor <= 0:
-                p.append(f"rope scaling factor must be positive, got {rs.factor!r}")
+        if rs is not None and not isinstance(rs, RopeScaling):
+            p.append(f"rope_scaling must be an object or null, got {_show(rs)}")
+        elif rs is not None:
+            p += [msg for name in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
+                  if (msg := _float_problem(f"rope_scaling.{name}", getattr(rs, name), name == "factor"))]
+            lo, hi, _ = LIMITS["max_position_embeddings"]
+            msg = _int_problem("rope_scaling.original_max_position_embeddings", rs.original_max_position_embeddings,
+                               lo, hi, False)
+            p += [msg] if msg else []
+            if not isinstance(rs.type, str):
+                p.append(f"rope_scaling.type must be a string, got {_show(rs.type)}")
+        return p
+
+    def _rope_problems(self) -> list[str]:
+        rs = self.rope_scaling
+        if rs is None or rs.type == "yarn":
+            return []
+        return [f"rope scaling type {rs.type!r} is not supported; DeepSeek uses 'yarn'"]
+
+    def _unsupported_layout_problems(self) -> list[str]:
+        """Fields dsv3 reads but does not implement, refused rather than silently computed otherwise."""
+        p = []
+        if self.extra.get("rope_interleave", True) is not True:
+            p.append("rope_interleave false (rotate-half RoPE weights) is not supported; dsv3 reads DeepSeek's "
+                     "interleaved layout (rope_interleave: true)")
+        if self.extra.get("mlp_bias", False) is not False:
+            p.append("mlp_bias true is not supported: DeepSeek's feed-forward layers have no biases")
+        q = self.quantization_config
+        if q is not None and (q.get("quant_method") != "fp8" or q.get("weight_block_size", [128, 128]) != [128, 128]
+                              or q.get("fmt", "e4m3") != "e4m3"):
+            p.append("quantization_config: only DeepSeek's FP8 scheme (quant_method fp8, fmt e4m3, "
+                     f"weight_block_size [128, 128]) is supported, got {_show(q)}")
+        if (self.model_type == "deepseek_v2" and self.has_moe and self.norm_topk_prob
+                and self.routed_scaling_factor != 1.0):
+            p.append("deepseek_v2 with norm_topk_prob true and routed_scaling_factor != 1 is ambiguous: DeepSeek's "
+                     "V2 code normalizes without scaling, transformers scales without normalizing")
         return p
 
     def _moe_problems(self) -> list[str]:
@@ -171,14 +285,13 @@ class ModelConfig:
                      f"num_experts_per_tok ({k})")
         if self.topk_method == "noaux_tc" and groups > 1 and n // groups < 2:
             p.append("noaux_tc scores a group by its top-2 experts, so each group needs at least 2 experts")
-        if self.first_k_dense_replace < 0 or self.moe_layer_freq < 1:
-            p.append("first_k_dense_replace must be >= 0 and moe_layer_freq >= 1")
         return p
 
-    def validate(self) -> ModelConfig:
+    def validate(self, where: str = "invalid model config") -> ModelConfig:
+        """``self``, or one DSV3Error line ``where: problem; problem``."""
         problems = self.problems()
         if problems:
-            raise DSV3Error("invalid model config:\n  - " + "\n  - ".join(problems))
+            raise DSV3Error(f"{where}: " + "; ".join(problems))
         return self
 
     def replace(self, **changes: Any) -> ModelConfig:
@@ -187,21 +300,17 @@ class ModelConfig:
     # ---- HF config.json -----------------------------------------------------------------
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
-        """From a HF config dict in either rope layout; unknown keys are kept in ``extra``."""
+        """From a HF config dict in either rope layout; fields it leaves out take the defaults of its
+        ``model_type`` (``MODEL_TYPE_DEFAULTS``); unknown keys are kept in ``extra``. Not validated."""
         data = dict(data)
-        rope_parameters = data.pop("rope_parameters", None)
-        if rope_parameters:
-            rope_parameters = dict(rope_parameters)
-            data.setdefault("rope_theta", rope_parameters.pop("rope_theta", 10000.0))
-            rope_type = rope_parameters.get("rope_type", rope_parameters.get("type", "default"))
-            data["rope_scaling"] = None if rope_type == "default" else rope_parameters
-        elif "rope_scaling" in data and data["rope_scaling"] is not None:
-            rope_type = data["rope_scaling"].get("type", data["rope_scaling"].get("rope_type"))
-            if rope_type == "default":
-                data["rope_scaling"] = None
-        mtp_layers = data.pop("num_mtp_layers", None)  # transformers 5's alias
-        # A config that names no MTP layers (every V2 config) has none.
-        data.setdefault("num_nextn_predict_layers", mtp_layers or 0)
+        _fold_rope_keys(data)
+        if "num_mtp_layers" in data:  # transformers 5's alias
+            data.setdefault("num_nextn_predict_layers", data.pop("num_mtp_layers"))
+        model_type = data.get("model_type", "deepseek_v3")
+        for key, value in MODEL_TYPE_DEFAULTS.get(model_type if isinstance(model_type, str) else "", {}).items():
+            data.setdefault(key, value)
+        if "norm_topk_prob" in data and data["norm_topk_prob"] is None:
+            data["norm_topk_prob"] = False  # transformers and DeepSeek's code both read null as "do not normalize"
         if data.get("rope_scaling") is not None:
             data["rope_scaling"] = _rope_scaling_from_dict(data["rope_scaling"])
         known = {f.name for f in dataclasses.fields(cls)} - {"extra"}
@@ -238,7 +347,16 @@ class ModelConfig:
 
     @classmethod
     def from_json(cls, path: str | os.PathLike) -> ModelConfig:
-        return cls.from_dict(read_json_object(path)).validate()
+        """A validated config from ``path`` (or ``path/config.json``); problems are reported against the file."""
+        path = Path(path)
+        if path.is_dir():
+            path = path / "config.json"
+        data = read_json_object(path)
+        try:
+            cfg = cls.from_dict(data)
+        except DSV3Error as exc:
+            raise DSV3Error(f"{path}: {exc}") from None
+        return cfg.validate(where=str(path))
 
     def save_json(self, path: str | os.PathLike, rope_layout: str = "old") -> None:
         path = Path(path)
@@ -250,6 +368,26 @@ class ModelConfig:
 def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
     """YaRN's attention temperature correction: 0.1 * mscale * ln(factor) + 1 (1 when not extended)."""
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _fold_rope_keys(data: dict[str, Any]) -> None:
+    """transformers 5's ``rope_parameters`` -> DeepSeek's ``rope_theta`` + ``rope_scaling``; an unscaled
+    ("default") rope becomes ``rope_scaling: null``. Refuses a rope entry that is not a JSON object."""
+    params = data.pop("rope_parameters", None)
+    if params is not None and not isinstance(params, dict):
+        raise DSV3Error(f"rope_parameters must be an object or null, got {_show(params)}")
+    if params:
+        params = dict(params)
+        data.setdefault("rope_theta", params.pop("rope_theta", 10000.0))
+        data["rope_scaling"] = params
+        params.setdefault("rope_type", params.get("type", "default"))
+    scaling = data.get("rope_scaling")
+    if scaling is None:
+        return
+    if not isinstance(scaling, dict):
+        raise DSV3Error(f"rope_scaling must be an object or null, got {_show(scaling)}")
+    if scaling.get("type", scaling.get("rope_type")) == "default":
+        data["rope_scaling"] = None
 
 
 def _rope_scaling_from_dict(d: dict[str, Any]) -> RopeScaling:
@@ -264,6 +402,45 @@ def _rope_scaling_from_dict(d: dict[str, Any]) -> RopeScaling:
 
 def _positive_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v > 0
+
+
+def _show(value: Any, width: int = 60) -> str:
+    """A config value as a user reads it in an error line: JSON's null/true/false, long values cut."""
+    if value is None or isinstance(value, bool):
+        return json.dumps(value)
+    text = repr(value)
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
+def _int_problem(name: str, value: Any, lo: int, hi: int, nullable: bool) -> str | None:
+    """Why ``value`` is not an acceptable integer for ``name`` (None when it is)."""
+    if value is None:
+        return None if nullable else f"{name} must be an integer, got null"
+    if not isinstance(value, int) or isinstance(value, bool):
+        return f"{name} must be an integer{' or null' if nullable else ''}, got {_show(value)}"
+    if value < lo:
+        return f"{name} must be a positive integer, got {value}" if lo == 1 else f"{name} must be >= {lo}, got {value}"
+    if value > hi:
+        return f"{name} = {_show(value)} exceeds dsv3's limit of {hi:,} (dsv3.config.LIMITS)"
+    return None
+
+
+def _float_problem(name: str, value: Any, positive: bool) -> str | None:
+    """Why ``value`` is not an acceptable finite number for ``name`` (None when it is)."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return f"{name} must be a number, got {_show(value)}"
+    if not math.isfinite(value):
+        return f"{name} must be finite, got {value}"
+    if value < 0 or (positive and value == 0):
+        return f"{name} must be {'> 0' if positive else '>= 0'}, got {value}"
+    return None
+
+
+def _eos_problems(eos: Any) -> list[str]:
+    ids = eos if isinstance(eos, list) else [eos]
+    if eos is None or all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < 1 << 31 for i in ids):
+        return []
+    return [f"eos_token_id must be a token id, a list of token ids or null, got {_show(eos)}"]
 
 
 def _architecture(model_type: str) -> str:

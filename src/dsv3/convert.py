@@ -4,13 +4,17 @@ DeepSeek's own ``fp8_cast_bf16.py`` needs a GPU (Triton). Here each output shard
 input shard, so memory stays bounded by the largest shard; a weight whose ``weight_scale_inv`` lives in
 another shard is paired through the index. The result is built in a temporary folder beside the target
 and renamed into place at the end, so a failure leaves nothing half-written.
+
+The source is checked against its config.json exactly as ``load_pretrained`` checks it (names, shapes,
+dtypes, FP8 scales; NaN/Inf as each tensor is read), so convert never turns a checkpoint that cannot load
+into one that looks valid. Only the model travels: a training run's optimizer state
+(``trainer_state*``) stays behind, and the output gets the user's umask permissions.
 """
 
 from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -19,6 +23,8 @@ from safetensors.torch import save_file
 
 from dsv3.checkpoint import (
     INDEX_NAME,
+    check_checkpoint,
+    check_values,
     checkpoint_files,
     dequantize_fp8_blocks,
     fp8_quantizable,
@@ -28,6 +34,7 @@ from dsv3.checkpoint import (
 )
 from dsv3.config import ModelConfig
 from dsv3.errors import DSV3Error
+from dsv3.io import publish_tree, staging_dir
 
 FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 
@@ -43,9 +50,10 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: boo
         raise DSV3Error(f"{dst} already exists (pass --overwrite to replace it)")
     cfg = ModelConfig.from_json(src / "config.json")
     files = checkpoint_files(src)
+    check_checkpoint(cfg, files)  # the checks load_pretrained makes, before anything is written
     scale_home = _scale_locations(src, files)
     dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(dir=dst.parent, prefix=f".{dst.name}.tmp-"))
+    tmp = staging_dir(dst.parent, f".{dst.name}.tmp-")
     summary = {"tensors": 0, "quantized": 0, "dequantized": 0, "shards": len(files), "bytes": 0}
     try:
         weight_map = {}
@@ -63,9 +71,9 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: boo
         cfg.replace(quantization_config=FP8_CONFIG if to == "fp8" else None,
                     torch_dtype="bfloat16").save_json(tmp / "config.json")
         for extra in src.iterdir():  # tokenizer, generation config, ...
-            if extra.is_file() and not extra.name.endswith(".safetensors") and extra.name not in (
-                    INDEX_NAME, "config.json"):
+            if _carried_over(extra):
                 shutil.copy2(extra, tmp / extra.name)
+        publish_tree(tmp)
         if dst.exists():
             shutil.rmtree(dst)
         tmp.rename(dst)
@@ -73,6 +81,13 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: boo
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return summary
+
+
+def _carried_over(f: Path) -> bool:
+    """Files copied beside the converted weights: regular files that are not weights, index, config, a
+    training run's optimizer state or summary (``trainer_state*``), or hidden."""
+    skip = f.name.endswith(".safetensors") or f.name in (INDEX_NAME, "config.json")
+    return f.is_file() and not skip and not f.name.startswith(("trainer_state", "."))
 
 
 def _scale_locations(src: Path, files: list[Path]) -> dict[str, Path]:
@@ -95,19 +110,21 @@ def _convert_shard(f: Path, scale_home: dict[str, Path], to: str, summary: dict)
             if to == "fp8":
                 out[name] = t
             continue
-        if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        if t.dtype == torch.float8_e4m3fn:
+            full = check_values(name, dequantize_fp8_blocks(t, _load_scale(name + "_scale_inv", scale_home)))
             if to == "fp8":
                 out[name] = t
                 continue
-            scale = _load_scale(name + "_scale_inv", scale_home)
-            out[name] = dequantize_fp8_blocks(t, scale).to(torch.bfloat16)
+            out[name] = full.to(torch.bfloat16)
             summary["dequantized"] += 1
-        elif to == "fp8" and fp8_quantizable(name, t):
+        elif to == "fp8" and fp8_quantizable(name, check_values(name, t)):
             out[name], out[name + "_scale_inv"] = quantize_fp8_blocks(t)
             summary["quantized"] += 1
         else:
+            if to != "fp8":
+                check_values(name, t)  # (the fp8 branch's condition checked it already)
             keep_fp32 = name.endswith("mlp.gate.weight") or name.endswith("e_score_correction_bias")
-            out[name] = t if keep_fp32 or not t.is_floating_point() else t.to(torch.bfloat16)
+            out[name] = t if keep_fp32 else t.to(torch.bfloat16)
         summary["tensors"] += 1
     return out
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from dsv3.config import CONFIGS_DIR, PRESETS, ModelConfig, load_config
+from dsv3.config import CONFIGS_DIR, LIMITS_BY_HF_NAME, PRESETS, ModelConfig, load_config
 from dsv3.errors import DSV3Error
 from dsv3.io import read_json_object
 
@@ -117,6 +117,8 @@ def _require_int(data: dict[str, Any], key: str, where: str, default: int | None
         raise DSV3Error(f"{where}: config lacks {key!r}")
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise DSV3Error(f"{where}: {key} must be a positive integer, got {value!r}")
+    if value > LIMITS_BY_HF_NAME.get(key, value):  # the bounds DeepSeek configs get (dsv3.config)
+        raise DSV3Error(f"{where}: {key} = {value} exceeds dsv3's limit of {LIMITS_BY_HF_NAME[key]:,}")
     return value
 
 

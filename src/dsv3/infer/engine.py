@@ -186,14 +186,6 @@ class Row:
         return Event(self.request, [], "", "error", error=message)
 
 
-def config_eos_ids(value) -> frozenset[int]:
-    """The config's ``eos_token_id``: one id, a list of ids (valid in HF configs) or None."""
-    if value is None:
-        return frozenset()
-    values = value if isinstance(value, list | tuple) else [value]
-    return frozenset(int(v) for v in values if isinstance(v, int) and not isinstance(v, bool))
-
-
 def context_limit(model: Transformer) -> int | None:
     """The model's context in positions (``max_position_embeddings``), or None when the config does
     not give a usable one."""
@@ -213,7 +205,7 @@ class Engine:
         self.speculative = speculative
         self.cache_dtype = cache_dtype or next(model.parameters()).dtype
         self.device = model.inv_freq.device  # inputs go where the weights are; sampling stays on the CPU
-        self.eos_ids = eos_token_ids if eos_token_ids is not None else config_eos_ids(model.config.eos_token_id)
+        self.eos_ids = eos_token_ids if eos_token_ids is not None else model.config.eos_token_ids
         self.context = context_limit(model)
 
     def start(self, requests: list[Request]) -> Batch:

@@ -7,8 +7,8 @@ from pathlib import Path
 import torch
 
 from dsv3.errors import DSV3Error
-from dsv3.infer.engine import config_eos_ids
 from dsv3.infer.fp8_weights import stored_fp8, to_fp8_weights
+from dsv3.io import require_regular_file
 from dsv3.model.transformer import Transformer
 from dsv3.run_dir import resolve_checkpoint
 
@@ -57,6 +57,7 @@ def load_tokenizer(path: str | Path, needed_for: str | None = None):
         return None
     from tokenizers import Tokenizer
 
+    require_regular_file(file)  # a FIFO would block the read
     try:
         return Tokenizer.from_file(str(file))
     except Exception as exc:  # tokenizers raises a bare Exception on malformed files
@@ -69,7 +70,7 @@ def encode(tokenizer, text: str) -> list[int]:
 
 def eos_ids(model: Transformer, tokenizer) -> frozenset[int]:
     """End-of-sequence ids: the config's, plus the tokenizer's usual end tokens when it defines them."""
-    ids = set(config_eos_ids(model.config.eos_token_id))  # one id or a list of them
+    ids = set(model.config.eos_token_ids)  # eos_token_id may be a list (valid HF)
     if tokenizer is not None:
         for token in ("<|end_of_text|>", "<|endoftext|>", "</s>", "<eos>", "<｜end▁of▁sentence｜>"):
             tid = tokenizer.token_to_id(token)

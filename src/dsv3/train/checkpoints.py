@@ -13,7 +13,6 @@ import os
 import random
 import re
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import numpy as np
 import torch
 
 from dsv3.errors import DSV3Error
-from dsv3.io import atomic_write_text
+from dsv3.io import atomic_write_text, staging_dir
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_PT, STATE_JSON = "trainer_state.pt", "trainer_state.json"
@@ -87,7 +86,7 @@ def save_checkpoint(
     root = checkpoint_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
-    staging = Path(tempfile.mkdtemp(dir=root, prefix=f".{final.name}.tmp-"))
+    staging = staging_dir(root, f".{final.name}.tmp-")  # umask permissions, not mkdtemp's 0700
     try:
         model.save_pretrained(staging)
         write_extras(staging)
