@@ -56,16 +56,7 @@ def fp8_scale_shape(shape: tuple[int, ...], block: int = FP8_BLOCK) -> tuple[int
     return -(-shape[0] // block), -(-shape[1] // block)
 
 
-def dequantize_fp8_blocks(weight: torch.Tensor, scale_inv: torch.Tensor) -> torch.Tensor:
-    """fp8 weight [N, K] * scale_inv [ceil(N/128), ceil(K/128)] per block -> float32 [N, K], exactly; a scale
-    of another shape is refused (it would broadcast into nonsense)."""
-    expected = fp8_scale_shape(tuple(weight.shape))
-    if expected is None or tuple(scale_inv.shape) != expected:
-        raise DSV3Error(f"an FP8 weight of shape {tuple(weight.shape)} needs a weight_scale_inv of shape "
-                        f"{expected}, got {tuple(scale_inv.shape)}")
-    return fp8.dequantize_weight_blocks(weight, scale_inv)
-
-
+dequantize_fp8_blocks = fp8.dequantize_weight_blocks  # refuses a scale of the wrong shape
 quantize_fp8_blocks = fp8.quantize_weight_blocks
 
 

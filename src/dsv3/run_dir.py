@@ -30,7 +30,7 @@ def resolve_checkpoint(path: str | os.PathLike) -> Path:
     if not path.is_dir():
         raise DSV3Error(f"{path} is a file; --model takes a checkpoint folder (config.json + safetensors) "
                         "or a training run folder")
-    if (path / CONFIG).is_file():
+    if (path / CONFIG).exists():  # a config.json that is no regular file is refused by the loader, by name
         return path
     if (path / "latest" / CONFIG).is_file():
         return path / "latest"

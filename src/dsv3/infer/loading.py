@@ -50,7 +50,7 @@ def load_tokenizer(path: str | Path, needed_for: str | None = None):
     """The HF ``tokenizers`` tokenizer saved beside the weights, or None. ``needed_for`` (a key of
     TOKENIZER_HINTS) makes a missing one an error that says what to do instead."""
     file = Path(path) / TOKENIZER_FILE
-    if not file.is_file():
+    if not file.exists():
         if needed_for is not None:
             hint = TOKENIZER_HINTS.get(needed_for, f"{needed_for} needs it")
             raise DSV3Error(f"{path} has no {TOKENIZER_FILE}; {hint}")

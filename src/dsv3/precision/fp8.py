@@ -131,7 +131,13 @@ def quantize_weight_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 def dequantize_weight_blocks(
     q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype = torch.float32
 ) -> torch.Tensor:
-    """fp8 weight [..., N, K] times its ``weight_scale_inv`` per 128x128 block -> ``dtype`` (exact in fp32)."""
+    """fp8 weight [..., N, K] times its ``weight_scale_inv`` per 128x128 block -> ``dtype`` (exact in fp32).
+    A scale of another shape is refused: it would broadcast into nonsense."""
+    *lead, rows, cols = q.shape
+    expected = (*lead, -(-rows // TILE), -(-cols // TILE))
+    if tuple(scale_inv.shape) != expected:
+        raise DSV3Error(f"an FP8 weight of shape {tuple(q.shape)} needs a weight_scale_inv of shape "
+                        f"{expected}, got {tuple(scale_inv.shape)}")
     return dequantize(q, scale_inv, WEIGHT_BLOCK, dtype)
 
 
