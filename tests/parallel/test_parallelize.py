@@ -60,7 +60,7 @@ def test_a_combine_format_without_ep_is_simulated_by_the_local_dispatchers():
         (Layout(dp_shard="fsdp"), "sharded data parallelism (dp_shard=fsdp) is not implemented"),
         (Layout(dp_shard="zero3"), "dp_shard must be one of none, zero1, fsdp"),
         (Layout(dp=4), "needs pp x dp = 4 processes, but 1 are running"),
-        (Layout(ep=4), "--ep 4 must equal the number of data-parallel processes (1)"),
+        (Layout(ep=4), "--ep 4 must divide the number of data-parallel processes (1)"),
         (Layout(combine="fp4"), "--moe-output-format must be one of"),
         (Layout(ep=0), "ep must be at least 1"),
     ],
@@ -71,8 +71,9 @@ def test_layouts_that_do_not_exist_yet_are_refused(layout, message):
 
 
 def test_ep_layout_checks_before_any_process_group_is_needed():
-    with pytest.raises(DSV3Error, match="must equal the number of data-parallel processes"):
-        Layout(dp=4, ep=2, gpus_per_node=2).check(4)  # EP over part of the dp ranks: not yet
+    assert Layout(dp=4, ep=2, gpus_per_node=2).check(4).ep == 2  # EP over part of the dp ranks
+    with pytest.raises(DSV3Error, match="--ep 3 must divide the number of data-parallel processes"):
+        Layout(dp=4, ep=3, gpus_per_node=1).check(4)
     with pytest.raises(DSV3Error, match="--gpus-per-node 3 must divide"):
         Layout(dp=4, ep=4, gpus_per_node=3).check(4)
     with pytest.raises(DSV3Error, match="EP wire formats"):

@@ -12,9 +12,11 @@ Layouts that exist today, over torch.distributed (torchrun; gloo on CPU, NCCL on
 * ``Layout(dp=D, ep=D)``: expert parallelism over the data-parallel ranks (V3: EP borrows them): each rank
   holds D-th of every MoE layer's routed experts behind the two-hop dispatcher, the rest of the model is
   replicated and data parallel.
+* ``Layout(dp=D, ep=E)``, E | D, E < D: the same within each block of E consecutive ranks, the experts
+  replicated over the D/E blocks (`dsv3.parallel.ep_subgroups`).
 
-Pipeline stages (``pp``), EP over part of the data-parallel ranks (ep < dp) and sharded data parallelism
-(``dp_shard``) have their fields already and are refused with a clear error until they exist.
+Pipeline stages (``pp``) and sharded data parallelism (``dp_shard``) have their fields already and are
+refused with a clear error until they exist.
 """
 
 from __future__ import annotations
@@ -85,14 +87,13 @@ class Layout:
         return self
 
     def _check_ep(self) -> None:
-        if self.ep != self.dp:
+        if self.dp % self.ep:
             raise DSV3Error(
-                f"--ep {self.ep} must equal the number of data-parallel processes ({self.dp}); start with "
-                f"torchrun --nproc-per-node {self.ep} -m dsv3 train ... --ep {self.ep} (EP over part of the "
-                "data-parallel ranks is not implemented yet)"
+                f"--ep {self.ep} must divide the number of data-parallel processes ({self.dp}): the experts "
+                f"are split over groups of {self.ep} processes and replicated across the groups"
             )
         if self.ep % self.gpus_per_node:
-            raise DSV3Error(f"--gpus-per-node {self.gpus_per_node} must divide the number of processes ({self.ep})")
+            raise DSV3Error(f"--gpus-per-node {self.gpus_per_node} must divide --ep ({self.ep})")
         if self.dispatch not in DISPATCH_FORMATS or self.ep_combine not in COMBINE_FORMATS:
             raise DSV3Error(
                 f"EP wire formats: dispatch must be one of {', '.join(DISPATCH_FORMATS)} and combine one of "
@@ -125,6 +126,10 @@ def parallelize(model: nn.Module, layout: Layout | None = None) -> Parallelized:
     """Apply ``layout`` (default: one process) to ``model`` (a `Transformer`, the same on every rank: same
     seed or checkpoint) in place and return the object that trains it. Every rank must call it."""
     layout = (layout or Layout()).check(_world_size())
+    if layout.ep > 1 and layout.ep < layout.dp:
+        from dsv3.parallel.ep_subgroups import SubgroupExpertParallelized
+
+        return SubgroupExpertParallelized(model, layout)
     if layout.ep > 1:
         return ExpertParallelized(model, layout)
     return Parallelized(model, layout)

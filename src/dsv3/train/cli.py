@@ -62,8 +62,8 @@ def train(
     ),
     ep: int = typer.Option(
         None,
-        help="Expert parallelism over N torchrun processes (N = --nproc-per-node x "
-        "nodes): each holds 1/N of every MoE layer's routed experts.",
+        help="Expert parallelism over groups of N torchrun processes (N divides the number of "
+        "processes): each holds 1/N of every MoE layer's routed experts, replicated across the groups.",
     ),
     gpus_per_node: int = typer.Option(
         None, help="Processes per node for --ep's two-hop dispatch (default: 2)."

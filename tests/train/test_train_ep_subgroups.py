@@ -1,0 +1,43 @@
+"""`torchrun --nproc-per-node 4 -m dsv3 train --ep 2 --gpus-per-node 1`: the routed experts split over two
+EP groups of two ranks (each group two "nodes" of one) and replicated across the groups, everything else
+data parallel over all four. It trains like one process (fp32 wire formats) and checkpoints one full HF
+folder plus per-rank optimizer state (this once failed: --ep had to equal the number of processes). Resuming
+per-rank state is test_train_ep.py's, the same code; one launch keeps the test short."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import dsv3
+from dsv3.train.metrics import read_rows
+from dsv3.train.run import run_training
+
+
+def test_ep_over_part_of_the_processes_trains_like_one_process(make_opts, train_argv, torchrun, tmp_path):
+    single = make_opts("single", steps=4, save_every=2, eval_every=2, warmup=0, min_lr_ratio=1.0)
+    run_training(single, show_progress=False, plots=False)
+
+    out = tmp_path / "ep2of4"
+    summary = torchrun(4, train_argv(
+        out, "--steps", "4", "--lr", str(single.lr), "--warmup", "0", "--min-lr-ratio", "1.0",
+        "--save-every", "2", "--eval-every", "2", "--ep", "2", "--gpus-per-node", "1",
+    ))
+    assert summary["world_size"] == 4 and summary["step"] == 4
+    assert summary["parameters"] == sum(p.numel() for p in dsv3.load_pretrained(single.out + "/latest").parameters())
+    assert os.path.exists(out / "checkpoints" / "step-000004" / "trainer_state.rank3.pt")
+
+    one = [r for r in read_rows(single.out + "/metrics.jsonl") if r["kind"] == "train"]
+    two = [r for r in read_rows(out / "metrics.jsonl") if r["kind"] == "train"]
+    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3, 4]
+    for a, b in zip(one, two, strict=True):
+        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), a["step"]
+        assert a["expert_load"] == b["expert_load"]
+
+    ref = dsv3.load_pretrained(single.out + "/latest")
+    ep = dsv3.load_pretrained(out / "latest")
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(ep(ids), ref(ids), rtol=1e-4, atol=1e-4)
