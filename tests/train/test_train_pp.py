@@ -1,6 +1,7 @@
-"""`torchrun --nproc-per-node 2 -m dsv3 train --pp 2`: two pipeline stages (1F1B, DualPipeV) train like one
-process (fp32: the same losses, gradient norms and expert loads), save one ordinary HF folder that gives
-the single-process model's logits, and resume from per-rank optimizer state."""
+"""`torchrun --nproc-per-node 2 -m dsv3 train --pp 2`: two pipeline stages (1F1B, DualPipeV; and two
+data-parallel replicas of them on 4 processes) train like one process (fp32: the same losses, gradient
+norms and expert loads), save one ordinary HF folder that gives the single-process model's logits, and
+resume from per-rank optimizer state."""
 
 from __future__ import annotations
 
@@ -51,7 +52,9 @@ def single_run(tmp_path_factory, config3, corpus_dir, cache_dir):
 
 
 def assert_same_rows(single: os.PathLike, other: os.PathLike) -> None:
-    one, two = read_rows(os.path.join(single, "metrics.jsonl")), read_rows(os.path.join(other, "metrics.jsonl"))
+    """``other``'s metrics rows equal the first ones of ``single`` (as many as ``other`` wrote)."""
+    two = read_rows(os.path.join(other, "metrics.jsonl"))
+    one = read_rows(os.path.join(single, "metrics.jsonl"))[: len(two)]
     assert [(r["kind"], r["step"]) for r in one] == [(r["kind"], r["step"]) for r in two]
     for a, b in zip(one, two, strict=True):
         for key in ("loss", "total_loss", "mtp_loss", "balance_loss", "val_loss", "val_bpb"):
@@ -88,6 +91,14 @@ def test_pp2_dualpipev_matches_one_process(single_run, pp_argv, torchrun, tmp_pa
     assert summary["step"] == 4
     assert_same_rows(single_run, out)
     assert_same_logits(single_run, out)
+
+
+def test_pp2_times_dp2_matches_one_process(single_run, pp_argv, torchrun, tmp_path):
+    out = tmp_path / "pp2dp2"  # 4 processes: two replicas of a 2-stage pipeline, 2 sequences each
+    summary = torchrun(4, pp_argv(out, "--steps", "2", "--lr", "3e-3", *CONSTANT_LR, "--save-every", "2",
+                                  "--eval-every", "2", "--pp", "2", "--microbatches", "2"))
+    assert summary["world_size"] == 4 and summary["step"] == 2
+    assert_same_rows(single_run, out)
 
 
 def test_pp_without_enough_processes_is_refused(make_opts):
