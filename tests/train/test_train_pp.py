@@ -108,3 +108,5 @@ def test_pp_without_enough_processes_is_refused(make_opts):
         make_opts("bad", pp=2, pp_schedule="gpipe").check()
     with pytest.raises(DSV3Error, match="pipeline stages with expert parallelism"):
         make_opts("ep", pp=2, ep=2).check()
+    with pytest.raises(DSV3Error, match="they need --pp 2 or more"):
+        make_opts("nopp", microbatches=4).check()
