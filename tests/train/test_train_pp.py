@@ -110,3 +110,19 @@ def test_pp_without_enough_processes_is_refused(make_opts):
         make_opts("ep", pp=2, ep=2).check()
     with pytest.raises(DSV3Error, match="they need --pp 2 or more"):
         make_opts("nopp", microbatches=4).check()
+
+
+def test_resume_under_another_layout_is_refused(tiny_train_config):
+    from dsv3.model.transformer import Transformer
+    from dsv3.parallel.layout import Layout, Parallelized
+    from dsv3.parallel.pipeline_layout import PipelineParallelized
+
+    saved = {"layout": {"pp": 2, "dp": 1, "schedule": "dualpipev", "microbatches": None}}
+    pipe = object.__new__(PipelineParallelized)  # check_resume reads only the layout: no process group needed
+    pipe.layout = Layout(pp=2)
+    with pytest.raises(DSV3Error, match="saved under another layout"):
+        pipe.check_resume(saved, "run")
+    pipe.layout = Layout(pp=2, schedule="dualpipev")
+    pipe.check_resume(saved, "run")
+    with pytest.raises(DSV3Error, match="saved by 2 pipeline stages"):
+        Parallelized(Transformer(tiny_train_config), Layout()).check_resume(saved, "run")
