@@ -55,7 +55,9 @@ def test_a_combine_format_without_ep_is_simulated_by_the_local_dispatchers():
 @pytest.mark.parametrize(
     ("layout", "message"),
     [
-        (Layout(pp=2), "pipeline parallelism (pp=2) is not implemented"),
+        (Layout(pp=2), "needs pp x dp = 2 processes, but 1 are running"),
+        (Layout(pp=2, ep=2), "pipeline stages with expert parallelism are not implemented yet"),
+        (Layout(pp=2, schedule="gpipe"), "--pp-schedule must be one of"),
         (Layout(dp_shard="zero1"), "sharded data parallelism (dp_shard=zero1) is not implemented"),
         (Layout(dp_shard="fsdp"), "sharded data parallelism (dp_shard=fsdp) is not implemented"),
         (Layout(dp_shard="zero3"), "dp_shard must be one of none, zero1, fsdp"),

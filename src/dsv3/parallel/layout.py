@@ -15,8 +15,11 @@ Layouts that exist today, over torch.distributed (torchrun; gloo on CPU, NCCL on
 * ``Layout(dp=D, ep=E)``, E | D, E < D: the same within each block of E consecutive ranks, the experts
   replicated over the D/E blocks (`dsv3.parallel.ep_subgroups`).
 
-Pipeline stages (``pp``) and sharded data parallelism (``dp_shard``) have their fields already and are
-refused with a clear error until they exist.
+* ``Layout(pp=P, dp=D, schedule=S)``: P pipeline stages (dsv3.parallel.pipeline_layout) x D data-parallel
+  replicas of the pipeline.
+
+Sharded data parallelism (``dp_shard``) has its field already and is refused with a clear error until it
+exists.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class Layout:
     gpus_per_node: int = 1
     dispatch: str = "fp32"
     combine: str | None = None
+    schedule: str = "1f1b"  # the pipeline schedule (pp > 1)
+    microbatches: int | None = None  # per pipeline step; None: one per pipeline stage
 
     @property
     def ep_combine(self) -> str:
@@ -70,7 +75,9 @@ class Layout:
             if getattr(self, name) < 1:
                 raise DSV3Error(f"layout: {name} must be at least 1, got {getattr(self, name)}")
         if self.pp != 1:
-            raise DSV3Error(f"pipeline parallelism (pp={self.pp}) is not implemented yet; use pp=1")
+            from dsv3.parallel.pipeline_layout import check_pipeline_layout
+
+            check_pipeline_layout(self)
         if self.dp_shard not in SHARDINGS:
             raise DSV3Error(f"layout: dp_shard must be one of {', '.join(SHARDINGS)}, got {self.dp_shard!r}")
         if self.dp_shard != "none":
@@ -126,6 +133,10 @@ def parallelize(model: nn.Module, layout: Layout | None = None) -> Parallelized:
     """Apply ``layout`` (default: one process) to ``model`` (a `Transformer`, the same on every rank: same
     seed or checkpoint) in place and return the object that trains it. Every rank must call it."""
     layout = (layout or Layout()).check(_world_size())
+    if layout.pp > 1:
+        from dsv3.parallel.pipeline_layout import PipelineParallelized
+
+        return PipelineParallelized(model, layout)
     if layout.ep > 1 and layout.ep < layout.dp:
         from dsv3.parallel.ep_subgroups import SubgroupExpertParallelized
 
@@ -171,6 +182,36 @@ class Parallelized:
         """(loss to backpropagate, detached [total, lm, mtp, balance]) of this rank's micro-batch."""
         return self.module(input_ids, labels)
 
+    @property
+    def data_size(self) -> int:
+        """How many data-parallel ranks split each global batch."""
+        return self.layout.dp
+
+    @property
+    def data_rank(self) -> int:
+        """This process's index among the data-parallel ranks (its slice of every global batch)."""
+        return dist.get_rank() if self.world > 1 else 0
+
+    def check_batch(self, per_rank: int) -> None:
+        """Refuse a per-rank micro-batch size the layout cannot run (any size works here)."""
+
+    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]], autocast,
+                         grad_accum: int) -> list[float]:
+        """Backward of the mean loss over the global batch (this rank's ``batches``, one per micro-step:
+        (input_ids, labels) on the model's device); returns its [total, lm, mtp, balance] averaged over
+        the micro-steps and the data-parallel ranks."""
+        sums = torch.zeros(4, dtype=torch.float64)
+        for j, (inputs, labels) in enumerate(batches):
+            last = j == len(batches) - 1
+            with contextlib.nullcontext() if last else self.no_sync():
+                with autocast:
+                    loss, parts = self(inputs, labels)
+                (loss / grad_accum).backward()
+            sums += parts.double().cpu()
+        device = next(self.model.parameters()).device
+        total = self.sum_(sums.to(device)).cpu() / (self.data_size * grad_accum)
+        return total.tolist()
+
     def no_sync(self) -> contextlib.AbstractContextManager:
         """Context for a micro-batch that is not the step's last: its backward skips the gradient sync."""
         return self.module.no_sync() if isinstance(self.module, DistributedDataParallel) else contextlib.nullcontext()
@@ -193,8 +234,20 @@ class Parallelized:
         for moe in self.model.moe_layers():
             self.sum_(moe.expert_load)
 
+    def expert_loads(self) -> list[list[int]]:
+        """Every MoE layer's token counts (after `reduce_expert_loads`), in the whole model's layer order."""
+        return [[int(x) for x in moe.expert_load.tolist()] for moe in self.model.moe_layers()]
+
+    def update_router_biases(self) -> list[float]:
+        """The aux-free bias update of every MoE layer held here; returns the whole model's max/mean loads."""
+        return self.model.update_router_biases()
+
     def full_model(self) -> nn.Module:
         """The whole model on every rank (a collective), for saving and sampling: here the model itself."""
+        return self.model
+
+    def eval_model(self) -> nn.Module:
+        """A model whose forward gives logits, for held-out evaluation on every rank (a collective)."""
         return self.model
 
     def parameter_count(self) -> int:
@@ -212,6 +265,9 @@ class Parallelized:
 
     def check_resume(self, saved: dict, folder) -> None:
         """Refuse a checkpoint whose optimizer state is split differently from this layout's."""
+        saved_pp = (saved.get("layout") or {}).get("pp", 1)
+        if saved_pp != self.layout.pp:
+            raise DSV3Error(f"{folder} was saved by {saved_pp} pipeline stages; resume it with the same --pp")
         saved_ep = saved.get("ep_size") or 1
         if saved_ep != self.layout.ep:
             how = f"by {saved_ep} expert-parallel ranks" if saved_ep > 1 else "without expert parallelism"

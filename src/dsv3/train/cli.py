@@ -1,7 +1,8 @@
 """`dsv3 train`: train a V3-architecture model on the Python standard library (or your files).
 
 Progress goes to stderr; with --json the run's summary is the one JSON object on stdout. Under
-``torchrun --nproc-per-node N -m dsv3 train ...`` the same command trains data-parallel.
+``torchrun --nproc-per-node N -m dsv3 train ...`` the same command trains data-parallel (with ``--pp P``:
+in P pipeline stages times N/P data-parallel replicas).
 """
 
 from __future__ import annotations
@@ -67,6 +68,18 @@ def train(
     ),
     gpus_per_node: int = typer.Option(
         None, help="Processes per node for --ep's two-hop dispatch (default: 2)."
+    ),
+    pp: int = typer.Option(
+        None,
+        help="Pipeline parallelism: P stages on P torchrun processes (the processes / P are data-parallel "
+        "replicas of the pipeline).",
+    ),
+    pp_schedule: str = typer.Option(
+        None, help="Pipeline schedule with --pp: 1f1b, interleaved, zbv or dualpipev (default: 1f1b)."
+    ),
+    microbatches: int = typer.Option(
+        None, help="Micro-batches per pipeline step with --pp (default: one per stage: P, or 2P for "
+        "interleaved, zbv and dualpipev)."
     ),
     save_every: int = typer.Option(None, help="Checkpoint every N steps (default: 200)."),
     eval_every: int = typer.Option(None, help="Evaluate every N steps (default: 100)."),

@@ -89,10 +89,20 @@ def _device(name: str, local_rank: int) -> torch.device:
 
 
 def training_layout(opts, world: World) -> Layout:
-    """The layout ``dsv3 train``'s options ask for on this world: data parallel over every process, the
+    """The layout ``dsv3 train``'s options ask for on this world: ``--pp`` pipeline stages, data parallel
+    over the rest (every process without --pp), the
     routed experts over ``--ep`` of them, ``--moe-output-format`` as the (real or simulated) combine."""
+    pp = opts.pp or 1
+    if world.size % pp:
+        raise DSV3Error(
+            f"--pp {pp} needs a multiple of {pp} processes (torchrun --nproc-per-node {pp} -m dsv3 train "
+            f"... --pp {pp}), but {world.size} are running"
+        )
     return Layout(
-        dp=world.size,
+        pp=pp,
+        dp=world.size // pp,
+        schedule=opts.pp_schedule,
+        microbatches=opts.microbatches,
         ep=opts.ep or 1,
         gpus_per_node=opts.gpus_per_node,
         dispatch=DISPATCH_FORMATS[opts.precision],

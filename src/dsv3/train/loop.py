@@ -4,7 +4,6 @@ talks to one `Parallelized` object (``dsv3.parallel.parallelize``) for everythin
 
 from __future__ import annotations
 
-import contextlib
 import math
 import time
 from dataclasses import dataclass
@@ -46,16 +45,18 @@ class StepRunner:
         grad_clip: float,
         autocast,
     ):
-        if batch_size % (world.size * grad_accum):
+        ranks = parallel.data_size  # the data-parallel ranks (all processes, but for pipeline stages)
+        if batch_size % (ranks * grad_accum):
             raise DSV3Error(
-                f"--batch-size ({batch_size}) must be a multiple of the number of processes "
-                f"({world.size}) times --grad-accum ({grad_accum})"
+                f"--batch-size ({batch_size}) must be a multiple of the number of data-parallel processes "
+                f"({ranks}) times --grad-accum ({grad_accum})"
             )
         self.parallel, self.model = parallel, parallel.model
         self.optimizer, self.scheduler = optimizer, scheduler
         self.data, self.order, self.world = data, order, world
         self.batch_size, self.grad_accum, self.grad_clip = batch_size, grad_accum, grad_clip
-        self.per_rank = batch_size // (world.size * grad_accum)
+        self.per_rank = batch_size // (ranks * grad_accum)
+        parallel.check_batch(self.per_rank)
         self.autocast = autocast
 
     def micro_batches(self, samples: int) -> list[list[int]]:
@@ -63,11 +64,12 @@ class StepRunner:
         global batch, and rank r the r-th part of it, so the global batch does not depend on the
         number of processes."""
         idx = self.order.indices(samples, self.batch_size)
-        chunk = self.per_rank * self.world.size
+        chunk = self.per_rank * self.parallel.data_size
+        rank = self.parallel.data_rank
         out = []
         for j in range(self.grad_accum):
             micro = idx[j * chunk : (j + 1) * chunk]
-            out.append(micro[self.world.rank * self.per_rank : (self.world.rank + 1) * self.per_rank])
+            out.append(micro[rank * self.per_rank : (rank + 1) * self.per_rank])
         return out
 
     def run(self, state: RunState) -> dict[str, Any]:
@@ -80,7 +82,7 @@ class StepRunner:
         if finite:
             self.optimizer.step()
             loads = self._global_expert_loads()
-            imbalance = self.model.update_router_biases()
+            imbalance = self.parallel.update_router_biases()
             state.bad_in_a_row = 0
         else:
             loads, imbalance = self._discard_expert_loads(), []
@@ -114,24 +116,16 @@ class StepRunner:
         }
 
     def _forward_backward(self, micro: list[list[int]]) -> list[float]:
-        """Backward of the mean loss over the global batch; returns its parts averaged over ranks."""
-        sums = torch.zeros(4, dtype=torch.float64)
-        for j, indices in enumerate(micro):
-            inputs, labels = self.data.batch(indices)
-            last = j == len(micro) - 1
-            with contextlib.nullcontext() if last else self.parallel.no_sync():
-                with self.autocast:
-                    loss, parts = self.parallel(inputs.to(self.world.device), labels.to(self.world.device))
-                (loss / self.grad_accum).backward()
-            sums += parts.double().cpu()
-        total = self.world.sum_(sums.to(self.world.device)).cpu() / (self.world.size * self.grad_accum)
-        return total.tolist()
+        """Backward of the mean loss over the global batch, by the layout; returns its parts averaged."""
+        device = self.world.device
+        batches = [tuple(t.to(device) for t in self.data.batch(indices)) for indices in micro]
+        return self.parallel.forward_backward(batches, self.autocast, self.grad_accum)
 
     def _global_expert_loads(self) -> list[list[int]]:
         """Every MoE layer's token counts summed over the data-parallel ranks (so all ranks update the
         biases alike)."""
         self.parallel.reduce_expert_loads()
-        return [[int(x) for x in moe.expert_load.tolist()] for moe in self.model.moe_layers()]
+        return self.parallel.expert_loads()
 
     def _discard_expert_loads(self) -> list[list[int]]:
         for moe in self.model.moe_layers():

@@ -59,6 +59,9 @@ class TrainOptions:
     moe_output_format: str | None = None  # simulate the MoE combine in bf16/e4m3/e5m2/logfmt8/logfmt10
     ep: int | None = None  # expert-parallel world size
     gpus_per_node: int = 2
+    pp: int | None = None  # pipeline stages (ranks); the data-parallel replicas are the processes / pp
+    pp_schedule: str = "1f1b"
+    microbatches: int | None = None  # per pipeline step; default one per pipeline stage
     # operational
     save_every: int = 200
     eval_every: int = 100
@@ -105,11 +108,27 @@ class TrainOptions:
             )
         if self.ep is not None and self.ep < 1:
             raise DSV3Error(f"--ep must be at least 1, got {self.ep}")
+        self._check_pipeline()
         if self.threads < 0:
             raise DSV3Error(f"--threads must be >= 0, got {self.threads}")
         if self.sample_tokens < 0:
             raise DSV3Error(f"--sample-tokens must be >= 0, got {self.sample_tokens}")
         return self
+
+    def _check_pipeline(self) -> None:
+        from dsv3.parallel.pipeline import SCHEDULES
+
+        if self.pp is not None and self.pp < 1:
+            raise DSV3Error(f"--pp must be at least 1, got {self.pp}")
+        if self.pp_schedule not in SCHEDULES:
+            raise DSV3Error(f"--pp-schedule must be one of {', '.join(SCHEDULES)}, got {self.pp_schedule!r}")
+        if self.microbatches is not None and self.microbatches < 1:
+            raise DSV3Error(f"--microbatches must be at least 1, got {self.microbatches}")
+        if (self.pp or 1) == 1 and (self.microbatches is not None or self.pp_schedule != "1f1b"):
+            raise DSV3Error("--pp-schedule and --microbatches shape pipeline stages: they need --pp 2 or more")
+        if (self.pp or 1) > 1 and (self.ep or 1) > 1:
+            raise DSV3Error(f"--pp {self.pp} with --ep {self.ep}: pipeline stages with expert parallelism are "
+                            "not implemented yet; use one of them")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -264,7 +264,7 @@ class _Run:
 
     def _evaluate(self) -> None:
         result = evaluate(
-            self.model,
+            self.parallel.eval_model(),
             self.data.val,
             self.val_windows,
             self.data.token_bytes,
@@ -328,14 +328,14 @@ class _Run:
         train_rows = [r for r in rows if r.get("kind") == "train" and r.get("loss") is not None]
         plots = {}
         sample = None
-        sampler = self.parallel.full_model() if self.opts.sample_tokens else self.model  # a collective
+        full = self.parallel.full_model()  # a collective: sampling and the layer names need the whole model
         if self.world.is_main and self.plots:
             from dsv3.train.plots import write_plots
 
-            plots = write_plots(rows, self.run_dir, moe_layer_names(self.model))
+            plots = write_plots(rows, self.run_dir, moe_layer_names(full))
         if self.world.is_main:
             if self.opts.sample_tokens:
-                sample = self._sample(sampler)
+                sample = self._sample(full)
         recent = [r["loss"] for r in train_rows[-10:]]
         return {
             "run_dir": str(self.run_dir),

@@ -1,0 +1,189 @@
+"""``Layout(pp=P, dp=D)`` for the trainer: `PipelineParallelized` runs every optimizer step through E's
+`PipelineParallel` schedule and gives the trainer the same object every other layout gives it.
+
+Ranks: process ``r`` is pipeline rank ``r % P`` of data-parallel replica ``r // P`` (a replica's stages sit
+on consecutive processes). Each process holds only its stages' modules, so what needs the whole model
+(saving the HF checkpoint, sampling, held-out evaluation) gathers the stages' tensors into one ordinary
+`Transformer` on every process of the pipeline: simple and exact, and cheap at the sizes a CPU trains.
+Each process keeps the optimizer state of its own parameters (saved per rank, like expert parallelism).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from dsv3.errors import DSV3Error
+from dsv3.parallel.layout import Layout, Parallelized
+from dsv3.parallel.pipeline import SCHEDULES, Elsewhere, PipelineParallel, plan_pipeline
+
+STAGES_PER_RANK = {"1f1b": 1, "interleaved": 2, "zbv": 2, "dualpipev": 2}
+
+
+def check_pipeline_layout(layout: Layout) -> None:
+    """What a pipeline layout may combine with today (a DSV3Error for the rest)."""
+    if layout.schedule not in SCHEDULES:
+        raise DSV3Error(f"--pp-schedule must be one of {', '.join(SCHEDULES)}, got {layout.schedule!r}")
+    if layout.microbatches is not None and layout.microbatches < 1:
+        raise DSV3Error(f"--microbatches must be at least 1, got {layout.microbatches}")
+    if layout.ep > 1:
+        raise DSV3Error(f"--pp {layout.pp} with --ep {layout.ep}: pipeline stages with expert parallelism "
+                        "are not implemented yet; use one of them")
+
+
+def default_microbatches(layout: Layout) -> int:
+    """One micro-batch per pipeline stage: the fewest that every schedule accepts."""
+    return layout.microbatches or layout.pp * STAGES_PER_RANK[layout.schedule]
+
+
+def _groups(layout: Layout) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+    """(this process's pipeline group, its data-parallel group); every process creates every group, in the
+    same order, as ``new_group`` requires. One replica: the world is the pipeline, no data-parallel group."""
+    P, D = layout.pp, layout.dp
+    if D == 1:
+        return None, None
+    rank = dist.get_rank()
+    pp_group = dp_group = None
+    for d in range(D):
+        group = dist.new_group([d * P + p for p in range(P)])
+        if rank // P == d:
+            pp_group = group
+    for p in range(P):
+        group = dist.new_group([d * P + p for d in range(D)])
+        if rank % P == p:
+            dp_group = group
+    return pp_group, dp_group
+
+
+class PipelineParallelized(Parallelized):
+    """A `Transformer` in P pipeline stages (schedule ``layout.schedule``, ``layout.microbatches``
+    micro-batches per step) times D data-parallel replicas. ``model`` keeps only this process's modules."""
+
+    per_rank_optimizer_state = True
+
+    def __init__(self, model: nn.Module, layout: Layout):  # no super().__init__: no LossStep, no DDP
+        self.model, self.layout, self.world = model, layout, layout.world
+        self.rank = dist.get_rank()
+        plan = plan_pipeline(model.config, layout.pp, layout.schedule, default_microbatches(layout))
+        self.pp_group, self.dp_group = _groups(layout)
+        self.pipe = PipelineParallel(model, plan, pp_group=self.pp_group, dp_group=self.dp_group)
+        self.module = None
+
+    @property
+    def plan(self):
+        return self.pipe.plan
+
+    @property
+    def data_rank(self) -> int:
+        return self.rank // self.layout.pp
+
+    def check_batch(self, per_rank: int) -> None:
+        M = self.plan.microbatches
+        if per_rank % M:
+            raise DSV3Error(
+                f"each data-parallel replica gets {per_rank} sequences per micro-step (--batch-size / "
+                f"(replicas x --grad-accum)), which does not split into --microbatches {M}; make it a multiple"
+            )
+
+    # ---- one step -------------------------------------------------------------------------------
+    def forward_backward(self, batches: list[tuple[torch.Tensor, torch.Tensor]], autocast,
+                         grad_accum: int) -> list[float]:
+        """One pipeline schedule per micro-step (each normalised by its own global token counts, so its
+        gradient is that micro-step's mean loss), then gradients scaled by 1/grad_accum: the trainer's
+        mean over micro-steps. Returns the global parts averaged over micro-steps, on every rank."""
+        sums = torch.zeros(4, dtype=torch.float64)
+        for inputs, labels in batches:
+            with autocast:
+                sums += torch.tensor(self.pipe.forward_backward(inputs, labels), dtype=torch.float64)
+        if grad_accum > 1:
+            with torch.no_grad():
+                for p in self.pipe.parameters():
+                    if p.grad is not None:
+                        p.grad.div_(grad_accum)
+        return (sums / grad_accum).tolist()
+
+    def no_sync(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def __call__(self, input_ids: torch.Tensor, labels: torch.Tensor):
+        raise DSV3Error("a pipeline-parallel model runs whole steps: call forward_backward")
+
+    def sync_and_clip(self, max_norm: float) -> float:
+        return self.pipe.sync_and_clip(max_norm)
+
+    def sum_(self, t: torch.Tensor) -> torch.Tensor:
+        """All-reduce (sum) over the data-parallel replicas, in place; returns t."""
+        return self.pipe._dp_sum(t)
+
+    def reduce_expert_loads(self) -> None:
+        self.pipe.reduce_expert_loads()
+
+    def expert_loads(self) -> list[list[int]]:
+        """Every MoE layer's counts, gathered from the pipeline's ranks, in the whole model's layer order."""
+        return self._gather_by_layer(super().expert_loads())
+
+    def update_router_biases(self) -> list[float]:
+        return self._gather_by_layer(self.model.update_router_biases())
+
+    def _gather_by_layer(self, values: list) -> list:
+        """``values`` (one per MoE layer held here, in ``model.moe_layers()`` order) from every pipeline
+        rank, merged in layer order."""
+        mine = list(zip(self._moe_layer_indices(), values, strict=True))
+        gathered: list = [None] * self.layout.pp
+        dist.all_gather_object(gathered, mine, group=self.pp_group)
+        return [v for _, v in sorted(pair for part in gathered for pair in part)]
+
+    def _moe_layer_indices(self) -> list[tuple[int, int]]:
+        """(layer index, MoE index inside it) of every MoE module held here, in ``moe_layers()`` order."""
+        from dsv3.model.moe import MoE
+
+        where = {}
+        for i, layer in enumerate(self.model.model.layers):
+            if not isinstance(layer, Elsewhere):
+                for j, m in enumerate(x for x in layer.modules() if isinstance(x, MoE)):
+                    where[id(m)] = (i, j)
+        return [where[id(m)] for m in self.model.moe_layers()]
+
+    # ---- the whole model ------------------------------------------------------------------------
+    @torch.no_grad()
+    def full_model(self) -> nn.Module:
+        """An ordinary single-process `Transformer` with every stage's tensors, built on every process (all
+        must call it): each pipeline rank's state dict is gathered over its pipeline and merged (the
+        tied embedding's copies are equal, since `sync_and_clip` gives them one gradient)."""
+        from dsv3.model.transformer import Transformer
+
+        device = next(self.model.parameters()).device
+        mine = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        gathered: list = [None] * self.layout.pp
+        dist.all_gather_object(gathered, mine, group=self.pp_group)
+        state = {}
+        for part in gathered:
+            state.update(part)
+        with torch.device("meta"):
+            full = Transformer(self.model.config)
+        full.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True, assign=True)
+        full.init_buffers(device)
+        return full.train(self.model.training)
+
+    def eval_model(self) -> nn.Module:
+        """The gathered whole model: every process evaluates its share of the windows on it."""
+        return self.full_model()
+
+    def parameter_count(self) -> int:
+        return self.pipe.parameter_count()
+
+    def checkpoint_fields(self) -> dict:
+        return {"world_size": self.world, "ep_size": 0, "layout": asdict(self.layout)}
+
+    def check_resume(self, saved: dict, folder) -> None:
+        """Each process's optimizer state covers its own stages: resume under the same pipeline only."""
+        layout = saved.get("layout") or {}
+        keys = ("pp", "dp", "schedule", "microbatches")
+        if any(layout.get(k) != getattr(self.layout, k) for k in keys):
+            was = ", ".join(f"{k}={layout.get(k)}" for k in keys)
+            raise DSV3Error(f"{folder} was saved under another layout ({was}); resume it with the same --pp, "
+                            "--pp-schedule, --microbatches and number of processes")

@@ -1,0 +1,128 @@
+"""`torchrun --nproc-per-node 2 -m dsv3 train --pp 2`: two pipeline stages (1F1B, DualPipeV; and two
+data-parallel replicas of them on 4 processes) train like one process (fp32: the same losses, gradient
+norms and expert loads), save one ordinary HF folder that gives the single-process model's logits, and
+resume from per-rank optimizer state."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import dsv3
+from dsv3.errors import DSV3Error
+from dsv3.train.metrics import read_rows
+from dsv3.train.run import run_training
+
+CONSTANT_LR = ("--warmup", "0", "--min-lr-ratio", "1.0")
+
+
+@pytest.fixture(scope="module")
+def config3(tmp_path_factory, tiny_train_config):
+    """The tiny config with 3 layers (+1 MTP): four pipeline stages of one block each for DualPipeV on 2."""
+    path = tmp_path_factory.mktemp("cfg3") / "config.json"
+    tiny_train_config.replace(num_hidden_layers=3).save_json(path)
+    return path
+
+
+@pytest.fixture
+def pp_argv(train_argv, config3):
+    """train_argv with the 3-layer config."""
+
+    def argv(out, *extra):
+        args = train_argv(out, *extra)
+        args[args.index("--config") + 1] = str(config3)
+        return args
+
+    return argv
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory, config3, corpus_dir, cache_dir):
+    """The one-process reference: 4 steps at a constant learning rate (so 2 steps resumed to 4 follow it)."""
+    from dsv3.train.options import TrainOptions
+
+    out = tmp_path_factory.mktemp("single") / "run"
+    opts = TrainOptions(config=str(config3), data=[str(corpus_dir)], out=str(out), steps=4, batch_size=4,
+                        seq_len=32, lr=3e-3, warmup=0, min_lr_ratio=1.0, save_every=2, eval_every=2,
+                        eval_tokens=128, cache_dir=str(cache_dir), device="cpu", val_fraction=0.1)
+    run_training(opts, show_progress=False, plots=False)
+    return out
+
+
+def assert_same_rows(single: os.PathLike, other: os.PathLike) -> None:
+    """``other``'s metrics rows equal the first ones of ``single`` (as many as ``other`` wrote)."""
+    two = read_rows(os.path.join(other, "metrics.jsonl"))
+    one = read_rows(os.path.join(single, "metrics.jsonl"))[: len(two)]
+    assert [(r["kind"], r["step"]) for r in one] == [(r["kind"], r["step"]) for r in two]
+    for a, b in zip(one, two, strict=True):
+        for key in ("loss", "total_loss", "mtp_loss", "balance_loss", "val_loss", "val_bpb"):
+            if key in a:
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+        if a["kind"] == "train":
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), a["step"]
+            assert a["expert_load"] == b["expert_load"], a["step"]
+
+
+def assert_same_logits(single: os.PathLike, other: os.PathLike) -> None:
+    ref = dsv3.load_pretrained(os.path.join(single, "latest"))
+    pp = dsv3.load_pretrained(os.path.join(other, "latest"))
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(pp(ids), ref(ids), rtol=1e-4, atol=1e-4)
+
+
+def test_pp2_1f1b_run_and_resume_match_one_process(single_run, pp_argv, torchrun, tmp_path):
+    out = tmp_path / "pp"
+    args = ("--lr", "3e-3", *CONSTANT_LR, "--save-every", "2", "--eval-every", "2", "--pp", "2")
+    first = torchrun(2, pp_argv(out, "--steps", "2", *args))
+    assert first["world_size"] == 2 and first["parameters"] > 0
+    assert os.path.exists(out / "checkpoints" / "step-000002" / "trainer_state.rank1.pt")
+    second = torchrun(2, ["train", "--resume", str(out), "--steps", "4"])
+    assert second["step"] == 4
+    assert_same_rows(single_run, out)
+    assert_same_logits(single_run, out)
+
+
+def test_pp2_dualpipev_matches_one_process(single_run, pp_argv, torchrun, tmp_path):
+    out = tmp_path / "dualpipev"
+    summary = torchrun(2, pp_argv(out, "--steps", "4", "--lr", "3e-3", *CONSTANT_LR, "--save-every", "2",
+                                     "--eval-every", "2", "--pp", "2", "--pp-schedule", "dualpipev"))
+    assert summary["step"] == 4
+    assert_same_rows(single_run, out)
+    assert_same_logits(single_run, out)
+
+
+def test_pp2_times_dp2_matches_one_process(single_run, pp_argv, torchrun, tmp_path):
+    out = tmp_path / "pp2dp2"  # 4 processes: two replicas of a 2-stage pipeline, 2 sequences each
+    summary = torchrun(4, pp_argv(out, "--steps", "2", "--lr", "3e-3", *CONSTANT_LR, "--save-every", "2",
+                                  "--eval-every", "2", "--pp", "2", "--microbatches", "2"))
+    assert summary["world_size"] == 4 and summary["step"] == 2
+    assert_same_rows(single_run, out)
+
+
+def test_pp_without_enough_processes_is_refused(make_opts):
+    with pytest.raises(DSV3Error, match="--pp 2 needs a multiple of 2 processes"):
+        run_training(make_opts("pp1", pp=2), show_progress=False, plots=False)
+    with pytest.raises(DSV3Error, match="--pp-schedule must be one of"):
+        make_opts("bad", pp=2, pp_schedule="gpipe").check()
+    with pytest.raises(DSV3Error, match="pipeline stages with expert parallelism"):
+        make_opts("ep", pp=2, ep=2).check()
+    with pytest.raises(DSV3Error, match="they need --pp 2 or more"):
+        make_opts("nopp", microbatches=4).check()
+
+
+def test_resume_under_another_layout_is_refused(tiny_train_config):
+    from dsv3.model.transformer import Transformer
+    from dsv3.parallel.layout import Layout, Parallelized
+    from dsv3.parallel.pipeline_layout import PipelineParallelized
+
+    saved = {"layout": {"pp": 2, "dp": 1, "schedule": "dualpipev", "microbatches": None}}
+    pipe = object.__new__(PipelineParallelized)  # check_resume reads only the layout: no process group needed
+    pipe.layout = Layout(pp=2)
+    with pytest.raises(DSV3Error, match="saved under another layout"):
+        pipe.check_resume(saved, "run")
+    pipe.layout = Layout(pp=2, schedule="dualpipev")
+    pipe.check_resume(saved, "run")
+    with pytest.raises(DSV3Error, match="saved by 2 pipeline stages"):
+        Parallelized(Transformer(tiny_train_config), Layout()).check_resume(saved, "run")
