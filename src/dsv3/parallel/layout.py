@@ -13,8 +13,11 @@ Layouts that exist today, over torch.distributed (torchrun; gloo on CPU, NCCL on
   holds D-th of every MoE layer's routed experts behind the two-hop dispatcher, the rest of the model is
   replicated and data parallel.
 
-Pipeline stages (``pp``), EP over part of the data-parallel ranks (ep < dp) and sharded data parallelism
-(``dp_shard``) have their fields already and are refused with a clear error until they exist.
+* ``Layout(dp=D, dp_shard="zero1" | "fsdp")``: sharded data parallelism (``dsv3.parallel.sharding``): AdamW
+  state, or parameters, gradients and AdamW state, split over the D ranks.
+
+Pipeline stages (``pp``) and EP over part of the data-parallel ranks (ep < dp) have their fields already
+and are refused with a clear error until they exist.
 """
 
 from __future__ import annotations
@@ -72,7 +75,9 @@ class Layout:
         if self.dp_shard not in SHARDINGS:
             raise DSV3Error(f"layout: dp_shard must be one of {', '.join(SHARDINGS)}, got {self.dp_shard!r}")
         if self.dp_shard != "none":
-            raise DSV3Error(f"sharded data parallelism (dp_shard={self.dp_shard}) is not implemented yet")
+            from dsv3.parallel.sharding import check_sharded
+
+            check_sharded(self)
         if self.world != world_size:
             raise DSV3Error(f"the layout needs pp x dp = {self.world} processes, but {world_size} are running")
         if self.ep > 1:
@@ -127,6 +132,10 @@ def parallelize(model: nn.Module, layout: Layout | None = None) -> Parallelized:
     layout = (layout or Layout()).check(_world_size())
     if layout.ep > 1:
         return ExpertParallelized(model, layout)
+    if layout.dp_shard != "none":
+        from dsv3.parallel.sharding import sharded
+
+        return sharded(model, layout)
     return Parallelized(model, layout)
 
 
@@ -192,6 +201,17 @@ class Parallelized:
         """The whole model on every rank (a collective), for saving and sampling: here the model itself."""
         return self.model
 
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called once with the optimizer built over ``model.parameters()``: a sharded layout hooks its step."""
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """This rank's optimizer state as a checkpoint stores it (plain tensors)."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """The inverse of `optimizer_state`."""
+        optimizer.load_state_dict(state)
+
     def parameter_count(self) -> int:
         """Parameters of the whole model, however they are spread over ranks."""
         return sum(p.numel() for p in self.model.parameters())
@@ -207,6 +227,9 @@ class Parallelized:
 
     def check_resume(self, saved: dict, folder) -> None:
         """Refuse a checkpoint whose optimizer state is split differently from this layout's."""
+        saved_shard = (saved.get("layout") or {}).get("dp_shard", "none")
+        if saved_shard != self.layout.dp_shard:
+            raise DSV3Error(f"{folder} was saved with --dp-shard {saved_shard}; resume it with the same --dp-shard")
         saved_ep = saved.get("ep_size") or 1
         if saved_ep != self.layout.ep:
             how = f"by {saved_ep} expert-parallel ranks" if saved_ep > 1 else "without expert parallelism"

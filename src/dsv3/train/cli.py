@@ -65,6 +65,11 @@ def train(
         help="Expert parallelism over N torchrun processes (N = --nproc-per-node x "
         "nodes): each holds 1/N of every MoE layer's routed experts.",
     ),
+    dp_shard: str = typer.Option(
+        None,
+        help="Shard the data-parallel copies over the torchrun processes: none, zero1 (AdamW state) or "
+        "fsdp (parameters, gradients and AdamW state: FSDP2) (default: none).",
+    ),
     gpus_per_node: int = typer.Option(
         None, help="Processes per node for --ep's two-hop dispatch (default: 2)."
     ),

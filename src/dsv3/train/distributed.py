@@ -94,6 +94,7 @@ def training_layout(opts, world: World) -> Layout:
     return Layout(
         dp=world.size,
         ep=opts.ep or 1,
+        dp_shard=opts.dp_shard,
         gpus_per_node=opts.gpus_per_node,
         dispatch=DISPATCH_FORMATS[opts.precision],
         combine=opts.moe_output_format,

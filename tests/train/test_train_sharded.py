@@ -1,0 +1,111 @@
+"""Sharded data parallelism under torchrun (4 gloo processes on CPU, fp32): `--dp-shard zero1` and
+`--dp-shard fsdp` train the same steps as one process with the same global batch, hold about a quarter of
+the optimizer state per rank (fsdp: of the parameters too), save checkpoints that load as ordinary models,
+and resume bit for bit under the same layout. run.json records every rank's memory for every layout."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import dsv3
+from dsv3.errors import DSV3Error
+from dsv3.train.checkpoints import complete_checkpoints
+from dsv3.train.metrics import read_rows
+from dsv3.train.run import run_training
+
+STEPS = 5
+FIELDS = ("parameters", "gradients", "optimizer", "activations_peak")
+
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory, tiny_config, corpus_dir, cache_dir):
+    """The one-process reference: 5 steps, a checkpoint at 5."""
+    from dsv3.train.options import TrainOptions
+
+    out = tmp_path_factory.mktemp("single") / "run"
+    opts = TrainOptions(config=str(tiny_config), data=[str(corpus_dir)], out=str(out), steps=STEPS, batch_size=4,
+                        seq_len=32, lr=3e-3, save_every=100, eval_every=100, eval_tokens=128,
+                        cache_dir=str(cache_dir), device="cpu", val_fraction=0.1)
+    run_training(opts, show_progress=False, plots=False)
+    return out
+
+
+def _train_rows(run_dir) -> list[dict]:
+    return [r for r in read_rows(Path(run_dir) / "metrics.jsonl") if r["kind"] == "train"]
+
+
+def _memory(run_dir) -> list[dict]:
+    return json.loads((Path(run_dir) / "run.json").read_text())["memory"]["per_rank"]
+
+
+def _logits(folder) -> torch.Tensor:
+    model = dsv3.load_pretrained(folder).eval()
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        return model(ids)
+
+
+def test_memory_of_the_plain_layout_is_in_run_json(single_run):
+    (mem,) = _memory(single_run)
+    model = dsv3.load_pretrained(Path(single_run) / "latest")
+    n_bytes = sum(p.numel() * 4 for p in model.parameters())
+    assert mem["rank"] == 0 and mem["parameters"] == mem["gradients"] == n_bytes
+    assert mem["optimizer"] == 2 * n_bytes + 4 * len(list(model.parameters()))  # exp_avg, exp_avg_sq, step
+    assert mem["activations_peak"] > 0
+
+
+@pytest.mark.parametrize("shard", ["zero1", "fsdp"])
+def test_dp4_sharded_matches_one_process_and_resumes_bit_for_bit(shard, single_run, train_argv, torchrun, tmp_path):
+    out = tmp_path / shard
+    common = ("--steps", str(STEPS), "--lr", "3e-3", "--eval-every", "100", "--threads", "1", "--dp-shard", shard)
+    summary = torchrun(4, train_argv(out, *common, "--save-every", "3"))
+    assert summary["world_size"] == 4 and summary["step"] == STEPS
+
+    one, four = _train_rows(single_run), _train_rows(out)
+    for a, b in zip(one, four, strict=True):
+        for key in ("loss", "mtp_loss", "balance_loss", "grad_norm"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
+        assert a["expert_load"] == b["expert_load"]
+
+    # memory: each rank holds about a quarter of the optimizer state (fsdp: of the parameters too)
+    (ref,) = _memory(single_run)
+    ranks = _memory(out)
+    assert [m["rank"] for m in ranks] == [0, 1, 2, 3]
+    for m in ranks:
+        assert 0.15 < m["optimizer"] / ref["optimizer"] < 0.35, m
+        assert m["activations_peak"] > 0
+        if shard == "fsdp":
+            assert 0.2 < m["parameters"] / ref["parameters"] < 0.3 and m["gradients"] == m["parameters"]
+        else:
+            assert m["parameters"] == ref["parameters"] and m["gradients"] == ref["gradients"]
+    assert sum(m["optimizer"] for m in ranks) >= ref["optimizer"]
+
+    # the checkpoint is an ordinary model with the single process's weights
+    torch.testing.assert_close(_logits(out / "latest"), _logits(Path(single_run) / "latest"), rtol=1e-4, atol=1e-5)
+
+    # resume from step 3 (drop step 5): steps 4-5 and the final weights equal the uninterrupted run's
+    copy = tmp_path / f"{shard}-resumed"
+    shutil.copytree(out, copy, symlinks=True)
+    final = dict(complete_checkpoints(copy))[STEPS]
+    shutil.rmtree(final)
+    assert [s for s, _ in complete_checkpoints(copy)] == [3]
+    torchrun(4, train_argv(copy, *common, "--resume", str(copy)))
+    a, b = _train_rows(out), _train_rows(copy)
+    assert [r["step"] for r in b] == list(range(1, STEPS + 1))
+    for key in ("loss", "total_loss", "grad_norm", "lr"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    ma, mb = dsv3.load_pretrained(out / "latest"), dsv3.load_pretrained(copy / "latest")
+    for (name, pa), pb in zip(ma.state_dict().items(), mb.state_dict().values(), strict=True):
+        assert torch.equal(pa, pb), name
+
+
+def test_dp_shard_option_is_checked_and_a_single_process_is_refused(make_opts):
+    with pytest.raises(DSV3Error, match="--dp-shard must be one of none, zero1, fsdp"):
+        make_opts(dp_shard="zero3").check()
+    with pytest.raises(DSV3Error, match="only one is running"):
+        run_training(make_opts(dp_shard="fsdp"), show_progress=False, plots=False)
