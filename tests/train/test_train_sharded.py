@@ -1,4 +1,4 @@
-"""Sharded data parallelism under torchrun (4 gloo processes on CPU, fp32): `--dp-shard zero1` and
+"""Sharded data parallelism on 4 gloo processes (CPU, fp32; the trainer as under torchrun): `--dp-shard zero1` and
 `--dp-shard fsdp` train the same steps as one process with the same global batch, hold about a quarter of
 the optimizer state per rank (fsdp: of the parameters too), save checkpoints that load as ordinary models,
 and resume bit for bit under the same layout. run.json records every rank's memory for every layout."""
@@ -14,8 +14,11 @@ import torch
 
 import dsv3
 from dsv3.errors import DSV3Error
+from dsv3.testing.launch import launch
+from dsv3.testing.sharding_scenarios import train_worker
 from dsv3.train.checkpoints import complete_checkpoints
 from dsv3.train.metrics import read_rows
+from dsv3.train.options import TrainOptions
 from dsv3.train.run import run_training
 
 STEPS = 5
@@ -23,16 +26,23 @@ FIELDS = ("parameters", "gradients", "optimizer", "activations_peak")
 
 
 @pytest.fixture(scope="module")
-def single_run(tmp_path_factory, tiny_config, corpus_dir, cache_dir):
-    """The one-process reference: 5 steps, a checkpoint at 5."""
-    from dsv3.train.options import TrainOptions
+def base_options(tiny_config, corpus_dir, cache_dir) -> dict:
+    return dict(config=str(tiny_config), data=[str(corpus_dir)], steps=STEPS, batch_size=4, seq_len=32, lr=3e-3,
+                save_every=3, eval_every=100, eval_tokens=128, cache_dir=str(cache_dir), device="cpu",
+                val_fraction=0.1)
 
+
+@pytest.fixture(scope="module")
+def single_run(tmp_path_factory, base_options):
+    """The one-process reference: 5 steps, a checkpoint at 3 and 5."""
     out = tmp_path_factory.mktemp("single") / "run"
-    opts = TrainOptions(config=str(tiny_config), data=[str(corpus_dir)], out=str(out), steps=STEPS, batch_size=4,
-                        seq_len=32, lr=3e-3, save_every=100, eval_every=100, eval_tokens=128,
-                        cache_dir=str(cache_dir), device="cpu", val_fraction=0.1)
-    run_training(opts, show_progress=False, plots=False)
+    run_training(TrainOptions(**base_options, out=str(out)), show_progress=False, plots=False)
     return out
+
+
+def _train_on_4(options: dict, resume: bool = False) -> dict:
+    """The trainer on 4 gloo processes, as `torchrun --nproc-per-node 4 -m dsv3 train` runs it."""
+    return launch(train_worker, 4, (options, resume), timeout_s=240)[0]
 
 
 def _train_rows(run_dir) -> list[dict]:
@@ -60,10 +70,9 @@ def test_memory_of_the_plain_layout_is_in_run_json(single_run):
 
 
 @pytest.mark.parametrize("shard", ["zero1", "fsdp"])
-def test_dp4_sharded_matches_one_process_and_resumes_bit_for_bit(shard, single_run, train_argv, torchrun, tmp_path):
+def test_dp4_sharded_matches_one_process_and_resumes_bit_for_bit(shard, single_run, base_options, tmp_path):
     out = tmp_path / shard
-    common = ("--steps", str(STEPS), "--lr", "3e-3", "--eval-every", "100", "--threads", "1", "--dp-shard", shard)
-    summary = torchrun(4, train_argv(out, *common, "--save-every", "3"))
+    summary = _train_on_4({**base_options, "out": str(out), "dp_shard": shard})
     assert summary["world_size"] == 4 and summary["step"] == STEPS
 
     one, four = _train_rows(single_run), _train_rows(out)
@@ -94,7 +103,7 @@ def test_dp4_sharded_matches_one_process_and_resumes_bit_for_bit(shard, single_r
     final = dict(complete_checkpoints(copy))[STEPS]
     shutil.rmtree(final)
     assert [s for s, _ in complete_checkpoints(copy)] == [3]
-    torchrun(4, train_argv(copy, *common, "--resume", str(copy)))
+    _train_on_4({**base_options, "out": str(copy), "dp_shard": shard}, resume=True)
     a, b = _train_rows(out), _train_rows(copy)
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))
     for key in ("loss", "total_loss", "grad_norm", "lr"):
