@@ -14,6 +14,8 @@ import torch
 
 import dsv3
 from dsv3.errors import DSV3Error
+from dsv3.parallel.memory import SavedTensorMeter
+from dsv3.parallel.sharding import assign_owners
 from dsv3.testing.launch import launch
 from dsv3.testing.sharding_scenarios import train_worker
 from dsv3.train.checkpoints import complete_checkpoints
@@ -118,3 +120,32 @@ def test_dp_shard_option_is_checked_and_a_single_process_is_refused(make_opts):
         make_opts(dp_shard="zero3").check()
     with pytest.raises(DSV3Error, match="only one is running"):
         run_training(make_opts(dp_shard="fsdp"), show_progress=False, plots=False)
+
+
+def test_cli_refuses_dp_shard_on_one_process_with_one_error_line(train_argv, tmp_path, capsys):
+    from dsv3.cli import main
+
+    assert main(train_argv(tmp_path / "one", "--steps", "1", "--dp-shard", "zero1")) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: --dp-shard zero1 shards over the data-parallel processes but only one")
+    assert main(train_argv(tmp_path / "bad", "--dp-shard", "zero2")) == 2
+    assert "error: --dp-shard must be one of none, zero1, fsdp" in capsys.readouterr().err
+
+
+def test_owners_balance_the_elements_over_ranks():
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (10, 9, 8, 1, 1, 1, 6)]
+    owners = assign_owners(params, 4)
+    loads = [sum(p.numel() for p, r in zip(params, owners, strict=True) if r == rank) for rank in range(4)]
+    assert owners == assign_owners(params, 4)
+    assert max(loads) == 10 and min(loads) >= 8  # 36 elements: 10 | 9 | 8+1 | 6+1+1
+
+
+def test_saved_tensor_meter_counts_the_peak_of_saved_activations_and_releases_them():
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(16, 32))
+    meter = SavedTensorMeter()
+    with meter.active():
+        loss = (x @ w).relu().sum()  # saves x (for w's gradient; w itself is a parameter) and relu's output
+    assert meter.peak == meter.live == 8 * 16 * 4 + 8 * 32 * 4
+    loss.backward()
+    assert meter.live == 0 and meter.peak == 8 * 16 * 4 + 8 * 32 * 4

@@ -4,9 +4,9 @@ so it means the same on CPU and GPU and shows what a layout shards (DDP's gradie
 buffers and temporaries are not counted).
 
 Activations: a ``saved_tensors_hooks`` pack hook wraps every tensor autograd saves for backward (parameters
-excluded: they are counted once as parameters) in a small holder that counts its storage while alive;
-autograd frees the holders as backward consumes them, so the running total's maximum is the peak of the
-saved-for-backward bytes over the step. Views of one storage count once.
+and their views excluded: they are counted once as parameters) in a small holder that counts its storage
+while alive; autograd frees the holders as backward consumes them, so the running total's maximum is the
+peak of the saved-for-backward bytes over the step. Views of one storage count once.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class SavedTensorMeter:
             self.live -= size
 
     def _pack(self, t: torch.Tensor):
-        if isinstance(t, nn.Parameter):
+        if isinstance(t, nn.Parameter) or isinstance(t._base, nn.Parameter):  # a weight (or its transpose)
             return t
         key, size = self._key_and_size(t)
         return _Held(t, self, key, size)
