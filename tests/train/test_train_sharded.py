@@ -1,12 +1,11 @@
-"""Sharded data parallelism on 4 gloo processes (CPU, fp32; the trainer as under torchrun): `--dp-shard zero1` and
-`--dp-shard fsdp` train the same steps as one process with the same global batch, hold about a quarter of
+"""Sharded data parallelism on 4 gloo processes (CPU, fp32; the trainer as under torchrun): `--dp-shard
+zero1` and `--dp-shard fsdp` train the same steps as one process with the same global batch, hold about a quarter of
 the optimizer state per rank (fsdp: of the parameters too), save checkpoints that load as ordinary models,
 and resume bit for bit under the same layout. run.json records every rank's memory for every layout."""
 
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -18,13 +17,11 @@ from dsv3.parallel.memory import SavedTensorMeter
 from dsv3.parallel.sharding import assign_owners
 from dsv3.testing.launch import launch
 from dsv3.testing.sharding_scenarios import train_worker
-from dsv3.train.checkpoints import complete_checkpoints
 from dsv3.train.metrics import read_rows
 from dsv3.train.options import TrainOptions
 from dsv3.train.run import run_training
 
 STEPS = 5
-FIELDS = ("parameters", "gradients", "optimizer", "activations_peak")
 
 
 @pytest.fixture(scope="module")
@@ -42,9 +39,24 @@ def single_run(tmp_path_factory, base_options):
     return out
 
 
-def _train_on_4(options: dict, resume: bool = False) -> dict:
-    """The trainer on 4 gloo processes, as `torchrun --nproc-per-node 4 -m dsv3 train` runs it."""
-    return launch(train_worker, 4, (options, resume), timeout_s=240)[0]
+SHARDS = ("zero1", "fsdp")
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory, base_options) -> Path:
+    """One launch of 4 gloo processes (the trainer as `torchrun --nproc-per-node 4 -m dsv3 train` runs it),
+    for each sharding: 5 steps into ROOT/SHARD (checkpoints at 3 and 5), then a copy cut back to step 3
+    resumed to 5 in ROOT/SHARD-resumed."""
+    root = tmp_path_factory.mktemp("sharded")
+    runs = []
+    for shard in SHARDS:
+        options = {**base_options, "dp_shard": shard}
+        runs.append({"options": {**options, "out": str(root / shard)}})
+        runs.append({"options": {**options, "out": str(root / f"{shard}-resumed")}, "resume": True,
+                     "copy_from": str(root / shard), "drop_after": 3})
+    summaries = launch(train_worker, 4, (runs,), timeout_s=300)[0]
+    assert [(s["world_size"], s["step"]) for s in summaries] == [(4, STEPS)] * len(runs)
+    return root
 
 
 def _train_rows(run_dir) -> list[dict]:
@@ -71,46 +83,41 @@ def test_memory_of_the_plain_layout_is_in_run_json(single_run):
     assert mem["activations_peak"] > 0
 
 
-@pytest.mark.parametrize("shard", ["zero1", "fsdp"])
-def test_dp4_sharded_matches_one_process_and_resumes_bit_for_bit(shard, single_run, base_options, tmp_path):
-    out = tmp_path / shard
-    summary = _train_on_4({**base_options, "out": str(out), "dp_shard": shard})
-    assert summary["world_size"] == 4 and summary["step"] == STEPS
-
-    one, four = _train_rows(single_run), _train_rows(out)
+@pytest.mark.parametrize("shard", SHARDS)
+def test_dp4_sharded_matches_one_process(shard, single_run, sharded_runs):
+    one, four = _train_rows(single_run), _train_rows(sharded_runs / shard)
     for a, b in zip(one, four, strict=True):
         for key in ("loss", "mtp_loss", "balance_loss", "grad_norm"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (a["step"], key)
         assert a["expert_load"] == b["expert_load"]
+    # the checkpoint is an ordinary model with the single process's weights
+    torch.testing.assert_close(_logits(sharded_runs / shard / "latest"), _logits(single_run / "latest"),
+                               rtol=1e-4, atol=1e-5)
 
-    # memory: each rank holds about a quarter of the optimizer state (fsdp: of the parameters too)
+
+@pytest.mark.parametrize("shard", SHARDS)
+def test_dp4_sharded_holds_a_quarter_of_the_optimizer_state_per_rank(shard, single_run, sharded_runs):
     (ref,) = _memory(single_run)
-    ranks = _memory(out)
+    ranks = _memory(sharded_runs / shard)
     assert [m["rank"] for m in ranks] == [0, 1, 2, 3]
     for m in ranks:
         assert 0.15 < m["optimizer"] / ref["optimizer"] < 0.35, m
-        assert m["activations_peak"] > 0
-        if shard == "fsdp":
+        assert 0 < m["activations_peak"] < ref["activations_peak"] / 2  # 1 of the step's 4 sequences
+        if shard == "fsdp":  # parameters and gradients too
             assert 0.2 < m["parameters"] / ref["parameters"] < 0.3 and m["gradients"] == m["parameters"]
         else:
             assert m["parameters"] == ref["parameters"] and m["gradients"] == ref["gradients"]
     assert sum(m["optimizer"] for m in ranks) >= ref["optimizer"]
 
-    # the checkpoint is an ordinary model with the single process's weights
-    torch.testing.assert_close(_logits(out / "latest"), _logits(Path(single_run) / "latest"), rtol=1e-4, atol=1e-5)
 
-    # resume from step 3 (drop step 5): steps 4-5 and the final weights equal the uninterrupted run's
-    copy = tmp_path / f"{shard}-resumed"
-    shutil.copytree(out, copy, symlinks=True)
-    final = dict(complete_checkpoints(copy))[STEPS]
-    shutil.rmtree(final)
-    assert [s for s, _ in complete_checkpoints(copy)] == [3]
-    _train_on_4({**base_options, "out": str(copy), "dp_shard": shard}, resume=True)
-    a, b = _train_rows(out), _train_rows(copy)
+@pytest.mark.parametrize("shard", SHARDS)
+def test_dp4_sharded_resumes_bit_for_bit(shard, sharded_runs):
+    a, b = _train_rows(sharded_runs / shard), _train_rows(sharded_runs / f"{shard}-resumed")
     assert [r["step"] for r in b] == list(range(1, STEPS + 1))
     for key in ("loss", "total_loss", "grad_norm", "lr"):
         assert [r[key] for r in a] == [r[key] for r in b], key
-    ma, mb = dsv3.load_pretrained(out / "latest"), dsv3.load_pretrained(copy / "latest")
+    ma = dsv3.load_pretrained(sharded_runs / shard / "latest")
+    mb = dsv3.load_pretrained(sharded_runs / f"{shard}-resumed" / "latest")
     for (name, pa), pb in zip(ma.state_dict().items(), mb.state_dict().values(), strict=True):
         assert torch.equal(pa, pb), name
 
