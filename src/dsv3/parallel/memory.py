@@ -21,14 +21,14 @@ from torch import nn
 FIELDS = ("parameters", "gradients", "optimizer", "activations_peak")
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (what this rank holds); any other tensor itself."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
-    local = _local(t)
+    local = local_tensor(t)
     return local.numel() * local.element_size()
 
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from dsv3.errors import DSV3Error
 from dsv3.parallel.layout import Layout, LossStep, Parallelized
+from dsv3.parallel.memory import local_tensor
 
 
 def check_sharded(layout: Layout) -> None:
@@ -175,7 +176,7 @@ class FSDPParallelized(_ShardedResume, Parallelized):
     @torch.no_grad()
     def sync_and_clip(self, max_norm: float) -> float:
         """The gradients are already reduce-scattered; the global norm adds every rank's shard."""
-        grads = [_local(p.grad) for p in self.model.parameters() if p.grad is not None]
+        grads = [local_tensor(p.grad) for p in self.model.parameters() if p.grad is not None]
         device = next(self.model.parameters()).device
         sq = sum((g.float().pow(2).sum() for g in grads), torch.zeros((), device=device))
         norm = float(self.sum_(sq.to(device)).sqrt())
@@ -215,7 +216,7 @@ class FSDPParallelized(_ShardedResume, Parallelized):
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """AdamW's state with each DTensor shard as its plain local tensor (what torch.save can keep)."""
         state = optimizer.state_dict()
-        state["state"] = {i: {k: _local(v) for k, v in s.items()} for i, s in state["state"].items()}
+        state["state"] = {i: {k: local_tensor(v) for k, v in s.items()} for i, s in state["state"].items()}
         return state
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
@@ -233,9 +234,3 @@ class FSDPParallelized(_ShardedResume, Parallelized):
                     s[k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False,
                                               shape=p.shape, stride=p.stride())
 
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard; any other tensor itself."""
-    from torch.distributed.tensor import DTensor
-
-    return t.to_local() if isinstance(t, DTensor) else t
