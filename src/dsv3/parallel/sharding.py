@@ -66,7 +66,7 @@ class _ShardedResume:
     """A sharded checkpoint holds one optimizer shard per rank: it resumes on the same number of ranks."""
 
     def check_resume(self, saved: dict, folder) -> None:
-        Parallelized.check_resume(self, saved, folder)
+        super().check_resume(saved, folder)  # the next class in the MRO: Parallelized
         if saved.get("world_size") != self.world:
             raise DSV3Error(
                 f"{folder} was saved by {saved.get('world_size')} processes with --dp-shard "
