@@ -18,8 +18,10 @@ Layouts that exist today, over torch.distributed (torchrun; gloo on CPU, NCCL on
 * ``Layout(pp=P, dp=D, schedule=S)``: P pipeline stages (dsv3.parallel.pipeline_layout) x D data-parallel
   replicas of the pipeline.
 
-Sharded data parallelism (``dp_shard``) has its field already and is refused with a clear error until it
-exists.
+* ``Layout(dp=D, dp_shard="zero1" | "fsdp")``: sharded data parallelism (``dsv3.parallel.sharding``): AdamW
+  state, or parameters, gradients and AdamW state, split over the D ranks.
+
+Pipeline stages with EP or sharding, and sharding with EP, are refused with a clear error until they exist.
 """
 
 from __future__ import annotations
@@ -81,7 +83,9 @@ class Layout:
         if self.dp_shard not in SHARDINGS:
             raise DSV3Error(f"layout: dp_shard must be one of {', '.join(SHARDINGS)}, got {self.dp_shard!r}")
         if self.dp_shard != "none":
-            raise DSV3Error(f"sharded data parallelism (dp_shard={self.dp_shard}) is not implemented yet")
+            from dsv3.parallel.sharding import check_sharded
+
+            check_sharded(self)
         if self.world != world_size:
             raise DSV3Error(f"the layout needs pp x dp = {self.world} processes, but {world_size} are running")
         if self.ep > 1:
@@ -143,6 +147,10 @@ def parallelize(model: nn.Module, layout: Layout | None = None) -> Parallelized:
         return SubgroupExpertParallelized(model, layout)
     if layout.ep > 1:
         return ExpertParallelized(model, layout)
+    if layout.dp_shard != "none":
+        from dsv3.parallel.sharding import sharded
+
+        return sharded(model, layout)
     return Parallelized(model, layout)
 
 
@@ -250,6 +258,17 @@ class Parallelized:
         """A model whose forward gives logits, for held-out evaluation on every rank (a collective)."""
         return self.model
 
+    def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
+        """Called once with the optimizer built over ``model.parameters()``: a sharded layout hooks its step."""
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
+        """This rank's optimizer state as a checkpoint stores it (plain tensors)."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """The inverse of `optimizer_state`."""
+        optimizer.load_state_dict(state)
+
     def parameter_count(self) -> int:
         """Parameters of the whole model, however they are spread over ranks."""
         return sum(p.numel() for p in self.model.parameters())
@@ -268,6 +287,9 @@ class Parallelized:
         saved_pp = (saved.get("layout") or {}).get("pp", 1)
         if saved_pp != self.layout.pp:
             raise DSV3Error(f"{folder} was saved by {saved_pp} pipeline stages; resume it with the same --pp")
+        saved_shard = (saved.get("layout") or {}).get("dp_shard", "none")
+        if saved_shard != self.layout.dp_shard:
+            raise DSV3Error(f"{folder} was saved with --dp-shard {saved_shard}; resume it with the same --dp-shard")
         saved_ep = saved.get("ep_size") or 1
         if saved_ep != self.layout.ep:
             how = f"by {saved_ep} expert-parallel ranks" if saved_ep > 1 else "without expert parallelism"

@@ -33,6 +33,9 @@ def check_pipeline_layout(layout: Layout) -> None:
     if layout.ep > 1:
         raise DSV3Error(f"--pp {layout.pp} with --ep {layout.ep}: pipeline stages with expert parallelism "
                         "are not implemented yet; use one of them")
+    if layout.dp_shard != "none":
+        raise DSV3Error(f"--pp {layout.pp} with --dp-shard {layout.dp_shard}: pipeline stages with sharded data "
+                        "parallelism are not implemented yet; use one of them")
 
 
 def default_microbatches(layout: Layout) -> int:

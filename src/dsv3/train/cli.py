@@ -66,6 +66,11 @@ def train(
         help="Expert parallelism over groups of N torchrun processes (N divides the number of "
         "processes): each holds 1/N of every MoE layer's routed experts, replicated across the groups.",
     ),
+    dp_shard: str = typer.Option(
+        None,
+        help="Shard the data-parallel copies over the torchrun processes: none, zero1 (AdamW state) or "
+        "fsdp (parameters, gradients and AdamW state: FSDP2) (default: none).",
+    ),
     gpus_per_node: int = typer.Option(
         None, help="Processes per node for --ep's two-hop dispatch (default: 2)."
     ),

@@ -104,6 +104,7 @@ def training_layout(opts, world: World) -> Layout:
         schedule=opts.pp_schedule,
         microbatches=opts.microbatches,
         ep=opts.ep or 1,
+        dp_shard=opts.dp_shard,
         gpus_per_node=opts.gpus_per_node,
         dispatch=DISPATCH_FORMATS[opts.precision],
         combine=opts.moe_output_format,

@@ -16,6 +16,7 @@ from dsv3.errors import DSV3Error
 from dsv3.io import atomic_write_text
 
 PRECISIONS = ("fp32", "bf16", "fp8")
+DP_SHARDS = ("none", "zero1", "fsdp")  # the same as dsv3.parallel.layout.SHARDINGS
 # May differ between the original run and a resumption without changing what is computed.
 OPERATIONAL = {
     "out",
@@ -58,6 +59,7 @@ class TrainOptions:
     eval_tokens: int = 32768  # held-out tokens per evaluation
     moe_output_format: str | None = None  # simulate the MoE combine in bf16/e4m3/e5m2/logfmt8/logfmt10
     ep: int | None = None  # expert-parallel world size
+    dp_shard: str = "none"  # sharded data parallelism: none, zero1 (optimizer state) or fsdp (everything)
     gpus_per_node: int = 2
     pp: int | None = None  # pipeline stages (ranks); the data-parallel replicas are the processes / pp
     pp_schedule: str = "1f1b"
@@ -109,6 +111,8 @@ class TrainOptions:
         if self.ep is not None and self.ep < 1:
             raise DSV3Error(f"--ep must be at least 1, got {self.ep}")
         self._check_pipeline()
+        if self.dp_shard not in DP_SHARDS:
+            raise DSV3Error(f"--dp-shard must be one of {', '.join(DP_SHARDS)}, got {self.dp_shard!r}")
         if self.threads < 0:
             raise DSV3Error(f"--threads must be >= 0, got {self.threads}")
         if self.sample_tokens < 0:
@@ -138,8 +142,9 @@ class TrainOptions:
         known = {f.name for f in dataclasses.fields(cls)}
         return cls(**{k: v for k, v in data.items() if k in known})
 
-    def save(self, path: Path) -> None:
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+    def save(self, path: Path, extra: dict[str, Any] | None = None) -> None:
+        """Write the options, and ``extra`` fields (run.json's measured ``memory``; `load` ignores them)."""
+        atomic_write_text(path, json.dumps({**self.to_dict(), **(extra or {})}, indent=2) + "\n")
 
     @classmethod
     def load(cls, run_dir: Path) -> TrainOptions:

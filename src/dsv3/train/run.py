@@ -29,6 +29,7 @@ from dsv3.data.tokenizer import default_cache_dir
 from dsv3.errors import DSV3Error
 from dsv3.model.transformer import Transformer
 from dsv3.parallel.layout import Parallelized, parallelize
+from dsv3.parallel.memory import SavedTensorMeter, gather_memory, rank_memory
 from dsv3.train import checkpoints as ckpt
 from dsv3.train.distributed import World, setup_world, teardown_world, training_layout
 from dsv3.train.evaluate import eval_windows, evaluate
@@ -165,6 +166,8 @@ class _Run:
         self.model = self.parallel.model
         self.n_params = self.parallel.parameter_count()
         self.optimizer, self.scheduler = build_optimizer(self.model, opts)
+        self.parallel.attach_optimizer(self.optimizer)
+        self.memory_recorded = False
         self.state = RunState()
         self.autocast = autocast(opts.precision, world.device)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", enabled=world.is_main)
@@ -215,7 +218,7 @@ class _Run:
         self.parallel.check_resume(saved, folder)
         if self.parallel.per_rank_optimizer_state and not self.world.is_main:
             saved["optimizer"] = ckpt.load_trainer_state(folder, self.world.rank)["optimizer"]
-        self.optimizer.load_state_dict(saved["optimizer"])
+        self.parallel.load_optimizer_state(self.optimizer, saved["optimizer"])
         self.scheduler.load_state_dict(saved["scheduler"])
         self.state = RunState(**saved["run"])
         self.last_eval = ckpt.saved_summary(folder).get("last_eval")
@@ -234,7 +237,7 @@ class _Run:
         self.progress.start(self.state.step)
         with GracefulStop() as stop:
             while self.state.step < opts.steps:
-                row = self.stepper.run(self.state)
+                row = self._step()
                 self.metrics.write(row)
                 self.progress.step(row)
                 if self.on_step is not None:
@@ -244,6 +247,27 @@ class _Run:
                     break
         self.progress.close()
         return self._finish()
+
+    def _step(self) -> dict[str, Any]:
+        """One optimizer step; this process's first also measures every rank's memory into run.json."""
+        if self.memory_recorded:
+            return self.stepper.run(self.state)
+        meter = SavedTensorMeter()
+        with meter.active():
+            row = self.stepper.run(self.state)
+        self._record_memory(meter.peak)
+        return row
+
+    def _record_memory(self, activations_peak: int) -> None:
+        """run.json's ``memory``: per-rank bytes of parameters, gradients, optimizer state and the peak of
+        activations saved for backward over one step (a collective)."""
+        mine = rank_memory(self.model, self.optimizer, activations_peak)
+        per_rank = gather_memory(mine, self.world.rank, self.world.size, self.world.device)
+        self.memory_recorded = True
+        if self.world.is_main:
+            layout = dataclasses.asdict(self.parallel.layout)
+            memory = {"step": self.state.step, "layout": layout, "per_rank": per_rank}
+            self.opts.save(self.run_dir / "run.json", extra={"memory": memory})
 
     def _after_step(self, stop_requested: bool) -> None:
         opts, step = self.opts, self.state.step
@@ -284,13 +308,14 @@ class _Run:
         if self.parallel.per_rank_optimizer_state:  # e.g. each rank's optimizer holds its own experts' moments
             if not self.world.is_main:
                 ckpt.save_rank_state(
-                    self.run_dir, self.state.step, self.world.rank, {"optimizer": self.optimizer.state_dict()}
+                    self.run_dir, self.state.step, self.world.rank,
+                    {"optimizer": self.parallel.optimizer_state(self.optimizer)},
                 )
             extras = ckpt.pending_rank_states(self.run_dir, self.state.step, self.world.size)
             self.world.barrier()
         if self.world.is_main:
             trainer_state = {
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": self.parallel.optimizer_state(self.optimizer),
                 "scheduler": self.scheduler.state_dict(),
                 "rng": ckpt.rng_state(),
                 "run": dataclasses.asdict(self.state),
