@@ -91,3 +91,18 @@ def test_resuming_a_checkpoint_of_another_ep_size_is_refused():
     parallel.check_resume(fields, "run")
     with pytest.raises(DSV3Error, match="saved by 4 expert-parallel ranks; resume it with the same --ep"):
         parallel.check_resume({"ep_size": 4}, "run")
+
+
+def test_collective_layouts_give_every_rank_as_many_eval_windows():
+    """EP and FSDP forwards are collectives: a rank without a window would hang the others (EP cut the list
+    to ``max(world, ...)`` windows, which with fewer windows than ranks left some ranks none)."""
+    from types import SimpleNamespace
+
+    from dsv3.parallel.layout import ExpertParallelized, equal_share
+
+    assert equal_share(list(range(9)), 4) == list(range(8))
+    assert equal_share([0], 4) == [0, 0, 0, 0]
+    assert equal_share([0, 1, 2], 4) == [0, 1, 2] * 4
+    assert equal_share([], 4) == []
+    four_ranks = SimpleNamespace(world=4)
+    assert ExpertParallelized.windows_for_eval(four_ranks, [7]) == [7, 7, 7, 7]

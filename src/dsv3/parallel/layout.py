@@ -154,6 +154,15 @@ def parallelize(model: nn.Module, layout: Layout | None = None) -> Parallelized:
     return Parallelized(model, layout)
 
 
+def equal_share(windows: list[int], world: int) -> list[int]:
+    """Evaluation windows that split evenly over ``world`` ranks, for layouts whose every forward is a
+    collective: the first multiple-of-``world`` windows, or with fewer windows than ranks every window
+    repeated alike (the same mean loss; a rank left without a window would hang the others)."""
+    if len(windows) >= world:
+        return windows[: len(windows) // world * world]
+    return windows * (world // math.gcd(len(windows), world)) if windows else windows
+
+
 def _world_size() -> int:
     return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
@@ -365,5 +374,5 @@ class ExpertParallelized(Parallelized):
         return dense + int(self.sum_(torch.tensor([float(local)], device=device)).item())
 
     def windows_for_eval(self, windows: list[int]) -> list[int]:
-        """A multiple of the world size (at least one window per rank): every rank runs as many forwards."""
-        return windows[: max(self.world, len(windows) // self.world * self.world)]
+        """Every forward is a collective here, so every rank must run as many (`equal_share`)."""
+        return equal_share(windows, self.world)

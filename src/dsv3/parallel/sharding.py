@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from dsv3.errors import DSV3Error
-from dsv3.parallel.layout import Layout, LossStep, Parallelized
+from dsv3.parallel.layout import Layout, LossStep, Parallelized, equal_share
 from dsv3.parallel.memory import local_tensor
 
 
@@ -206,12 +206,8 @@ class FSDPParallelized(_ShardedResume, Parallelized):
         return sum(p.numel() for p in self.model.parameters())
 
     def windows_for_eval(self, windows: list[int]) -> list[int]:
-        """A multiple of the world size, since every Block forward all-gathers and so all ranks must run as
-        many: the first multiple-of-D windows, or with fewer windows than ranks every window repeated
-        alike (the same mean loss; a rank left without a window would hang the others)."""
-        if len(windows) >= self.world:
-            return windows[: len(windows) // self.world * self.world]
-        return windows * (self.world // math.gcd(len(windows), self.world))
+        """Every Block forward all-gathers, so every rank must run as many (`equal_share`)."""
+        return equal_share(windows, self.world)
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
         """AdamW's state with each DTensor shard as its plain local tensor (what torch.save can keep)."""
