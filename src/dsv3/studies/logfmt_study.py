@@ -329,8 +329,9 @@ def run_training_study(formats: list[str], seeds: list[int], settings: dict) -> 
     return {
         "study": "logfmt-train",
         "config": {**settings, "formats": formats, "seeds": seeds},
-        "quantized": "routed-expert output of every MoE layer (dsv3.model.moe.Experts, before the shared "
-        "expert is added), forward only, straight-through gradient, in training and evaluation",
+        "quantized": "routed-expert output of every MoE layer (the combine of its dsv3.model.dispatch."
+        "LocalDispatcher, before the shared expert is added), forward only, straight-through gradient, in "
+        "training and evaluation",
         "runs": runs,
         "summary": summarize_runs(runs, formats, seeds),
     }
