@@ -52,3 +52,21 @@ def test_anything_else_is_one_clear_error(tmp_path, make, message):
     make(tmp_path / "x")
     with pytest.raises(DSV3Error, match=message):
         resolve_checkpoint(tmp_path / "x")
+
+
+def test_load_pretrained_and_convert_take_a_training_run_folder(tmp_path, tiny_train_config):
+    import torch
+
+    from dsv3 import load_pretrained
+    from dsv3.convert import convert_checkpoint
+    from dsv3.model import Transformer
+    from dsv3.train.checkpoints import save_checkpoint
+
+    torch.manual_seed(0)
+    model = Transformer(tiny_train_config).eval()
+    save_checkpoint(tmp_path / "run", 1, model, {}, {}, lambda folder: None, keep_last=2)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        assert torch.equal(load_pretrained(tmp_path / "run")(ids), model(ids))
+    convert_checkpoint(tmp_path / "run", tmp_path / "bf16", "bf16")
+    assert (tmp_path / "bf16" / "config.json").is_file()

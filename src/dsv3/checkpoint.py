@@ -32,6 +32,7 @@ from dsv3.errors import DSV3Error
 from dsv3.io import publish_tree, require_regular_file, staging_dir
 from dsv3.model.moe import stays_fp32
 from dsv3.precision import fp8
+from dsv3.run_dir import resolve_checkpoint
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -376,6 +377,7 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
     path = Path(path)
     if not path.is_dir():
         raise DSV3Error(f"checkpoint folder not found: {path}")
+    path = resolve_checkpoint(path)  # a training run folder means its latest checkpoint
     cfg = ModelConfig.from_json(path / "config.json")
     files = checkpoint_files(path)
     cfg = check_checkpoint(cfg, files)  # from the headers, before any weight is read

@@ -35,6 +35,7 @@ from dsv3.checkpoint import (
 from dsv3.config import ModelConfig
 from dsv3.errors import DSV3Error
 from dsv3.io import publish_tree, staging_dir
+from dsv3.run_dir import resolve_checkpoint
 
 FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 
@@ -46,6 +47,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: boo
         raise DSV3Error(f"--to must be bf16 or fp8, got {to!r}")
     if not src.is_dir():
         raise DSV3Error(f"source checkpoint folder not found: {src}")
+    src = resolve_checkpoint(src)  # a training run folder means its latest checkpoint
     if dst.exists() and not overwrite:
         raise DSV3Error(f"{dst} already exists (pass --overwrite to replace it)")
     cfg = ModelConfig.from_json(src / "config.json")
