@@ -177,8 +177,8 @@ class Transformer(nn.Module):
         return getattr(self.mtp_layers[depth].shared_head, "head", self.lm_head)
 
     def _head_loss(self, head: nn.Module, h: torch.Tensor, labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
-        """Cross-entropy of head(h): fused with the head when it is a plain linear layer (see loss.py),
-        else through the materialized logits (an FP8 or hooked head)."""
+        """Cross-entropy of head(h): fused with the head when it is a plain linear layer
+        (`kernels.linear_cross_entropy`), else through the materialized logits (an FP8 or hooked head)."""
         if type(head) is nn.Linear and head.bias is None and not head._forward_hooks:
             return linear_cross_entropy(h, head.weight, labels, ignore_index)
         return plain_cross_entropy(head(h), labels, ignore_index)
