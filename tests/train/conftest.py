@@ -96,3 +96,29 @@ def make_opts(tiny_config, corpus_dir, cache_dir, tmp_path):
         return TrainOptions(**base)
 
     return make
+
+
+@pytest.fixture
+def same_training_as():
+    """A check that a parallel run's train rows and final checkpoint are the single-process run's: losses
+    (relative 1e-5), gradient norms (1e-4), expert loads exactly, and the saved model's logits (1e-4)."""
+
+    def check(single_out: str | Path, parallel_out: str | Path) -> None:
+        import torch
+
+        import dsv3
+        from dsv3.train.metrics import read_rows
+
+        one = [r for r in read_rows(Path(single_out) / "metrics.jsonl") if r["kind"] == "train"]
+        two = [r for r in read_rows(Path(parallel_out) / "metrics.jsonl") if r["kind"] == "train"]
+        assert [r["step"] for r in one] == [r["step"] for r in two]
+        for a, b in zip(one, two, strict=True):
+            assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
+            assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), a["step"]
+            assert a["expert_load"] == b["expert_load"]
+        ref = dsv3.load_pretrained(Path(single_out) / "latest")
+        got = dsv3.load_pretrained(Path(parallel_out) / "latest")  # one ordinary folder with every expert
+        ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+        torch.testing.assert_close(got(ids), ref(ids), rtol=1e-4, atol=1e-4)
+
+    return check

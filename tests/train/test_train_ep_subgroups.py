@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import os
 
-import pytest
-import torch
-
 import dsv3
 from dsv3.train.metrics import read_rows
 from dsv3.train.run import run_training
 
 
-def test_ep_over_part_of_the_processes_trains_like_one_process(make_opts, train_argv, torchrun, tmp_path):
+def test_ep_over_part_of_the_processes_trains_like_one_process(make_opts, train_argv, torchrun, tmp_path,
+                                                               same_training_as):
     single = make_opts("single", steps=4, save_every=2, eval_every=2, warmup=0, min_lr_ratio=1.0)
     run_training(single, show_progress=False, plots=False)
 
@@ -29,15 +27,5 @@ def test_ep_over_part_of_the_processes_trains_like_one_process(make_opts, train_
     assert summary["parameters"] == sum(p.numel() for p in dsv3.load_pretrained(single.out + "/latest").parameters())
     assert os.path.exists(out / "checkpoints" / "step-000004" / "trainer_state.rank3.pt")
 
-    one = [r for r in read_rows(single.out + "/metrics.jsonl") if r["kind"] == "train"]
-    two = [r for r in read_rows(out / "metrics.jsonl") if r["kind"] == "train"]
-    assert [r["step"] for r in one] == [r["step"] for r in two] == [1, 2, 3, 4]
-    for a, b in zip(one, two, strict=True):
-        assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), a["step"]
-        assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), a["step"]
-        assert a["expert_load"] == b["expert_load"]
-
-    ref = dsv3.load_pretrained(single.out + "/latest")
-    ep = dsv3.load_pretrained(out / "latest")
-    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
-    torch.testing.assert_close(ep(ids), ref(ids), rtol=1e-4, atol=1e-4)
+    assert [r["step"] for r in read_rows(out / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3, 4]
+    same_training_as(single.out, out)
