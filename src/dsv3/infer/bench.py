@@ -9,6 +9,7 @@ import torch
 import typer
 
 from dsv3.errors import DSV3Error
+from dsv3.infer.options import CACHE_DTYPE, DTYPE, SPECULATIVE, THREADS, WEIGHTS
 
 
 def _model(source: str, dtype: str, weights: str):
@@ -57,16 +58,11 @@ def main(
                                    help="Decode steps timed, at least 2 (default: 64)."),
     batch: int = typer.Option(1, "--batch", metavar="N", show_default=False,
                               help="Rows decoded together (default: 1)."),
-    speculative: str = typer.Option("none", "--speculative", metavar="NAME", show_default=False,
-                                    help="mtp or none (default: none)."),
-    dtype: str = typer.Option("auto", "--dtype", metavar="NAME", show_default=False,
-                              help="auto, fp32 or bf16 (default: auto)."),
-    weights: str = typer.Option("native", "--weights", metavar="NAME", show_default=False,
-                                help="native, or fp8: resident FP8 blocks (default: native)."),
-    cache_dtype: str = typer.Option("auto", "--cache-dtype", metavar="NAME", show_default=False,
-                                    help="auto, fp32, bf16 or fp8 (default: auto)."),
-    threads: int = typer.Option(0, "--threads", metavar="N", show_default=False,
-                                help="torch CPU threads (default 0: torch's choice)."),
+    speculative: str = SPECULATIVE,
+    dtype: str = DTYPE,
+    weights: str = WEIGHTS,
+    cache_dtype: str = CACHE_DTYPE,
+    threads: int = THREADS,
     seed: int = typer.Option(0, "--seed", metavar="N", show_default=False,
                              help="Seed of the random prompts and weights (default: 0)."),
     cache_error: bool = typer.Option(False, "--cache-error", metavar="",

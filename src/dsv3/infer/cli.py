@@ -16,6 +16,7 @@ from pathlib import Path
 import typer
 
 from dsv3.errors import DSV3Error
+from dsv3.infer.options import CACHE_DTYPE, DTYPE, SPECULATIVE, THREADS, WEIGHTS
 
 generate_app = typer.Typer(add_completion=False, help="Generate text from a checkpoint (latent-cache decode, MTP).")
 chat_app = typer.Typer(add_completion=False, help="Chat with a checkpoint in the terminal.")
@@ -23,17 +24,6 @@ serve_app = typer.Typer(add_completion=False, help="Serve a checkpoint over an O
 
 MODEL = typer.Option(..., "--model", metavar="PATH",
                      help="Checkpoint folder, or a training run folder (its latest checkpoint).")
-DTYPE = typer.Option("auto", "--dtype", metavar="NAME", show_default=False,
-                     help="Compute dtype: auto (as stored), fp32 or bf16 (default: auto).")
-WEIGHTS = typer.Option("native", "--weights", metavar="NAME", show_default=False,
-                       help="native, or fp8: projections kept as FP8 blocks (default: native).")
-CACHE_DTYPE = typer.Option("auto", "--cache-dtype", metavar="NAME", show_default=False,
-                           help="Latent cache dtype: auto (the compute dtype), fp32, bf16 or fp8 (default: auto).")
-SPECULATIVE = typer.Option("none", "--speculative", metavar="NAME", show_default=False,
-                           help="mtp: draft with the MTP layer; none: plain decoding (default: none).")
-THREADS = typer.Option(0, "--threads", metavar="N", show_default=False,
-                       help="torch CPU threads (default 0: torch's choice; 1 is often fastest for a small model "
-                            "on a busy machine).")
 SEED = typer.Option(None, "--seed", metavar="N", help="Sampling seed, 0 to 2**64-1 (default: random).")
 
 

@@ -1,0 +1,17 @@
+"""Command-line options that generate, chat, serve and `bench decode` share (one declaration each)."""
+
+from __future__ import annotations
+
+import typer
+
+DTYPE = typer.Option("auto", "--dtype", metavar="NAME", show_default=False,
+                     help="Compute dtype: auto (as stored), fp32 or bf16 (default: auto).")
+WEIGHTS = typer.Option("native", "--weights", metavar="NAME", show_default=False,
+                       help="native, or fp8: projections kept as FP8 blocks (default: native).")
+CACHE_DTYPE = typer.Option("auto", "--cache-dtype", metavar="NAME", show_default=False,
+                           help="Latent cache dtype: auto (the compute dtype), fp32, bf16 or fp8 (default: auto).")
+SPECULATIVE = typer.Option("none", "--speculative", metavar="NAME", show_default=False,
+                           help="mtp: draft with the MTP layer; none: plain decoding (default: none).")
+THREADS = typer.Option(0, "--threads", metavar="N", show_default=False,
+                       help="torch CPU threads (default 0: torch's choice; 1 is often fastest for a small model "
+                            "on a busy machine).")
