@@ -76,15 +76,27 @@ def make_ep_groups(gpus_per_node: int, group: dist.ProcessGroup | None = None) -
     if not dist.is_available() or not dist.is_initialized():
         raise DSV3Error("expert parallelism needs an initialized torch.distributed process group")
     members = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    mine = ep_groups_of(members, gpus_per_node, group)
+    if mine is None:
+        raise DSV3Error(f"rank {dist.get_rank()} is not a member of the EP group")
+    return mine
+
+
+def ep_groups_of(members: list[int], gpus_per_node: int, ep: dist.ProcessGroup | None) -> EPGroups | None:
+    """The node and rail sub-groups of the EP group ``ep`` over global ranks ``members``, created on every
+    rank of the world (``new_group`` is collective), in one order; this rank's `EPGroups`, or None when it
+    is not a member."""
     layout = NodeLayout(len(members), gpus_per_node)
     me = dist.get_rank()
     intra = inter = None
-    for node in range(layout.nodes):  # all ranks create all groups, in one order
-        g = dist.new_group([members[r] for r in layout.node_ranks(node)])
-        intra = g if me in [members[r] for r in layout.node_ranks(node)] else intra
+    for node in range(layout.nodes):
+        ranks = [members[r] for r in layout.node_ranks(node)]
+        g = dist.new_group(ranks)
+        intra = g if me in ranks else intra
     for local in range(gpus_per_node):
-        g = dist.new_group([members[r] for r in layout.rail_ranks(local)])
-        inter = g if me in [members[r] for r in layout.rail_ranks(local)] else inter
+        ranks = [members[r] for r in layout.rail_ranks(local)]
+        g = dist.new_group(ranks)
+        inter = g if me in ranks else inter
     if me not in members:
-        raise DSV3Error(f"rank {me} is not a member of the EP group")
-    return EPGroups(layout, members.index(me), group, intra, inter)
+        return None
+    return EPGroups(layout, members.index(me), ep, intra, inter)

@@ -30,7 +30,7 @@ from dsv3.errors import DSV3Error
 from dsv3.model.dispatch import LocalDispatcher
 from dsv3.model.moe import MoE
 from dsv3.parallel.ep import ep_layers, make_expert_parallel, sync_grads
-from dsv3.parallel.ep_groups import EPGroups, NodeLayout
+from dsv3.parallel.ep_groups import EPGroups, NodeLayout, ep_groups_of
 from dsv3.parallel.layout import ExpertParallelized
 
 
@@ -95,7 +95,8 @@ def make_subgroups(layout: SubgroupLayout) -> SubgroupGroups:
     me = dist.get_rank()
     mine: EPGroups | None = None
     for block in range(layout.replicas):
-        groups = _ep_groups_of(layout.ep_ranks(block), layout.gpus_per_node, me)
+        members = layout.ep_ranks(block)
+        groups = ep_groups_of(members, layout.gpus_per_node, dist.new_group(members))
         mine = groups if groups is not None else mine
     replica = None
     for shard in range(layout.ep):
@@ -103,25 +104,6 @@ def make_subgroups(layout: SubgroupLayout) -> SubgroupGroups:
         g = dist.new_group(ranks)
         replica = g if me in ranks else replica
     return SubgroupGroups(layout, mine, replica)
-
-
-def _ep_groups_of(members: list[int], gpus_per_node: int, me: int) -> EPGroups | None:
-    """The groups of one EP group (all of it, its nodes, its rails), created on every rank; ``me``'s
-    `EPGroups` when ``me`` is a member, else None. Same node/rail order as `make_ep_groups`."""
-    nodes = NodeLayout(len(members), gpus_per_node)
-    ep = dist.new_group(members)
-    intra = inter = None
-    for node in range(nodes.nodes):
-        ranks = [members[r] for r in nodes.node_ranks(node)]
-        g = dist.new_group(ranks)
-        intra = g if me in ranks else intra
-    for local in range(gpus_per_node):
-        ranks = [members[r] for r in nodes.rail_ranks(local)]
-        g = dist.new_group(ranks)
-        inter = g if me in ranks else inter
-    if me not in members:
-        return None
-    return EPGroups(nodes, members.index(me), ep, intra, inter)
 
 
 class SubgroupExpertParallelized(ExpertParallelized):
