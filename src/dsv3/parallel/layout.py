@@ -16,12 +16,13 @@ Layouts that exist today, over torch.distributed (torchrun; gloo on CPU, NCCL on
   replicated over the D/E blocks (`dsv3.parallel.ep_subgroups`).
 
 * ``Layout(pp=P, dp=D, schedule=S)``: P pipeline stages (dsv3.parallel.pipeline_layout) x D data-parallel
-  replicas of the pipeline.
+  replicas of the pipeline; with ``ep=E`` (E | D) each stage's routed experts split over E of its D replicas
+  (dsv3.parallel.pipeline_ep).
 
 * ``Layout(dp=D, dp_shard="zero1" | "fsdp")``: sharded data parallelism (``dsv3.parallel.sharding``): AdamW
   state, or parameters, gradients and AdamW state, split over the D ranks.
 
-Pipeline stages with EP or sharding, and sharding with EP, are refused with a clear error until they exist.
+Pipeline stages with sharding, and sharding with EP, are refused with a clear error until they exist.
 """
 
 from __future__ import annotations
@@ -137,6 +138,10 @@ def parallelize(model: nn.Module, layout: Layout | None = None) -> Parallelized:
     """Apply ``layout`` (default: one process) to ``model`` (a `Transformer`, the same on every rank: same
     seed or checkpoint) in place and return the object that trains it. Every rank must call it."""
     layout = (layout or Layout()).check(_world_size())
+    if layout.pp > 1 and layout.ep > 1:
+        from dsv3.parallel.pipeline_ep import PipelineExpertParallelized
+
+        return PipelineExpertParallelized(model, layout)
     if layout.pp > 1:
         from dsv3.parallel.pipeline_layout import PipelineParallelized
 

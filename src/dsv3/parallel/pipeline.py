@@ -475,11 +475,20 @@ class PipelineParallel:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             self._dp_sum(p.grad)
+        self.sum_tied()
+        square = sum((p.grad.float().pow(2).sum() for p in self.counted_once(params)),
+                     torch.zeros((), device=self.device))
+        return self.clip(params, square, max_norm)
+
+    def sum_tied(self) -> None:
+        """Adds the other end's gradient to this rank's copy of a tied parameter (the embedding)."""
         if self.tie_group is not None:
             for p in self.tied:
                 dist.all_reduce(p.grad, group=self.tie_group)
-        counted = list(self._counted_once(params))
-        square = sum((p.grad.float().pow(2).sum() for p in counted), torch.zeros((), device=self.device))
+
+    def clip(self, params: list[nn.Parameter], square: torch.Tensor, max_norm: float) -> float:
+        """Clips ``params``' gradients by the whole model's norm, given this rank's share ``square`` of its
+        square (each parameter counted once over the pipeline); returns the norm. A collective."""
         square = square.double()
         dist.all_reduce(square, group=self.pp_group)
         norm = float(square.sqrt())
@@ -489,7 +498,7 @@ class PipelineParallel:
                 p.grad.mul_(coef)
         return norm
 
-    def _counted_once(self, params: list[nn.Parameter]) -> Iterator[nn.Parameter]:
+    def counted_once(self, params: list[nn.Parameter]) -> Iterator[nn.Parameter]:
         """``params`` without the last stage's copies of tied parameters (the first stage counts them)."""
         skip = set()
         if self.tied and self.pp_rank != self.plan.stage_rank(0):
@@ -517,7 +526,7 @@ class PipelineParallel:
 
     def parameter_count(self) -> int:
         """Parameters of the whole model over the pipeline (tied copies once); a collective."""
-        local = torch.tensor(float(sum(p.numel() for p in self._counted_once(self.parameters()))),
+        local = torch.tensor(float(sum(p.numel() for p in self.counted_once(self.parameters()))),
                              dtype=torch.float64, device=self.device)
         dist.all_reduce(local, group=self.pp_group)
         return int(local)

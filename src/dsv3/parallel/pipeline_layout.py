@@ -20,6 +20,7 @@ from torch import nn
 from dsv3.errors import DSV3Error
 from dsv3.parallel.layout import Layout, Parallelized
 from dsv3.parallel.pipeline import SCHEDULES, Elsewhere, PipelineParallel, plan_pipeline
+from dsv3.parallel.pipeline_overlap import Overlap
 
 STAGES_PER_RANK = {"1f1b": 1, "interleaved": 2, "zbv": 2, "dualpipev": 2}
 
@@ -30,9 +31,9 @@ def check_pipeline_layout(layout: Layout) -> None:
         raise DSV3Error(f"--pp-schedule must be one of {', '.join(SCHEDULES)}, got {layout.schedule!r}")
     if layout.microbatches is not None and layout.microbatches < 1:
         raise DSV3Error(f"--microbatches must be at least 1, got {layout.microbatches}")
-    if layout.ep > 1:
-        raise DSV3Error(f"--pp {layout.pp} with --ep {layout.ep}: pipeline stages with expert parallelism "
-                        "are not implemented yet; use one of them")
+    if layout.ep > 1 and layout.dp % layout.ep:
+        raise DSV3Error(f"--ep {layout.ep} must divide the {layout.dp} data-parallel replica(s) of each pipeline "
+                        f"stage (processes / --pp {layout.pp}): a stage's routed experts are split over --ep of them")
     if layout.dp_shard != "none":
         raise DSV3Error(f"--pp {layout.pp} with --dp-shard {layout.dp_shard}: pipeline stages with sharded data "
                         "parallelism are not implemented yet; use one of them")
@@ -68,12 +69,13 @@ class PipelineParallelized(Parallelized):
 
     per_rank_optimizer_state = True
 
-    def __init__(self, model: nn.Module, layout: Layout):  # no super().__init__: no LossStep, no DDP
+    def __init__(self, model: nn.Module, layout: Layout, overlap: Overlap | None = None):
+        # no super().__init__: no LossStep, no DDP. overlap: how DualPipeV runs its OVERLAP_F_B pairs.
         self.model, self.layout, self.world = model, layout, layout.world
         self.rank = dist.get_rank()
         plan = plan_pipeline(model.config, layout.pp, layout.schedule, default_microbatches(layout))
         self.pp_group, self.dp_group = _groups(layout)
-        self.pipe = PipelineParallel(model, plan, pp_group=self.pp_group, dp_group=self.dp_group)
+        self.pipe = PipelineParallel(model, plan, pp_group=self.pp_group, dp_group=self.dp_group, overlap=overlap)
         self.module = None
 
     @property
@@ -160,7 +162,7 @@ class PipelineParallelized(Parallelized):
         from dsv3.model.transformer import Transformer
 
         device = next(self.model.parameters()).device
-        mine = {k: v.detach().cpu() for k, v in self.model.state_dict().items()}
+        mine = {k: v.detach().cpu() for k, v in self.local_state().items()}
         gathered: list = [None] * self.layout.pp
         dist.all_gather_object(gathered, mine, group=self.pp_group)
         state = {}
@@ -171,6 +173,10 @@ class PipelineParallelized(Parallelized):
         full.load_state_dict({k: v.to(device) for k, v in state.items()}, strict=True, assign=True)
         full.init_buffers(device)
         return full.train(self.model.training)
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """This process's share of the whole model's state dict, by the whole model's names."""
+        return self.model.state_dict()
 
     def eval_model(self) -> nn.Module:
         """The gathered whole model: every process evaluates its share of the windows on it."""

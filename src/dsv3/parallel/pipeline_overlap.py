@@ -10,12 +10,14 @@ stage, compute the loss on the last stage, pass outputs between the rank's two s
 for the last-backward flag. That bookkeeping reads the schedule's private fields (``fwd_recv_ops``,
 ``bwd_recv_ops``, ``backward_counter``, ``_maybe_compute_loss``), as torchtitan's DualPipeV overlap does;
 it is written once here, so that what overlaps is one small function: ``overlap(forward, backward)``
-receives the two halves as thunks. `run_in_order` runs them one after the other (the reference); an
-overlapping one interleaves the MoE dispatch/combine of one half with the other half's compute.
+receives the two halves as thunks. `run_in_order` runs them one after the other (the reference);
+`run_concurrently` runs them at once, so that the MoE dispatch/combine of one half is in flight while the
+other half computes.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 
 from torch.distributed.pipelining.schedules import OVERLAP_F_B, _Action, _PipelineContext, _wait_batch_p2p
@@ -27,6 +29,31 @@ def run_in_order(forward: Callable[[], None], backward: Callable[[], None]) -> N
     """No overlap: the forward half, then the backward half."""
     forward()
     backward()
+
+
+def run_concurrently(forward: Callable[[], None], backward: Callable[[], None]) -> None:
+    """V3's overlap: the backward half on a helper thread while the forward half runs here (where the
+    caller's autocast lives; autocast is per thread and a backward needs none). Whenever one half waits on
+    an all-to-all (its MoE dispatch or combine, forward or backward: torch releases the GIL while waiting)
+    the other half computes. The two halves run different stages, whose MoE layers talk over different
+    process groups (`dsv3.parallel.pipeline_ep`), so each group still sees its collectives in one order.
+    An exception in either half is raised here, after both have stopped."""
+    errors: list[BaseException] = []
+
+    def run_backward() -> None:
+        try:
+            backward()
+        except BaseException as err:  # handed to the caller's thread below
+            errors.append(err)
+
+    helper = threading.Thread(target=run_backward, name="dsv3-overlap-backward", daemon=True)
+    helper.start()
+    try:
+        forward()
+    finally:
+        helper.join()
+    if errors:
+        raise errors[0]
 
 
 def register_overlap(schedule, overlap: Overlap = run_in_order) -> None:

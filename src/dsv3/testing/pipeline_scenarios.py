@@ -1,11 +1,13 @@
 """Multi-process checks of pipeline parallelism, run by the tests through `launch`: a tiny Transformer
 trained for a few AdamW steps by `PipelineParallel` on gloo processes (pipeline x data-parallel ranks),
-next to the same model trained by one process with the same seed, global batches and data order.
+or with expert parallelism inside the stages by the trainer's own calls on `parallelize`'s object, next to
+the same model trained by one process with the same seed, global batches and data order.
 Every rank returns its losses and the state of the parameters it holds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 
@@ -16,7 +18,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from dsv3.config import ModelConfig
 from dsv3.errors import DSV3Error
 from dsv3.model.transformer import Transformer
+from dsv3.parallel.ep import ep_layers
+from dsv3.parallel.layout import Layout, parallelize
 from dsv3.parallel.pipeline import PipelineParallel, plan_pipeline
+from dsv3.parallel.pipeline_ep import PipelineExpertParallelized
 from dsv3.parallel.pipeline_overlap import run_in_order
 
 
@@ -40,6 +45,8 @@ class PipeSpec:
     grad_clip: float = 0.5
     fail_rank: int | None = None
     overlap: bool = False  # DualPipeV: run OVERLAP_F_B through the registered custom function
+    ep: int = 1  # > 1: each stage's routed experts over EP groups of ep of its dp replicas (`parallelize`)
+    concurrent: bool = True  # with ep > 1 under DualPipeV: OVERLAP_F_B pairs run concurrently (else in order)
 
     @property
     def world(self) -> int:
@@ -99,6 +106,8 @@ def pipeline_worker(rank: int, world: int, base: ModelConfig, specs: list[PipeSp
 def _pipeline_run(rank: int, world: int, base: ModelConfig, spec: PipeSpec) -> dict:
     if spec.world != world:
         raise DSV3Error(f"spec {spec.schedule} needs {spec.world} processes, {world} are running")
+    if spec.ep > 1:
+        return _pipeline_ep_run(rank, base, spec)
     mesh = init_device_mesh("cpu", (spec.dp, spec.pp), mesh_dim_names=("dp", "pp"))
     dp_rank = mesh.get_local_rank("dp")
     cfg = spec_config(base, spec)
@@ -148,3 +157,35 @@ def _fail_in_forward(pipe: PipelineParallel) -> None:
         raise RuntimeError("injected failure")
 
     pipe.stage_modules[0].register_forward_pre_hook(boom)
+
+
+def _pipeline_ep_run(rank: int, base: ModelConfig, spec: PipeSpec) -> dict:
+    """``spec`` through ``parallelize(model, Layout(pp, dp, ep, schedule))`` and the trainer's calls on the
+    object it returns. Every rank returns its losses and biases; rank 0 also the gathered whole model."""
+    cfg = spec_config(base, spec)
+    torch.manual_seed(spec.seed)
+    model = Transformer(cfg).train()
+    layout = Layout(pp=spec.pp, dp=spec.dp, ep=spec.ep, schedule=spec.schedule, microbatches=spec.microbatches)
+    if spec.schedule == "dualpipev" and not spec.concurrent:
+        parallel = PipelineExpertParallelized(model, layout.check(spec.world), overlap=run_in_order)
+    else:
+        parallel = parallelize(model, layout)
+    optimizer = _optimizer(parallel.model.parameters(), spec)
+    per_replica = spec.batch // spec.dp
+    rows = slice(parallel.data_rank * per_replica, (parallel.data_rank + 1) * per_replica)
+    losses = []
+    for input_ids, labels in batches(spec, cfg.vocab_size):
+        parts = parallel.forward_backward([(input_ids[rows], labels[rows])], contextlib.nullcontext(), 1)
+        grad_norm = parallel.sync_and_clip(spec.grad_clip)
+        optimizer.step()
+        parallel.reduce_expert_loads()
+        parallel.update_router_biases()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(parts + [grad_norm])
+    full = parallel.full_model()  # a collective
+    count = parallel.parameter_count()
+    biases = {k: v for k, v in _state(model).items() if k.endswith("e_score_correction_bias")}
+    return {"losses": losses, "biases": biases, "parameter_count": count, "kind": type(parallel).__name__,
+            "experts_here": [m.experts.gate_proj.shape[0] for m in ep_layers(model)],
+            "overlap": getattr(parallel.pipe.overlap, "__name__", None),
+            "full_state": _state(full) if rank == 0 else None}
