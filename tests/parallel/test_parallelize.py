@@ -56,7 +56,7 @@ def test_a_combine_format_without_ep_is_simulated_by_the_local_dispatchers():
     ("layout", "message"),
     [
         (Layout(pp=2), "needs pp x dp = 2 processes, but 1 are running"),
-        (Layout(pp=2, ep=2), "pipeline stages with expert parallelism are not implemented yet"),
+        (Layout(pp=2, ep=2), "--ep 2 must divide the 1 data-parallel replica(s) of each pipeline stage"),
         (Layout(pp=2, dp_shard="zero1"), "pipeline stages with sharded data parallelism are not implemented yet"),
         (Layout(pp=2, schedule="gpipe"), "--pp-schedule must be one of"),
         (Layout(dp_shard="zero1"), "--dp-shard zero1 shards over the data-parallel processes but only one"),

@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable
 
+import torch
 from torch.distributed.pipelining.schedules import OVERLAP_F_B, _Action, _PipelineContext, _wait_batch_p2p
 
 Overlap = Callable[[Callable[[], None], Callable[[], None]], None]
@@ -39,9 +40,11 @@ def run_concurrently(forward: Callable[[], None], backward: Callable[[], None]) 
     process groups (`dsv3.parallel.pipeline_ep`), so each group still sees its collectives in one order.
     An exception in either half is raised here, after both have stopped."""
     errors: list[BaseException] = []
+    threads = torch.get_num_threads()  # OpenMP's thread count is per thread: the helper takes the caller's
 
     def run_backward() -> None:
         try:
+            torch.set_num_threads(threads)
             backward()
         except BaseException as err:  # handed to the caller's thread below
             errors.append(err)

@@ -130,9 +130,6 @@ class TrainOptions:
             raise DSV3Error(f"--microbatches must be at least 1, got {self.microbatches}")
         if (self.pp or 1) == 1 and (self.microbatches is not None or self.pp_schedule != "1f1b"):
             raise DSV3Error("--pp-schedule and --microbatches shape pipeline stages: they need --pp 2 or more")
-        if (self.pp or 1) > 1 and (self.ep or 1) > 1:
-            raise DSV3Error(f"--pp {self.pp} with --ep {self.ep}: pipeline stages with expert parallelism are "
-                            "not implemented yet; use one of them")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
