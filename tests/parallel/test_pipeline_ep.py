@@ -20,8 +20,11 @@ SPECS = [
     PipeSpec("1f1b", pp=2, dp=4, ep=2, microbatches=2, batch=8),
     PipeSpec("dualpipev", pp=2, dp=4, ep=4, microbatches=4, batch=16),
     PipeSpec("dualpipev", pp=2, dp=4, ep=4, microbatches=4, batch=16, concurrent=False),
+    PipeSpec("1f1b", pp=2, dp=4, ep=4, microbatches=2, batch=8, steps=3, precision="fp8"),
 ]
 IDS = ["pp2-1f1b-ep2-dp4", "pp2-dualpipev-ep4-dp4-overlapped", "pp2-dualpipev-ep4-dp4-in-order"]
+FP32 = range(len(IDS))
+FP8 = len(IDS)
 
 
 def test_group_arithmetic_puts_ep_groups_inside_a_stage_s_replicas():
@@ -53,7 +56,7 @@ def references(tiny_train_config):
     return [single_process_run(tiny_train_config, spec) for spec in SPECS]
 
 
-@pytest.mark.parametrize("index", range(len(SPECS)), ids=IDS)
+@pytest.mark.parametrize("index", FP32, ids=IDS)
 def test_pipeline_with_expert_parallelism_trains_like_one_process(tiny_train_config, runs, references, index):
     spec, reference = SPECS[index], references[index]
     results = [r[index] for r in runs]
@@ -91,3 +94,12 @@ def test_overlapped_dualpipev_is_the_in_order_step(runs):
     assert {r["overlap"] for r in in_order} == {"run_in_order"}
     a, b = np.array(overlapped[0]["losses"]), np.array(in_order[0]["losses"])
     assert np.allclose(a, b, rtol=1e-6, atol=0)
+
+
+def test_fp8_experts_train_under_pipeline_and_ep(runs, references):
+    """--precision fp8 under pp2 x EP4: FP8 linears and FP8 experts, FP8 dispatch on the wire; the losses
+    stay next to one process in fp8 (its local dispatch moves no FP8 rows)."""
+    results = [r[FP8] for r in runs]
+    assert {kind for r in results for kind in r["expert_kinds"]} == {"FP8Experts"}
+    losses, expected = np.array(results[0]["losses"])[:, :4], np.array(references[FP8]["losses"])[:, :4]
+    assert np.all(np.isfinite(losses)) and np.allclose(losses, expected, rtol=1e-2, atol=0)

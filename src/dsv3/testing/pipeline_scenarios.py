@@ -7,7 +7,6 @@ Every rank returns its losses and the state of the parameters it holds.
 
 from __future__ import annotations
 
-import contextlib
 import math
 from dataclasses import dataclass
 
@@ -23,6 +22,7 @@ from dsv3.parallel.layout import Layout, parallelize
 from dsv3.parallel.pipeline import PipelineParallel, plan_pipeline
 from dsv3.parallel.pipeline_ep import PipelineExpertParallelized
 from dsv3.parallel.pipeline_overlap import run_in_order
+from dsv3.train.precision import apply_fp8, autocast
 
 
 @dataclass(frozen=True)
@@ -47,6 +47,7 @@ class PipeSpec:
     overlap: bool = False  # DualPipeV: run OVERLAP_F_B through the registered custom function
     ep: int = 1  # > 1: each stage's routed experts over EP groups of ep of its dp replicas (`parallelize`)
     concurrent: bool = True  # with ep > 1 under DualPipeV: OVERLAP_F_B pairs run concurrently (else in order)
+    precision: str = "fp32"  # "fp8" (ep > 1 and the reference): FP8 linears and experts, FP8 dispatch
 
     @property
     def world(self) -> int:
@@ -79,10 +80,13 @@ def single_process_run(base: ModelConfig, spec: PipeSpec) -> dict:
     cfg = spec_config(base, spec)
     torch.manual_seed(spec.seed)
     model = Transformer(cfg).train()
+    if spec.precision == "fp8":
+        apply_fp8(model)
     optimizer = _optimizer(model.parameters(), spec)
     losses = []
     for input_ids, labels in batches(spec, cfg.vocab_size):
-        out = model.loss(input_ids, labels)
+        with autocast(spec.precision, torch.device("cpu")):
+            out = model.loss(input_ids, labels)
         out.loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), spec.grad_clip))
         optimizer.step()
@@ -165,7 +169,10 @@ def _pipeline_ep_run(rank: int, base: ModelConfig, spec: PipeSpec) -> dict:
     cfg = spec_config(base, spec)
     torch.manual_seed(spec.seed)
     model = Transformer(cfg).train()
-    layout = Layout(pp=spec.pp, dp=spec.dp, ep=spec.ep, schedule=spec.schedule, microbatches=spec.microbatches)
+    if spec.precision == "fp8":
+        apply_fp8(model)
+    layout = Layout(pp=spec.pp, dp=spec.dp, ep=spec.ep, schedule=spec.schedule, microbatches=spec.microbatches,
+                    dispatch="fp8" if spec.precision == "fp8" else "fp32")
     if spec.schedule == "dualpipev" and not spec.concurrent:
         parallel = PipelineExpertParallelized(model, layout.check(spec.world), overlap=run_in_order)
     else:
@@ -175,7 +182,8 @@ def _pipeline_ep_run(rank: int, base: ModelConfig, spec: PipeSpec) -> dict:
     rows = slice(parallel.data_rank * per_replica, (parallel.data_rank + 1) * per_replica)
     losses = []
     for input_ids, labels in batches(spec, cfg.vocab_size):
-        parts = parallel.forward_backward([(input_ids[rows], labels[rows])], contextlib.nullcontext(), 1)
+        parts = parallel.forward_backward([(input_ids[rows], labels[rows])],
+                                          autocast(spec.precision, torch.device("cpu")), 1)
         grad_norm = parallel.sync_and_clip(spec.grad_clip)
         optimizer.step()
         parallel.reduce_expert_loads()
@@ -187,5 +195,6 @@ def _pipeline_ep_run(rank: int, base: ModelConfig, spec: PipeSpec) -> dict:
     biases = {k: v for k, v in _state(model).items() if k.endswith("e_score_correction_bias")}
     return {"losses": losses, "biases": biases, "parameter_count": count, "kind": type(parallel).__name__,
             "experts_here": [m.experts.gate_proj.shape[0] for m in ep_layers(model)],
+            "expert_kinds": sorted({type(m.experts).__name__ for m in ep_layers(model)}),
             "overlap": getattr(parallel.pipe.overlap, "__name__", None),
             "full_state": _state(full) if rank == 0 else None}
