@@ -45,6 +45,28 @@ def test_text_report(specs, capsys):
     assert specs[0].microbatches == 2
 
 
+def test_ep_reaches_the_benchmark_and_the_hidden_share_is_reported(specs, capsys):
+    ROW.update(ep=2, comm_hidden_share=0.375)
+    try:
+        assert main(["bench", "pipeline", "--schedule", "dualpipev", "--microbatches", "4", "--ep", "2"]) == 0
+    finally:
+        del ROW["ep"], ROW["comm_hidden_share"]
+    assert "EP2 all-to-all hidden by the overlapped F&B pairs: 37.5%" in capsys.readouterr().out
+    assert (specs[0].ep, specs[0].world) == (2, 4)
+
+
+def test_hidden_share_arithmetic():
+    """(pair time in order - pair time concurrent) / all-to-all time inside the pairs in order, medians."""
+    def step(concurrent, pairs, a2a):
+        return {"concurrent": concurrent, "pairs_s": pairs, "a2a_s": 2 * a2a, "a2a_in_pairs_s": a2a}
+
+    steps = [step(False, 1.0, 0.4), step(True, 0.8, 0.5), step(False, 1.2, 0.4), step(True, 0.8, 0.1), None]
+    share = pipeline_bench.hidden_share(steps)
+    assert share["pairs_in_order_s"] == pytest.approx(1.1) and share["pairs_overlapped_s"] == 0.8
+    assert share["hidden"] == pytest.approx(0.3 / 0.4) and share["a2a_step_s"] == pytest.approx(0.8)
+    assert pipeline_bench.hidden_share([step(False, 1.0, 0.4)]) is None  # nothing ran concurrently
+
+
 @pytest.mark.parametrize("args, message", [
     (["--schedule", "gpipe"], "--schedule must be one of"),
     (["--pp", "1"], "--pp must be 2..16"),
@@ -52,6 +74,8 @@ def test_text_report(specs, capsys):
     (["--schedule", "dualpipev", "--layers", "2"], "would hold no layer"),
     (["--overlap"], "--overlap needs --schedule dualpipev"),
     (["--steps", "0"], "--steps must be at least 1"),
+    (["--pp", "4", "--ep", "8"], "--pp x --ep at most 16 processes"),
+    (["--ep", "3"], "--ep 3 must divide the model's 16 routed experts"),
 ])
 def test_bad_input_is_one_error_line(specs, capsys, args, message):
     assert main(["bench", "pipeline", *args]) == 2

@@ -7,6 +7,12 @@ are measured in one process on the same stages, and give the formulas' bubble: (
 (PP/2-1)(F&B+B-3W) for DualPipeV, whose PP counts stages (2 per rank) and whose F&B (a forward and a
 backward overlapped) is F+B here, since nothing overlaps on a CPU. Peak activation memory per rank: the
 bytes of the tensors autograd saves for backward (parameters excluded), counted by saved_tensors_hooks.
+
+With ``ep`` > 1 (P x E processes) each stage's routed experts are split over its E replicas behind the
+two-hop dispatcher. Under DualPipeV, steps that run the OVERLAP_F_B pairs in order alternate with steps that
+run them concurrently (`run_concurrently`), every all-to-all is timed from launch to the end of its wait, and
+the share of all-to-all time hidden is (pair time in order - pair time concurrent) / (all-to-all time inside
+the pairs, in order), per rank, medians over steps.
 """
 
 from __future__ import annotations
@@ -45,6 +51,11 @@ class BubbleSpec:
     steps: int = 3
     overlap: bool = False
     seed: int = 0
+    ep: int = 1  # > 1: pp x ep processes, each stage's routed experts over its ep replicas (two-hop dispatch)
+
+    @property
+    def world(self) -> int:
+        return self.pp * self.ep
 
     def config(self) -> ModelConfig:
         """nano's structure at the spec's width and depth (one MTP layer, MoE from layer 1)."""
@@ -126,26 +137,120 @@ def _measure(spec: BubbleSpec) -> dict:
     cfg = spec.config()
     torch.manual_seed(spec.seed)
     model = Transformer(cfg).train()
-    pipe = PipelineParallel(model, spec.plan(), overlap=run_in_order if spec.overlap else None)
+    overlap = PairClock() if spec.schedule == "dualpipev" and (spec.overlap or spec.ep > 1) else None
+    pipe = _pipeline(model, spec, overlap)
     input_ids, labels = spec.batch()
     pipe.forward_backward(input_ids, labels)  # warm-up; builds the schedule
     schedule = pipe.schedule
     _, totals = _instrument(schedule)
     saved = SavedBytes(pipe.parameters())
-    compute, wall = [], []
-    for _ in range(spec.steps):
-        for p in pipe.parameters():
-            p.grad = None
-        for key in totals:
-            totals[key] = 0.0
-        dist.barrier()
-        t0 = time.perf_counter()
-        with saved.counting():
-            pipe.forward_backward(input_ids, labels)
-        wall.append(time.perf_counter() - t0)
-        compute.append(sum(totals.values()))
-    return {"compute_s": compute, "wall_s": wall, "peak_saved_bytes": saved.peak,
+    compute, wall, pairs = [], [], []
+    with AllToAllClock() as a2a:
+        if overlap is not None:
+            overlap.clock = a2a
+        for step in range(spec.steps * (2 if overlap and spec.ep > 1 else 1)):
+            if overlap is not None:  # with EP: in order and concurrent steps alternate (ratios of one run)
+                overlap.start_step(concurrent=spec.ep > 1 and step % 2 == 1)
+            for p in pipe.parameters():
+                p.grad = None
+            for key in totals:
+                totals[key] = 0.0
+            a2a.reset()
+            dist.barrier()
+            t0 = time.perf_counter()
+            with saved.counting():
+                pipe.forward_backward(input_ids, labels)
+            wall.append(time.perf_counter() - t0)
+            compute.append(sum(totals.values()))
+            pairs.append(overlap.step_record(a2a) if overlap is not None else None)
+    return {"compute_s": compute, "wall_s": wall, "peak_saved_bytes": saved.peak, "pairs": pairs,
             "stages": [m.stage for m in pipe.stage_modules]}
+
+
+def _pipeline(model: Transformer, spec: BubbleSpec, overlap) -> PipelineParallel:
+    """The spec's pipeline over this process's ranks: plain stages, or stages with EP (`parallelize`'s)."""
+    if spec.ep == 1:
+        return PipelineParallel(model, spec.plan(), overlap=overlap)
+    from dsv3.parallel.layout import Layout
+    from dsv3.parallel.pipeline_ep import PipelineExpertParallelized
+
+    layout = Layout(pp=spec.pp, dp=spec.ep, ep=spec.ep, schedule=spec.schedule, microbatches=spec.microbatches)
+    return PipelineExpertParallelized(model, layout.check(spec.world), overlap=overlap).pipe
+
+
+class AllToAllClock:
+    """Times every ``torch.distributed.all_to_all_single`` (the EP dispatcher's collectives) from its launch
+    to the end of its wait, while active; ``in_pairs`` only those launched inside an OVERLAP_F_B pair."""
+
+    def __init__(self) -> None:
+        self.total = self.in_pairs = 0.0
+        self.pair_open = False
+        self._original = None
+
+    def reset(self) -> None:
+        self.total = self.in_pairs = 0.0
+
+    def __enter__(self) -> AllToAllClock:
+        self._original = dist.all_to_all_single
+        dist.all_to_all_single = self._timed
+        return self
+
+    def __exit__(self, *exc) -> None:
+        dist.all_to_all_single = self._original
+
+    def _timed(self, *args, **kwargs):
+        t0, in_pair = time.perf_counter(), self.pair_open
+        work = self._original(*args, **kwargs)
+        if work is None:  # synchronous
+            self._add(time.perf_counter() - t0, in_pair)
+            return work
+        return _TimedWork(work, lambda: self._add(time.perf_counter() - t0, in_pair))
+
+    def _add(self, seconds: float, in_pair: bool) -> None:
+        self.total += seconds
+        if in_pair:
+            self.in_pairs += seconds
+
+
+class _TimedWork:
+    """A collective's work handle whose ``wait`` reports when the collective finished."""
+
+    def __init__(self, work, done) -> None:
+        self.work, self.done = work, done
+
+    def wait(self, *args, **kwargs):
+        out = self.work.wait(*args, **kwargs)
+        self.done()
+        return out
+
+
+class PairClock:
+    """DualPipeV's OVERLAP_F_B function for the benchmark: runs each pair in order or concurrently (set per
+    step) and times the pairs."""
+
+    def __init__(self) -> None:
+        self.concurrent, self.seconds, self.clock = False, 0.0, None
+
+    def start_step(self, concurrent: bool) -> None:
+        self.concurrent, self.seconds = concurrent, 0.0
+
+    def __call__(self, forward, backward) -> None:
+        from dsv3.parallel.pipeline_overlap import run_concurrently
+
+        t0 = time.perf_counter()
+        if self.clock is not None:
+            self.clock.pair_open = True
+        try:
+            (run_concurrently if self.concurrent else run_in_order)(forward, backward)
+        finally:
+            if self.clock is not None:
+                self.clock.pair_open = False
+            self.seconds += time.perf_counter() - t0
+
+    def step_record(self, clock: AllToAllClock) -> dict:
+        """This step's pair time, all-to-all time (all, inside pairs) and mode."""
+        return {"concurrent": self.concurrent, "pairs_s": self.seconds, "a2a_s": clock.total,
+                "a2a_in_pairs_s": clock.in_pairs}
 
 
 def _instrument(schedule):
@@ -216,7 +321,10 @@ OVERLAP_API = (
     "the micro-batch args, kwargs and targets. fn must redo the runtime's bookkeeping (receive waits, loss, "
     "passing activations and gradients between the rank's stages, backward counts) from the schedule's "
     "private fields; dsv3.parallel.pipeline_overlap.register_overlap does that once and leaves "
-    "overlap(forward, backward) to the caller. Rows with overlap=true ran through it, in order."
+    "overlap(forward, backward) to the caller. Rows with overlap=true and ep=1 ran through it, in order; "
+    "rows with ep>1 alternate in-order steps and concurrent ones (run_concurrently: the backward half on a "
+    "second thread, each stage's MoE all-to-alls on its own process groups), and comm_hidden_share is "
+    "(pair time in order - pair time concurrent) / all-to-all time inside the pairs in order."
 )
 
 
@@ -231,34 +339,64 @@ def formula_bubble(schedule: str, pp: int, F: float, B: float, W: float) -> tupl
     return None, None  # ZBV: zero in the ideal F = B = W case; the README gives no formula for it
 
 
+def hidden_share(pairs: list[dict | None]) -> dict | None:
+    """One rank's share of all-to-all time hidden by DualPipeV's overlap, from alternating in-order and
+    concurrent steps: (pair time in order - pair time concurrent) / all-to-all time inside the pairs in
+    order (medians over steps). 1: all hidden; 0: none; below 0: the overlap cost more than it hid."""
+    in_order = [p for p in pairs if p is not None and not p["concurrent"]]
+    overlapped = [p for p in pairs if p is not None and p["concurrent"]]
+    if not in_order or not overlapped:
+        return None
+    pairs_in_order = statistics.median(p["pairs_s"] for p in in_order)
+    pairs_overlapped = statistics.median(p["pairs_s"] for p in overlapped)
+    a2a = statistics.median(p["a2a_in_pairs_s"] for p in in_order)
+    return {"pairs_in_order_s": pairs_in_order, "pairs_overlapped_s": pairs_overlapped, "a2a_in_pairs_s": a2a,
+            "a2a_step_s": statistics.median(p["a2a_s"] for p in in_order),
+            "hidden": (pairs_in_order - pairs_overlapped) / a2a if a2a > 0 else None}
+
+
+def _communication(ranks: list[dict]) -> dict:
+    """The report's all-to-all figures: per rank, and the share hidden averaged over ranks."""
+    per_rank = [hidden_share(r["pairs"]) for r in ranks]
+    if any(h is None for h in per_rank):
+        return {"comm_hidden_share": None, "comm_per_rank": None}
+    shares = [h["hidden"] for h in per_rank if h["hidden"] is not None]
+    rounded = [{k: round(v, 5) if v is not None else None for k, v in h.items()} for h in per_rank]
+    return {"comm_hidden_share": round(statistics.mean(shares), 4) if shares else None, "comm_per_rank": rounded}
+
+
 def summarize(spec: BubbleSpec, ranks: list[dict], costs: list[dict[str, float]]) -> dict:
-    """One report row: the measured bubble (median over steps) next to the formula's."""
+    """One report row: the measured bubble (median over steps) next to the formula's, and with EP under
+    DualPipeV the share of all-to-all time its overlap hides."""
     plan = spec.plan()
     P = spec.pp
-    measured = [1 - sum(r["compute_s"][i] for r in ranks) / (P * max(r["wall_s"][i] for r in ranks))
-                for i in range(spec.steps)]
+    steps = len(ranks[0]["wall_s"])
+    measured = [1 - sum(r["compute_s"][i] for r in ranks) / (len(ranks) * max(r["wall_s"][i] for r in ranks))
+                for i in range(steps)]
     F, B, I, W = (statistics.mean(c[k] for c in costs) for k in ("F", "B", "I", "W"))
     per_rank = spec.microbatches * (plan.num_stages // P) * (F + B)  # ideal compute of one rank
     name, bubble_s = formula_bubble(spec.schedule, P, F, B, W)
     return {
-        "schedule": spec.schedule, "overlap_f_b_registered": spec.overlap, "pp": P,
+        "schedule": spec.schedule, "pp": P,
+        "overlap_f_b_registered": spec.overlap or (spec.schedule == "dualpipev" and spec.ep > 1),
         "stages": plan.num_stages, "microbatches": spec.microbatches, "layers_per_stage": list(plan.layers),
         "measured_bubble": round(statistics.median(measured), 4),
         "measured_bubble_per_step": [round(b, 4) for b in measured],
-        "step_wall_s": round(statistics.median(max(r["wall_s"][i] for r in ranks) for i in range(spec.steps)), 4),
+        "step_wall_s": round(statistics.median(max(r["wall_s"][i] for r in ranks) for i in range(steps)), 4),
         "formula": name,
         "formula_bubble_s": None if bubble_s is None else round(bubble_s, 5),
         "formula_bubble": None if bubble_s is None else round(bubble_s / (bubble_s + per_rank), 4),
         "F_s": round(F, 5), "B_s": round(B, 5), "I_s": round(I, 5), "W_s": round(W, 5),
         "peak_saved_activation_bytes_per_rank": [r["peak_saved_bytes"] for r in ranks],
-    }
+        "ep": spec.ep, "processes": len(ranks),
+    } | _communication(ranks)
 
 
 def run_bubble_bench(specs: list[BubbleSpec], timeout_s: float = 600.0) -> dict:
     """All specs (same ``pp``) on one set of gloo processes; F, B, W here. Returns the JSON report."""
-    if len({s.pp for s in specs}) != 1:
-        raise ValueError("one pipeline size per run")
-    results = launch(bubble_worker, specs[0].pp, (specs,), timeout_s=timeout_s)
+    if len({s.world for s in specs}) != 1:
+        raise ValueError("one number of processes per run")
+    results = launch(bubble_worker, specs[0].world, (specs,), timeout_s=timeout_s)
     torch.set_num_threads(1)  # as each worker runs
     rows = [summarize(spec, [r[i] for r in results], stage_costs(spec)) for i, spec in enumerate(specs)]
     return {"backend": "gloo", "device": "cpu", "spec": asdict(specs[0]) | {"schedule": None, "overlap": None},

@@ -1,5 +1,6 @@
-"""`dsv3 bench pipeline`: one pipeline schedule on P local gloo processes: the measured bubble next to the
-DualPipe README's formula, and each rank's peak saved-activation bytes (dsv3.parallel.pipeline_bench).
+"""`dsv3 bench pipeline`: one pipeline schedule on P (x E with --ep) local gloo processes: the measured bubble
+next to the DualPipe README's formula, each rank's peak saved-activation bytes, and with --ep under
+DualPipeV the share of all-to-all time its overlapped F&B pairs hide (dsv3.parallel.pipeline_bench).
 
 Times are wall-clock on this machine (CPU processes sharing its cores, gloo over loopback): the bubble they
 show is the schedule's shape plus this machine's noise, not what a GPU cluster would measure.
@@ -32,16 +33,17 @@ def main(
         bool, typer.Option(help="dualpipev: run its overlapped F&B pairs through the registered hook.")
     ] = False,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
+    ep: Annotated[int, typer.Option(help="Expert parallelism inside each stage: P x E processes.")] = 1,
     timeout: Annotated[float, typer.Option(help="Seconds before a hung run is aborted.")] = 600.0,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print one JSON object on stdout and nothing else.")
     ] = False,
 ) -> None:
     """Run one pipeline schedule on P gloo processes; report its bubble and saved activations per rank."""
-    spec = _spec(pp, schedule, microbatches, micro_batch, seq, layers, hidden, steps, overlap, seed)
+    spec = _spec(pp, schedule, microbatches, micro_batch, seq, layers, hidden, steps, overlap, seed, ep)
     from dsv3.parallel.pipeline_bench import run_bubble_bench
 
-    print(f"running {pp} processes ...", file=sys.stderr)
+    print(f"running {spec.world} processes ...", file=sys.stderr)
     report = run_bubble_bench([spec], timeout_s=timeout)
     if as_json:
         sys.stdout.write(json.dumps(report) + "\n")
@@ -49,12 +51,14 @@ def main(
         _print_report(report)
 
 
-def _spec(pp, schedule, microbatches, micro_batch, seq, layers, hidden, steps, overlap, seed):
+def _spec(pp, schedule, microbatches, micro_batch, seq, layers, hidden, steps, overlap, seed, ep=1):
     """A checked BubbleSpec: every bad option is a DSV3Error before any process starts."""
     from dsv3.parallel.pipeline_bench import BubbleSpec
 
     if not 2 <= pp <= MAX_PROCESSES:
         raise DSV3Error(f"--pp must be 2..{MAX_PROCESSES} processes, got {pp}")
+    if ep < 1 or pp * ep > MAX_PROCESSES:
+        raise DSV3Error(f"--ep must be at least 1 with --pp x --ep at most {MAX_PROCESSES} processes, got {ep}")
     if schedule not in SCHEDULES:
         raise DSV3Error(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
     for name, value in (("micro-batch", micro_batch), ("seq", seq), ("layers", layers), ("hidden", hidden),
@@ -67,8 +71,10 @@ def _spec(pp, schedule, microbatches, micro_batch, seq, layers, hidden, steps, o
         raise DSV3Error(f"--overlap needs --schedule dualpipev, not {schedule}")
     stages = pp * (1 if schedule == "1f1b" else 2)
     spec = BubbleSpec(schedule=schedule, pp=pp, microbatches=microbatches or 2 * stages, micro_batch=micro_batch,
-                      seq=seq, layers=layers, hidden=hidden, steps=steps, overlap=overlap, seed=seed)
+                      seq=seq, layers=layers, hidden=hidden, steps=steps, overlap=overlap, seed=seed, ep=ep)
     spec.config().validate()
+    if spec.config().n_routed_experts % ep:
+        raise DSV3Error(f"--ep {ep} must divide the model's {spec.config().n_routed_experts} routed experts")
     spec.plan()  # the plan's own checks (micro-batches the schedule accepts, a layer in every stage)
     return spec
 
@@ -84,3 +90,6 @@ def _print_report(report: dict) -> None:
               "micro-batch")
         peaks = ", ".join(f"{b / 2**20:.2f} MiB" for b in row["peak_saved_activation_bytes_per_rank"])
         print(f"  peak saved activations per rank: {peaks}")
+        if row.get("comm_hidden_share") is not None:
+            print(f"  EP{row['ep']} all-to-all hidden by the overlapped F&B pairs: {row['comm_hidden_share']:.1%} "
+                  "(mean over ranks)")
