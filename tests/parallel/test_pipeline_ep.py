@@ -28,10 +28,12 @@ FP8 = len(IDS)
 
 
 def test_group_arithmetic_puts_ep_groups_inside_a_stage_s_replicas():
-    layout = Layout(pp=2, dp=4, ep=2)  # rank d * 2 + p: replica d, pipeline rank p
-    assert ep_group_ranks(layout, 0, 0) == [0, 2] and ep_group_ranks(layout, 0, 1) == [4, 6]
-    assert ep_group_ranks(layout, 1, 1) == [5, 7]
-    assert replica_group_ranks(layout, 0, 0) == [0, 4] and replica_group_ranks(layout, 1, 1) == [3, 7]
+    layout = Layout(pp=2, dp=4, ep=2)  # stage-major: rank p * 4 + d is pipeline rank p of replica d
+    assert ep_group_ranks(layout, 0, 0) == [0, 1] and ep_group_ranks(layout, 0, 1) == [2, 3]
+    assert ep_group_ranks(layout, 1, 1) == [6, 7]  # consecutive: an EP group fills whole nodes
+    assert replica_group_ranks(layout, 0, 0) == [0, 2] and replica_group_ranks(layout, 1, 1) == [5, 7]
+    v3 = Layout(pp=16, dp=128, ep=64, gpus_per_node=8)  # 2,048 processes
+    assert ep_group_ranks(v3, 3, 1) == list(range(3 * 128 + 64, 4 * 128))  # 8 whole nodes of stage 3
 
 
 @pytest.mark.parametrize(

@@ -1,10 +1,12 @@
 """Pipeline stages x expert parallelism (``Layout(pp=P, dp=D, ep=E, schedule=S)``, E | D): V3's own shape
 (PP16 x EP64 over the data-parallel ranks), on `torch.distributed.pipelining`.
 
-Ranks: process ``d * P + p`` is pipeline rank ``p`` of data-parallel replica ``d`` (as `PipelineParallelized`).
-The D replicas of a stage form its data-parallel group; inside it the routed experts of every MoE layer the
-stage holds are split over blocks of E consecutive replicas (the EP groups, `SubgroupLayout`'s arithmetic on
-the replica index) and replicated across the D/E blocks (the expert-replica groups). Every MoE forward and
+Ranks: process ``p * D + d`` is pipeline rank ``p`` of data-parallel replica ``d`` (stage-major, unlike plain
+pipeline x data parallelism: a stage's replicas are consecutive processes, so an EP group of consecutive
+replicas fills whole nodes, as the two-hop dispatch assumes). The D replicas of a stage form its
+data-parallel group; inside it the routed experts of every MoE layer the stage holds are split over blocks of
+E consecutive replicas (the EP groups, `SubgroupLayout`'s arithmetic on the replica index) and replicated
+across the D/E blocks (the expert-replica groups). Every MoE forward and
 backward is a collective of its EP group: all ranks of a stage run the same schedule, hence the same
 micro-batches in the same order.
 
@@ -32,20 +34,21 @@ from dsv3.parallel.ep import ep_layers, logical_expert_weights, make_expert_para
 from dsv3.parallel.ep_groups import EPGroups, ep_groups_of
 from dsv3.parallel.ep_subgroups import SubgroupLayout
 from dsv3.parallel.layout import Layout
-from dsv3.parallel.pipeline_layout import PipelineParallelized
+from dsv3.parallel.pipeline_layout import PipelineParallelized, process_rank
 from dsv3.parallel.pipeline_overlap import Overlap, run_concurrently
 
 
 def ep_group_ranks(layout: Layout, pp_rank: int, block: int) -> list[int]:
-    """Global ranks of EP group ``block`` of pipeline rank ``pp_rank``'s stages, in EP-rank order."""
+    """Global ranks of EP group ``block`` of pipeline rank ``pp_rank``'s stages, in EP-rank order
+    (consecutive processes: whole nodes)."""
     sub = SubgroupLayout(layout.dp, layout.ep, layout.gpus_per_node)
-    return [d * layout.pp + pp_rank for d in sub.ep_ranks(block)]
+    return [process_rank(layout, d, pp_rank, stage_major=True) for d in sub.ep_ranks(block)]
 
 
 def replica_group_ranks(layout: Layout, pp_rank: int, shard: int) -> list[int]:
     """Global ranks holding expert shard ``shard`` of pipeline rank ``pp_rank``'s stages (one per EP group)."""
     sub = SubgroupLayout(layout.dp, layout.ep, layout.gpus_per_node)
-    return [d * layout.pp + pp_rank for d in sub.replica_ranks(shard)]
+    return [process_rank(layout, d, pp_rank, stage_major=True) for d in sub.replica_ranks(shard)]
 
 
 def _make_groups(layout: Layout, slots: int) -> tuple[list[EPGroups], dist.ProcessGroup | None]:
@@ -73,7 +76,10 @@ def _make_groups(layout: Layout, slots: int) -> tuple[list[EPGroups], dist.Proce
 class PipelineExpertParallelized(PipelineParallelized):
     """`PipelineParallelized` whose stages' routed experts are split over EP groups of ``layout.ep`` of the
     stage's data-parallel replicas. ``overlap``: how DualPipeV runs its OVERLAP_F_B pairs (default:
-    concurrently, V3's overlap; `run_in_order` is the reference)."""
+    concurrently, V3's overlap; `run_in_order` is the reference). Processes are stage-major: a stage's
+    D replicas are consecutive, so its EP groups fill whole nodes (V3: a stage is 16 nodes, 2 EP groups)."""
+
+    stage_major = True
 
     def __init__(self, model: nn.Module, layout: Layout, overlap: Overlap | None = None):
         if not any(isinstance(m, MoE) for m in model.modules()):

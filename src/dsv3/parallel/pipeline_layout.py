@@ -2,8 +2,9 @@
 `PipelineParallel` schedule and gives the trainer the same object every other layout gives it.
 
 Ranks: process ``r`` is pipeline rank ``r % P`` of data-parallel replica ``r // P`` (a replica's stages sit
-on consecutive processes). Each process holds only its stages' modules, so what needs the whole model
-(saving the HF checkpoint, sampling, held-out evaluation) gathers the stages' tensors into one ordinary
+on consecutive processes); with EP inside the stages the order is stage-major (`process_rank`). Each process
+holds only its stages' modules, so what needs the whole model (saving the HF checkpoint, sampling, held-out
+evaluation) gathers the stages' tensors into one ordinary
 `Transformer` on every process of the pipeline: simple and exact, and cheap at the sizes a CPU trains.
 Each process keeps the optimizer state of its own parameters (saved per rank, like expert parallelism).
 """
@@ -44,7 +45,14 @@ def default_microbatches(layout: Layout) -> int:
     return layout.microbatches or layout.pp * STAGES_PER_RANK[layout.schedule]
 
 
-def _groups(layout: Layout) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
+def process_rank(layout: Layout, replica: int, pp_rank: int, stage_major: bool = False) -> int:
+    """The process of pipeline rank ``pp_rank`` in data-parallel replica ``replica``: replica-major
+    (``replica * P + pp_rank``: a replica's stages on consecutive processes) or stage-major (``pp_rank * D +
+    replica``: a stage's replicas on consecutive processes, so that its EP groups fill whole nodes)."""
+    return pp_rank * layout.dp + replica if stage_major else replica * layout.pp + pp_rank
+
+
+def _groups(layout: Layout, stage_major: bool = False) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup | None]:
     """(this process's pipeline group, its data-parallel group); every process creates every group, in the
     same order, as ``new_group`` requires. One replica: the world is the pipeline, no data-parallel group."""
     P, D = layout.pp, layout.dp
@@ -53,13 +61,13 @@ def _groups(layout: Layout) -> tuple[dist.ProcessGroup | None, dist.ProcessGroup
     rank = dist.get_rank()
     pp_group = dp_group = None
     for d in range(D):
-        group = dist.new_group([d * P + p for p in range(P)])
-        if rank // P == d:
-            pp_group = group
+        ranks = [process_rank(layout, d, p, stage_major) for p in range(P)]
+        group = dist.new_group(ranks)
+        pp_group = group if rank in ranks else pp_group
     for p in range(P):
-        group = dist.new_group([d * P + p for d in range(D)])
-        if rank % P == p:
-            dp_group = group
+        ranks = [process_rank(layout, d, p, stage_major) for d in range(D)]
+        group = dist.new_group(ranks)
+        dp_group = group if rank in ranks else dp_group
     return pp_group, dp_group
 
 
@@ -68,13 +76,14 @@ class PipelineParallelized(Parallelized):
     micro-batches per step) times D data-parallel replicas. ``model`` keeps only this process's modules."""
 
     per_rank_optimizer_state = True
+    stage_major = False  # process order (`process_rank`): replica-major here
 
     def __init__(self, model: nn.Module, layout: Layout, overlap: Overlap | None = None):
         # no super().__init__: no LossStep, no DDP. overlap: how DualPipeV runs its OVERLAP_F_B pairs.
         self.model, self.layout, self.world = model, layout, layout.world
         self.rank = dist.get_rank()
         plan = plan_pipeline(model.config, layout.pp, layout.schedule, default_microbatches(layout))
-        self.pp_group, self.dp_group = _groups(layout)
+        self.pp_group, self.dp_group = _groups(layout, self.stage_major)
         self.pipe = PipelineParallel(model, plan, pp_group=self.pp_group, dp_group=self.dp_group, overlap=overlap)
         self.module = None
 
@@ -84,7 +93,7 @@ class PipelineParallelized(Parallelized):
 
     @property
     def data_rank(self) -> int:
-        return self.rank // self.layout.pp
+        return self.rank % self.layout.dp if self.stage_major else self.rank // self.layout.pp
 
     def check_batch(self, per_rank: int) -> None:
         M = self.plan.microbatches
