@@ -370,9 +370,10 @@ def summarize(spec: BubbleSpec, ranks: list[dict], costs: list[dict[str, float]]
     DualPipeV the share of all-to-all time its overlap hides."""
     plan = spec.plan()
     P = spec.pp
-    steps = len(ranks[0]["wall_s"])
+    # the bubble of the in-order steps (a concurrent step's two halves count their time twice)
+    steps = [i for i, pair in enumerate(ranks[0]["pairs"]) if pair is None or not pair["concurrent"]]
     measured = [1 - sum(r["compute_s"][i] for r in ranks) / (len(ranks) * max(r["wall_s"][i] for r in ranks))
-                for i in range(steps)]
+                for i in steps]
     F, B, I, W = (statistics.mean(c[k] for c in costs) for k in ("F", "B", "I", "W"))
     per_rank = spec.microbatches * (plan.num_stages // P) * (F + B)  # ideal compute of one rank
     name, bubble_s = formula_bubble(spec.schedule, P, F, B, W)
@@ -382,7 +383,7 @@ def summarize(spec: BubbleSpec, ranks: list[dict], costs: list[dict[str, float]]
         "stages": plan.num_stages, "microbatches": spec.microbatches, "layers_per_stage": list(plan.layers),
         "measured_bubble": round(statistics.median(measured), 4),
         "measured_bubble_per_step": [round(b, 4) for b in measured],
-        "step_wall_s": round(statistics.median(max(r["wall_s"][i] for r in ranks) for i in range(steps)), 4),
+        "step_wall_s": round(statistics.median(max(r["wall_s"][i] for r in ranks) for i in steps), 4),
         "formula": name,
         "formula_bubble_s": None if bubble_s is None else round(bubble_s, 5),
         "formula_bubble": None if bubble_s is None else round(bubble_s / (bubble_s + per_rank), 4),
