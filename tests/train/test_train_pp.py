@@ -143,5 +143,8 @@ def test_resume_under_another_layout_is_refused(tiny_train_config):
         pipe.check_resume(saved, "run")
     pipe.layout = Layout(pp=2, schedule="dualpipev")
     pipe.check_resume(saved, "run")
+    pipe.layout = Layout(pp=2, dp=2, ep=2, schedule="dualpipev")  # per-rank expert shards: same --ep only
+    with pytest.raises(DSV3Error, match="ep=1"):
+        pipe.check_resume(saved | {"layout": saved["layout"] | {"dp": 2}}, "run")
     with pytest.raises(DSV3Error, match="saved by 2 pipeline stages"):
         Parallelized(Transformer(tiny_train_config), Layout()).check_resume(saved, "run")

@@ -199,9 +199,9 @@ class PipelineParallelized(Parallelized):
 
     def check_resume(self, saved: dict, folder) -> None:
         """Each process's optimizer state covers its own stages: resume under the same pipeline only."""
-        layout = saved.get("layout") or {}
-        keys = ("pp", "dp", "schedule", "microbatches")
+        layout = {"ep": 1} | (saved.get("layout") or {})
+        keys = ("pp", "dp", "ep", "schedule", "microbatches")
         if any(layout.get(k) != getattr(self.layout, k) for k in keys):
             was = ", ".join(f"{k}={layout.get(k)}" for k in keys)
             raise DSV3Error(f"{folder} was saved under another layout ({was}); resume it with the same --pp, "
-                            "--pp-schedule, --microbatches and number of processes")
+                            "--pp-schedule, --microbatches, --ep and number of processes")
