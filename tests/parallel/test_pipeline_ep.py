@@ -1,7 +1,9 @@
 """Pipeline stages x expert parallelism (``Layout(pp, dp, ep, schedule)``) on 8 gloo processes, through
 `parallelize` and the trainer's calls on the object it returns: pp2 x 1F1B x EP2 (dp4) and pp2 x DualPipeV
 x EP4 (dp4, its OVERLAP_F_B pairs run concurrently, and again in order) give the single-process run's
-per-step losses (relative 1e-5, fp32), its router biases after training, and, gathered, its weights."""
+per-step losses (relative 1e-5, fp32), its router biases after training, and, gathered, its weights; pp2 x
+1F1B x EP4 in fp8 trains FP8 experts next to one fp8 process. All in one 8-process launch (about 55-100 s on
+the shared 2-core machine under load, most of it starting the processes)."""
 
 from __future__ import annotations
 
