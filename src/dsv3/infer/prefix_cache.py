@@ -14,16 +14,18 @@ Correctness rules:
   blocks (the on-disk tier stores the whole prefix and compares it).
 - Only blocks that end before the prompt's last token are cached or reused: that token is always
   prefilled, since its logits give the first reply token.
-- The MTP layer's entry at slot j reads token j + 1. A reused prefix's last slot was written when the
-  token after it may have been another, so with speculation the prefill starts one slot early and
-  rewrites it (the main layers' entry there comes out the same).
+- The MTP layer's entry at slot j reads token j + 1, so it belongs to the block holding token j + 1:
+  a block keeps the MTP entries of the slots one to its left (block 0's first is unused). A reused
+  prefix of P tokens then brings MTP entries up to slot P - 2; with speculation the prefill starts one
+  slot early and writes slot P - 1 (the main layers' entry there comes out the same).
 - Eviction is LRU under a byte budget over blocks that no request holds and that have no cached
   children (a chain is freed from its tail, never leaving unreachable blocks behind).
 
 On-disk tier (``directory``): an evicted block is written there atomically (temporary file, fsync,
 rename) and read back on a later miss, as DeepSeek's context cache keeps prefixes on disk. A file is
 used only when its magic, model fingerprint, dtype, shapes, full prefix tokens and SHA-256 all check
-out; anything else (a corrupt, truncated or foreign file) is ignored and counted.
+out; anything else (a corrupt, truncated or foreign file) is ignored, counted and removed, so that the
+block is written afresh. A chain longer than the memory budget goes to disk block by block.
 """
 
 from __future__ import annotations
@@ -118,6 +120,7 @@ class PrefixCache:
             raise DSV3Error(f"the prefix cache's size must be >= 0 bytes, got {max_bytes}")
         cfg = model.config
         self.block_tokens, self.max_bytes, self.hasher = block_tokens, max_bytes, hasher
+        self.main_layers = cfg.num_hidden_layers
         self.layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if speculative else 0)
         self.dtype = dtype or next(model.parameters()).dtype
         self.device = model.inv_freq.device
@@ -156,7 +159,7 @@ class PrefixCache:
             key = self.hasher(key, tokens)
             block = self.blocks.get(key)
             if block is None or block.tokens != tokens or block.parent is not parent:
-                block = self._read(key, prompt[: (i + 1) * bs], parent) if block is None else None
+                block = self._read(key, prompt[: (i + 1) * bs], parent)
                 if block is None:
                     break
             block.refs += 1
@@ -172,13 +175,22 @@ class PrefixCache:
             block.refs -= 1
 
     def copy_into(self, kv: torch.Tensor, pe: torch.Tensor, chain: list[Block]) -> int:
-        """Write ``chain`` into slots [0, n) of one row's cache kv [layers, S, r], pe [layers, S, rope];
-        returns n, the tokens it covers."""
-        bs = self.block_tokens
-        for i, block in enumerate(chain):
-            kv[: self.layers, i * bs : (i + 1) * bs] = block.kv
-            pe[: self.layers, i * bs : (i + 1) * bs] = block.pe
-        return len(chain) * bs
+        """Write ``chain`` into one row's cache kv [layers, S, r], pe [layers, S, rope]: the main layers'
+        slots [0, n), the MTP layers' [0, n - 1) (see the module docstring); returns n."""
+        n, m = len(chain) * self.block_tokens, self.main_layers
+        for dst, part in ((kv, [b.kv for b in chain]), (pe, [b.pe for b in chain])):
+            flat = torch.cat(part, dim=1)  # [layers, n, .]; MTP layers hold slots -1 .. n - 2
+            dst[:m, :n] = flat[:m]
+            dst[m : self.layers, : n - 1] = flat[m:, 1:]
+        return n
+
+    def _block_slice(self, t: torch.Tensor, i: int) -> torch.Tensor:
+        """Block i's share of a prefilled row t [layers, len, .]: main slots [s, e), MTP slots [s - 1, e - 1)."""
+        s, e, m = i * self.block_tokens, (i + 1) * self.block_tokens, self.main_layers
+        mtp = t[m : self.layers, max(s - 1, 0) : e - 1]
+        if s == 0:
+            mtp = torch.cat([mtp.new_zeros(mtp.shape[0], 1, mtp.shape[2]), mtp], dim=1)
+        return torch.cat([t[:m, s:e], mtp], dim=0)
 
     # ---- insertion and eviction ----------------------------------------------------------------
     def insert(self, prompt: Sequence[int], kv: torch.Tensor, pe: torch.Tensor) -> int:
@@ -191,8 +203,7 @@ class PrefixCache:
                 key = self.hasher(key, tokens)
                 block = self.blocks.get(key)
                 if block is None:
-                    block = self._store(key, tokens, parent, kv[: self.layers, i * bs : (i + 1) * bs],
-                                        pe[: self.layers, i * bs : (i + 1) * bs])
+                    block = self._keep(Block(key, tokens, parent, self._block_slice(kv, i), self._block_slice(pe, i)))
                     if block is None:
                         break
                     new += 1
@@ -206,16 +217,23 @@ class PrefixCache:
         self._touch(chain)
         return new
 
-    def _store(self, key: bytes, tokens: tuple[int, ...], parent: Block | None, kv: torch.Tensor,
-               pe: torch.Tensor) -> Block | None:
-        """A new resident block with copies of kv/pe, or None when no room can be made for it."""
-        nbytes = kv.nbytes + pe.nbytes
-        if not self._make_room(nbytes):
+    def _keep(self, block: Block) -> Block | None:
+        """``block`` made resident when its parent is and room can be made, else written to the on-disk
+        tier when there is one (a chain longer than memory goes on there); None when kept nowhere."""
+        if self._resident(block.parent) and self._make_room(block.nbytes):
+            self._admit(block)
+            self.counters.inserted += 1
+            return block
+        if self.directory is None:
             return None
-        block = Block(key, tokens, parent, kv.clone(), pe.clone())
-        self._admit(block)
-        self.counters.inserted += 1
-        return block
+        if self._path(block.key).is_file():
+            block.on_disk = True
+        else:
+            self._write(block)
+        return block if block.on_disk else None
+
+    def _resident(self, block: Block | None) -> bool:
+        return block is None or self.blocks.get(block.key) is block
 
     def _admit(self, block: Block) -> None:
         self.blocks[block.key] = block
@@ -295,11 +313,12 @@ class PrefixCache:
             kv, pe = self._parse(path.read_bytes(), prefix)
         except (OSError, ValueError, KeyError, TypeError, RuntimeError, json.JSONDecodeError, struct.error) as exc:
             self._reject(f"{path.name}: {exc}")
+            path.unlink(missing_ok=True)  # named by this model's chain yet unusable: make way for a sound copy
             return None
         block = Block(key, tuple(prefix[-self.block_tokens :]), parent, kv.to(self.device), pe.to(self.device),
                       on_disk=True)
         self.counters.disk_reads += 1
-        if (parent is None or self.blocks.get(parent.key) is parent) and self._make_room(block.nbytes):
+        if key not in self.blocks and self._resident(parent) and self._make_room(block.nbytes):
             self._admit(block)
         return block
 
