@@ -127,6 +127,8 @@ def create_app(engine: Engine, model_name: str = "dsv3", max_batch: int = 8,
         scheduler.start()
         yield
         scheduler.stop()
+        if isinstance(metrics.expert_load, RouterCounts):
+            metrics.expert_load.remove()  # the model may outlive the app (tests, notebooks)
 
     app = FastAPI(title="dsv3", lifespan=lifespan)
     app.state.scheduler = scheduler
