@@ -71,7 +71,8 @@ def main() -> None:
             rows = []
             for r in range(args.rounds):
                 for shared in (0, args.shared_prefix):
-                    prompts = make_prompts(args.requests, args.prompt_len, shared, card["vocab_size"], seed=2 * r + (shared > 0))
+                    seed = 2 * r + (shared > 0)  # no round shares a token sequence with another
+                    prompts = make_prompts(args.requests, args.prompt_len, shared, card["vocab_size"], seed)
                     out = run(url, card["id"], prompts, args.gen_len, args.concurrency, timeout=600)
                     rows.append({"round": r, "shared_prefix": shared, **out})
         finally:
