@@ -208,3 +208,20 @@ def test_nothing_is_cached_or_reused_beyond_the_last_prompt_token(model):
         assert request.cached_tokens == 0
     assert len(cache.blocks) == 0
     torch.testing.assert_close(torch.tensor(cache.counters.hits), torch.tensor(0))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
+def test_low_precision_caches_round_trip_through_memory_and_disk(model, dtype, tmp_path):
+    """Blocks keep the cache's own dtype, on disk too (raw bytes, so FP8 needs no special case)."""
+    rng = random.Random(5)
+    base = ids(rng, 5 * BS)
+    prompts = [base + ids(rng, 5) for _ in range(3)]
+    plain = Engine(model, speculative=True, cache_dtype=dtype, eos_token_ids=frozenset())
+    cached = Engine(model, speculative=True, cache_dtype=dtype, eos_token_ids=frozenset())
+    block_bytes = PrefixCache(model, 1, BS, speculative=True, dtype=dtype).layers * BS * (64 + 16) * dtype.itemsize
+    cache = PrefixCache.for_engine(cached, 2 * block_bytes, BS, tmp_path)
+    want, _ = answers(plain, prompts, GREEDY, together=False)
+    got, reused = answers(cached, prompts, GREEDY, together=False)
+    assert got == want and reused == [0, 5 * BS, 5 * BS]
+    assert cache.counters.disk_reads > 0 and cache.counters.disk_rejected == 0
+    assert all(b.kv.dtype == dtype for b in cache.blocks.values())
