@@ -90,6 +90,7 @@ def test_bench_serve_with_no_server_is_one_clear_error(url, message, capsys):
     (["--shared-prefix", "50", "--prompt-len", "40"], "--shared-prefix (50) cannot exceed --prompt-len (40)"),
     (["--concurrency", "0"], "--concurrency must be >= 1"),
     (["--prompt-len", "2000", "--gen-len", "100"], "exceeds the model's context (1024)"),
+    (["--model", "gpt-9"], "does not serve 'gpt-9'; it serves tiny-serve"),
 ])
 def test_bench_serve_bad_flags(server_url, extra, message, capsys):
     assert main(["bench", "serve", "--url", server_url, *extra]) == 2

@@ -66,8 +66,9 @@ def _get_json(url: str, timeout: float) -> dict:
         return json.loads(resp.read())
 
 
-def model_card(base: str, timeout: float = 10.0) -> dict:
-    """The server's first model card; one clear error when the server cannot be reached."""
+def model_card(base: str, name: str | None = None, timeout: float = 10.0) -> dict:
+    """The server's card of model ``name`` (default: its first); one clear error when the server cannot be
+    reached or does not serve it."""
     try:
         data = _get_json(base + "/v1/models", timeout)
     except urllib.error.HTTPError as exc:
@@ -78,9 +79,15 @@ def model_card(base: str, timeout: float = 10.0) -> dict:
     except ValueError:
         raise DSV3Error(f"{base}/v1/models did not answer JSON: is this an OpenAI-compatible server?") from None
     models = data.get("data") if isinstance(data, dict) else None
-    if not models or not isinstance(models[0], dict) or "id" not in models[0]:
+    cards = [m for m in models or [] if isinstance(m, dict) and "id" in m]
+    if not cards:
         raise DSV3Error(f"{base}/v1/models lists no model")
-    return models[0]
+    if name is None:
+        return cards[0]
+    for card in cards:
+        if card["id"] == name:
+            return card
+    raise DSV3Error(f"the server at {base} does not serve {name!r}; it serves {', '.join(c['id'] for c in cards)}")
 
 
 def make_prompts(n: int, length: int, shared: int, vocab: int, seed: int) -> list[list[int]]:
@@ -188,6 +195,8 @@ def run(base: str, model: str, prompts: list[list[int]], gen_len: int, concurren
 
 def main(
     url: str = typer.Option(..., "--url", metavar="URL", help="The server, e.g. http://127.0.0.1:8000."),
+    model: str | None = typer.Option(None, "--model", metavar="NAME",
+                                     help="Model to ask for (default: the first the server lists)."),
     concurrency: int = typer.Option(1, "--concurrency", metavar="C", show_default=False,
                                     help="Requests in flight at once (default: 1)."),
     requests: int = typer.Option(16, "--requests", metavar="R", show_default=False,
@@ -216,7 +225,7 @@ def main(
     if not timeout > 0:
         raise DSV3Error(f"--timeout must be > 0, got {timeout}")
     base = base_url(url)
-    card = model_card(base)
+    card = model_card(base, model)
     vocab = vocab_size if vocab_size is not None else card.get("vocab_size")
     if not isinstance(vocab, int) or vocab < 1:
         raise DSV3Error("the server does not report its vocab_size: pass --vocab-size")

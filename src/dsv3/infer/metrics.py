@@ -72,25 +72,28 @@ class Histogram:
 
 class RouterCounts:
     """Routed tokens per (MoE layer, expert) in one process, counted by forward hooks on the routers
-    (the model counts its load only in training)."""
+    (the model counts its load only in training). Counts stay on the router's device: no sync per step."""
 
     def __init__(self, model):
-        self.counts: list[torch.Tensor] = []
+        self.counts: list[torch.Tensor | None] = []
+        self.sizes: list[int] = []
         self.handles = []
-        for moe in model.moe_layers():
-            counts = torch.zeros(moe.n_experts, dtype=torch.long)
-            self.counts.append(counts)
-            self.handles.append(moe.gate.register_forward_hook(self._hook(counts)))
+        for i, moe in enumerate(model.moe_layers()):
+            self.counts.append(None)
+            self.sizes.append(moe.n_experts)
+            self.handles.append(moe.gate.register_forward_hook(self._hook(i)))
 
-    @staticmethod
-    def _hook(counts: torch.Tensor):
+    def _hook(self, i: int):
         def hook(_module, _inputs, output) -> None:
-            idx = output[0]
-            counts.add_(torch.bincount(idx.flatten().cpu(), minlength=counts.numel())[: counts.numel()])
+            idx = output[0].flatten()
+            n = self.sizes[i]
+            if self.counts[i] is None:
+                self.counts[i] = torch.zeros(n, dtype=torch.long, device=idx.device)
+            self.counts[i] += torch.bincount(idx, minlength=n)[:n]
         return hook
 
     def __call__(self) -> dict[int, list[list[int]]]:
-        return {0: [c.tolist() for c in self.counts]}
+        return {0: [c.tolist() if c is not None else [0] * n for c, n in zip(self.counts, self.sizes, strict=True)]}
 
     def remove(self) -> None:
         for h in self.handles:
