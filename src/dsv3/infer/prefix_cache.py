@@ -267,11 +267,6 @@ class PrefixCache:
             if self.blocks.get(block.key) is block:
                 self.blocks.move_to_end(block.key)
 
-    def clear(self) -> None:
-        """Forget every resident block (the on-disk tier stays)."""
-        self.blocks.clear()
-        self.used_bytes = 0
-
     # ---- the on-disk tier ----------------------------------------------------------------------------
     def _path(self, key: bytes) -> Path:
         return self.directory / f"{key.hex()}.blk"
@@ -371,13 +366,6 @@ class PrefixCache:
             return [CachingBatch(engine, requests)]
         except _Poisoned:
             return [CachingBatch(engine, [r]) for r in requests]
-
-    def stats(self) -> dict:
-        c = self.counters
-        return {"blocks": len(self.blocks), "bytes": self.used_bytes, "max_bytes": self.max_bytes,
-                "block_tokens": self.block_tokens, "queries": c.queries, "hits": c.hits,
-                "hit_rate": c.hits / c.queries if c.queries else None, "inserted": c.inserted, "evicted": c.evicted,
-                "disk_reads": c.disk_reads, "disk_writes": c.disk_writes, "disk_rejected": c.disk_rejected}
 
 
 class CachingBatch(Batch):
