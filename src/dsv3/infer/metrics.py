@@ -72,28 +72,27 @@ class Histogram:
 
 class RouterCounts:
     """Routed tokens per (MoE layer, expert) in one process, counted by forward hooks on the routers
-    (the model counts its load only in training). Counts stay on the router's device: no sync per step."""
+    (the model counts its load only in training). Counts live on the router's device (no sync per step)
+    and are made here, outside inference mode, so that any forward may add to them."""
 
     def __init__(self, model):
-        self.counts: list[torch.Tensor | None] = []
-        self.sizes: list[int] = []
+        self.counts: list[torch.Tensor] = []
         self.handles = []
-        for i, moe in enumerate(model.moe_layers()):
-            self.counts.append(None)
-            self.sizes.append(moe.n_experts)
-            self.handles.append(moe.gate.register_forward_hook(self._hook(i)))
+        for moe in model.moe_layers():
+            device = next(moe.gate.parameters(), torch.empty(0)).device
+            counts = torch.zeros(moe.n_experts, dtype=torch.long, device=device)
+            self.counts.append(counts)
+            self.handles.append(moe.gate.register_forward_hook(self._hook(counts)))
 
-    def _hook(self, i: int):
+    @staticmethod
+    def _hook(counts: torch.Tensor):
         def hook(_module, _inputs, output) -> None:
-            idx = output[0].flatten()
-            n = self.sizes[i]
-            if self.counts[i] is None:
-                self.counts[i] = torch.zeros(n, dtype=torch.long, device=idx.device)
-            self.counts[i] += torch.bincount(idx, minlength=n)[:n]
+            n = counts.numel()
+            counts.add_(torch.bincount(output[0].flatten(), minlength=n)[:n].to(counts.device))
         return hook
 
     def __call__(self) -> dict[int, list[list[int]]]:
-        return {0: [c.tolist() if c is not None else [0] * n for c, n in zip(self.counts, self.sizes, strict=True)]}
+        return {0: [c.tolist() for c in self.counts]}
 
     def remove(self) -> None:
         for h in self.handles:
