@@ -225,3 +225,31 @@ def test_low_precision_caches_round_trip_through_memory_and_disk(model, dtype, t
     assert got == want and reused == [0, 5 * BS, 5 * BS]
     assert cache.counters.disk_reads > 0 and cache.counters.disk_rejected == 0
     assert all(b.kv.dtype == dtype for b in cache.blocks.values())
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "mtp"])
+def test_hits_of_the_same_shape_are_prefilled_together(model, speculative, monkeypatch):
+    """A load generator's prompts (one shared prefix, one length): one batched prefill of the rests,
+    with the same outputs as a cache-free engine."""
+    from dsv3.infer import prefix_cache
+
+    rng = random.Random(6)
+    base = ids(rng, 3 * BS)
+    same = [base + ids(rng, 5) for _ in range(3)]
+    prompts = same + [base + ids(rng, 9), ids(rng, 12)]  # another length, and a miss
+    plain = Engine(model, speculative=speculative, eos_token_ids=frozenset())
+    cached = Engine(model, speculative=speculative, eos_token_ids=frozenset())
+    PrefixCache.for_engine(cached, 1 << 30, block_tokens=BS)
+    want, _ = answers(plain, prompts, SAMPLED, together=False)
+    cached.generate([Request(base + [7], 1, GREEDY)])  # caches the shared blocks
+    sizes = []
+    real = prefix_cache.PrefixBatch
+
+    def spy(engine, requests, chains):
+        sizes.append(len(requests))
+        return real(engine, requests, chains)
+
+    monkeypatch.setattr(prefix_cache, "PrefixBatch", spy)
+    got, reused = answers(cached, prompts, SAMPLED, together=True)
+    assert got == want and reused == [3 * BS] * 4 + [0]
+    assert sorted(sizes) == [1, 3]

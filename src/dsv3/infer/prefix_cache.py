@@ -347,13 +347,19 @@ class PrefixCache:
 
     # ---- the engine's side ------------------------------------------------------------------------------
     def start(self, engine: Engine, requests: list[Request]) -> Batch:
-        """``Engine.start`` with reuse: requests without a hit are prefilled together as usual, each one
-        with a hit alone from the end of its prefix; then all are merged into one batch."""
+        """``Engine.start`` with reuse: requests without a hit are prefilled together as usual; those with
+        a hit from the end of their prefix, together when their prefix and prompt lengths agree (no
+        padding then: a shared system prompt under a load generator's fixed lengths); then all are
+        merged into one batch."""
         plans = [(r, self.match(r.prompt_ids)) for r in requests]
         try:
             misses = [r for r, chain in plans if not chain]
             batches = self._prefill_together(engine, misses) if misses else []
-            batches += [PrefixBatch(engine, [r], chain) for r, chain in plans if chain]
+            shapes: dict[tuple[int, int], list[tuple[Request, list[Block]]]] = {}
+            for r, chain in plans:
+                if chain:
+                    shapes.setdefault((len(chain), len(r.prompt_ids)), []).append((r, chain))
+            batches += [PrefixBatch(engine, [r for r, _ in group], [c for _, c in group]) for group in shapes.values()]
         finally:
             for _, chain in plans:
                 self.release(chain)
@@ -382,36 +388,41 @@ class CachingBatch(Batch):
 
 
 class PrefixBatch(CachingBatch):
-    """One request whose prompt starts with cached blocks: they are copied into its cache and only the
-    rest of the prompt is prefilled (at positions that continue from the prefix)."""
+    """Requests whose prompts start with cached blocks, all with the same prompt and prefix lengths: the
+    blocks are copied into each row's cache and only the rest of each prompt is prefilled (at positions
+    that continue from the prefix), with no padding."""
 
-    def __init__(self, engine: Engine, requests: list[Request], chain: list[Block]):
-        self.chain = chain
+    def __init__(self, engine: Engine, requests: list[Request], chains: list[list[Block]]):
+        self.chains = {id(r): chain for r, chain in zip(requests, chains, strict=True)}
         super().__init__(engine, requests)
 
     @torch.inference_mode()
     def _prefill(self) -> list[Event]:
         self.cur, self.holes = 0, False
-        if not self.rows:  # the request could not start (its error event is already out)
+        if not self.rows:  # no request could start (their error events are already out)
             self._alloc(0, 0)
             return []
-        row = self.rows[0]
-        prompt = row.request.prompt_ids
-        L = len(prompt)
-        self._alloc(1, self._capacity_for(L))
-        cached = self.engine.prefix_cache.copy_into(self.cache.kv[:, 0], self.cache.pe[:, 0], self.chain)
-        row.request.cached_tokens = cached
+        prompts = [row.request.prompt_ids for row in self.rows]
+        B, L = len(prompts), len(prompts[0])
+        self._alloc(B, self._capacity_for(L))
+        for b, row in enumerate(self.rows):
+            chain = self.chains[id(row.request)]
+            row.request.cached_tokens = self.engine.prefix_cache.copy_into(self.cache.kv[:, b], self.cache.pe[:, b],
+                                                                           chain)
+        cached = self.rows[0].request.cached_tokens
         self.valid[:, :L] = True
         start = cached - 1 if self.engine.speculative else cached  # MTP's slot cached-1 reads token `cached`
-        positions = torch.arange(start, L, device=self.device)[None]
-        ids = torch.tensor([prompt[start:]], device=self.device)
+        positions = torch.arange(start, L, device=self.device)[None].expand(B, -1)
+        ids = torch.tensor([list(p[start:]) for p in prompts], device=self.device)
         h = self.model.hidden_states(ids, positions=positions, cache=self.cache, start_pos=start)
-        logits = self.model.lm_head(h[:, -1]).cpu()
-        events = [self._guarded(row, lambda: self._sample(row, logits[0][None], None))]
+        logits = self.model.lm_head(h[:, -1]).cpu()  # [B, V]
+        events = [self._guarded(row, lambda row=row, b=b: self._sample(row, logits[b][None], None))
+                  for b, row in enumerate(self.rows)]
         self.cur = L
         if self.engine.speculative:
-            nxt = torch.tensor([list(prompt[start + 1 :]) + [row.last]], device=self.device)
-            events += self._draft(h, nxt, positions, start, [L - start])
+            nxt = torch.tensor([list(p[start + 1 :]) + [row.last] for p, row in zip(prompts, self.rows, strict=True)],
+                               device=self.device)
+            events += self._draft(h, nxt, positions, start, [L - start] * B)
         return events
 
 
