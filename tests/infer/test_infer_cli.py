@@ -239,7 +239,7 @@ def test_bench_decode_prints_readable_lines(checkpoint, capsys):
     assert all(len(line) <= 80 for line in out.splitlines())
 
 
-@pytest.mark.parametrize("command", [["generate"], ["chat"], ["serve"], ["bench", "decode"]])
+@pytest.mark.parametrize("command", [["generate"], ["chat"], ["serve"], ["bench", "decode"], ["bench", "serve"]])
 def test_help_reads_well_at_80_columns(command, monkeypatch, capsys):
     monkeypatch.setenv("COLUMNS", "80")
     assert main([*command, "--help"]) == 0

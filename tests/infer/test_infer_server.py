@@ -318,3 +318,54 @@ def test_access_log_has_one_line_per_request(server):
     assert '"POST /v1/completions" 200 3 tokens' in lines[0] and lines[0].endswith(" ms")
     assert re.search(r'"GET /v1/models" 200 \d+ ms$', lines[1])
     assert '"POST /v1/completions" 200 4 tokens' in lines[2] and lines[0].startswith("127.0.0.1:")
+
+
+# ---- /metrics, usage details, ignore_eos ------------------------------------------------------------
+
+def test_metrics_count_requests_tokens_and_each_experts_load(server, model):
+    """Expert load: every token a forward feeds is routed to top-k experts of each MoE layer it passes,
+    so a request of P prompt and G generated tokens (no speculation) adds k * (P + G - 1) per layer."""
+    from .prometheus_text import parse, total
+
+    url = server[0]
+    before = parse(httpx.get(url + "/metrics", timeout=10).text)
+    reply = httpx.post(url + "/v1/completions", json={"prompt": [4, 5, 6, 7], "max_tokens": 5, "temperature": 0},
+                       timeout=30).json()
+    assert reply["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}  # this server has no prefix cache
+    after = parse(httpx.get(url + "/metrics", timeout=10).text)
+    assert not any(name.startswith("dsv3_prefix_cache") for name, _ in after)
+
+    def delta(name, **labels):
+        return total(after, name, **labels) - total(before, name, **labels)
+
+    generated = reply["usage"]["completion_tokens"]
+    assert delta("dsv3_requests_total") == delta("dsv3_requests_total", finish_reason=reply["choices"][0][
+        "finish_reason"]) == 1
+    assert delta("dsv3_prompt_tokens_total") == 4 and delta("dsv3_generation_tokens_total") == generated
+    assert delta("dsv3_time_to_first_token_seconds_count") == 1
+    assert delta("dsv3_request_latency_seconds_count") == 1
+    k, fed = model.config.num_experts_per_tok, 4 + generated - 1
+    n_main = sum(1 for i in range(model.config.num_hidden_layers) if model.config.is_moe_layer(i))
+    per_layer = [delta("dsv3_expert_tokens_total", rank=0, layer=i) for i in range(len(model.moe_layers()))]
+    assert per_layer[:n_main] == [k * fed] * n_main and not any(per_layer[n_main:])  # the MTP layer is idle
+    assert delta("dsv3_rank_expert_tokens_total", rank=0) == k * fed * n_main
+
+
+def test_model_card_reports_context_and_vocabulary(server, model):
+    card = httpx.get(server[0] + "/v1/models", timeout=10).json()["data"][0]
+    assert card["max_model_len"] == model.config.max_position_embeddings
+    assert card["vocab_size"] == model.config.vocab_size
+
+
+def test_ignore_eos_generates_exactly_max_tokens(model, tokenizer):
+    """With the first greedy token as end-of-text, a request stops at once, unless it asks ignore_eos."""
+    first = Engine(model, tokenizer).generate([Request([9, 10, 11], 1)])[0].token_ids[0]
+    app = create_app(Engine(model, tokenizer, eos_token_ids=frozenset({first})), model_name="tiny")
+    with serving(app) as url:
+        body = {"prompt": [9, 10, 11], "max_tokens": 6, "temperature": 0}
+        stopped = httpx.post(url + "/v1/completions", json=body, timeout=30).json()
+        assert stopped["choices"][0]["finish_reason"] == "stop" and stopped["usage"]["completion_tokens"] == 1
+        full = httpx.post(url + "/v1/completions", json={**body, "ignore_eos": True}, timeout=30).json()
+        assert full["choices"][0]["finish_reason"] == "length" and full["usage"]["completion_tokens"] == 6
+        bad = httpx.post(url + "/v1/completions", json={**body, "ignore_eos": "yes"}, timeout=30)
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "ignore_eos"

@@ -290,9 +290,17 @@ def serve(
     cache_dtype: str = CACHE_DTYPE,
     threads: int = THREADS,
     quiet: bool = typer.Option(False, "--quiet", metavar="", help="No access log line per request."),
+    prefix_cache_bytes: str = typer.Option("1G", "--prefix-cache-bytes", metavar="SIZE", show_default=False,
+                                           help="Memory for cached prompt prefixes, e.g. 512M; 0 turns the "
+                                                "cache off (default: 1G)."),
+    prefix_block_tokens: int = typer.Option(16, "--prefix-block-tokens", metavar="N", show_default=False,
+                                            help="Tokens per prefix-cache block (default: 16)."),
+    prefix_cache_dir: str | None = typer.Option(None, "--prefix-cache-dir", metavar="DIR",
+                                                help="Keep evicted prefix blocks in this folder and reuse them."),
 ) -> None:
-    """OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions (stream: true as SSE).
-    Prints the address and the model on start, then one access log line per request on stderr."""
+    """OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions (stream: true as SSE),
+    /metrics (Prometheus). Prints the address and the model on start, then one access log line per
+    request on stderr."""
     import uvicorn
 
     from dsv3.infer.server import create_app
@@ -303,6 +311,7 @@ def serve(
         raise DSV3Error(f"--port must be in [0, 65535], got {port}")
     folder = resolve_checkpoint(model)
     engine = build_engine(str(folder), dtype, weights, cache_dtype, speculative, threads=threads)
+    attach_prefix_cache(engine, prefix_cache_bytes, prefix_block_tokens, prefix_cache_dir)
     name = _model_name(model)
     app = create_app(engine, model_name=name, max_batch=max_batch, access_log=None if quiet else _log_line)
     sock = listen(host, port)
@@ -314,15 +323,30 @@ def serve(
     server.run(sockets=[sock])
 
 
+def attach_prefix_cache(engine, size: str, block_tokens: int, directory: str | None) -> None:
+    """Give ``engine`` a prefix cache of ``size`` bytes (none for 0; a folder without memory is refused)."""
+    from dsv3.infer.prefix_cache import PrefixCache, parse_size
+
+    at_least(block_tokens, 1, "--prefix-block-tokens")
+    max_bytes = parse_size(size, "--prefix-cache-bytes")
+    if max_bytes == 0:
+        if directory is not None:
+            raise DSV3Error("--prefix-cache-dir needs a prefix cache: --prefix-cache-bytes must be > 0")
+        return
+    PrefixCache.for_engine(engine, max_bytes, block_tokens, directory)
+
+
 def _log_line(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
 def _describe(engine) -> str:
-    from dsv3.infer.units import fmt_count
+    from dsv3.infer.units import fmt_bytes, fmt_count
 
     params = sum(p.numel() for p in engine.model.parameters())
     dtype = str(next(engine.model.parameters()).dtype).replace("torch.", "")
     context = f"context {engine.context}" if engine.context else "no context limit in config.json"
     spec = ", MTP speculation" if engine.speculative else ""
-    return f"{fmt_count(params)} parameters, {dtype}, {engine.device}, {context}{spec}"
+    cache = engine.prefix_cache
+    prefix = f", prefix cache {fmt_bytes(cache.max_bytes)}" if cache is not None else ""
+    return f"{fmt_count(params)} parameters, {dtype}, {engine.device}, {context}{spec}{prefix}"

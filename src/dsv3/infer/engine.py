@@ -49,6 +49,8 @@ class Request:
     stop_strings: tuple[str, ...] = ()
     cancelled: bool = False
     logprobs: int | None = None
+    ignore_eos: bool = False  # only max_new_tokens, stop ids and stop strings end it (benchmarks)
+    cached_tokens: int = 0  # prompt tokens the prefix cache served (set at prefill; see prefix_cache.py)
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -147,7 +149,7 @@ class Row:
         self.request = request
         self.params = request.sampling
         self.gen = request.sampling.generator()
-        self.stop_ids = request.stop_token_ids | eos_ids
+        self.stop_ids = request.stop_token_ids | (frozenset() if request.ignore_eos else eos_ids)
         self.stream = TextStream(tokenizer, request.stop_strings)
         self.generated: list[int] = []
         self.finish_reason: str | None = None
@@ -207,6 +209,7 @@ class Engine:
         self.device = model.inv_freq.device  # inputs go where the weights are; sampling stays on the CPU
         self.eos_ids = eos_token_ids if eos_token_ids is not None else model.config.eos_token_ids
         self.context = context_limit(model)
+        self.prefix_cache = None  # a dsv3.infer.prefix_cache.PrefixCache: prompts reuse cached latent blocks
 
     def start(self, requests: list[Request]) -> Batch:
         """Prefill ``requests`` as one batch; the first token of each is in ``batch.first_events``.
@@ -214,6 +217,8 @@ class Engine:
         When a row's prefill comes out non-finite, the padding of the other rows may have been
         poisoned too (a masked slot holding NaN still gives 0 * NaN in attention), so each request is
         prefilled alone and the batches merged: only the row that is itself broken fails."""
+        if self.prefix_cache is not None:
+            return self.prefix_cache.start(self, requests)
         try:
             return Batch(self, requests)
         except _Poisoned:
@@ -269,7 +274,13 @@ class Batch:
                 failed.append(Event(r, [], "", "error", error=f"cannot start this request: {exc}"))
         t0 = time.perf_counter()
         self.first_events = failed + self._prefill()
+        self._prefilled()
+        self.drop([b for b, r in enumerate(self.rows) if r.finish_reason])
         self.stats.prefill_s = time.perf_counter() - t0
+
+    def _prefilled(self) -> None:
+        """Hook run once the prompts are in the cache, before finished rows leave (the prefix cache
+        keeps their blocks here)."""
 
     # ---- cache bookkeeping ---------------------------------------------------------------
     def _alloc(self, batch: int, slots: int) -> None:
@@ -371,7 +382,6 @@ class Batch:
         if self.engine.speculative:
             nxt = torch.cat([ids[:, 1:], torch.tensor([[r.last] for r in self.rows])], dim=1)
             events += self._draft(h, nxt.to(self.device), positions.to(self.device), 0, [L] * B)
-        self.drop([b for b, r in enumerate(self.rows) if r.finish_reason])
         return events
 
     def _check_poison(self, logits: torch.Tensor) -> None:

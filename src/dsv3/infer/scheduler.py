@@ -2,7 +2,8 @@
 
 New requests are prefilled as their own batch and merged into the running one at a step boundary, so a
 request never waits for others to finish; a cancelled request (its client went away) is dropped from
-the batch at the next step, which frees its share of the compute and of the cache.
+the batch at the next step, which frees its share of the compute and of the cache. Every request's
+timing and every step's batch size go to ``metrics`` (``GET /metrics``).
 """
 
 from __future__ import annotations
@@ -13,18 +14,23 @@ import threading
 from collections.abc import Callable
 
 from dsv3.infer.engine import Batch, Engine, Event, Request
+from dsv3.infer.metrics import ServingMetrics
 
 Deliver = Callable[[Event | BaseException], None]
 
 
 class Scheduler:
-    def __init__(self, engine: Engine, max_batch: int = 8):
+    def __init__(self, engine: Engine, max_batch: int = 8, metrics: ServingMetrics | None = None):
         self.engine, self.max_batch = engine, max_batch
         self.pending: queue.Queue[tuple[Request, Deliver]] = queue.Queue()
         self.listeners: dict[int, Deliver] = {}
         self.batch: Batch | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self.metrics = metrics or ServingMetrics()
+        self.metrics.running = lambda: self.active
+        self.metrics.waiting = self.pending.qsize
+        self.metrics.prefix_cache = engine.prefix_cache
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -51,6 +57,7 @@ class Scheduler:
         def deliver(item: Event | BaseException) -> None:
             loop.call_soon_threadsafe(events.put_nowait, item)
 
+        self.metrics.arrived(request)
         self.pending.put((request, deliver))
         return events
 
@@ -61,6 +68,7 @@ class Scheduler:
             if self.batch is None:
                 continue
             try:
+                self.metrics.step(len(self.batch.rows))
                 self._send(self.batch.step())
             except Exception as exc:  # a failing step must not kill the server: fail its requests
                 self._fail([r.request for r in self.batch.rows], exc)
@@ -79,6 +87,9 @@ class Scheduler:
                 new.append(self.pending.get_nowait())
         except queue.Empty:
             pass
+        for r, _ in new:
+            if r.cancelled:
+                self.metrics.finished(r, "cancelled")
         new = [(r, d) for r, d in new if not r.cancelled]
         if not new:
             return
@@ -113,6 +124,7 @@ class Scheduler:
 
     def _send(self, events: list[Event]) -> None:
         for ev in events:
+            self.metrics.event(ev.request, len(ev.token_ids), ev.finish_reason)
             deliver = self.listeners.get(id(ev.request))
             if deliver is not None:
                 deliver(ev)
@@ -121,6 +133,7 @@ class Scheduler:
 
     def _fail(self, requests: list[Request], exc: BaseException) -> None:
         for r in requests:
+            self.metrics.finished(r, "error")
             deliver = self.listeners.pop(id(r), None)
             if deliver is not None:
                 deliver(exc)

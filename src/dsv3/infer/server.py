@@ -1,6 +1,10 @@
-"""OpenAI-compatible HTTP API on FastAPI: /v1/models, /v1/completions, /v1/chat/completions.
+"""OpenAI-compatible HTTP API on FastAPI: /v1/models, /v1/completions, /v1/chat/completions, and
+/metrics (Prometheus text format: requests, tokens, latencies, batch size, prefix cache, expert load).
 
 ``stream: true`` answers with server-sent events (``data: {chunk}`` lines, then ``data: [DONE]``).
+``usage.prompt_tokens_details.cached_tokens`` says how many prompt tokens the prefix cache served, as
+OpenAI reports it. ``ignore_eos: true`` (vLLM's extension) generates exactly ``max_tokens`` tokens
+unless a stop string ends it first: what ``dsv3 bench serve`` asks for.
 Every error is a 4xx/5xx with OpenAI's JSON body ``{"error": {"message", "type", "param", "code"}}``.
 A client that disconnects cancels its request, and the scheduler drops it from the batch.
 
@@ -22,7 +26,7 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
@@ -31,6 +35,7 @@ from dsv3.infer import chat_template
 from dsv3.infer.detok import token_text_and_bytes
 from dsv3.infer.engine import Engine, Event, TokenLogprob
 from dsv3.infer.engine import Request as GenRequest
+from dsv3.infer.metrics import RouterCounts, ServingMetrics
 from dsv3.infer.sampling import MAX_SEED, SamplingParams
 from dsv3.infer.scheduler import Scheduler
 
@@ -67,6 +72,7 @@ class _Common(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
+    ignore_eos: bool = False  # extension (vLLM's): only max_tokens and stop strings end the request
 
 
 class CompletionBody(_Common):
@@ -107,16 +113,22 @@ class GenerationError(Exception):
 
 
 def create_app(engine: Engine, model_name: str = "dsv3", max_batch: int = 8,
-               access_log: Callable[[str], None] | None = None) -> FastAPI:
+               access_log: Callable[[str], None] | None = None, metrics: ServingMetrics | None = None) -> FastAPI:
     """The API over one engine; the decode worker runs while the app is up. ``access_log`` receives one
-    line per request (method, path, status, tokens generated, milliseconds)."""
-    scheduler = Scheduler(engine, max_batch)
+    line per request (method, path, status, tokens generated, milliseconds). ``metrics``: where /metrics
+    reads from (by default one whose expert load counts this process's routers)."""
+    if metrics is None:
+        metrics = ServingMetrics()
+        metrics.expert_load = RouterCounts(engine.model) if engine.model.moe_layers() else None
+    scheduler = Scheduler(engine, max_batch, metrics)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         scheduler.start()
         yield
         scheduler.stop()
+        if isinstance(metrics.expert_load, RouterCounts):
+            metrics.expert_load.remove()  # the model may outlive the app (tests, notebooks)
 
     app = FastAPI(title="dsv3", lifespan=lifespan)
     app.state.scheduler = scheduler
@@ -128,9 +140,15 @@ def create_app(engine: Engine, model_name: str = "dsv3", max_batch: int = 8,
     async def health() -> dict:
         return {"status": "ok", "active": scheduler.active, "queued": scheduler.pending.qsize()}
 
+    @app.get("/metrics")
+    async def prometheus_metrics() -> PlainTextResponse:
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "dsv3"}]}
+        card = {"id": model_name, "object": "model", "created": 0, "owned_by": "dsv3",
+                "max_model_len": engine.context, "vocab_size": engine.model.config.vocab_size}  # as vLLM's card
+        return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionBody, http: Request):
@@ -235,7 +253,8 @@ def _request(engine: Engine, body: _Common, ids: list[int], max_tokens: int | No
     if stops and engine.tokenizer is None:
         raise RequestError("stop strings need a tokenizer; this model has none", "stop")
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
-    return GenRequest(ids, max_tokens, params, stop_strings=tuple(stops) + extra_stops, logprobs=logprobs)
+    return GenRequest(ids, max_tokens, params, stop_strings=tuple(stops) + extra_stops, logprobs=logprobs,
+                      ignore_eos=body.ignore_eos)
 
 
 async def _events(scheduler: Scheduler, http: Request, request: GenRequest) -> AsyncIterator[Event]:
@@ -262,7 +281,8 @@ async def _events(scheduler: Scheduler, http: Request, request: GenRequest) -> A
 
 def _usage(request: GenRequest, count: int) -> dict:
     return {"prompt_tokens": len(request.prompt_ids), "completion_tokens": count,
-            "total_tokens": len(request.prompt_ids) + count}
+            "total_tokens": len(request.prompt_ids) + count,
+            "prompt_tokens_details": {"cached_tokens": request.cached_tokens}}
 
 
 def _count_tokens(http: Request, count: int) -> None:
