@@ -290,6 +290,15 @@ def serve(
     cache_dtype: str = CACHE_DTYPE,
     threads: int = THREADS,
     quiet: bool = typer.Option(False, "--quiet", metavar="", help="No access log line per request."),
+    ep: int | None = typer.Option(None, "--ep", metavar="N", show_default=False,
+                                  help="Expert parallel over N processes started by torchrun --nproc-per-node N."),
+    prefill_ranks: int = typer.Option(0, "--prefill-ranks", metavar="P", show_default=False,
+                                      help="With --ep: the first P ranks prefill, the others decode (default: 0)."),
+    dispatch: str = typer.Option("native", "--dispatch", metavar="FMT", show_default=False,
+                                 help="With --ep: dispatch wire format native, bf16, fp8 or fp32 (default: native)."),
+    combine: str = typer.Option("native", "--combine", metavar="FMT", show_default=False,
+                                help="With --ep: combine wire format native, bf16, logfmt8, logfmt10 or fp32 "
+                                     "(default: native)."),
 ) -> None:
     """OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions (stream: true as SSE).
     Prints the address and the model on start, then one access log line per request on stderr."""
@@ -301,6 +310,16 @@ def serve(
     at_least(max_batch, 1, "--max-batch")
     if not 0 <= port <= 65535:
         raise DSV3Error(f"--port must be in [0, 65535], got {port}")
+    if ep is not None:
+        from dsv3.infer.cluster.serve import GroupOptions, serve_group
+
+        engine_args = dict(dtype=dtype, weights=weights, cache_dtype=cache_dtype, speculative=speculative,
+                           threads=threads)
+        serve_group(GroupOptions(ep, prefill_ranks, dispatch, combine), model, host, port, max_batch, engine_args,
+                    quiet)
+        return
+    if prefill_ranks or dispatch != "native" or combine != "native":
+        raise DSV3Error("--prefill-ranks, --dispatch and --combine need --ep N (several processes)")
     folder = resolve_checkpoint(model)
     engine = build_engine(str(folder), dtype, weights, cache_dtype, speculative, threads=threads)
     name = _model_name(model)

@@ -107,10 +107,11 @@ class GenerationError(Exception):
 
 
 def create_app(engine: Engine, model_name: str = "dsv3", max_batch: int = 8,
-               access_log: Callable[[str], None] | None = None) -> FastAPI:
+               access_log: Callable[[str], None] | None = None, scheduler: Scheduler | None = None) -> FastAPI:
     """The API over one engine; the decode worker runs while the app is up. ``access_log`` receives one
-    line per request (method, path, status, tokens generated, milliseconds)."""
-    scheduler = Scheduler(engine, max_batch)
+    line per request (method, path, status, tokens generated, milliseconds). ``scheduler``: another
+    scheduler with the same interface (a multi-process serving group's front end)."""
+    scheduler = scheduler or Scheduler(engine, max_batch)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -1,0 +1,176 @@
+"""Rank 0 of a serving group: the scheduler behind the HTTP server, spreading requests over the ranks.
+
+``ClusterScheduler`` replaces the single-process ``Scheduler`` under the same HTTP app: requests are
+queued the same way, but its worker thread drives the whole group. Each step it assigns waiting requests
+to the least loaded ranks (at most ``max_batch`` each), broadcasts one ``Control`` message (gloo, small),
+runs rank 0's own share of the step, gathers every rank's events and delivers them to the HTTP side.
+
+When any collective fails (a rank died, or one did not answer within the group's timeout) the group is
+down for good: every request in flight and every later one fails with ``ClusterDown``, which the app
+answers with HTTP 503 and an OpenAI-shaped JSON error, at once rather than hanging.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import time
+from collections.abc import Callable
+
+import torch.distributed as dist
+
+from dsv3.errors import DSV3Error
+from dsv3.infer.cluster.rank import Control, RankWorker, WireEvent, WireRequest
+from dsv3.infer.engine import Engine, Request
+from dsv3.infer.scheduler import Deliver, Scheduler
+
+IDLE_WAIT_S = 0.05  # how long an idle group waits for a request before stepping anyway
+
+
+class ClusterDown(Exception):
+    """The serving group lost a rank: nothing can be generated any more (HTTP 503)."""
+
+
+def broadcast_control(control: Control | None) -> Control:
+    """Rank 0's control message to every rank (``control`` is ignored elsewhere)."""
+    box = [control]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def gather_events(events: list[WireEvent]) -> list[list[WireEvent]] | None:
+    """Every rank's events at rank 0, in rank order (None elsewhere)."""
+    out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(events, out, dst=0)
+    return out
+
+
+def worker_loop(worker: RankWorker, step: Callable[[Control], list[WireEvent]] | None = None) -> None:
+    """A rank other than 0: follow rank 0's control messages until it says stop."""
+    step = step or worker.step
+    while True:
+        control = broadcast_control(None)
+        if control.stop:
+            return
+        gather_events(step(control))
+
+
+class ClusterScheduler(Scheduler):
+    """The single-process scheduler's interface (``submit``, ``start``, ``stop``, ``active``, ``pending``)
+    over a group of ``world`` ranks; ``step`` runs rank 0's share of a step (``RankWorker.step`` by default)."""
+
+    def __init__(self, engine: Engine, worker: RankWorker, world: int, max_batch: int = 8,
+                 step: Callable[[Control], list[WireEvent]] | None = None, ranks: list[int] | None = None):
+        super().__init__(engine, max_batch)
+        self.worker, self.world = worker, world
+        self.step = step or worker.step
+        self.ranks = ranks if ranks is not None else list(range(world))  # ranks that take new requests
+        self.waiting: list[tuple[Request, Deliver]] = []  # queued, not yet given to a rank
+        self.inflight: dict[int, tuple[Request, int]] = {}  # rid -> (request, rank)
+        self.load = [0] * world
+        self.down: str | None = None
+        self.steps = 0
+        self._next_rid = 0
+
+    @property
+    def active(self) -> int:
+        return len(self.inflight)
+
+    def submit(self, request: Request) -> asyncio.Queue:
+        if self.down is None:
+            return super().submit(request)
+        events: asyncio.Queue = asyncio.Queue()  # answered at once: nothing can generate any more
+        events.put_nowait(ClusterDown(self.down))
+        return events
+
+    # ---- the worker thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self._step()
+            broadcast_control(Control(stop=True))
+        except Exception as exc:  # a collective failed: the group is gone
+            self._go_down(exc)
+
+    def _step(self) -> None:
+        control = Control(new=self._assign(), cancel=self._cancelled())
+        broadcast_control(control)
+        mine = self.step(control)
+        for events in gather_events(mine):
+            self._deliver(events)
+        self.steps += 1
+
+    def _assign(self) -> dict[int, list[WireRequest]]:
+        """Waiting requests given to the least loaded ranks with room; the rest keep waiting."""
+        self._take(block=not self.inflight and not self.waiting)
+        new: dict[int, list[WireRequest]] = {}
+        keep = []
+        for request, deliver in self.waiting:
+            if request.cancelled:
+                continue
+            rank = min(self.ranks, key=lambda r: self.load[r])
+            if self.load[rank] >= self.max_batch:
+                keep.append((request, deliver))
+                continue
+            rid, self._next_rid = self._next_rid, self._next_rid + 1
+            self.listeners[rid] = deliver
+            self.inflight[rid] = (request, rank)
+            self.load[rank] += 1
+            new.setdefault(rank, []).append(WireRequest.of(rid, request))
+        self.waiting = keep
+        return new
+
+    def _take(self, block: bool) -> None:
+        try:
+            if block:
+                self.waiting.append(self.pending.get(timeout=IDLE_WAIT_S))
+            while True:
+                self.waiting.append(self.pending.get_nowait())
+        except queue.Empty:
+            pass
+
+    def _cancelled(self) -> list[int]:
+        return [rid for rid, (request, _) in self.inflight.items() if request.cancelled]
+
+    def _deliver(self, events: list[WireEvent]) -> None:
+        for wire in events:
+            request, rank = self.inflight.get(wire.rid, (None, 0))
+            if request is None:
+                continue
+            deliver = self.listeners.get(wire.rid)
+            if deliver is not None:
+                deliver(wire.event(request))
+            if wire.finish_reason:
+                self.listeners.pop(wire.rid, None)
+                self.inflight.pop(wire.rid)
+                self.load[rank] -= 1
+
+    # ---- failure --------------------------------------------------------------------------------
+    def _go_down(self, exc: BaseException) -> None:
+        """Fail everything in flight and everything that comes later with ClusterDown."""
+        self.down = f"the serving group lost a rank and cannot generate: {_reason(exc)}"
+        for rid in list(self.inflight):
+            deliver = self.listeners.pop(rid, None)
+            if deliver is not None:
+                deliver(ClusterDown(self.down))
+        self.inflight.clear()
+        while not self._stop.is_set():
+            self._drain()
+            time.sleep(IDLE_WAIT_S)
+
+    def _drain(self) -> None:
+        self._take(block=False)
+        waiting, self.waiting = self.waiting, []
+        for _, deliver in waiting:
+            deliver(ClusterDown(self.down))
+
+
+def _reason(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return text[0] if text else type(exc).__name__
+
+
+def check_group(world: int, ep: int) -> None:
+    if world != ep:
+        raise DSV3Error(f"--ep {ep} needs exactly {ep} processes, got {world}: run it under torchrun "
+                        f"--nproc-per-node {ep}")
