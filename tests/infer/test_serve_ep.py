@@ -14,10 +14,11 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_infer_server import serving  # noqa: E402
+from test_infer_server import _free_port, serving  # noqa: E402
 
 from conftest import tiny_model, tiny_tokenizer  # noqa: E402
 from dsv3.infer.engine import Engine  # noqa: E402
@@ -41,15 +42,15 @@ def checkpoint(tmp_path_factory):
 
 
 class Group:
-    """A `torchrun -m dsv3 serve` process tree: its URL, its rank processes and its log."""
+    """A serving group's rank processes (or torchrun over them), its URL and its log."""
 
-    def __init__(self, proc: subprocess.Popen):
-        self.proc, self.lines, self.url = proc, [], None
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
+    def __init__(self, procs: list[subprocess.Popen]):
+        self.procs, self.lines, self.url = procs, [], None
+        for p in procs:
+            threading.Thread(target=self._read, args=(p,), daemon=True).start()
 
-    def _read(self) -> None:
-        for line in self.proc.stderr:
+    def _read(self, proc: subprocess.Popen) -> None:
+        for line in proc.stderr:
             self.lines.append(line.rstrip("\n"))
 
     def wait_ready(self) -> str:
@@ -60,47 +61,49 @@ class Group:
                 if found:
                     self.url = found.group(1)
                     return self.url
-            if self.proc.poll() is not None:
+            if any(p.poll() is not None for p in self.procs):
                 break
             time.sleep(0.2)
         raise AssertionError("the serving group did not start:\n" + "\n".join(self.lines[-40:]))
 
-    def rank_pid(self, rank: int) -> int:
-        """The pid of the process torchrun started for ``rank`` (read from its environment)."""
-        for child in _children(self.proc.pid):
-            env = Path(f"/proc/{child}/environ").read_bytes().split(b"\0")
-            if f"RANK={rank}".encode() in env:
-                return child
-        raise AssertionError(f"no process for rank {rank}")
+    def stop(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGTERM)
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait(timeout=30)
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(c) for c in (task / "children").read_text().split()]
-    return out
+def serve_args(checkpoint: Path, nproc: int, flags: tuple[str, ...]) -> list[str]:
+    return ["-m", "dsv3", "serve", "--model", str(checkpoint), "--port", "0", "--quiet", "--max-batch", "4",
+            "--ep", str(nproc), *flags]
 
 
 @contextmanager
-def serve_group(checkpoint: Path, nproc: int, *flags: str):
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc), "-m",
-           "dsv3", "serve", "--model", str(checkpoint), "--port", "0", "--quiet", "--max-batch", "4",
-           "--ep", str(nproc), *flags]
+def serve_group(checkpoint: Path, nproc: int, *flags: str, torchrun: bool = True):
+    """`torchrun --nproc-per-node N -m dsv3 serve --ep N ...`, or (``torchrun=False``) the N rank processes
+    started directly with the environment torchrun gives them, as a cluster manager would start them: then
+    a rank that dies leaves the others running (torchrun's agent would stop them all)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env,
-                            start_new_session=True)
-    group = Group(proc)
+    spawn = dict(stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, start_new_session=True)
+    args = serve_args(checkpoint, nproc, flags)
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
+        procs = [subprocess.Popen(cmd + args, env=env, **spawn)]
+    else:
+        master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nproc)}
+        procs = [subprocess.Popen([sys.executable, *args], env={**env, **master, "RANK": str(r), "LOCAL_RANK": str(r)},
+                                  **spawn) for r in range(nproc)]
+    group = Group(procs)
     try:
         group.wait_ready()
         yield group
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(timeout=30)
+        group.stop()
 
 
 def client(url: str):
@@ -133,5 +136,75 @@ def reference(checkpoint):
 
 @pytest.fixture(scope="module")
 def ep4(checkpoint):
-    with serve_group(checkpoint, 4) as group:
+    with serve_group(checkpoint, 4, torchrun=False) as group:
         yield group
+
+
+def test_ep4_greedy_completions_of_concurrent_requests_equal_one_process(ep4, reference):
+    assert ask_all(ep4.url) == reference
+    state = httpx.get(ep4.url + "/cluster").json()
+    assert state["ranks"] == 4 and state["status"] == "ok" and state["in_flight"] == [0, 0, 0, 0]
+    assert all(n >= 1 for n in state["assigned"]), state  # attention data-parallel: every rank decoded some
+    assert sum(state["assigned"]) == len(PROMPTS)
+    banner = "\n".join(ep4.lines)
+    assert "4 of 16 routed experts per rank and layer, dispatch fp32, combine fp32" in banner
+
+
+def test_ep4_streams_and_a_bad_request_harms_no_one(ep4, reference):
+    """A streamed chat, a request refused (400), and one whose client goes away mid-stream, all while the
+    concurrent greedy requests run: those still get the single-process answers."""
+    c = client(ep4.url)
+    name = c.models.list().data[0].id
+
+    def bad() -> int:
+        r = httpx.post(ep4.url + "/v1/completions", json={"model": name, "prompt": [10**6], "max_tokens": 3})
+        return r.status_code
+
+    def gone() -> None:
+        with httpx.stream("POST", ep4.url + "/v1/completions", timeout=60,
+                          json={"model": name, "prompt": "the cat", "max_tokens": 500, "stream": True}) as r:
+            next(r.iter_lines())  # one chunk, then the client hangs up
+
+    def streamed() -> str:
+        chunks = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "hello cat"}],
+                                           max_tokens=8, temperature=0, stream=True)
+        return "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+
+    with ThreadPoolExecutor(4) as pool:
+        jobs = [pool.submit(f) for f in (bad, gone, streamed)]
+        assert ask_all(ep4.url) == reference
+        assert jobs[0].result() == 400
+        jobs[1].result()
+        text = jobs[2].result()
+    plain = c.chat.completions.create(model=name, messages=[{"role": "user", "content": "hello cat"}], max_tokens=8,
+                                      temperature=0)
+    assert text == plain.choices[0].message.content
+    deadline = time.time() + 30
+    while httpx.get(ep4.url + "/cluster").json()["in_flight"] != [0, 0, 0, 0]:  # the cancelled one leaves
+        assert time.time() < deadline, "a cancelled request stayed in its rank's batch"
+        time.sleep(0.1)
+
+
+def test_ep4_killing_a_worker_rank_answers_503_not_a_hang(ep4):
+    """Runs last: it takes the group down. A request in flight and every later one end with HTTP 503 and
+    OpenAI's error body within seconds; /health says so too."""
+    name = client(ep4.url).models.list().data[0].id
+    body = {"model": name, "prompt": "the cat", "max_tokens": 900}
+    with ThreadPoolExecutor(1) as pool:
+        inflight = pool.submit(httpx.post, ep4.url + "/v1/completions", json=body, timeout=60)
+        deadline = time.time() + 30
+        while httpx.get(ep4.url + "/cluster").json()["in_flight"] == [0, 0, 0, 0]:
+            assert time.time() < deadline
+            time.sleep(0.05)
+        ep4.procs[2].kill()
+        t0 = time.time()
+        first = inflight.result()
+    later = httpx.post(ep4.url + "/v1/completions", json=body, timeout=60)
+    elapsed = time.time() - t0
+    for r in (first, later):
+        assert r.status_code == 503, r.text
+        error = r.json()["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["type"] == "service_unavailable"
+        assert "lost a rank" in error["message"]
+    assert elapsed < 30
+    assert httpx.get(ep4.url + "/health").status_code == 503

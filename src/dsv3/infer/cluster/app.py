@@ -20,7 +20,8 @@ def unavailable(message: str) -> JSONResponse:
 
 
 def install_unavailable(app: FastAPI, scheduler: ClusterScheduler) -> None:
-    """Answer 503 for generations that failed with ClusterDown, and on /health once the group is down."""
+    """Answer 503 for generations that failed with ClusterDown, and on /health once the group is down; GET
+    /cluster describes the group (ranks, requests per rank, status)."""
     failed_before = app.exception_handlers.get(GenerationError)
 
     async def failed(request: Request, exc: GenerationError):
@@ -29,6 +30,10 @@ def install_unavailable(app: FastAPI, scheduler: ClusterScheduler) -> None:
         return await failed_before(request, exc)
 
     app.add_exception_handler(GenerationError, failed)
+
+    @app.get("/cluster")
+    async def cluster() -> dict:
+        return scheduler.describe()
 
     @app.middleware("http")
     async def health_when_down(request: Request, call_next):

@@ -67,7 +67,8 @@ class ClusterScheduler(Scheduler):
         self.ranks = ranks if ranks is not None else list(range(world))  # ranks that take new requests
         self.waiting: list[tuple[Request, Deliver]] = []  # queued, not yet given to a rank
         self.inflight: dict[int, tuple[Request, int]] = {}  # rid -> (request, rank)
-        self.load = [0] * world
+        self.load = [0] * world  # requests in flight per rank
+        self.assigned = [0] * world  # requests given to each rank so far
         self.down: str | None = None
         self.steps = 0
         self._next_rid = 0
@@ -116,6 +117,7 @@ class ClusterScheduler(Scheduler):
             self.listeners[rid] = deliver
             self.inflight[rid] = (request, rank)
             self.load[rank] += 1
+            self.assigned[rank] += 1
             new.setdefault(rank, []).append(WireRequest.of(rid, request))
         self.waiting = keep
         return new
@@ -144,6 +146,12 @@ class ClusterScheduler(Scheduler):
                 self.listeners.pop(wire.rid, None)
                 self.inflight.pop(wire.rid)
                 self.load[rank] -= 1
+
+    def describe(self) -> dict:
+        """The group's state as JSON (GET /cluster)."""
+        return {"ranks": self.world, "status": "down" if self.down else "ok", "error": self.down,
+                "steps": self.steps, "in_flight": list(self.load), "assigned": list(self.assigned),
+                "queued": len(self.waiting) + self.pending.qsize()}
 
     # ---- failure --------------------------------------------------------------------------------
     def _go_down(self, exc: BaseException) -> None:

@@ -106,7 +106,11 @@ def _serve(opts: GroupOptions, rank: int, world: int, model: str, host: str, por
     worker = RankWorker(engine, lockstep, rank)
     sock = agree(lambda: listen(host, port) if rank == 0 else None)
     if rank != 0:
-        worker_loop(worker)
+        try:
+            worker_loop(worker)
+        except Exception as exc:  # a peer gone or hung: one line, not a traceback per rank
+            reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise DSV3Error(f"rank {rank}: the serving group lost a rank, stopping ({reason})") from None
         return
     _front_end(opts, engine, worker, world, sock, model, folder, max_batch, quiet)
 
