@@ -211,14 +211,51 @@ def test_ep4_killing_a_worker_rank_answers_503_not_a_hang(ep4):
 
 
 def test_fp8_dispatch_and_logfmt10_combine_agree_with_one_process_to_their_precision(checkpoint):
-    """Lossy wire formats, measured on 4 gloo processes (teacher-forced logits and greedy completions; the
+    """Lossy wire formats, measured on 2 gloo processes (teacher-forced logits and greedy completions; the
     full table is benchmarks/serve_ep_formats.py): FP8 (E4M3, 1x128 tiles) moves logits by a few percent of
     their range on this model, so nearly every argmax survives (the native formats are exact: the HTTP tests
 above)."""
     from dsv3.testing.serve_scenarios import compare_formats
 
     prompts = [[5, 17, 33, 2, 90], [120, 7, 7, 64], [250, 1, 3, 9, 27, 81, 243], [42, 42]]
-    (lossy,) = compare_formats(str(checkpoint), prompts, 8, [("fp8", "logfmt10")], timeout_s=240)
+    (lossy,) = compare_formats(str(checkpoint), prompts, 8, [("fp8", "logfmt10")], world=2, timeout_s=240)
     assert 0 < lossy["max_logit_diff"] < 0.15 * lossy["max_abs_logit"]  # lossy, and not broken
     assert lossy["argmax_agree"] >= 0.9 * lossy["positions"]
     assert lossy["identical_completions"] >= 2
+
+
+@pytest.fixture(scope="module")
+def reference_mtp(checkpoint):
+    """The single-process server with MTP speculation (greedy: the same tokens as without)."""
+    import dsv3
+    from dsv3.infer.loading import load_tokenizer
+
+    engine = Engine(dsv3.load_pretrained(checkpoint), load_tokenizer(checkpoint), speculative=True)
+    with serving(create_app(engine, model_name="ckpt", max_batch=4)) as url:
+        return ask_all(url)
+
+
+def test_prefill_ranks_2_of_4_answer_as_one_process_and_move_exactly_the_latent_cache(checkpoint, reference_mtp):
+    """`torchrun --nproc-per-node 4 -m dsv3 serve --ep 4 --prefill-ranks 2 --speculative mtp`: ranks 0-1
+    prefill (EP2), ranks 2-3 decode (EP2). Every prefilled request's c_kv and k_pe (main layers and the MTP
+    layer) move to a decode rank; the bytes moved per token are the latent cache's own."""
+    import dsv3
+
+    cfg = dsv3.load_pretrained(checkpoint).config
+    per_token = (cfg.num_hidden_layers + 1) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4  # fp32, MTP included
+    with serve_group(checkpoint, 4, "--prefill-ranks", "2", "--speculative", "mtp") as group:
+        assert ask_all(group.url) == reference_mtp
+        state = httpx.get(group.url + "/cluster").json()
+    assert state["prefill_ranks"] == [0, 1] and state["decode_ranks"] == [2, 3]
+    assert sum(state["assigned"][:2]) == len(PROMPTS) and sum(state["assigned"][2:]) == len(PROMPTS)
+    assert min(state["assigned"][2:]) >= 1  # both decode ranks decoded
+    assert state["kv_tokens_moved"] == sum(len(t) for t in _prompt_ids(checkpoint))
+    assert state["kv_bytes_per_token_moved"] == per_token
+    assert f"{per_token:,} bytes per token" in "\n".join(group.lines)
+
+
+def _prompt_ids(checkpoint: Path) -> list[list[int]]:
+    from dsv3.infer.loading import load_tokenizer
+
+    tok = load_tokenizer(checkpoint)
+    return [tok.encode(p).ids for p in PROMPTS]

@@ -39,7 +39,7 @@ def generate(worker: RankWorker, prompts: list[list[int]], max_tokens: int, worl
                if i % world == r] for r in range(world)}
     control, tokens = Control(new=new), {}
     while True:
-        for ev in worker.step(control):
+        for ev in worker.step(control).events:
             tokens.setdefault(ev.rid, []).extend(ev.token_ids)
         control = Control()
         active = torch.tensor([worker.active])

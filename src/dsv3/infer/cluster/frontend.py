@@ -15,12 +15,11 @@ from __future__ import annotations
 import asyncio
 import queue
 import time
-from collections.abc import Callable
 
 import torch.distributed as dist
 
 from dsv3.errors import DSV3Error
-from dsv3.infer.cluster.rank import Control, RankWorker, WireEvent, WireRequest
+from dsv3.infer.cluster.rank import Control, RankWorker, Ready, Report, Transfer, WireEvent, WireRequest
 from dsv3.infer.engine import Engine, Request
 from dsv3.infer.scheduler import Deliver, Scheduler
 
@@ -38,37 +37,40 @@ def broadcast_control(control: Control | None) -> Control:
     return box[0]
 
 
-def gather_events(events: list[WireEvent]) -> list[list[WireEvent]] | None:
-    """Every rank's events at rank 0, in rank order (None elsewhere)."""
+def gather_reports(report: Report) -> list[Report] | None:
+    """Every rank's report at rank 0, in rank order (None elsewhere)."""
     out = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
-    dist.gather_object(events, out, dst=0)
+    dist.gather_object(report, out, dst=0)
     return out
 
 
-def worker_loop(worker: RankWorker, step: Callable[[Control], list[WireEvent]] | None = None) -> None:
+def worker_loop(worker: RankWorker) -> None:
     """A rank other than 0: follow rank 0's control messages until it says stop."""
-    step = step or worker.step
     while True:
         control = broadcast_control(None)
         if control.stop:
             return
-        gather_events(step(control))
+        gather_reports(worker.step(control))
 
 
 class ClusterScheduler(Scheduler):
     """The single-process scheduler's interface (``submit``, ``start``, ``stop``, ``active``, ``pending``)
-    over a group of ``world`` ranks; ``step`` runs rank 0's share of a step (``RankWorker.step`` by default)."""
+    over a group of ``world`` ranks, rank 0's ``worker`` among them. New requests go to the least loaded of
+    ``prefill`` ranks (default: all); with ``decode`` ranks given (disaggregation), each prefilled request's
+    latent cache then moves to the least loaded decode rank with room. ``max_batch`` bounds each rank."""
 
     def __init__(self, engine: Engine, worker: RankWorker, world: int, max_batch: int = 8,
-                 step: Callable[[Control], list[WireEvent]] | None = None, ranks: list[int] | None = None):
+                 prefill: list[int] | None = None, decode: list[int] | None = None):
         super().__init__(engine, max_batch)
         self.worker, self.world = worker, world
-        self.step = step or worker.step
-        self.ranks = ranks if ranks is not None else list(range(world))  # ranks that take new requests
+        self.prefill = prefill if prefill is not None else list(range(world))  # ranks that take new requests
+        self.decode = decode or []  # ranks that take prefilled requests (disaggregation)
         self.waiting: list[tuple[Request, Deliver]] = []  # queued, not yet given to a rank
-        self.inflight: dict[int, tuple[Request, int]] = {}  # rid -> (request, rank)
+        self.ready: list[Ready] = []  # prefilled, not yet moved to a decode rank
+        self.inflight: dict[int, tuple[Request, int]] = {}  # rid -> (request, rank holding it)
         self.load = [0] * world  # requests in flight per rank
-        self.assigned = [0] * world  # requests given to each rank so far
+        self.assigned = [0] * world  # requests given to each rank so far (prefilled or moved there)
+        self.kv_bytes = self.kv_tokens = 0  # latent cache moved from prefill to decode ranks
         self.down: str | None = None
         self.steps = 0
         self._next_rid = 0
@@ -94,12 +96,20 @@ class ClusterScheduler(Scheduler):
             self._go_down(exc)
 
     def _step(self) -> None:
-        control = Control(new=self._assign(), cancel=self._cancelled())
+        cancel = self._cancelled()
+        control = Control(new=self._assign(), cancel=cancel, transfers=self._transfers(set(cancel)))
         broadcast_control(control)
-        mine = self.step(control)
-        for events in gather_events(mine):
-            self._deliver(events)
+        for report in gather_reports(self.worker.step(control)):
+            self._deliver(report.events)
+            self.ready += report.ready
+            self.kv_bytes += report.kv_bytes
+            self.kv_tokens += report.kv_tokens
         self.steps += 1
+
+    def _room(self, ranks: list[int]) -> int | None:
+        """The least loaded of ``ranks`` when it has room for one more request, else None."""
+        rank = min(ranks, key=lambda r: self.load[r])
+        return rank if self.load[rank] < self.max_batch else None
 
     def _assign(self) -> dict[int, list[WireRequest]]:
         """Waiting requests given to the least loaded ranks with room; the rest keep waiting."""
@@ -109,18 +119,40 @@ class ClusterScheduler(Scheduler):
         for request, deliver in self.waiting:
             if request.cancelled:
                 continue
-            rank = min(self.ranks, key=lambda r: self.load[r])
-            if self.load[rank] >= self.max_batch:
+            rank = self._room(self.prefill)
+            if rank is None:
                 keep.append((request, deliver))
                 continue
             rid, self._next_rid = self._next_rid, self._next_rid + 1
             self.listeners[rid] = deliver
             self.inflight[rid] = (request, rank)
-            self.load[rank] += 1
-            self.assigned[rank] += 1
+            self._move(rid, None, rank)
             new.setdefault(rank, []).append(WireRequest.of(rid, request))
         self.waiting = keep
         return new
+
+    def _transfers(self, cancelled: set[int]) -> list[Transfer]:
+        """Prefilled requests moved to the least loaded decode ranks with room (cancelled ones stay: their
+        prefill rank drops them); the rest wait on their prefill ranks."""
+        moves, keep = [], []
+        for ready in self.ready:
+            if ready.rid not in self.inflight or ready.rid in cancelled:
+                continue
+            dst = self._room(self.decode)
+            if dst is None:
+                keep.append(ready)
+                continue
+            moves.append(Transfer(ready.rid, ready.rank, dst, ready.slots, ready.state_bytes))
+            self.inflight[ready.rid] = (self.inflight[ready.rid][0], dst)
+            self._move(ready.rid, ready.rank, dst)
+        self.ready = keep
+        return moves
+
+    def _move(self, rid: int, src: int | None, dst: int) -> None:
+        if src is not None:
+            self.load[src] -= 1
+        self.load[dst] += 1
+        self.assigned[dst] += 1
 
     def _take(self, block: bool) -> None:
         try:
@@ -149,9 +181,12 @@ class ClusterScheduler(Scheduler):
 
     def describe(self) -> dict:
         """The group's state as JSON (GET /cluster)."""
-        return {"ranks": self.world, "status": "down" if self.down else "ok", "error": self.down,
+        moved = self.kv_bytes / self.kv_tokens if self.kv_tokens else None
+        return {"ranks": self.world, "prefill_ranks": self.prefill if self.decode else None,
+                "decode_ranks": self.decode or None, "status": "down" if self.down else "ok", "error": self.down,
                 "steps": self.steps, "in_flight": list(self.load), "assigned": list(self.assigned),
-                "queued": len(self.waiting) + self.pending.qsize()}
+                "queued": len(self.waiting) + self.pending.qsize(), "kv_bytes_moved": self.kv_bytes,
+                "kv_tokens_moved": self.kv_tokens, "kv_bytes_per_token_moved": moved}
 
     # ---- failure --------------------------------------------------------------------------------
     def _go_down(self, exc: BaseException) -> None:

@@ -53,13 +53,48 @@ class WireEvent:
         return Event(request, self.token_ids, self.text, self.finish_reason, self.error, self.logprobs)
 
 
+@dataclass(frozen=True)
+class Ready:
+    """A prefilled request waiting on prefill rank ``rank`` for its move to a decode rank: ``slots`` cache
+    slots (tokens) and a row state of ``state_bytes`` bytes."""
+
+    rid: int
+    rank: int
+    slots: int
+    state_bytes: int
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """Move request ``rid``'s latent cache and row state from prefill rank ``src`` to decode rank ``dst``."""
+
+    rid: int
+    src: int
+    dst: int
+    slots: int
+    state_bytes: int
+
+
 @dataclass
 class Control:
-    """What every rank does this step: ``new[rank]`` requests to start, rids to cancel, or stop."""
+    """What every rank does this step: ``new[rank]`` requests to start, rids to cancel, latent caches to
+    move from prefill to decode ranks (before anything else), or stop."""
 
     new: dict[int, list[WireRequest]] = field(default_factory=dict)
     cancel: list[int] = field(default_factory=list)
+    transfers: list[Transfer] = field(default_factory=list)
     stop: bool = False
+
+
+@dataclass
+class Report:
+    """What one rank tells the front end after a step: its events, prefilled requests ready to move, and
+    the latent-cache bytes and tokens it received this step."""
+
+    events: list[WireEvent] = field(default_factory=list)
+    ready: list[Ready] = field(default_factory=list)
+    kv_bytes: int = 0
+    kv_tokens: int = 0
 
 
 class RankWorker:
@@ -76,15 +111,18 @@ class RankWorker:
     def active(self) -> int:
         return len(self.requests)
 
-    def step(self, control: Control) -> list[WireEvent]:
+    def step(self, control: Control) -> Report:
         """Start this rank's new requests, decode one step of its batch, then join the other ranks' rounds."""
-        for rid in control.cancel:
-            if rid in self.requests:
-                self.requests[rid].cancelled = True
+        self._cancel(control.cancel)
         events = self._admit([self._register(w) for w in control.new.get(self.rank, [])])
         events += self._decode()
         self.lockstep.finish()
-        return self._wire(events)
+        return Report(self._wire(events))
+
+    def _cancel(self, rids: list[int]) -> None:
+        for rid in rids:
+            if rid in self.requests:
+                self.requests[rid].cancelled = True
 
     def _register(self, wire: WireRequest) -> Request:
         request = wire.request()

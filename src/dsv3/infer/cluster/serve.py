@@ -97,13 +97,15 @@ def _serve(opts: GroupOptions, rank: int, world: int, model: str, host: str, por
     from dsv3.infer.cli import build_engine, listen
     from dsv3.infer.cluster.frontend import worker_loop
     from dsv3.infer.cluster.lockstep import make_lockstep
-    from dsv3.infer.cluster.rank import RankWorker
     from dsv3.run_dir import resolve_checkpoint
 
     folder = resolve_checkpoint(model)
     engine = agree(lambda: build_engine(str(folder), **engine_args))
-    lockstep = make_lockstep(engine.model, [list(range(world))], opts.dispatch, opts.combine)
-    worker = RankWorker(engine, lockstep, rank)
+    from dsv3.infer.cli import _describe
+
+    summary = _describe(engine)  # the whole model, before its experts are spread
+    lockstep = agree(lambda: make_lockstep(engine.model, partitions(opts, world), opts.dispatch, opts.combine))
+    worker = make_worker(opts, engine, lockstep, rank)
     sock = agree(lambda: listen(host, port) if rank == 0 else None)
     if rank != 0:
         try:
@@ -112,27 +114,34 @@ def _serve(opts: GroupOptions, rank: int, world: int, model: str, host: str, por
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise DSV3Error(f"rank {rank}: the serving group lost a rank, stopping ({reason})") from None
         return
-    _front_end(opts, engine, worker, world, sock, model, folder, max_batch, quiet)
+    _front_end(opts, engine, worker, world, sock, model, folder, max_batch, quiet, summary)
 
 
 def _front_end(opts: GroupOptions, engine, worker, world: int, sock, model: str, folder, max_batch: int,
-               quiet: bool) -> None:
+               quiet: bool, summary: str) -> None:
     import uvicorn
 
-    from dsv3.infer.cli import _describe, _model_name
+    from dsv3.infer.cli import _model_name
     from dsv3.infer.cluster.app import install_unavailable
     from dsv3.infer.cluster.frontend import ClusterScheduler
     from dsv3.infer.server import create_app
 
-    scheduler = ClusterScheduler(engine, worker, world, max_batch)
+    P = opts.prefill_ranks
+    sides = dict(prefill=list(range(P)), decode=list(range(P, world))) if P else {}
+    scheduler = ClusterScheduler(engine, worker, world, max_batch, **sides)
     name = _model_name(model)
     app = create_app(engine, model_name=name, max_batch=max_batch, access_log=None if quiet else log,
                      scheduler=scheduler)
     install_unavailable(app, scheduler)
     bound_host, bound_port = sock.getsockname()[:2]
     where = f"[{bound_host}]" if ":" in bound_host else bound_host
-    log(f"dsv3 serve: model {name!r} from {folder} ({_describe(engine)})")
+    log(f"dsv3 serve: model {name!r} from {folder} ({summary})")
     log(f"expert parallel over {world} processes: {describe_group(opts, engine)}")
+    if P:
+        from dsv3.infer.cluster.disagg import cache_bytes_per_token
+
+        log(f"prefill on ranks 0-{P - 1} (EP{P}), decode on ranks {P}-{world - 1} (EP{world - P}); each prefill "
+            f"moves its latent cache to a decode rank: {cache_bytes_per_token(engine):,} bytes per token")
     log(f"listening on http://{where}:{bound_port}/v1 (OpenAI API); Ctrl-C stops")
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     server.run(sockets=[sock])
@@ -147,3 +156,19 @@ def describe_group(opts: GroupOptions, engine) -> str:
     dispatch, combine = ep_formats(d)
     return (f"{d.expert_ids.numel()} of {d.n_experts} routed experts per rank and layer, dispatch {dispatch}, "
             f"combine {combine}, attention data-parallel")
+
+
+def partitions(opts: GroupOptions, world: int) -> list[list[int]]:
+    """The EP groups: all ranks, or the prefill ranks and the decode ranks."""
+    P = opts.prefill_ranks
+    return [list(range(P)), list(range(P, world))] if P else [list(range(world))]
+
+
+def make_worker(opts: GroupOptions, engine, lockstep, rank: int):
+    """This rank's worker: both prefill and decode, or one side of a disaggregated group."""
+    from dsv3.infer.cluster.disagg import DecodeWorker, PrefillWorker
+    from dsv3.infer.cluster.rank import RankWorker
+
+    if not opts.prefill_ranks:
+        return RankWorker(engine, lockstep, rank)
+    return (PrefillWorker if rank < opts.prefill_ranks else DecodeWorker)(engine, lockstep, rank)
