@@ -99,6 +99,19 @@ def move(transfers: list[Transfer], outbox: dict[int, Parcel], engine: Engine) -
     return [(t, Parcel(p.state, p.kv.view(dtype), p.pe.view(dtype))) for t, p in arrived]
 
 
+def pack_row(engine: Engine, batch: Batch, b: int, state: RowState) -> Parcel:
+    """Row ``b`` of a prefilled batch as a parcel: its state, and c_kv and k_pe of its own (valid) slots
+    only, in slot order, for the layers decoding reads."""
+    layers = cache_layers(engine)
+    slots = batch.valid[b].to(batch.cache.kv.device)  # [max_len]: padding and holes are not the row's
+    raw = torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
+    return Parcel(raw, batch.cache.kv[:layers, b, slots].clone(), batch.cache.pe[:layers, b, slots].clone())
+
+
+def unpack_state(parcel: Parcel) -> RowState:
+    return pickle.loads(parcel.state.numpy().tobytes())
+
+
 def batch_from_cache(engine: Engine, row: Row, kv: torch.Tensor, pe: torch.Tensor) -> Batch:
     """A one-row batch whose cache holds ``kv``/``pe`` [layers, slots, width] at slots [0, slots), all valid,
     with room to finish; the state a one-row prefill leaves behind (see engine.Batch's cache layout)."""
@@ -150,14 +163,11 @@ class PrefillWorker(RankWorker):
         batch, self.batch = self.batch, None
         if batch is None:
             return []
-        layers, ready = cache_layers(self.engine), []
+        ready = []
         for b, row in enumerate(batch.rows):
             rid = self.rids[id(row.request)]
-            slots = batch.valid[b].to(batch.cache.kv.device)  # [max_len]: the row's own slots
-            state = torch.frombuffer(bytearray(pickle.dumps(RowState.of(self.wires[rid], row))), dtype=torch.uint8)
-            self.outbox[rid] = Parcel(state, batch.cache.kv[:layers, b, slots].clone(),
-                                      batch.cache.pe[:layers, b, slots].clone())
-            ready.append(Ready(rid, self.rank, int(slots.sum()), state.numel()))
+            parcel = self.outbox[rid] = pack_row(self.engine, batch, b, RowState.of(self.wires[rid], row))
+            ready.append(Ready(rid, self.rank, parcel.kv.shape[1], parcel.state.numel()))
         return ready
 
     def _forget(self, rid: int) -> None:
@@ -185,7 +195,7 @@ class DecodeWorker(RankWorker):
         return report
 
     def _take_in(self, t: Transfer, parcel: Parcel) -> list[Event]:
-        state: RowState = pickle.loads(parcel.state.numpy().tobytes())
+        state = unpack_state(parcel)
         request = self._register(state.request)
         try:
             fresh = batch_from_cache(self.engine, state.row(self.engine, request), parcel.kv, parcel.pe)
