@@ -235,15 +235,17 @@ def reference_mtp(checkpoint):
         return ask_all(url)
 
 
-def test_prefill_ranks_2_of_4_answer_as_one_process_and_move_exactly_the_latent_cache(checkpoint, reference_mtp):
+def test_prefill_ranks_2_of_4_with_eplb_equal_one_process_and_move_the_latent_cache(checkpoint, reference_mtp):
     """`torchrun --nproc-per-node 4 -m dsv3 serve --ep 4 --prefill-ranks 2 --speculative mtp`: ranks 0-1
     prefill (EP2), ranks 2-3 decode (EP2). Every prefilled request's c_kv and k_pe (main layers and the MTP
-    layer) move to a decode rank; the bytes moved per token are the latent cache's own."""
+    layer) move to a decode rank; the bytes moved per token are the latent cache's own. Both sides hold 4
+    redundant expert slots and rebalance them (EPLB) every 2 busy steps, requests in flight."""
     import dsv3
 
     cfg = dsv3.load_pretrained(checkpoint).config
     per_token = (cfg.num_hidden_layers + 1) * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4  # fp32, MTP included
-    with serve_group(checkpoint, 4, "--prefill-ranks", "2", "--speculative", "mtp") as group:
+    flags = ("--prefill-ranks", "2", "--speculative", "mtp", "--redundant-experts", "4", "--eplb-every", "2")
+    with serve_group(checkpoint, 4, *flags) as group:
         assert ask_all(group.url) == reference_mtp
         state = httpx.get(group.url + "/cluster").json()
     assert state["prefill_ranks"] == [0, 1] and state["decode_ranks"] == [2, 3]
@@ -252,6 +254,9 @@ def test_prefill_ranks_2_of_4_answer_as_one_process_and_move_exactly_the_latent_
     assert state["kv_tokens_moved"] == sum(len(t) for t in _prompt_ids(checkpoint))
     assert state["kv_bytes_per_token_moved"] == per_token
     assert f"{per_token:,} bytes per token" in "\n".join(group.lines)
+    eplb = state["eplb"]  # experts rebalanced (4 replicas moved to the hot ones) while requests were in flight
+    assert eplb["rebalances"] >= 1 and eplb["imbalance_after"] <= eplb["imbalance_before"]
+    assert "10 expert slots per rank and layer (16 experts + 4 replicas" in "\n".join(group.lines)
 
 
 def _prompt_ids(checkpoint: Path) -> list[list[int]]:

@@ -299,6 +299,10 @@ def serve(
     combine: str = typer.Option("native", "--combine", metavar="FMT", show_default=False,
                                 help="With --ep: combine wire format native, bf16, logfmt8, logfmt10 or fp32 "
                                      "(default: native)."),
+    redundant_experts: int = typer.Option(0, "--redundant-experts", metavar="R", show_default=False,
+                                          help="With --ep: R extra expert slots per layer for replicas (EPLB)."),
+    eplb_every: int = typer.Option(0, "--eplb-every", metavar="K", show_default=False,
+                                   help="With --ep: rebalance experts from the observed load every K busy steps."),
 ) -> None:
     """OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions (stream: true as SSE).
     Prints the address and the model on start, then one access log line per request on stderr."""
@@ -315,11 +319,12 @@ def serve(
 
         engine_args = dict(dtype=dtype, weights=weights, cache_dtype=cache_dtype, speculative=speculative,
                            threads=threads)
-        serve_group(GroupOptions(ep, prefill_ranks, dispatch, combine), model, host, port, max_batch, engine_args,
-                    quiet)
+        opts = GroupOptions(ep, prefill_ranks, dispatch, combine, redundant_experts, eplb_every)
+        serve_group(opts, model, host, port, max_batch, engine_args, quiet)
         return
-    if prefill_ranks or dispatch != "native" or combine != "native":
-        raise DSV3Error("--prefill-ranks, --dispatch and --combine need --ep N (several processes)")
+    if prefill_ranks or dispatch != "native" or combine != "native" or redundant_experts or eplb_every:
+        raise DSV3Error("--prefill-ranks, --dispatch, --combine, --redundant-experts and --eplb-every need --ep N "
+                        "(several processes)")
     folder = resolve_checkpoint(model)
     engine = build_engine(str(folder), dtype, weights, cache_dtype, speculative, threads=threads)
     name = _model_name(model)

@@ -141,6 +141,7 @@ class PrefillWorker(RankWorker):
     def step(self, control: Control) -> Report:
         events = self._drop_cancelled(control.cancel)
         move(control.transfers, self.outbox, self.engine)
+        self._rebalance(control)
         for t in control.transfers:
             self._forget(t.rid)
         new = control.new.get(self.rank, [])
@@ -182,6 +183,7 @@ class DecodeWorker(RankWorker):
 
     def step(self, control: Control) -> Report:
         arrived = move(control.transfers, {}, self.engine)
+        self._rebalance(control)
         self._cancel(control.cancel)
         report = Report()
         events = []

@@ -60,7 +60,7 @@ class ClusterScheduler(Scheduler):
     latent cache then moves to the least loaded decode rank with room. ``max_batch`` bounds each rank."""
 
     def __init__(self, engine: Engine, worker: RankWorker, world: int, max_batch: int = 8,
-                 prefill: list[int] | None = None, decode: list[int] | None = None):
+                 prefill: list[int] | None = None, decode: list[int] | None = None, eplb_every: int = 0):
         super().__init__(engine, max_batch)
         self.worker, self.world = worker, world
         self.prefill = prefill if prefill is not None else list(range(world))  # ranks that take new requests
@@ -73,6 +73,7 @@ class ClusterScheduler(Scheduler):
         self.kv_bytes = self.kv_tokens = 0  # latent cache moved from prefill to decode ranks
         self.down: str | None = None
         self.steps = 0
+        self.eplb_every, self.busy_steps = eplb_every, 0  # rebalance every eplb_every steps with work
         self._next_rid = 0
 
     @property
@@ -97,7 +98,8 @@ class ClusterScheduler(Scheduler):
 
     def _step(self) -> None:
         cancel = self._cancelled()
-        control = Control(new=self._assign(), cancel=cancel, transfers=self._transfers(set(cancel)))
+        control = Control(new=self._assign(), cancel=cancel, transfers=self._transfers(set(cancel)),
+                          rebalance=self._rebalance_now())
         broadcast_control(control)
         for report in gather_reports(self.worker.step(control)):
             self._deliver(report.events)
@@ -105,6 +107,12 @@ class ClusterScheduler(Scheduler):
             self.kv_bytes += report.kv_bytes
             self.kv_tokens += report.kv_tokens
         self.steps += 1
+
+    def _rebalance_now(self) -> bool:
+        if not self.inflight:
+            return False
+        self.busy_steps += 1
+        return bool(self.eplb_every) and self.busy_steps % self.eplb_every == 0
 
     def _room(self, ranks: list[int]) -> int | None:
         """The least loaded of ``ranks`` when it has room for one more request, else None."""
@@ -186,7 +194,15 @@ class ClusterScheduler(Scheduler):
                 "decode_ranks": self.decode or None, "status": "down" if self.down else "ok", "error": self.down,
                 "steps": self.steps, "in_flight": list(self.load), "assigned": list(self.assigned),
                 "queued": len(self.waiting) + self.pending.qsize(), "kv_bytes_moved": self.kv_bytes,
-                "kv_tokens_moved": self.kv_tokens, "kv_bytes_per_token_moved": moved}
+                "kv_tokens_moved": self.kv_tokens, "kv_bytes_per_token_moved": moved,
+                "eplb": self._eplb()}
+
+    def _eplb(self) -> dict:
+        """Rank 0's group: rebalances so far, and the max/mean rank load before and after the last one."""
+        lockstep = self.worker.lockstep
+        last = lockstep.imbalance
+        return {"rebalances": lockstep.rebalances, "imbalance_before": last[0] if last else None,
+                "imbalance_after": last[1] if last else None}
 
     # ---- failure --------------------------------------------------------------------------------
     def _go_down(self, exc: BaseException) -> None:

@@ -28,8 +28,10 @@ import torch.distributed as dist
 from dsv3.errors import DSV3Error
 from dsv3.model.dispatch import Routing, Steps, TokenDispatcher, run
 from dsv3.model.moe import MoE
-from dsv3.parallel.ep import ExpertParallelDispatcher, make_expert_parallel
+from dsv3.parallel.ep import ExpertParallelDispatcher, make_expert_parallel, set_placement
 from dsv3.parallel.ep_groups import ep_groups_of
+from dsv3.parallel.eplb import global_policy, imbalance
+from dsv3.parallel.placement import Placement
 
 DONE = -1  # a rank whose work for this step is over
 
@@ -54,6 +56,8 @@ class Lockstep:
         self.rounds = 0  # rounds run (statistics and tests)
         self.busy_rounds = 0  # rounds in which this rank ran a layer of its own
         self.in_round = False  # set between a round's gather and its last exchange
+        self.rebalances = 0
+        self.imbalance: tuple[float, float] | None = None  # max/mean rank load at the last rebalance: before, after
 
     def gather(self, want: int) -> list[int]:
         """All ranks' wishes for this round (a layer index or DONE), in rank order."""
@@ -90,6 +94,33 @@ class Lockstep:
                 self.join_empty(w)
             self.in_round = False
 
+    @torch.no_grad()
+    def rebalance(self) -> None:
+        """EPLB at a step boundary: every layer's expert load since the last rebalance, summed over the group,
+        gives a new placement of its expert slots (replicas of the hot experts included, the same on every
+        rank), and the weights move to it. Routing is logical and every replica is an exact copy, so the
+        requests in flight decode on unchanged. Every rank of the group must call it at the same step."""
+        before, after = [], []
+        for moe in self.layers:
+            d: LockstepDispatcher = moe.dispatcher
+            load = d.load.clone()
+            dist.all_reduce(load, group=self.group)  # the same on every rank: so are the choices below
+            d.load.zero_()
+            if not bool(load.any()):  # no tokens since the last rebalance: nothing to learn, nothing moves
+                continue
+            old = d.inner.placement
+            new = Placement(global_policy(load, old.phy2log.numel(), self.world), self.world)
+            before.append(imbalance(old.phy2log, load, self.world))
+            after.append(imbalance(new.phy2log, load, self.world))
+            moe.dispatcher = d.inner  # set_placement talks to the EP dispatcher itself
+            try:
+                set_placement(moe, new)
+            finally:
+                moe.dispatcher = d
+        if before:
+            self.rebalances += 1
+            self.imbalance = max(before), max(after)
+
     @torch.inference_mode()
     def join_empty(self, layer: int) -> None:
         """Layer ``layer``'s exchange with no tokens from this rank: its experts compute what others send."""
@@ -108,8 +139,10 @@ class LockstepDispatcher(TokenDispatcher):
     def __init__(self, lockstep: Lockstep, index: int, inner: ExpertParallelDispatcher):
         super().__init__()
         self.lockstep, self.index, self.inner = lockstep, index, inner
+        self.load = torch.zeros(inner.n_experts, dtype=torch.float64)  # tokens per logical expert, this rank
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Steps:
+        self.load += torch.bincount(routing.idx.flatten().cpu(), minlength=self.load.numel())
         _, after = self.lockstep.enter(self.index)
         rows, handle = yield from self.inner.dispatch(x, routing)
         return rows, _Handle(handle, after)
@@ -131,7 +164,7 @@ def native_format(model: torch.nn.Module) -> str:
 
 
 def make_lockstep(model: torch.nn.Module, partitions: list[list[int]], dispatch: str = "native",
-                  combine: str = "native") -> Lockstep:
+                  combine: str = "native", redundant: int = 0) -> Lockstep:
     """Make every MoE layer of ``model`` (a full single-process model, the same on every rank) expert-parallel
     over this rank's partition of the world (``partitions``: disjoint lists of global ranks covering it) and
     lockstepped there. Every rank of the world must call it alike (it creates process groups for every
@@ -153,8 +186,16 @@ def make_lockstep(model: torch.nn.Module, partitions: list[list[int]], dispatch:
         raise DSV3Error(f"rank {dist.get_rank()} is in no serving group")
     group, groups = mine
     lockstep = Lockstep(layers, group, compute_dtype(model))
+    placement = None
+    if redundant:
+        size = groups.layout.world
+        n = layers[0].n_experts
+        if (n + redundant) % size:
+            raise DSV3Error(f"--redundant-experts {redundant}: {n} experts + {redundant} replicas cannot be "
+                            f"spread evenly over an EP group of {size} ranks")
+        placement = Placement(global_policy(torch.ones(n), n + redundant, size), size)
     for i, moe in enumerate(layers):
-        make_expert_parallel(moe, groups, None, dispatch, combine)
+        make_expert_parallel(moe, groups, placement, dispatch, combine)
         moe.dispatcher = LockstepDispatcher(lockstep, i, moe.dispatcher)
     return lockstep
 

@@ -83,6 +83,7 @@ class Control:
     new: dict[int, list[WireRequest]] = field(default_factory=dict)
     cancel: list[int] = field(default_factory=list)
     transfers: list[Transfer] = field(default_factory=list)
+    rebalance: bool = False  # EPLB: every group rebalances its experts before this step's work
     stop: bool = False
 
 
@@ -113,11 +114,16 @@ class RankWorker:
 
     def step(self, control: Control) -> Report:
         """Start this rank's new requests, decode one step of its batch, then join the other ranks' rounds."""
+        self._rebalance(control)
         self._cancel(control.cancel)
         events = self._admit([self._register(w) for w in control.new.get(self.rank, [])])
         events += self._decode()
         self.lockstep.finish()
         return Report(self._wire(events))
+
+    def _rebalance(self, control: Control) -> None:
+        if control.rebalance:
+            self.lockstep.rebalance()
 
     def _cancel(self, rids: list[int]) -> None:
         for rid in rids:

@@ -30,6 +30,8 @@ class GroupOptions:
     prefill_ranks: int = 0
     dispatch: str = "native"
     combine: str = "native"
+    redundant_experts: int = 0
+    eplb_every: int = 0
 
 
 def check_options(opts: GroupOptions) -> None:
@@ -42,6 +44,8 @@ def check_options(opts: GroupOptions) -> None:
         raise DSV3Error(f"--dispatch must be one of native, {', '.join(DISPATCH_FORMATS)}; got {opts.dispatch!r}")
     if opts.combine not in ("native", *COMBINE_FORMATS):
         raise DSV3Error(f"--combine must be one of native, {', '.join(COMBINE_FORMATS)}; got {opts.combine!r}")
+    if opts.redundant_experts < 0 or opts.eplb_every < 0:
+        raise DSV3Error("--redundant-experts and --eplb-every must be >= 0")
     if opts.prefill_ranks < 0 or (opts.prefill_ranks and not 0 < opts.prefill_ranks < opts.ep):
         raise DSV3Error(f"--prefill-ranks must be between 1 and --ep - 1 ({opts.ep - 1}), got {opts.prefill_ranks}")
 
@@ -104,7 +108,8 @@ def _serve(opts: GroupOptions, rank: int, world: int, model: str, host: str, por
     from dsv3.infer.cli import _describe
 
     summary = _describe(engine)  # the whole model, before its experts are spread
-    lockstep = agree(lambda: make_lockstep(engine.model, partitions(opts, world), opts.dispatch, opts.combine))
+    lockstep = agree(lambda: make_lockstep(engine.model, partitions(opts, world), opts.dispatch, opts.combine,
+                                                opts.redundant_experts))
     worker = make_worker(opts, engine, lockstep, rank)
     sock = agree(lambda: listen(host, port) if rank == 0 else None)
     if rank != 0:
@@ -128,7 +133,7 @@ def _front_end(opts: GroupOptions, engine, worker, world: int, sock, model: str,
 
     P = opts.prefill_ranks
     sides = dict(prefill=list(range(P)), decode=list(range(P, world))) if P else {}
-    scheduler = ClusterScheduler(engine, worker, world, max_batch, **sides)
+    scheduler = ClusterScheduler(engine, worker, world, max_batch, eplb_every=opts.eplb_every, **sides)
     name = _model_name(model)
     app = create_app(engine, model_name=name, max_batch=max_batch, access_log=None if quiet else log,
                      scheduler=scheduler)
@@ -154,8 +159,12 @@ def describe_group(opts: GroupOptions, engine) -> str:
     moe = next(m for m in engine.model.modules() if hasattr(m, "dispatcher") and hasattr(m.dispatcher, "inner"))
     d = moe.dispatcher.inner
     dispatch, combine = ep_formats(d)
-    return (f"{d.expert_ids.numel()} of {d.n_experts} routed experts per rank and layer, dispatch {dispatch}, "
-            f"combine {combine}, attention data-parallel")
+    slots = d.expert_ids.numel()
+    replicas = d.placement.phy2log.numel() - d.n_experts
+    held = f"{slots} expert slots per rank and layer ({d.n_experts} experts + {replicas} replicas" + (
+        f", EPLB every {opts.eplb_every} busy steps)" if opts.eplb_every else ")") if replicas else \
+        f"{slots} of {d.n_experts} routed experts per rank and layer"
+    return f"{held}, dispatch {dispatch}, combine {combine}, attention data-parallel"
 
 
 def partitions(opts: GroupOptions, world: int) -> list[list[int]]:
