@@ -1,11 +1,13 @@
 """`torchrun --nproc-per-node 4 -m dsv3 serve --ep 4`: four gloo processes, experts spread over them, attention
 data-parallel, rank 0 the HTTP front end; driven by the `openai` client over real HTTP and compared with the
-single-process server on the same weights. The last test kills a worker rank: the front end must answer
-503 with an OpenAI-shaped JSON error, at once, rather than hang."""
+single-process server on the same weights. The last test on that group kills a worker rank: the front end
+must answer 503 with an OpenAI-shaped JSON error, at once, rather than hang. Then the lossy wire formats,
+and `--prefill-ranks 2` (disaggregation) with EPLB."""
 
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -18,13 +20,12 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_infer_server import _free_port, serving  # noqa: E402
-
 from conftest import tiny_model, tiny_tokenizer  # noqa: E402
 from dsv3.infer.engine import Engine  # noqa: E402
 from dsv3.infer.server import create_app  # noqa: E402
 
 openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
 
 START_TIMEOUT_S = 240  # four processes importing torch on a loaded 2-core machine
 PROMPTS = ["the cat sat", "hello world, hello", "a dog ran in the park", "numbers 1 2 3", "User: hi",
@@ -39,6 +40,30 @@ def checkpoint(tmp_path_factory):
     tiny_model(layers=3).save_pretrained(folder)
     tiny_tokenizer().save(str(folder / "tokenizer.json"))
     return folder
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextmanager
+def serving(app):
+    """``app`` (one process) on a real uvicorn server on 127.0.0.1, in a thread; yields its base URL."""
+    port = _free_port()
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.time() + 20
+    while not srv.started:
+        assert time.time() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=20)
 
 
 class Group:
