@@ -108,6 +108,8 @@ def test_a_seeded_sampled_row_keeps_its_random_stream_across_the_move():
     (["--ep", "4", "--dispatch", "fp4"], "--dispatch must be one of native, bf16, fp8, fp32"),
     (["--ep", "4", "--combine", "fp8"], "--combine must be one of native, bf16, logfmt8, logfmt10, fp32"),
     (["--prefill-ranks", "2"], "need --ep N"),
+    (["--ep", "4", "--redundant-experts", "2", "--eplb-every", "2", "--weights", "fp8"],
+     "cannot rebalance resident FP8 experts"),
 ])
 def test_serve_group_flags_end_with_one_error_line(flags, message, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)

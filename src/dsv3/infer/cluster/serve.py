@@ -34,7 +34,7 @@ class GroupOptions:
     eplb_every: int = 0
 
 
-def check_options(opts: GroupOptions) -> None:
+def check_options(opts: GroupOptions, weights: str = "native") -> None:
     """Flag values that are wrong whatever the processes (checked before any process group exists)."""
     from dsv3.parallel.wire import COMBINE_FORMATS, DISPATCH_FORMATS
 
@@ -46,6 +46,8 @@ def check_options(opts: GroupOptions) -> None:
         raise DSV3Error(f"--combine must be one of native, {', '.join(COMBINE_FORMATS)}; got {opts.combine!r}")
     if opts.redundant_experts < 0 or opts.eplb_every < 0:
         raise DSV3Error("--redundant-experts and --eplb-every must be >= 0")
+    if opts.eplb_every and weights == "fp8":  # moving weights at run time knows plain parameters only
+        raise DSV3Error("--eplb-every cannot rebalance resident FP8 experts (--weights fp8); use --weights native")
     if opts.prefill_ranks < 0 or (opts.prefill_ranks and not 0 < opts.prefill_ranks < opts.ep):
         raise DSV3Error(f"--prefill-ranks must be between 1 and --ep - 1 ({opts.ep - 1}), got {opts.prefill_ranks}")
 
@@ -88,7 +90,7 @@ def log(line: str) -> None:
 def serve_group(opts: GroupOptions, model: str, host: str, port: int, max_batch: int, engine_args: dict,
                 quiet: bool = False) -> None:
     """Load, spread the experts, and serve: rank 0 runs the HTTP front end, the other ranks follow it."""
-    check_options(opts)
+    check_options(opts, engine_args.get("weights", "native"))
     rank, world = init_group(opts.ep)
     try:
         _serve(opts, rank, world, model, host, port, max_batch, engine_args, quiet)
