@@ -27,7 +27,10 @@ def install_unavailable(app: FastAPI, scheduler: ClusterScheduler) -> None:
     async def failed(request: Request, exc: GenerationError):
         if isinstance(exc.__cause__, ClusterDown):
             return unavailable(str(exc.__cause__))
-        return await failed_before(request, exc)
+        if failed_before is not None:
+            return await failed_before(request, exc)
+        body = {"error": {"message": str(exc), "type": "server_error", "param": None, "code": None}}
+        return JSONResponse(body, status_code=500)
 
     app.add_exception_handler(GenerationError, failed)
 

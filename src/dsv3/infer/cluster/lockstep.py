@@ -67,16 +67,16 @@ class Lockstep:
         self.rounds += 1
         return [int(t) for t in out]
 
-    def enter(self, layer: int) -> tuple[list[int], list[int]]:
-        """Start a round asking for ``layer``; joins the requested layers before it and returns (before,
-        after): the layers to join around this rank's own exchange."""
+    def enter(self, layer: int) -> list[int]:
+        """Start a round asking for ``layer``: joins the layers asked for before it (in order), and returns
+        those after it, to join once this rank's own exchange is done."""
         wanted = sorted({w for w in self.gather(layer) if w != DONE})
         self.in_round = True
         self.busy_rounds += 1
-        before = [w for w in wanted if w < layer]
-        for w in before:
-            self.join_empty(w)
-        return before, [w for w in wanted if w > layer]
+        for w in wanted:
+            if w < layer:
+                self.join_empty(w)
+        return [w for w in wanted if w > layer]
 
     def leave(self, after: list[int]) -> None:
         for w in after:
@@ -143,7 +143,7 @@ class LockstepDispatcher(TokenDispatcher):
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Steps:
         self.load += torch.bincount(routing.idx.flatten().cpu(), minlength=self.load.numel())
-        _, after = self.lockstep.enter(self.index)
+        after = self.lockstep.enter(self.index)
         rows, handle = yield from self.inner.dispatch(x, routing)
         return rows, _Handle(handle, after)
 
