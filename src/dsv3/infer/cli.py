@@ -297,6 +297,19 @@ def serve(
                                             help="Tokens per prefix-cache block (default: 16)."),
     prefix_cache_dir: str | None = typer.Option(None, "--prefix-cache-dir", metavar="DIR",
                                                 help="Keep evicted prefix blocks in this folder and reuse them."),
+    ep: int | None = typer.Option(None, "--ep", metavar="N", show_default=False,
+                                  help="Expert parallel over N processes started by torchrun --nproc-per-node N."),
+    prefill_ranks: int = typer.Option(0, "--prefill-ranks", metavar="P", show_default=False,
+                                      help="With --ep: the first P ranks prefill, the others decode (default: 0)."),
+    dispatch: str = typer.Option("native", "--dispatch", metavar="FMT", show_default=False,
+                                 help="With --ep: dispatch wire format native, bf16, fp8 or fp32 (default: native)."),
+    combine: str = typer.Option("native", "--combine", metavar="FMT", show_default=False,
+                                help="With --ep: combine wire format native, bf16, logfmt8, logfmt10 or fp32 "
+                                     "(default: native)."),
+    redundant_experts: int = typer.Option(0, "--redundant-experts", metavar="R", show_default=False,
+                                          help="With --ep: R extra expert slots per layer for replicas (EPLB)."),
+    eplb_every: int = typer.Option(0, "--eplb-every", metavar="K", show_default=False,
+                                   help="With --ep: rebalance experts from the observed load every K busy steps."),
 ) -> None:
     """OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions (stream: true as SSE),
     /metrics (Prometheus). Prints the address and the model on start, then one access log line per
@@ -309,6 +322,17 @@ def serve(
     at_least(max_batch, 1, "--max-batch")
     if not 0 <= port <= 65535:
         raise DSV3Error(f"--port must be in [0, 65535], got {port}")
+    if ep is not None:
+        from dsv3.infer.cluster.serve import GroupOptions, serve_group
+
+        engine_args = dict(dtype=dtype, weights=weights, cache_dtype=cache_dtype, speculative=speculative,
+                           threads=threads)
+        opts = GroupOptions(ep, prefill_ranks, dispatch, combine, redundant_experts, eplb_every)
+        serve_group(opts, model, host, port, max_batch, engine_args, quiet)
+        return
+    if prefill_ranks or dispatch != "native" or combine != "native" or redundant_experts or eplb_every:
+        raise DSV3Error("--prefill-ranks, --dispatch, --combine, --redundant-experts and --eplb-every need --ep N "
+                        "(several processes)")
     folder = resolve_checkpoint(model)
     engine = build_engine(str(folder), dtype, weights, cache_dtype, speculative, threads=threads)
     attach_prefix_cache(engine, prefix_cache_bytes, prefix_block_tokens, prefix_cache_dir)

@@ -113,14 +113,18 @@ class GenerationError(Exception):
 
 
 def create_app(engine: Engine, model_name: str = "dsv3", max_batch: int = 8,
-               access_log: Callable[[str], None] | None = None, metrics: ServingMetrics | None = None) -> FastAPI:
+               access_log: Callable[[str], None] | None = None, metrics: ServingMetrics | None = None,
+               scheduler: Scheduler | None = None) -> FastAPI:
     """The API over one engine; the decode worker runs while the app is up. ``access_log`` receives one
     line per request (method, path, status, tokens generated, milliseconds). ``metrics``: where /metrics
-    reads from (by default one whose expert load counts this process's routers)."""
-    if metrics is None:
-        metrics = ServingMetrics()
-        metrics.expert_load = RouterCounts(engine.model) if engine.model.moe_layers() else None
-    scheduler = Scheduler(engine, max_batch, metrics)
+    reads from (by default one whose expert load counts this process's routers). ``scheduler``: another
+    scheduler with the same interface (a multi-process serving group's front end; /metrics reads its own)."""
+    if scheduler is None:
+        if metrics is None:
+            metrics = ServingMetrics()
+            metrics.expert_load = RouterCounts(engine.model) if engine.model.moe_layers() else None
+        scheduler = Scheduler(engine, max_batch, metrics)
+    metrics = scheduler.metrics
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

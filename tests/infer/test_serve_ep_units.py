@@ -1,0 +1,127 @@
+"""Pieces of multi-process serving that need no processes: the front end's assignment of requests and of
+latent-cache moves, the hand-over of a prefilled row (its state and its cache slots) into a decode batch,
+and the serve flags' errors."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import tiny_model  # noqa: E402
+from dsv3.cli import main  # noqa: E402
+from dsv3.infer.cluster.disagg import (  # noqa: E402
+    RowState,
+    batch_from_cache,
+    cache_bytes_per_token,
+    pack_row,
+    unpack_state,
+)
+from dsv3.infer.cluster.frontend import ClusterScheduler  # noqa: E402
+from dsv3.infer.cluster.rank import Ready, WireRequest  # noqa: E402
+from dsv3.infer.engine import Engine, Request  # noqa: E402
+from dsv3.infer.sampling import GREEDY, SamplingParams  # noqa: E402
+
+
+class _Worker:
+    rank = 0
+
+
+def _scheduler(world: int, max_batch: int, **sides) -> ClusterScheduler:
+    return ClusterScheduler(None, _Worker(), world, max_batch, **sides)
+
+
+def _queue(s: ClusterScheduler, n: int) -> list[Request]:
+    requests = [Request([1, 2, 3], 4) for _ in range(n)]
+    for r in requests:
+        s.pending.put((r, lambda item: None))
+    return requests
+
+
+def test_requests_go_to_the_least_loaded_rank_and_wait_when_every_rank_is_full():
+    s = _scheduler(3, 2)
+    s.load = [1, 0, 2]
+    _queue(s, 4)
+    new = s._assign()
+    assert {r: len(v) for r, v in new.items()} == {1: 2, 0: 1}  # rank 1; then 0 and 1 tie (lower first); 1
+    assert s.load == [2, 2, 2] and len(s.waiting) == 1
+    s.load = [2, 1, 2]
+    assert list(s._assign()) == [1] and not s.waiting
+
+
+def test_prefilled_requests_move_to_the_least_loaded_decode_rank_with_room():
+    s = _scheduler(4, 2, prefill=[0, 1], decode=[2, 3])
+    _queue(s, 3)
+    new = s._assign()
+    assert sorted(new) == [0, 1] and s.load == [2, 1, 0, 0]
+    rids = [w.rid for ws in new.values() for w in ws]
+    s.ready = [Ready(rid, s.inflight[rid][1], 5, 100) for rid in rids]  # rids 0 and 2 on rank 0, 1 on rank 1
+    s.load[2:] = [1, 2]  # decode rank 3 is full, rank 2 has room for one
+    moves = s._transfers(cancelled={1})  # rid 1's client went away: it is not moved (its prefill rank drops it)
+    assert [(m.rid, m.src, m.dst, m.slots, m.state_bytes) for m in moves] == [(0, 0, 2, 5, 100)]
+    assert s.inflight[0][1] == 2 and s.load == [1, 1, 2, 2]
+    assert [r.rid for r in s.ready] == [2]  # waits on its prefill rank for room
+    s.load[3] = 1
+    assert [(m.rid, m.dst) for m in s._transfers(set())] == [(2, 3)] and not s.ready
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_prefilled_row_handed_over_decodes_exactly_as_in_one_process(speculative):
+    """The row of a padded two-row prefill, packed (its own slots only), unpickled and rebuilt over a
+    one-row batch, continues with the tokens one process gives; the cache moved is its bytes per token."""
+    engine = Engine(tiny_model(layers=2), speculative=speculative)
+    short, long = Request([5, 6, 7], 12), Request([9, 8, 7, 6, 5, 4, 3], 12)
+    want = engine.generate([Request(short.prompt_ids, 12)])[0].token_ids
+    batch = engine.start([long, short])  # the short row is left-padded: 4 slots are not its own
+    wire = WireRequest(7, short.prompt_ids, 12, GREEDY, frozenset(), (), None)
+    parcel = pack_row(engine, batch, 1, RowState.of(wire, batch.rows[1]))
+    assert parcel.kv.shape[1] == 3
+    assert (parcel.kv.nbytes + parcel.pe.nbytes) / 3 == cache_bytes_per_token(engine)
+    state = unpack_state(parcel)
+    moved = batch_from_cache(engine, state.row(engine, state.request.request()), parcel.kv, parcel.pe)
+    got = list(state.generated)
+    while moved.rows:
+        got += [t for ev in moved.step() for t in ev.token_ids]
+    assert got == want
+
+
+def test_a_seeded_sampled_row_keeps_its_random_stream_across_the_move():
+    engine = Engine(tiny_model(layers=2))
+    params = SamplingParams(temperature=1.0, seed=11)
+    want = engine.generate([Request([5, 6, 7], 10, params)])[0].token_ids
+    batch = engine.start([Request([5, 6, 7], 10, params)])
+    wire = WireRequest(1, [5, 6, 7], 10, params, frozenset(), (), None)
+    parcel = pack_row(engine, batch, 0, RowState.of(wire, batch.rows[0]))
+    state = unpack_state(parcel)
+    moved = batch_from_cache(engine, state.row(engine, state.request.request()), parcel.kv, parcel.pe)
+    got = list(state.generated)
+    while moved.rows:
+        got += [t for ev in moved.step() for t in ev.token_ids]
+    assert got == want
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--ep", "4"], "start it with torchrun --nproc-per-node 4"),
+    (["--ep", "0"], "--ep must be >= 1"),
+    (["--ep", "4", "--prefill-ranks", "4"], "--prefill-ranks must be between 1 and --ep - 1 (3)"),
+    (["--ep", "4", "--dispatch", "fp4"], "--dispatch must be one of native, bf16, fp8, fp32"),
+    (["--ep", "4", "--combine", "fp8"], "--combine must be one of native, bf16, logfmt8, logfmt10, fp32"),
+    (["--prefill-ranks", "2"], "need --ep N"),
+    (["--ep", "4", "--redundant-experts", "2", "--eplb-every", "2", "--weights", "fp8"],
+     "cannot rebalance resident FP8 experts"),
+])
+def test_serve_group_flags_end_with_one_error_line(flags, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    tiny_model(layers=1).save_pretrained(tmp_path)
+    assert main(["serve", "--model", str(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_lossless_wire_format_is_the_compute_dtype():
+    from dsv3.infer.cluster.lockstep import native_format
+
+    model = tiny_model(layers=1)
+    assert native_format(model) == "fp32"
+    assert native_format(model.to(torch.bfloat16)) == "bf16"
