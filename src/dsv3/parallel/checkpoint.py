@@ -1,0 +1,267 @@
+"""Sharded training checkpoints with torch.distributed.checkpoint (DCP), keyed by the WHOLE model's names, so
+that any layout reads what any other layout wrote (resharding on load).
+
+Every rank writes only what it holds. What it holds follows from a few per-piece rules, applied to its own
+modules, so that a layout composed of several pieces (pipeline stages x expert parallelism x FSDP) needs no
+code of its own:
+
+* **replicated tensors** (one process, DDP, the dense part under EP, the tied embedding on two pipeline
+  stages) are plain tensors under their model names; DCP writes one copy of a key that several ranks hold;
+* **FSDP2 parameters** are DTensors: DCP writes each rank's shard and reshards on load;
+* **pipeline stages**: a pipeline rank's model holds only its stages' modules, so its state dict names only
+  their tensors;
+* **routed experts**: a MoE layer's stacked experts ``[n_held, ...]`` become one key per expert
+  (``model.layers.3.mlp.experts.5.gate_proj``), under every layout, so an EP rank writes and reads exactly
+  its experts (its dispatcher's ``expert_ids`` say which; a local dispatcher holds them all);
+* **optimizer state** follows its parameter's key (``optim/<key>.<state>``), split the same way; each rank
+  writes the state it keeps and loads the state of the parameters it updates (ZeRO-1: those it owns).
+
+Keys: ``model/<name>`` for the model (parameters and persistent buffers, the router biases among them) and
+``optim/<name>.<state>`` for the optimizer (AdamW: ``exp_avg``, ``exp_avg_sq``, ``step``).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+from dsv3.errors import DSV3Error
+from dsv3.model.moe import MoE
+
+MODEL, OPTIM = "model/", "optim/"
+Piece = tuple[str, list[int] | None]  # (whole-model key, local expert slots holding it; None: the whole tensor)
+
+
+# ---- the per-piece rules ------------------------------------------------------------------------
+
+
+def held_experts(moe: MoE) -> list[int]:
+    """The logical expert held in each of this rank's expert slots: the dispatcher's ``expert_ids`` when it
+    holds a share (expert parallelism), else every expert in order."""
+    ids = getattr(moe.dispatcher, "expert_ids", None)
+    return [int(e) for e in ids.tolist()] if ids is not None else list(range(moe.experts.n_experts))
+
+
+def expert_rules(model: nn.Module) -> dict[str, list[Piece]]:
+    """State-dict name of every stacked expert tensor held here -> one piece per logical expert (its key and
+    the local slots that hold it; a placement with redundant experts may hold one in several slots)."""
+    rules: dict[str, list[Piece]] = {}
+    for name, moe in model.named_modules():
+        if not isinstance(moe, MoE):
+            continue
+        slots: dict[int, list[int]] = {}
+        for slot, expert in enumerate(held_experts(moe)):
+            slots.setdefault(expert, []).append(slot)
+        for pname, _ in moe.experts.named_parameters():
+            stacked = f"{name}.experts.{pname}"
+            rules[stacked] = [(f"{name}.experts.{e}.{pname}", s) for e, s in sorted(slots.items())]
+    return rules
+
+
+def pieces(name: str, rules: dict[str, list[Piece]]) -> list[Piece]:
+    """The whole-model keys of the local tensor ``name``: itself, or one per expert for stacked experts."""
+    return rules.get(name, [(name, None)])
+
+
+def _part(t: torch.Tensor, slots: list[int] | None) -> torch.Tensor:
+    """The piece of ``t`` one key stands for: a view of one expert's slot, or the tensor itself."""
+    if slots is None:
+        return t
+    if _is_dtensor(t):
+        raise DSV3Error("stacked experts that are DTensors have no checkpoint rule yet (shard them by expert "
+                        "parallelism, not FSDP)")
+    return t[slots[0]]
+
+
+def _is_dtensor(t: torch.Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(t, DTensor)
+
+
+def parameter_names(model: nn.Module) -> dict[int, str]:
+    return {id(p): n for n, p in model.named_parameters()}
+
+
+# ---- save ----------------------------------------------------------------------------------------
+
+
+def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """This rank's share of the model and of the optimizer state, keyed by the whole model's names (views of
+    the live tensors: nothing is copied)."""
+    rules = expert_rules(model)
+    state = {MODEL + key: _part(t, slots) for name, t in model.state_dict().items()
+             for key, slots in pieces(name, rules)}
+    names = parameter_names(model)
+    for p, saved in optimizer.state.items():
+        if id(p) not in names or not saved:
+            continue
+        for key, slots in pieces(names[id(p)], rules):
+            for k, v in saved.items():
+                if not torch.is_tensor(v):
+                    raise DSV3Error(f"optimizer state {k!r} of {key} is not a tensor; DCP saves tensors only")
+                state[f"{OPTIM}{key}.{k}"] = _part(v, slots) if v.dim() > 0 else v
+    return state
+
+
+def save_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Write this rank's share into the DCP folder ``folder`` (a collective over every rank)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+        dcp.save(checkpoint_state(model, optimizer), storage_writer=FileSystemWriter(str(folder)),
+                 no_dist=not _distributed())
+
+
+# ---- load ----------------------------------------------------------------------------------------
+
+
+def stored_tensors(folder: Path) -> dict[str, TensorStorageMetadata]:
+    """Every tensor key of the DCP checkpoint in ``folder`` with its global size and dtype."""
+    try:
+        meta = FileSystemReader(str(folder)).read_metadata()
+    except (OSError, RuntimeError, EOFError, ValueError) as exc:
+        raise DSV3Error(f"cannot read the sharded checkpoint {folder}: {exc}") from None
+    except Exception as exc:  # noqa: BLE001 - a corrupt .metadata unpickles into anything
+        raise DSV3Error(f"cannot read the sharded checkpoint {folder}: {type(exc).__name__}: {exc}") from None
+    return {k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
+
+
+def load_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None,
+               updated: Iterable[nn.Parameter] = ()) -> None:
+    """Fill this rank's model tensors (in place) and the optimizer state of the parameters it ``updated``
+    from the DCP checkpoint in ``folder``, whatever layout wrote it (a collective over every rank)."""
+    stored = stored_tensors(folder)
+    rules = expert_rules(model)
+    targets: dict[str, torch.Tensor] = {}
+    duplicates: list[tuple[torch.Tensor, list[int]]] = []  # (stacked tensor, slots of one expert)
+    missing = []
+    for name, t in model.state_dict().items():
+        for key, slots in pieces(name, rules):
+            if MODEL + key not in stored:
+                missing.append(key)
+                continue
+            targets[MODEL + key] = _part(t, slots)
+            if slots is not None and len(slots) > 1:
+                duplicates.append((t, slots))
+    if missing:
+        raise DSV3Error(f"{folder} lacks {len(missing)} tensor(s) of this model ({', '.join(missing[:3])}"
+                        f"{', ...' if len(missing) > 3 else ''}): it was saved from another model")
+    if optimizer is not None:
+        targets.update(_optimizer_targets(model, optimizer, updated, stored, rules, duplicates))
+    _load(folder, targets)
+    with torch.no_grad():
+        for t, slots in duplicates:
+            for s in slots[1:]:
+                t[s].copy_(t[slots[0]])
+
+
+def _optimizer_targets(model: nn.Module, optimizer: torch.optim.Optimizer, updated: Iterable[nn.Parameter],
+                       stored: dict[str, TensorStorageMetadata], rules: dict[str, list[Piece]],
+                       duplicates: list) -> Iterator[tuple[str, torch.Tensor]]:
+    """Fresh optimizer state tensors for every updated parameter the checkpoint holds state for (shaped like
+    the parameter, DTensor shards included, or scalars like AdamW's ``step``), and the keys to load them from."""
+    by_key: dict[str, dict[str, TensorStorageMetadata]] = {}
+    for k, md in stored.items():
+        if k.startswith(OPTIM):
+            key, _, state_name = k[len(OPTIM):].rpartition(".")
+            by_key.setdefault(key, {})[state_name] = md
+    names = parameter_names(model)
+    for p in updated:
+        parts = pieces(names[id(p)], rules)
+        saved = by_key.get(parts[0][0])
+        if not saved:
+            continue  # no state yet (never stepped): AdamW makes it on the first step
+        state = optimizer.state[p]
+        for state_name, md in saved.items():
+            if len(md.size) == 0:
+                state[state_name] = torch.zeros((), dtype=md.properties.dtype, device=_scalar_device(optimizer, p))
+                yield f"{OPTIM}{parts[0][0]}.{state_name}", state[state_name]
+                continue
+            state[state_name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            for key, slots in parts:
+                yield f"{OPTIM}{key}.{state_name}", _part(state[state_name], slots)
+                if slots is not None and len(slots) > 1:
+                    duplicates.append((state[state_name], slots))
+
+
+def _scalar_device(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.device:
+    """Where torch's AdamW keeps ``step``: with the parameter when fused or capturable, else on the CPU."""
+    d = optimizer.defaults
+    return p.device if d.get("fused") or d.get("capturable") else torch.device("cpu")
+
+
+def _load(folder: Path, targets: dict[str, torch.Tensor]) -> None:
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load(targets, storage_reader=FileSystemReader(str(folder)), no_dist=not _distributed())
+    except CheckpointException as exc:
+        raise DSV3Error(f"cannot load the sharded checkpoint {folder}: {_first_failure(exc)}") from None
+
+
+def _first_failure(exc: CheckpointException) -> str:
+    failures = getattr(exc, "failures", {}) or {}
+    for err in failures.values():
+        return f"{type(err).__name__}: {err}".splitlines()[0]
+    return str(exc).splitlines()[0]
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+# ---- one process: the whole model from a checkpoint (export, load_pretrained) --------------------
+
+
+def read_model_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every ``model/`` tensor of the DCP checkpoint ``folder``, whole, in this process (no process group):
+    names as the checkpoint keys them (routed experts one per key)."""
+    stored = stored_tensors(folder)
+    targets = {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in stored.items()
+               if k.startswith(MODEL)}
+    if not targets:
+        raise DSV3Error(f"{folder} holds no model tensors")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.load(targets, storage_reader=FileSystemReader(str(folder)), no_dist=True)
+    except CheckpointException as exc:
+        raise DSV3Error(f"cannot load the sharded checkpoint {folder}: {_first_failure(exc)}") from None
+    return {k[len(MODEL):]: v for k, v in targets.items()}
+
+
+def stacked_model_state(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``tensors`` (checkpoint keys, experts one per key) as ``model``'s own state dict (a whole model on one
+    process: experts stacked in expert order). A missing expert is a DSV3Error."""
+    state = dict(tensors)
+    for stacked, parts in expert_rules(model).items():
+        try:
+            state[stacked] = torch.stack([state.pop(key) for key, _ in parts])
+        except KeyError as exc:
+            raise DSV3Error(f"the checkpoint lacks routed expert tensor {exc.args[0]}") from None
+    return state
+
+
+def whole_model(folder: Path, cfg) -> nn.Module:
+    """The single-process `Transformer` of config ``cfg`` with every tensor from the DCP checkpoint ``folder``
+    (the export to the HF layout and `dsv3.load_pretrained` of a training checkpoint go through it)."""
+    from dsv3.model.transformer import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    state = stacked_model_state(model, read_model_tensors(folder))
+    try:
+        model.load_state_dict(state, strict=True, assign=True)
+    except RuntimeError as exc:
+        raise DSV3Error(f"{folder} does not match its config.json: {str(exc).splitlines()[-1].strip()}") from None
+    model.init_buffers("cpu")
+    return model
