@@ -72,20 +72,35 @@ def pieces(name: str, rules: dict[str, list[Piece]]) -> list[Piece]:
     return rules.get(name, [(name, None)])
 
 
-def _part(t: torch.Tensor, slots: list[int] | None) -> torch.Tensor:
-    """The piece of ``t`` one key stands for: a view of one expert's slot, or the tensor itself."""
-    if slots is None:
-        return t
-    if _is_dtensor(t):
-        raise DSV3Error("stacked experts that are DTensors have no checkpoint rule yet (shard them by expert "
-                        "parallelism, not FSDP)")
-    return t[slots[0]]
+def tensor_pieces(name: str, t: torch.Tensor,
+                  rules: dict[str, list[Piece]]) -> Iterator[tuple[str, torch.Tensor, list[int] | None]]:
+    """(key, tensor, local rows) of every piece of ``t`` held here: the tensor itself (a DTensor included),
+    or a view of each held expert's row (rows: where that expert sits in the local rows). Stacked experts
+    that FSDP shards along the expert dimension give each rank the experts of its rows."""
+    if name not in rules:
+        yield name, t, None
+        return
+    local, first = local_rows(t)
+    for key, slots in rules[name]:
+        here = [s - first for s in slots if first <= s < first + local.shape[0]]
+        if here:
+            yield key, local[here[0]], here
 
 
-def _is_dtensor(t: torch.Tensor) -> bool:
+def local_rows(t: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """(the rows of dim 0 held here, the index of the first): the tensor itself, or a DTensor's local shard,
+    which must hold whole rows (sharded along dim 0 only, as FSDP2 shards)."""
     from torch.distributed.tensor import DTensor
 
-    return isinstance(t, DTensor)
+    if not isinstance(t, DTensor):
+        return t, 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    if tuple(shape[1:]) != tuple(t.shape[1:]):
+        raise DSV3Error(f"stacked experts sharded along another dimension than the experts' ({t.placements}) "
+                        "have no checkpoint rule")
+    return t.to_local(), offset[0]
 
 
 def parameter_names(model: nn.Module) -> dict[int, str]:
@@ -99,17 +114,20 @@ def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     """This rank's share of the model and of the optimizer state, keyed by the whole model's names (views of
     the live tensors: nothing is copied)."""
     rules = expert_rules(model)
-    state = {MODEL + key: _part(t, slots) for name, t in model.state_dict().items()
-             for key, slots in pieces(name, rules)}
+    state = {MODEL + key: part for name, t in model.state_dict().items()
+             for key, part, _ in tensor_pieces(name, t, rules)}
     names = parameter_names(model)
     for p, saved in optimizer.state.items():
         if id(p) not in names or not saved:
             continue
-        for key, slots in pieces(names[id(p)], rules):
-            for k, v in saved.items():
-                if not torch.is_tensor(v):
-                    raise DSV3Error(f"optimizer state {k!r} of {key} is not a tensor; DCP saves tensors only")
-                state[f"{OPTIM}{key}.{k}"] = _part(v, slots) if v.dim() > 0 else v
+        name = names[id(p)]
+        for k, v in saved.items():
+            if not torch.is_tensor(v):
+                raise DSV3Error(f"optimizer state {k!r} of {name} is not a tensor; DCP saves tensors only")
+            if v.dim() == 0:  # a scalar (AdamW's step): the same under every key of the parameter
+                state.update({f"{OPTIM}{key}.{k}": v for key, _ in pieces(name, rules)})
+            else:
+                state.update({f"{OPTIM}{key}.{k}": part for key, part, _ in tensor_pieces(name, v, rules)})
     return state
 
 
@@ -128,9 +146,7 @@ def stored_tensors(folder: Path) -> dict[str, TensorStorageMetadata]:
     """Every tensor key of the DCP checkpoint in ``folder`` with its global size and dtype."""
     try:
         meta = FileSystemReader(str(folder)).read_metadata()
-    except (OSError, RuntimeError, EOFError, ValueError) as exc:
-        raise DSV3Error(f"cannot read the sharded checkpoint {folder}: {exc}") from None
-    except Exception as exc:  # noqa: BLE001 - a corrupt .metadata unpickles into anything
+    except Exception as exc:  # noqa: BLE001 - a missing or corrupt .metadata fails in many ways (it is a pickle)
         raise DSV3Error(f"cannot read the sharded checkpoint {folder}: {type(exc).__name__}: {exc}") from None
     return {k: v for k, v in meta.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)}
 
@@ -142,26 +158,26 @@ def load_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer 
     stored = stored_tensors(folder)
     rules = expert_rules(model)
     targets: dict[str, torch.Tensor] = {}
-    duplicates: list[tuple[torch.Tensor, list[int]]] = []  # (stacked tensor, slots of one expert)
+    duplicates: list[tuple[torch.Tensor, list[int]]] = []  # (local stacked rows, the rows of one expert)
     missing = []
     for name, t in model.state_dict().items():
-        for key, slots in pieces(name, rules):
+        for key, part, rows in tensor_pieces(name, t, rules):
             if MODEL + key not in stored:
                 missing.append(key)
                 continue
-            targets[MODEL + key] = _part(t, slots)
-            if slots is not None and len(slots) > 1:
-                duplicates.append((t, slots))
+            targets[MODEL + key] = part
+            if rows is not None and len(rows) > 1:
+                duplicates.append((local_rows(t)[0], rows))
     if missing:
         raise DSV3Error(f"{folder} lacks {len(missing)} tensor(s) of this model ({', '.join(missing[:3])}"
                         f"{', ...' if len(missing) > 3 else ''}): it was saved from another model")
     if optimizer is not None:
         targets.update(_optimizer_targets(model, optimizer, updated, stored, rules, duplicates))
-    _load(folder, targets)
+    _load(folder, targets, no_dist=not _distributed())
     with torch.no_grad():
-        for t, slots in duplicates:
-            for s in slots[1:]:
-                t[s].copy_(t[slots[0]])
+        for local, rows in duplicates:
+            for r in rows[1:]:
+                local[r].copy_(local[rows[0]])
 
 
 def _optimizer_targets(model: nn.Module, optimizer: torch.optim.Optimizer, updated: Iterable[nn.Parameter],
@@ -176,21 +192,22 @@ def _optimizer_targets(model: nn.Module, optimizer: torch.optim.Optimizer, updat
             by_key.setdefault(key, {})[state_name] = md
     names = parameter_names(model)
     for p in updated:
-        parts = pieces(names[id(p)], rules)
-        saved = by_key.get(parts[0][0])
+        name = names[id(p)]
+        first_key = pieces(name, rules)[0][0]
+        saved = by_key.get(first_key)
         if not saved:
             continue  # no state yet (never stepped): AdamW makes it on the first step
         state = optimizer.state[p]
         for state_name, md in saved.items():
-            if len(md.size) == 0:
+            if len(md.size) == 0:  # a scalar, the same under every key of the parameter
                 state[state_name] = torch.zeros((), dtype=md.properties.dtype, device=_scalar_device(optimizer, p))
-                yield f"{OPTIM}{parts[0][0]}.{state_name}", state[state_name]
+                yield f"{OPTIM}{first_key}.{state_name}", state[state_name]
                 continue
             state[state_name] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            for key, slots in parts:
-                yield f"{OPTIM}{key}.{state_name}", _part(state[state_name], slots)
-                if slots is not None and len(slots) > 1:
-                    duplicates.append((state[state_name], slots))
+            for key, part, rows in tensor_pieces(name, state[state_name], rules):
+                yield f"{OPTIM}{key}.{state_name}", part
+                if rows is not None and len(rows) > 1:
+                    duplicates.append((local_rows(state[state_name])[0], rows))
 
 
 def _scalar_device(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.device:
@@ -199,11 +216,11 @@ def _scalar_device(optimizer: torch.optim.Optimizer, p: torch.Tensor) -> torch.d
     return p.device if d.get("fused") or d.get("capturable") else torch.device("cpu")
 
 
-def _load(folder: Path, targets: dict[str, torch.Tensor]) -> None:
+def _load(folder: Path, targets: dict[str, torch.Tensor], no_dist: bool) -> None:
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load(targets, storage_reader=FileSystemReader(str(folder)), no_dist=not _distributed())
+            dcp.load(targets, storage_reader=FileSystemReader(str(folder)), no_dist=no_dist)
     except CheckpointException as exc:
         raise DSV3Error(f"cannot load the sharded checkpoint {folder}: {_first_failure(exc)}") from None
 
@@ -230,12 +247,7 @@ def read_model_tensors(folder: Path) -> dict[str, torch.Tensor]:
                if k.startswith(MODEL)}
     if not targets:
         raise DSV3Error(f"{folder} holds no model tensors")
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-            dcp.load(targets, storage_reader=FileSystemReader(str(folder)), no_dist=True)
-    except CheckpointException as exc:
-        raise DSV3Error(f"cannot load the sharded checkpoint {folder}: {_first_failure(exc)}") from None
+    _load(folder, targets, no_dist=True)
     return {k[len(MODEL):]: v for k, v in targets.items()}
 
 
