@@ -207,6 +207,9 @@ def checkpoint_files(path: Path) -> list[Path]:
     if (path / SINGLE_NAME).exists():
         return [require_regular_file(path / SINGLE_NAME)]
     found = sorted(path.glob("*.safetensors"))
+    if not found and is_sharded_checkpoint(path):
+        raise DSV3Error(f"{path} is a sharded training checkpoint ({SHARDED_DIR}/); export it to the HF layout "
+                        f"first: dsv3 convert {path} DST --to hf")
     if not found:
         raise DSV3Error(f"no safetensors checkpoint in {path}")
     return [require_regular_file(f) for f in found]

@@ -1,4 +1,5 @@
-"""FP8 <-> BF16 conversion of DeepSeek-format checkpoints, shard by shard, on the CPU.
+"""FP8 <-> BF16 conversion of DeepSeek-format checkpoints, shard by shard, on the CPU; and the export of a
+training checkpoint (sharded, torch.distributed.checkpoint) to the HF layout (``--to hf``).
 
 DeepSeek's own ``fp8_cast_bf16.py`` needs a GPU (Triton). Here each output shard is made from one
 input shard, so memory stays bounded by the largest shard; a weight whose ``weight_scale_inv`` lives in
@@ -31,6 +32,7 @@ from dsv3.checkpoint import (
     open_safetensors,
     quantize_fp8_blocks,
     read_tensors,
+    stored_tensors,
 )
 from dsv3.config import ModelConfig
 from dsv3.errors import DSV3Error
@@ -41,15 +43,18 @@ FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp
 
 
 def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: bool = False) -> dict:
-    """Convert ``src`` into ``dst`` with weights in ``to`` ("bf16" or "fp8"); returns a summary."""
+    """Convert ``src`` into ``dst`` with weights in ``to`` ("bf16", "fp8", or "hf": the whole model in the HF
+    layout as it loads, e.g. a training checkpoint exported); returns a summary."""
     src, dst = Path(src), Path(dst)
-    if to not in ("bf16", "fp8"):
-        raise DSV3Error(f"--to must be bf16 or fp8, got {to!r}")
+    if to not in ("bf16", "fp8", "hf"):
+        raise DSV3Error(f"--to must be bf16, fp8 or hf, got {to!r}")
     if not src.is_dir():
         raise DSV3Error(f"source checkpoint folder not found: {src}")
     src = resolve_checkpoint(src)  # a training run folder means its latest checkpoint
     if dst.exists() and not overwrite:
         raise DSV3Error(f"{dst} already exists (pass --overwrite to replace it)")
+    if to == "hf":
+        return export_hf(src, dst)
     cfg = ModelConfig.from_json(src / "config.json")
     files = checkpoint_files(src)
     check_checkpoint(cfg, files)  # the checks load_pretrained makes, before anything is written
@@ -83,6 +88,32 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: boo
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return summary
+
+
+def export_hf(src: Path, dst: Path) -> dict:
+    """The model of checkpoint folder ``src`` (a sharded training checkpoint, or any folder `load_pretrained`
+    reads) written to ``dst`` in the HF layout, MTP layer included, with the tokenizer files beside it; built
+    in a staging folder and renamed into place."""
+    from dsv3.checkpoint import load_pretrained
+
+    model = load_pretrained(src)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = staging_dir(dst.parent, f".{dst.name}.tmp-")
+    try:
+        model.save_pretrained(tmp)
+        for extra in src.iterdir():  # tokenizer, generation config, ...
+            if _carried_over(extra):
+                shutil.copy2(extra, tmp / extra.name)
+        publish_tree(tmp)
+        if dst.exists():
+            shutil.rmtree(dst)
+        tmp.rename(dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    files = checkpoint_files(dst)
+    return {"tensors": len(stored_tensors(files)), "quantized": 0, "dequantized": 0, "shards": len(files),
+            "bytes": sum(f.stat().st_size for f in files)}
 
 
 def _carried_over(f: Path) -> bool:
