@@ -13,8 +13,9 @@ code of its own:
 * **routed experts**: a MoE layer's stacked experts ``[n_held, ...]`` become one key per expert
   (``model.layers.3.mlp.experts.5.gate_proj``), under every layout, so an EP rank writes and reads exactly
   its experts (its dispatcher's ``expert_ids`` say which; a local dispatcher holds them all);
-* **optimizer state** follows its parameter's key (``optim/<key>.<state>``), split the same way; each rank
-  writes the state it keeps and loads the state of the parameters it updates (ZeRO-1: those it owns).
+* **optimizer state** follows its parameter's key (``optim/<key>.<state>``), split the same way (a scalar
+  such as AdamW's ``step`` once, under expert 0's key); each rank writes the state it keeps and
+  loads the state of the parameters it updates (ZeRO-1: those it owns).
 
 Keys: ``model/<name>`` for the model (parameters and persistent buffers, the router biases among them) and
 ``optim/<name>.<state>`` for the optimizer (AdamW: ``exp_avg``, ``exp_avg_sq``, ``step``).
@@ -72,6 +73,15 @@ def pieces(name: str, rules: dict[str, list[Piece]]) -> list[Piece]:
     return rules.get(name, [(name, None)])
 
 
+def first_key(name: str, rules: dict[str, list[Piece]]) -> str:
+    """The one key of the local tensor ``name`` whatever the layout: itself, or for stacked experts expert 0's
+    (where a scalar such as AdamW's ``step``, the same for every expert, is kept once)."""
+    if name not in rules:
+        return name
+    stacked, _, pname = name.rpartition(".")
+    return f"{stacked}.0.{pname}"
+
+
 def tensor_pieces(name: str, t: torch.Tensor,
                   rules: dict[str, list[Piece]]) -> Iterator[tuple[str, torch.Tensor, list[int] | None]]:
     """(key, tensor, local rows) of every piece of ``t`` held here: the tensor itself (a DTensor included),
@@ -124,8 +134,8 @@ def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
         for k, v in saved.items():
             if not torch.is_tensor(v):
                 raise DSV3Error(f"optimizer state {k!r} of {name} is not a tensor; DCP saves tensors only")
-            if v.dim() == 0:  # a scalar (AdamW's step): the same under every key of the parameter
-                state.update({f"{OPTIM}{key}.{k}": v for key, _ in pieces(name, rules)})
+            if v.dim() == 0:  # a scalar (AdamW's step), the same for every piece: once, under expert 0's key
+                state[f"{OPTIM}{first_key(name, rules)}.{k}"] = v
             else:
                 state.update({f"{OPTIM}{key}.{k}": part for key, part, _ in tensor_pieces(name, v, rules)})
     return state
@@ -193,15 +203,15 @@ def _optimizer_targets(model: nn.Module, optimizer: torch.optim.Optimizer, updat
     names = parameter_names(model)
     for p in updated:
         name = names[id(p)]
-        first_key = pieces(name, rules)[0][0]
-        saved = by_key.get(first_key)
+        canonical = first_key(name, rules)
+        saved = by_key.get(canonical)
         if not saved:
             continue  # no state yet (never stepped): AdamW makes it on the first step
         state = optimizer.state[p]
         for state_name, md in saved.items():
             if len(md.size) == 0:  # a scalar, the same under every key of the parameter
                 state[state_name] = torch.zeros((), dtype=md.properties.dtype, device=_scalar_device(optimizer, p))
-                yield f"{OPTIM}{first_key}.{state_name}", state[state_name]
+                yield f"{OPTIM}{canonical}.{state_name}", state[state_name]
                 continue
             state[state_name] = torch.zeros_like(p, memory_format=torch.preserve_format)
             for key, part, rows in tensor_pieces(name, state[state_name], rules):
