@@ -46,7 +46,7 @@ def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
     found = []
     for p in root.iterdir():
         m = STEP_DIR.match(p.name)
-        if m and (p / STATE_JSON).exists() and (p / STATE_PT).exists() and (p / SHARDED_DIR).is_dir():
+        if m and (p / STATE_JSON).exists() and (p / STATE_PT).exists():
             found.append((int(m[1]), p))
     return sorted(found)
 
