@@ -143,10 +143,13 @@ def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
 
 def save_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
     """Write this rank's share into the DCP folder ``folder`` (a collective over every rank)."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
-        dcp.save(checkpoint_state(model, optimizer), storage_writer=FileSystemWriter(str(folder)),
-                 no_dist=not _distributed())
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=".*torch.distributed is disabled.*")
+            dcp.save(checkpoint_state(model, optimizer), storage_writer=FileSystemWriter(str(folder)),
+                     no_dist=not _distributed())
+    except CheckpointException as exc:  # every rank raises it, whichever rank failed
+        raise DSV3Error(f"cannot write the sharded checkpoint {folder}: {_first_failure(exc)}") from None
 
 
 # ---- load ----------------------------------------------------------------------------------------

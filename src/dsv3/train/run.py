@@ -352,13 +352,15 @@ class _Run:
         train_rows = [r for r in rows if r.get("kind") == "train" and r.get("loss") is not None]
         plots = {}
         sample = None
-        full = self.parallel.full_model()  # a collective: sampling and the layer names need the whole model
         if self.world.is_main and self.plots:
             from dsv3.train.plots import write_plots
 
-            plots = write_plots(rows, self.run_dir, moe_layer_names(full))
-        if self.world.is_main:
-            if self.opts.sample_tokens:
+            with torch.device("meta"):  # the layer names only: no weights, nothing gathered
+                names = moe_layer_names(Transformer(self.cfg))
+            plots = write_plots(rows, self.run_dir, names)
+        if self.opts.sample_tokens:
+            full = self.parallel.full_model()  # a collective: sampling needs the whole model
+            if self.world.is_main:
                 sample = self._sample(full)
         recent = [r["loss"] for r in train_rows[-10:]]
         return {
