@@ -120,14 +120,14 @@ def parameter_names(model: nn.Module) -> dict[int, str]:
 # ---- save ----------------------------------------------------------------------------------------
 
 
-def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """This rank's share of the model and of the optimizer state, keyed by the whole model's names (views of
-    the live tensors: nothing is copied)."""
+def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer | None) -> dict[str, torch.Tensor]:
+    """This rank's share of the model and of the optimizer state (None: the model only), keyed by the whole
+    model's names (views of the live tensors: nothing is copied)."""
     rules = expert_rules(model)
     state = {MODEL + key: part for name, t in model.state_dict().items()
              for key, part, _ in tensor_pieces(name, t, rules)}
     names = parameter_names(model)
-    for p, saved in optimizer.state.items():
+    for p, saved in (optimizer.state.items() if optimizer is not None else ()):
         if id(p) not in names or not saved:
             continue
         name = names[id(p)]
@@ -141,7 +141,7 @@ def checkpoint_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> dict
     return state
 
 
-def save_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+def save_state(folder: Path, model: nn.Module, optimizer: torch.optim.Optimizer | None) -> None:
     """Write this rank's share into the DCP folder ``folder`` (a collective over every rank)."""
     try:
         with warnings.catch_warnings():

@@ -126,6 +126,31 @@ def publish_checkpoint(
     return final
 
 
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    model,
+    trainer_state: dict[str, Any],
+    summary: dict[str, Any],
+    write_extras,
+    keep_last: int,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Path:
+    """One process, no process group: step ``step`` of ``model`` (and ``optimizer``) written as the trainer
+    writes it (tools and tests make run folders with it); ``write_extras(folder)`` adds files such as the
+    tokenizer beside the config."""
+    from dsv3.parallel.checkpoint import save_state
+
+    staging = prepare_staging(run_dir, step)
+    save_state(staging / SHARDED_DIR, model, optimizer)
+
+    def extras(folder: Path) -> None:
+        model.config.save_json(folder / "config.json")
+        write_extras(folder)
+
+    return publish_checkpoint(run_dir, step, trainer_state, summary, extras, keep_last)
+
+
 def load_trainer_state(folder: Path) -> dict[str, Any]:
     """The trainer state rank 0 saved (every rank reads it); the model and optimizer are in ``dcp/``."""
     path = Path(folder) / STATE_PT
