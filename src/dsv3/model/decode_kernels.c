@@ -1,0 +1,219 @@
+/* Decode-step kernels for x86 CPUs with AVX2, FMA and F16C: matrix-vector products (a handful of rows of
+ * activations against one weight matrix) that read fp32, bf16 or FP8 e4m3 (128x128 block scales) weights
+ * straight from where they live, converting each weight in registers. No dequantized copy of a matrix is
+ * ever made, and a decode step's whole routed MoE is one call.
+ *
+ * Built and loaded at first use by decode_kernels.py (cc -O3 -mavx2 -mfma -mf16c -fopenmp); every
+ * function has a plain PyTorch reference there, and the tests compare the two.
+ *
+ * Weights are [N, K] row-major. FP8 scales are [ceil(N/128), ceil(K/128)] fp32, already multiplied by
+ * 256: an e4m3 byte is turned into the fp16 number with the same bits shifted (exactly its value / 256,
+ * subnormals included), which F16C converts to fp32. Activations are fp32 or bf16, accumulated in fp32.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { W_F32 = 0, W_BF16 = 1, W_FP8 = 2 };
+enum { A_F32 = 0, A_BF16 = 1 };
+#define FP8_BLOCK 128
+#define MAX_ROWS 4
+
+static inline __attribute__((always_inline)) __m256 load8(int kind, const void *w, int64_t off) {
+    if (kind == W_F32) return _mm256_loadu_ps((const float *)w + off);
+    if (kind == W_BF16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + off));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)((const uint8_t *)w + off)));
+    __m128i mag = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7);
+    __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
+    return _mm256_cvtph_ps(_mm_or_si128(mag, sign));
+}
+
+static inline float load1(int kind, const void *w, int64_t off) {
+    if (kind == W_F32) return ((const float *)w)[off];
+    if (kind == W_BF16) {
+        uint32_t bits = (uint32_t)((const uint16_t *)w)[off] << 16;
+        float f;
+        memcpy(&f, &bits, 4);
+        return f;
+    }
+    uint16_t b = ((const uint8_t *)w)[off];
+    return _cvtsh_ss((uint16_t)(((b & 0x7F) << 7) | ((b & 0x80) << 8)));
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* res[i] = sum_k w[k] * x[i * ldx + k] for i < MB, with FP8 block scales ``scale_row[k / 128]``. */
+static inline __attribute__((always_inline)) void row_dot(int kind, int MB, const void *w, const float *scale_row,
+                                                          int64_t K, const float *x, int64_t ldx, float *res) {
+    const int64_t blk = kind == W_FP8 ? FP8_BLOCK : K;
+    __m256 tot[MAX_ROWS];
+    for (int i = 0; i < MB; i++) tot[i] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += blk) {
+        const int64_t k1 = k0 + blk < K ? k0 + blk : K;
+        __m256 a[MAX_ROWS][2];
+        float tail[MAX_ROWS];
+        for (int i = 0; i < MB; i++) a[i][0] = a[i][1] = _mm256_setzero_ps(), tail[i] = 0.0f;
+        int64_t k = k0;
+        for (; k + 16 <= k1; k += 16) {
+            __m256 w0 = load8(kind, w, k), w1 = load8(kind, w, k + 8);
+            for (int i = 0; i < MB; i++) {
+                a[i][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * ldx + k), a[i][0]);
+                a[i][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i * ldx + k + 8), a[i][1]);
+            }
+        }
+        for (; k + 8 <= k1; k += 8) {
+            __m256 w0 = load8(kind, w, k);
+            for (int i = 0; i < MB; i++) a[i][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * ldx + k), a[i][0]);
+        }
+        for (; k < k1; k++) {
+            float wk = load1(kind, w, k);
+            for (int i = 0; i < MB; i++) tail[i] += wk * x[i * ldx + k];
+        }
+        for (int i = 0; i < MB; i++) {
+            __m256 s = _mm256_add_ps(_mm256_add_ps(a[i][0], a[i][1]), _mm256_setr_ps(tail[i], 0, 0, 0, 0, 0, 0, 0));
+            tot[i] = kind == W_FP8 ? _mm256_fmadd_ps(s, _mm256_set1_ps(scale_row[k0 / FP8_BLOCK]), tot[i])
+                                   : _mm256_add_ps(s, tot[i]);
+        }
+    }
+    for (int i = 0; i < MB; i++) res[i] = hsum(tot[i]);
+}
+
+#define ROW_DOT_CASES(KIND)                                                  \
+    switch (mb) {                                                            \
+        case 1: row_dot(KIND, 1, w, scale_row, K, x, ldx, res); break;       \
+        case 2: row_dot(KIND, 2, w, scale_row, K, x, ldx, res); break;       \
+        case 3: row_dot(KIND, 3, w, scale_row, K, x, ldx, res); break;       \
+        default: row_dot(KIND, 4, w, scale_row, K, x, ldx, res); break;      \
+    }
+
+/* One weight row against up to MAX_ROWS activation rows; the kind and row count become constants. */
+static void dot_rows(int kind, int mb, const void *w, const float *scale_row, int64_t K, const float *x,
+                     int64_t ldx, float *res) {
+    if (kind == W_F32) { ROW_DOT_CASES(W_F32) }
+    else if (kind == W_BF16) { ROW_DOT_CASES(W_BF16) }
+    else { ROW_DOT_CASES(W_FP8) }
+}
+
+static size_t elem_size(int kind) { return kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1; }
+
+/* y[m, n] = sum_k W[n, k] x[m, k] for n in [n0, n1), all m < M; y row stride ldy. */
+static void matvec(int kind, const void *w, const float *scale, int64_t N, int64_t K, const float *x, int64_t M,
+                   float *y, int64_t ldy, int64_t n) {
+    const int64_t kblocks = (K + FP8_BLOCK - 1) / FP8_BLOCK;
+    const void *row = (const char *)w + (size_t)n * K * elem_size(kind);
+    const float *scale_row = kind == W_FP8 ? scale + (n / FP8_BLOCK) * kblocks : NULL;
+    float res[MAX_ROWS];
+    (void)N;
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+        int mb = M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS;
+        dot_rows(kind, mb, row, scale_row, K, x + m0 * K, K, res);
+        for (int i = 0; i < mb; i++) y[(m0 + i) * ldy + n] = res[i];
+    }
+}
+
+static float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7FFFFFFF) > 0x7F800000) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+
+static float *to_f32(const void *a, int akind, int64_t n) {
+    float *out = (float *)malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+    for (int64_t i = 0; i < n; i++) out[i] = akind == A_F32 ? ((const float *)a)[i] : bf16_to_f32(((const uint16_t *)a)[i]);
+    return out;
+}
+
+/* out[i] (+)= y[i] in the activation dtype. */
+static void store(void *out, int okind, const float *y, int64_t n, int accumulate) {
+    for (int64_t i = 0; i < n; i++) {
+        if (okind == A_F32) {
+            float *o = (float *)out + i;
+            *o = accumulate ? *o + y[i] : y[i];
+        } else {
+            uint16_t *o = (uint16_t *)out + i;
+            *o = f32_to_bf16(accumulate ? bf16_to_f32(*o) + y[i] : y[i]);
+        }
+    }
+}
+
+/* out [M, N] = x [M, K] @ W^T. Returns 0. */
+int dsv3_linear(const void *w, const float *scale, int kind, int64_t N, int64_t K, const void *x, int xkind,
+                int64_t M, void *out, int okind, int nthreads) {
+    float *xf = to_f32(x, xkind, M * K);
+    float *y = (float *)malloc((size_t)(M * N > 0 ? M * N : 1) * sizeof(float));
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (N * K > 32768)
+    for (int64_t n = 0; n < N; n++) matvec(kind, w, scale, N, K, xf, M, y, N, n);
+    store(out, okind, y, M * N, 0);
+    free(xf);
+    free(y);
+    return 0;
+}
+
+static float silu(float v) { return v / (1.0f + expf(-v)); }
+
+/* Routed SwiGLU experts of one decode step: out[m] (+)= sum_j gates[m, j] * SwiGLU_e(x[m]) with
+ * e = idx[m, j]. Each routed-to expert's three matrices are read once for all the rows routed to it.
+ * wg, wu [E, I, D]; wd [E, D, I]; sg, su [E, ceil(I/128), ceil(D/128)], sd [E, ceil(D/128), ceil(I/128)]
+ * (FP8 only). Returns 0. */
+int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const float *sg, const float *su,
+                        const float *sd, int kind, int64_t E, int64_t I, int64_t D, const void *x, int xkind,
+                        int64_t M, const int64_t *idx, const float *gates, int64_t topk, void *out, int okind,
+                        int accumulate, int nthreads) {
+    float *xf = to_f32(x, xkind, M * D);
+    float *acc = (float *)calloc((size_t)(M * D > 0 ? M * D : 1), sizeof(float));
+    float *xe = (float *)malloc((size_t)(M * topk * D + 1) * sizeof(float));
+    float *g = (float *)malloc((size_t)(M * topk * I + 1) * sizeof(float));
+    float *u = (float *)malloc((size_t)(M * topk * I + 1) * sizeof(float));
+    float *ye = (float *)malloc((size_t)(M * topk * D + 1) * sizeof(float));
+    int64_t *rows = (int64_t *)malloc((size_t)(M * topk + 1) * sizeof(int64_t));
+    float *rg = (float *)malloc((size_t)(M * topk + 1) * sizeof(float));
+    const size_t es = elem_size(kind);
+    const int64_t ib = (I + FP8_BLOCK - 1) / FP8_BLOCK, db = (D + FP8_BLOCK - 1) / FP8_BLOCK;
+    for (int64_t e = 0; e < E; e++) {
+        int64_t me = 0;
+        for (int64_t p = 0; p < M * topk; p++)
+            if (idx[p] == e) rows[me] = p / topk, rg[me] = gates[p], me++;
+        if (!me) continue;
+        for (int64_t r = 0; r < me; r++) memcpy(xe + r * D, xf + rows[r] * D, (size_t)D * sizeof(float));
+        const void *weg = (const char *)wg + (size_t)e * I * D * es, *weu = (const char *)wu + (size_t)e * I * D * es;
+        const void *wed = (const char *)wd + (size_t)e * D * I * es;
+        const float *seg = sg ? sg + e * ib * db : NULL, *seu = su ? su + e * ib * db : NULL;
+        const float *sed = sd ? sd + e * db * ib : NULL;
+#pragma omp parallel num_threads(nthreads)
+        {
+#pragma omp for schedule(static)
+            for (int64_t n = 0; n < I; n++) {
+                matvec(kind, weg, seg, I, D, xe, me, g, I, n);
+                matvec(kind, weu, seu, I, D, xe, me, u, I, n);
+                for (int64_t r = 0; r < me; r++) g[r * I + n] = silu(g[r * I + n]) * u[r * I + n] * rg[r];
+            }
+#pragma omp for schedule(static)
+            for (int64_t n = 0; n < D; n++) {
+                matvec(kind, wed, sed, D, I, g, me, ye, D, n);
+                for (int64_t r = 0; r < me; r++) acc[rows[r] * D + n] += ye[r * D + n];
+            }
+        }
+    }
+    store(out, okind, acc, M * D, accumulate);
+    free(xf), free(acc), free(xe), free(g), free(u), free(ye), free(rows), free(rg);
+    return 0;
+}
