@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dsv3.infer.engine import Engine, Request
+from dsv3.model.decode import AttentionPlan
 from dsv3.model.mla import MLA
 
 
@@ -29,16 +30,19 @@ def collect(engine, requests):
 PROMPTS = [[5, 17, 42, 99, 7, 250, 3], [11, 12], [200, 100, 50, 25, 12, 6, 3, 1, 2, 9, 8]]
 
 
-def test_absorbed_decode_equals_expanded_path_token_for_token(model, monkeypatch):
+@pytest.mark.parametrize("fast", [False, True])
+def test_absorbed_decode_equals_expanded_path_token_for_token(model, monkeypatch, fast):
+    """Both decode paths: the modules' (MLA._absorbed) and FastDecode's (AttentionPlan)."""
     calls = {"absorbed": 0}
-    original = MLA._absorbed
+    cls = AttentionPlan if fast else MLA
+    original = cls.__call__ if fast else MLA._absorbed
 
     def counting(self, *args):
         calls["absorbed"] += 1
         return original(self, *args)
 
-    monkeypatch.setattr(MLA, "_absorbed", counting)
-    engine = Engine(model)
+    monkeypatch.setattr(cls, "__call__" if fast else "_absorbed", counting)
+    engine = Engine(model, fast=fast)
     batch = engine.start([Request(PROMPTS[0], 24)])
     tokens = list(batch.first_events[0].token_ids)
     with torch.no_grad():

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv3.model.decode_kernels import ExpertWeights, Weight, linear, swiglu_experts
+from dsv3.model.decode_kernels import ExpertWeights, Weight, latent_attention, linear, swiglu_experts
 from dsv3.model.dispatch import LocalDispatcher
 from dsv3.model.experts import GroupedExperts, ResidentFP8Experts
 from dsv3.model.mla import MLA, LatentCache
@@ -54,13 +54,16 @@ def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
 
 def rotate(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     """apply_rope as one complex multiply: interleaved pairs of x [B, T, H, R] times rot [B|1, T, 1, R/2]
-    (cos + i sin), in fp32, back in x's dtype."""
+    (cos + i sin), in fp32 (the result stays fp32)."""
     pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
-    return torch.view_as_real(pairs * rot).flatten(-2).to(x.dtype)
+    return torch.view_as_real(pairs * rot).flatten(-2)
 
 
 class AttentionPlan:
-    """One MLA layer's decode weights: the kernels' views of its projections and W_UK/W_UV per head."""
+    """One MLA layer's decode weights: the kernels' views of its projections and W_UK/W_UV per head.
+
+    The attention itself runs in fp32 whatever the model's dtype (the cache is read in its own dtype), so
+    W_UK/W_UV are fp32: views of an fp32 ``kv_b_proj``, else an fp32 copy of it (1-2% of the weights)."""
 
     def __init__(self, mla: MLA, dtype: torch.dtype):
         self.mla = mla
@@ -69,14 +72,14 @@ class AttentionPlan:
         self.kv_a, self.o = weight_of(mla.kv_a_proj_with_mqa), weight_of(mla.o_proj)
         kv_b = weight_of(mla.kv_b_proj)
         self.ok = None not in (*self.q, self.kv_a, self.o, kv_b) and not mla._forward_hooks
-        if self.ok:  # kv_b_proj is used as per-head matrices, not as a GEMV: kept dense (FP8: dequantized once)
-            w = kv_b.dense().to(dtype).view(mla.n_heads, mla.nope + mla.v_dim, mla.kv_rank)
+        if self.ok:  # kv_b_proj is used as per-head matrices, not as a GEMV
+            w = kv_b.dense().float().view(mla.n_heads, mla.nope + mla.v_dim, mla.kv_rank)
             self.w_uk = w[:, : mla.nope]  # [H, nope, r]
             self.w_uv_t = w[:, mla.nope :].transpose(1, 2)  # [H, r, v]
 
     def __call__(self, x: torch.Tensor, rot: torch.Tensor, cache: LatentCache, start_pos: int,
                  bias: torch.Tensor | None, use_kernels: bool) -> torch.Tensor:
-        """MLA.forward on the absorbed path for x [B, T, D]; ``bias`` [B|1, T, 1, S] or None (no mask)."""
+        """MLA.forward on the absorbed path for x [B, T, D]; ``bias`` [B|1, T, S] or None (no mask)."""
         m = self.mla
         B, T, _ = x.shape
         H, r = m.n_heads, m.kv_rank
@@ -88,18 +91,12 @@ class AttentionPlan:
         c_kv, k_pe = linear(x, self.kv_a, use_kernels).split([r, m.rope], dim=-1)
         cache.write(m.layer_idx, start_pos, rms_norm(m.kv_a_layernorm, c_kv), rotate(k_pe.unsqueeze(2), rot)[:, :, 0])
         S = start_pos + T
-        keys = cache.kv[m.layer_idx, :B, :S].to(x.dtype)  # [B, S, r]
-        pe = cache.pe[m.layer_idx, :B, :S].to(x.dtype)  # [B, S, rope]
-        q_lat = torch.bmm(q_nope.reshape(B * T, H, m.nope).transpose(0, 1), self.w_uk)  # [H, BT, r]
-        q_lat = q_lat.view(H, B, T * 1, r).permute(1, 2, 0, 3).reshape(B, T * H, r)
-        scores = torch.baddbmm(torch.bmm(q_lat, keys.transpose(1, 2)), rotate(q_pe, rot).reshape(B, T * H, m.rope),
-                               pe.transpose(1, 2), beta=m.scale, alpha=m.scale)  # [B, T*H, S]
-        scores = scores.float().view(B, T, H, S)
-        if bias is not None:
-            scores = scores + bias
-        probs = scores.softmax(dim=-1).to(keys.dtype).view(B, T * H, S)
-        o_lat = torch.bmm(probs, keys).view(B * T, H, r).transpose(0, 1)  # [H, BT, r]
-        out = torch.bmm(o_lat, self.w_uv_t).transpose(0, 1).reshape(B, T, H * m.v_dim)
+        q_lat = torch.bmm(q_nope.float().reshape(B * T, H, m.nope).transpose(0, 1), self.w_uk)  # [H, BT, r]
+        q_lat = q_lat.view(H, B, T, r).permute(1, 2, 0, 3).reshape(B, T * H, r)
+        o_lat = latent_attention(q_lat, rotate(q_pe, rot).reshape(B, T * H, m.rope), cache.kv[m.layer_idx, :B, :S],
+                                 cache.pe[m.layer_idx, :B, :S], bias, m.scale, H, use_kernels)  # [B, T*H, r]
+        o_lat = o_lat.view(B * T, H, r).transpose(0, 1)  # [H, BT, r]
+        out = torch.bmm(o_lat, self.w_uv_t).transpose(0, 1).reshape(B, T, H * m.v_dim).to(x.dtype)
         return linear(out, self.o, use_kernels)
 
 
@@ -186,7 +183,7 @@ class FastDecode:
 
     def _step_inputs(self, positions: torch.Tensor, T: int, start_pos: int, mask: torch.Tensor | None):
         """Per step, shared by all layers: the RoPE rotation [B|1, T, 1, R/2] and the additive mask bias
-        [B|1, T, 1, S] (None when every query sees every key so far)."""
+        [B|1, T, S] (None when every query sees every key so far)."""
         cos, sin = self.model.angles(positions)
         rot = torch.complex(cos, sin).unsqueeze(-2)
         if mask is None and T == 1:
@@ -195,7 +192,7 @@ class FastDecode:
         keep = torch.arange(S, device=positions.device)[None, :] <= torch.arange(start_pos, S, device=positions.device)[:, None]
         keep = keep[None] if mask is None else keep[None] & mask
         bias = torch.zeros(keep.shape, dtype=torch.float32, device=keep.device).masked_fill_(~keep, float("-inf"))
-        return rot, bias.unsqueeze(2)
+        return rot, bias
 
     def _run(self, plan: BlockPlan, x, rot, cache, start_pos, bias, cos_sin, mask):
         if plan.ok:

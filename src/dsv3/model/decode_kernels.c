@@ -21,16 +21,32 @@ enum { A_F32 = 0, A_BF16 = 1 };
 #define FP8_BLOCK 128
 #define MAX_ROWS 4
 
+/* e4m3 bytes sign-extended to 16 bits, shifted left by 7, bit 14 cleared: the fp16 with the same sign,
+ * exponent and mantissa bits, i.e. the e4m3 value / 256 (e4m3's NaN pattern is never stored in weights). */
+static inline __attribute__((always_inline)) __m256i fp8_as_fp16(__m256i sign_extended) {
+    return _mm256_and_si256(_mm256_slli_epi16(sign_extended, 7), _mm256_set1_epi16((short)0xBFFF));
+}
+
 static inline __attribute__((always_inline)) __m256 load8(int kind, const void *w, int64_t off) {
     if (kind == W_F32) return _mm256_loadu_ps((const float *)w + off);
     if (kind == W_BF16) {
         __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + off));
         return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
     }
-    __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)((const uint8_t *)w + off)));
-    __m128i mag = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x7F)), 7);
-    __m128i sign = _mm_slli_epi16(_mm_and_si128(b, _mm_set1_epi16(0x80)), 8);
-    return _mm256_cvtph_ps(_mm_or_si128(mag, sign));
+    __m128i b = _mm_loadl_epi64((const __m128i *)((const uint8_t *)w + off));
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(fp8_as_fp16(_mm256_cvtepi8_epi16(b))));
+}
+
+/* 16 consecutive weights as two vectors of 8. */
+static inline __attribute__((always_inline)) void load16(int kind, const void *w, int64_t off, __m256 *w0, __m256 *w1) {
+    if (kind == W_FP8) {
+        __m256i h = fp8_as_fp16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)w + off))));
+        *w0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        *w1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+        return;
+    }
+    *w0 = load8(kind, w, off);
+    *w1 = load8(kind, w, off + 8);
 }
 
 static inline float load1(int kind, const void *w, int64_t off) {
@@ -41,8 +57,8 @@ static inline float load1(int kind, const void *w, int64_t off) {
         memcpy(&f, &bits, 4);
         return f;
     }
-    uint16_t b = ((const uint8_t *)w)[off];
-    return _cvtsh_ss((uint16_t)(((b & 0x7F) << 7) | ((b & 0x80) << 8)));
+    int16_t b = (int8_t)((const uint8_t *)w)[off];
+    return _cvtsh_ss((uint16_t)((b << 7) & 0xBFFF));
 }
 
 static inline float hsum(__m256 v) {
@@ -65,7 +81,8 @@ static inline __attribute__((always_inline)) void row_dot(int kind, int MB, cons
         for (int i = 0; i < MB; i++) a[i][0] = a[i][1] = _mm256_setzero_ps(), tail[i] = 0.0f;
         int64_t k = k0;
         for (; k + 16 <= k1; k += 16) {
-            __m256 w0 = load8(kind, w, k), w1 = load8(kind, w, k + 8);
+            __m256 w0, w1;
+            load16(kind, w, k, &w0, &w1);
             for (int i = 0; i < MB; i++) {
                 a[i][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * ldx + k), a[i][0]);
                 a[i][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i * ldx + k + 8), a[i][1]);
@@ -215,5 +232,90 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const fl
     }
     store(out, okind, acc, M * D, accumulate);
     free(xf), free(acc), free(xe), free(g), free(u), free(ye), free(rows), free(rg);
+    return 0;
+}
+
+/* exp(x) for 8 floats (Cephes' polynomial, as in avx_mathfun): relative error about 1e-7; exactly 0 for
+ * x = -inf (masked scores). */
+static inline __m256 exp8(__m256 x) {
+    const __m256 is_neg_inf = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(is_neg_inf, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+/* In place: row <- softmax(row) over n values. */
+static void softmax_row(float *row, int64_t n) {
+    float mx = -INFINITY;
+    for (int64_t s = 0; s < n; s++) mx = row[s] > mx ? row[s] : mx;
+    __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
+    int64_t s = 0;
+    for (; s + 8 <= n; s += 8) {
+        __m256 v = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + s), vmx));
+        _mm256_storeu_ps(row + s, v);
+        vsum = _mm256_add_ps(vsum, v);
+    }
+    float sum = hsum(vsum);
+    for (; s < n; s++) sum += (row[s] = row[s] == -INFINITY ? 0.0f : expf(row[s] - mx));
+    const float inv = 1.0f / sum;
+    for (s = 0; s < n; s++) row[s] *= inv;
+}
+
+/* Absorbed MLA attention of a decode step against the latent cache, for B rows and M = T * H queries each
+ * (query m belongs to step m / H): out[b, m] = sum_s softmax_s(scale * (q_lat[b, m] . kv[b, s] +
+ * q_pe[b, m] . pe[b, s]) + bias[b, m / H, s]) kv[b, s]. q_lat [B, M, r], q_pe [B, M, p] and out [B, M, r]
+ * are fp32; the cache rows kv, pe are fp32 or bf16 (ckind), row b, slot s at b * bstride + s * sstride
+ * elements; bias [B or 1, T, S] fp32 (bias_bstride 0: shared) or NULL. Returns 0. */
+int dsv3_latent_attention(const float *q_lat, const float *q_pe, const void *kv, const void *pe, int ckind, int64_t B,
+                          int64_t M, int64_t H, int64_t S, int64_t r, int64_t p, int64_t kv_bstride,
+                          int64_t kv_sstride, int64_t pe_bstride, int64_t pe_sstride, const float *bias,
+                          int64_t bias_bstride, float scale, float *out, int nthreads) {
+    const int64_t mblocks = (M + MAX_ROWS - 1) / MAX_ROWS;
+    const size_t es = ckind == W_F32 ? 4 : 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t task = 0; task < B * mblocks; task++) {
+        const int64_t b = task / mblocks, m0 = (task % mblocks) * MAX_ROWS;
+        const int mb = M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS;
+        const char *kv_b = (const char *)kv + (size_t)(b * kv_bstride) * es;
+        const char *pe_b = (const char *)pe + (size_t)(b * pe_bstride) * es;
+        float *sc = (float *)malloc((size_t)(MAX_ROWS * S) * sizeof(float));
+        float r1[MAX_ROWS], r2[MAX_ROWS];
+        for (int64_t s = 0; s < S; s++) {
+            dot_rows(ckind, mb, kv_b + (size_t)(s * kv_sstride) * es, NULL, r, q_lat + (b * M + m0) * r, r, r1);
+            dot_rows(ckind, mb, pe_b + (size_t)(s * pe_sstride) * es, NULL, p, q_pe + (b * M + m0) * p, p, r2);
+            for (int i = 0; i < mb; i++) {
+                const float *bias_row = bias ? bias + b * bias_bstride + ((m0 + i) / H) * S : NULL;
+                sc[i * S + s] = scale * (r1[i] + r2[i]) + (bias_row ? bias_row[s] : 0.0f);
+            }
+        }
+        for (int i = 0; i < mb; i++) softmax_row(sc + i * S, S);
+        float *o = out + (b * M + m0) * r;
+        memset(o, 0, (size_t)(mb * r) * sizeof(float));
+        for (int64_t s = 0; s < S; s++) {
+            const void *row = kv_b + (size_t)(s * kv_sstride) * es;
+            int64_t k = 0;
+            for (; k + 8 <= r; k += 8) {
+                __m256 v = load8(ckind, row, k);
+                for (int i = 0; i < mb; i++)
+                    _mm256_storeu_ps(o + i * r + k, _mm256_fmadd_ps(_mm256_set1_ps(sc[i * S + s]), v,
+                                                                    _mm256_loadu_ps(o + i * r + k)));
+            }
+            for (; k < r; k++) {
+                const float v = load1(ckind, row, k);
+                for (int i = 0; i < mb; i++) o[i * r + k] += sc[i * S + s] * v;
+            }
+        }
+        free(sc);
+    }
     return 0;
 }

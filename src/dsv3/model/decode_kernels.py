@@ -78,7 +78,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.dsv3_linear.argtypes = [p, p, i32, i64, i64, p, i32, i64, p, i32, i32]
     lib.dsv3_swiglu_experts.argtypes = [p, p, p, p, p, p, i32, i64, i64, i64, p, i32, i64, p, p, i64, p, i32,
                                         i32, i32]
-    lib.dsv3_linear.restype = lib.dsv3_swiglu_experts.restype = i32
+    lib.dsv3_latent_attention.argtypes = [p, p, p, p, i32, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, p, i64,
+                                          ctypes.c_float, p, i32]
+    lib.dsv3_linear.restype = lib.dsv3_swiglu_experts.restype = lib.dsv3_latent_attention.restype = i32
     return lib
 
 
@@ -210,3 +212,41 @@ def swiglu_experts_reference(x: torch.Tensor, idx: torch.Tensor, gates: torch.Te
         act = F.silu(xe @ w_gate.t()) * (xe @ w_up.t()) * gates[rows, slot, None].to(x.dtype)
         out.index_add_(0, rows, act @ w_down.t())
     return out
+
+
+def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pe: torch.Tensor,
+                     bias: torch.Tensor | None, scale: float, heads: int, use_kernel: bool = True) -> torch.Tensor:
+    """Absorbed attention over the latent cache: softmax(scale * (q_lat kv^T + q_pe pe^T) + bias) kv.
+
+    q_lat [B, M, r], q_pe [B, M, p] fp32 with M = T * heads (query m is step m // heads); kv [B, S, r] and
+    pe [B, S, p] the cache's rows (fp32 or bf16, any row strides); bias [B|1, T, S] fp32 (-inf hides a
+    key) or None. Returns [B, M, r] fp32. The kernel reads the cache in place, in its own dtype."""
+    lib = _load()[0] if use_kernel else None
+    tensors = (q_lat, q_pe, kv, pe) + (() if bias is None else (bias,))
+    if (lib is None or kv.dtype not in A_KIND or pe.dtype != kv.dtype or any(t.device.type != "cpu" for t in tensors)
+            or kv.stride(-1) != 1 or pe.stride(-1) != 1):
+        return latent_attention_reference(q_lat, q_pe, kv, pe, bias, scale, heads)
+    B, M, r = q_lat.shape
+    S, p = kv.shape[1], pe.shape[-1]
+    q_lat, q_pe = q_lat.float().contiguous(), q_pe.float().contiguous()
+    if bias is not None:
+        bias = bias.float().contiguous()
+    out = q_lat.new_empty(B, M, r)
+    lib.dsv3_latent_attention(q_lat.data_ptr(), q_pe.data_ptr(), kv.data_ptr(), pe.data_ptr(), A_KIND[kv.dtype], B, M,
+                              heads, S, r, p, kv.stride(0), kv.stride(1), pe.stride(0), pe.stride(1), _ptr(bias),
+                              0 if bias is None or bias.shape[0] == 1 else bias.stride(0), scale, out.data_ptr(),
+                              torch.get_num_threads())
+    return out
+
+
+def latent_attention_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pe: torch.Tensor,
+                               bias: torch.Tensor | None, scale: float, heads: int) -> torch.Tensor:
+    """What ``latent_attention`` computes, in fp32 PyTorch ops."""
+    B, M, _ = q_lat.shape
+    S = kv.shape[1]
+    kv = kv.float()
+    scores = torch.baddbmm(q_lat.float() @ kv.transpose(1, 2), q_pe.float(), pe.float().transpose(1, 2),
+                           beta=scale, alpha=scale)
+    if bias is not None:
+        scores = (scores.view(B, M // heads, heads, S) + bias.float().unsqueeze(2)).view(B, M, S)
+    return scores.softmax(dim=-1) @ kv
