@@ -189,7 +189,8 @@ class FastDecode:
         if mask is None and T == 1:
             return rot, None
         S = start_pos + T
-        keep = torch.arange(S, device=positions.device)[None, :] <= torch.arange(start_pos, S, device=positions.device)[:, None]
+        slots = torch.arange(S, device=positions.device)
+        keep = slots[None, :] <= slots[start_pos:, None]  # [T, S] causal
         keep = keep[None] if mask is None else keep[None] & mask
         bias = torch.zeros(keep.shape, dtype=torch.float32, device=keep.device).masked_fill_(~keep, float("-inf"))
         return rot, bias
