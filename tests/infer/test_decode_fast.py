@@ -174,3 +174,24 @@ def test_kernels_fall_back_to_pytorch_when_they_cannot_be_built(monkeypatch, tmp
         assert dk.kernel_status() == "disabled by DSV3_DECODE_KERNELS=0"
     finally:
         dk._load.cache_clear()
+
+
+@needs_kernels
+@pytest.mark.parametrize("overrides", [{}, {"topk_method": "group_limited_greedy", "scoring_func": "softmax"},
+                                       {"topk_method": "greedy", "n_group": 1, "topk_group": 1,
+                                        "norm_topk_prob": False}])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_kernel_equals_the_router(overrides, dtype):
+    from dsv3.config import preset
+    from dsv3.model.moe import Router
+
+    cfg = preset("nano").replace(**overrides)
+    router = Router(cfg)
+    torch.nn.init.normal_(router.weight, 0, 0.5)
+    if router.e_score_correction_bias is not None:
+        router.e_score_correction_bias.normal_(0, 0.1)
+    x = torch.randn(9, cfg.hidden_size).to(dtype)
+    idx, gates, _ = router(x)
+    got_idx, got_gates = dk.route(x, router)
+    assert torch.equal(got_idx, idx)
+    assert torch.allclose(got_gates, gates, atol=1e-6, rtol=1e-5)

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv3.model.decode_kernels import ExpertWeights, Weight, latent_attention, linear, swiglu_experts
+from dsv3.model.decode_kernels import ExpertWeights, Weight, latent_attention, linear, route, swiglu_experts
 from dsv3.model.dispatch import LocalDispatcher
 from dsv3.model.experts import GroupedExperts, ResidentFP8Experts
 from dsv3.model.mla import MLA, LatentCache
@@ -121,13 +121,20 @@ class FeedForwardPlan:
         flat = x.reshape(-1, x.shape[-1])
         out = None
         if self.routed is not None:
-            idx, weights, _ = self.mlp.gate(flat)
+            idx, weights = route(flat, self.mlp.gate, use_kernels)
             out = swiglu_experts(flat, idx, weights, self.routed, use_kernel=use_kernels)
         if self.shared is not None:
-            one = torch.zeros(flat.shape[0], 1, dtype=torch.long, device=flat.device)
-            out = swiglu_experts(flat, one, torch.ones(one.shape, device=flat.device), self.shared, add_to=out,
-                                 use_kernel=use_kernels)
+            one, gate = self._everyone(flat.shape[0], flat.device)
+            out = swiglu_experts(flat, one, gate, self.shared, add_to=out, use_kernel=use_kernels)
         return out.view(x.shape)
+
+
+    def _everyone(self, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing of every row to the one dense "expert" with gate 1 (made once per row count)."""
+        if getattr(self, "_routing", (None,))[0] != (rows, device):
+            self._routing = ((rows, device), torch.zeros(rows, 1, dtype=torch.long, device=device),
+                             torch.ones(rows, 1, device=device))
+        return self._routing[1], self._routing[2]
 
 
 def _expert_weights(experts: nn.Module) -> ExpertWeights | None:

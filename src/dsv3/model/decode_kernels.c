@@ -319,3 +319,74 @@ int dsv3_latent_attention(const float *q_lat, const float *q_pe, const void *kv,
     }
     return 0;
 }
+
+/* Index of the largest of v[0..n) not yet taken (ties: the lowest index). */
+static int64_t argmax_free(const float *v, const unsigned char *taken, int64_t n) {
+    int64_t best = -1;
+    for (int64_t i = 0; i < n; i++)
+        if (!taken[i] && (best < 0 || v[i] > v[best])) best = i;
+    return best;
+}
+
+/* The router of a decode step (Router.forward, for inference): for each of M rows of x [M, D] (fp32 or
+ * bf16, read as fp32), scores = sigmoid or softmax of gate [E, D] (fp32) . x; the choice scores (plus
+ * ``bias`` when not NULL) pick, within the ``topk_group`` best of ``n_group`` groups (a group's score: the
+ * sum of its two best (group_sum = 1) or its best), the ``topk`` best experts; their unbiased scores,
+ * normalised to sum 1 when ``normalize``, times ``route_scale``, are the gates. idx [M, topk] int64 and
+ * gates [M, topk] fp32, experts in descending choice order. Returns 0. */
+int dsv3_route(const float *gate, const float *bias, int64_t E, int64_t D, const void *x, int xkind, int64_t M,
+               int softmax, int64_t n_group, int64_t topk_group, int group_sum, int64_t topk, int normalize,
+               float route_scale, int64_t *idx, float *gates, int nthreads) {
+    float *xf = to_f32(x, xkind, M * D);
+    float *scores = (float *)malloc((size_t)(M * E) * sizeof(float));
+    (void)nthreads;
+    for (int64_t n = 0; n < E; n++) matvec(W_F32, gate, NULL, E, D, xf, M, scores, E, n);
+    float *choice = (float *)malloc((size_t)E * sizeof(float));
+    float *group = (float *)malloc((size_t)(n_group > 0 ? n_group : 1) * sizeof(float));
+    unsigned char *taken = (unsigned char *)malloc((size_t)(E + n_group + 1));
+    const int64_t per = E / n_group;
+    for (int64_t m = 0; m < M; m++) {
+        float *s = scores + m * E;
+        if (softmax) {
+            float mx = -INFINITY, sum = 0.0f;
+            for (int64_t e = 0; e < E; e++) mx = s[e] > mx ? s[e] : mx;
+            for (int64_t e = 0; e < E; e++) sum += (s[e] = expf(s[e] - mx));
+            for (int64_t e = 0; e < E; e++) s[e] /= sum;
+        } else {
+            for (int64_t e = 0; e < E; e++) s[e] = 1.0f / (1.0f + expf(-s[e]));
+        }
+        for (int64_t e = 0; e < E; e++) choice[e] = s[e] + (bias ? bias[e] : 0.0f);
+        if (n_group > 1) {
+            for (int64_t g = 0; g < n_group; g++) {
+                const float *c = choice + g * per;
+                float a = -INFINITY, b = -INFINITY;  /* the two best of the group */
+                for (int64_t j = 0; j < per; j++) {
+                    if (c[j] > a) b = a, a = c[j];
+                    else if (c[j] > b) b = c[j];
+                }
+                group[g] = group_sum ? a + b : a;
+            }
+            memset(taken, 0, (size_t)n_group);
+            for (int64_t k = 0; k < topk_group; k++) taken[argmax_free(group, taken, n_group)] = 1;
+            for (int64_t g = 0; g < n_group; g++)
+                if (!taken[g])
+                    for (int64_t j = 0; j < per; j++) choice[g * per + j] = -INFINITY;
+        }
+        memset(taken, 0, (size_t)E);
+        float total = 0.0f;
+        for (int64_t k = 0; k < topk; k++) {
+            const int64_t e = argmax_free(choice, taken, E);
+            taken[e] = 1;
+            idx[m * topk + k] = e;
+            gates[m * topk + k] = s[e];
+            total += s[e];
+        }
+        for (int64_t k = 0; k < topk; k++) {
+            float w = gates[m * topk + k];
+            if (normalize && topk > 1) w = w / (total + 1e-20f);
+            gates[m * topk + k] = w * route_scale;
+        }
+    }
+    free(xf), free(scores), free(choice), free(group), free(taken);
+    return 0;
+}

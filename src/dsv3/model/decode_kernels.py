@@ -80,7 +80,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                         i32, i32]
     lib.dsv3_latent_attention.argtypes = [p, p, p, p, i32, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, p, i64,
                                           ctypes.c_float, p, i32]
-    lib.dsv3_linear.restype = lib.dsv3_swiglu_experts.restype = lib.dsv3_latent_attention.restype = i32
+    lib.dsv3_route.argtypes = [p, p, i64, i64, p, i32, i64, i32, i64, i64, i32, i64, i32, ctypes.c_float, p, p, i32]
+    for fn in (lib.dsv3_linear, lib.dsv3_swiglu_experts, lib.dsv3_latent_attention, lib.dsv3_route):
+        fn.restype = i32
     return lib
 
 
@@ -250,3 +252,28 @@ def latent_attention_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torc
     if bias is not None:
         scores = (scores.view(B, M // heads, heads, S) + bias.float().unsqueeze(2)).view(B, M, S)
     return scores.softmax(dim=-1) @ kv
+
+
+def route(x: torch.Tensor, router, use_kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Router.forward``'s (expert indices [M, K], gate values [M, K] fp32) for x [M, D], in one call: the
+    affinity scores, the group limit, the top-k and the gate normalisation (the kernel is used for the
+    scoring functions and top-k methods DeepSeek ships; anything else runs the router itself)."""
+    lib = _load()[0] if use_kernel else None
+    method, E, groups = router.method, router.n_experts, router.n_group
+    plain = (router.scoring in ("sigmoid", "softmax") and method in ("noaux_tc", "group_limited_greedy", "greedy")
+             and E % groups == 0 and router.weight.dtype == torch.float32 and router.weight.is_contiguous()
+             and not router._forward_hooks and not router._forward_pre_hooks)
+    if lib is None or not plain or x.dtype not in A_KIND or x.device.type != "cpu" or router.weight.device.type != "cpu":
+        idx, weights, _ = router(x)
+        return idx, weights
+    x = x.contiguous()
+    M, K = x.shape[0], router.top_k
+    idx = torch.empty(M, K, dtype=torch.long)
+    gates = torch.empty(M, K)
+    bias = router.e_score_correction_bias if method == "noaux_tc" else None
+    lib.dsv3_route(router.weight.data_ptr(), _ptr(None if bias is None else bias.float().contiguous()), E,
+                   x.shape[1], x.data_ptr(), A_KIND[x.dtype], M, int(router.scoring == "softmax"),
+                   groups if method != "greedy" else 1, router.topk_group, int(method == "noaux_tc"), K,
+                   int(router.norm_topk_prob), float(router.route_scale), idx.data_ptr(), gates.data_ptr(),
+                   torch.get_num_threads())
+    return idx, gates
