@@ -263,7 +263,8 @@ def route(x: torch.Tensor, router, use_kernel: bool = True) -> tuple[torch.Tenso
     plain = (router.scoring in ("sigmoid", "softmax") and method in ("noaux_tc", "group_limited_greedy", "greedy")
              and E % groups == 0 and router.weight.dtype == torch.float32 and router.weight.is_contiguous()
              and not router._forward_hooks and not router._forward_pre_hooks)
-    if lib is None or not plain or x.dtype not in A_KIND or x.device.type != "cpu" or router.weight.device.type != "cpu":
+    on_cpu = x.device.type == "cpu" and router.weight.device.type == "cpu"
+    if lib is None or not plain or x.dtype not in A_KIND or not on_cpu:
         idx, weights, _ = router(x)
         return idx, weights
     x = x.contiguous()
