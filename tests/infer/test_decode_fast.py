@@ -82,17 +82,19 @@ def test_swiglu_experts_kernel_equals_reference(kind, rows):
 @needs_kernels
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 2])
-def test_latent_attention_kernel_equals_reference(cache_dtype, T):
-    B, H, S, r, p = 3, 4, 37, 24, 8
-    q_lat, q_pe = torch.randn(B, T * H, r), torch.randn(B, T * H, p)
+def test_mla_decode_kernel_equals_reference(cache_dtype, T):
+    B, H, S, nope, r, p, v = 3, 6, 37, 16, 24, 8, 12
+    q = torch.randn(B, T, H, nope + p).to(cache_dtype)
+    angles = torch.rand(B, T, p // 2) * 6
+    w = torch.randn(H, nope + v, r)  # kv_b_proj's weight per head: W_UK then W_UV, as views
     cache_kv, cache_pe = torch.randn(B, 50, r).to(cache_dtype), torch.randn(B, 50, p).to(cache_dtype)
     kv, pe = cache_kv[:, :S], cache_pe[:, :S]  # views with the cache's row strides
     keep = torch.rand(B, T, S) > 0.3
     keep[:, :, -1] = True
     bias = torch.zeros(B, T, S).masked_fill_(~keep, float("-inf"))
-    for b in (None, bias, bias[:1]):
-        ref = dk.latent_attention_reference(q_lat, q_pe, kv, pe, b, 0.3, H)
-        assert torch.allclose(dk.latent_attention(q_lat, q_pe, kv, pe, b, 0.3, H), ref, atol=1e-5, rtol=1e-4)
+    for b, rot in ((None, angles), (bias, angles), (bias[:1], angles[:1])):
+        args = (q, rot.cos(), rot.sin(), w[:, :nope], w[:, nope:], kv, pe, b, 0.3)
+        assert close(dk.mla_decode(*args), dk.mla_decode_reference(*args), cache_dtype)
 
 
 def step_logits(model, decoder, prompt, steps=4, T=1):

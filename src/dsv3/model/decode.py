@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv3.model.decode_kernels import ExpertWeights, Weight, latent_attention, linear, route, swiglu_experts
+from dsv3.model.decode_kernels import ExpertWeights, Weight, linear, mla_decode, route, swiglu_experts
 from dsv3.model.dispatch import LocalDispatcher
 from dsv3.model.experts import GroupedExperts, ResidentFP8Experts
 from dsv3.model.mla import MLA, LatentCache
@@ -74,29 +74,23 @@ class AttentionPlan:
         self.ok = None not in (*self.q, self.kv_a, self.o, kv_b) and not mla._forward_hooks
         if self.ok:  # kv_b_proj is used as per-head matrices, not as a GEMV
             w = kv_b.dense().float().view(mla.n_heads, mla.nope + mla.v_dim, mla.kv_rank)
-            self.w_uk = w[:, : mla.nope]  # [H, nope, r]
-            self.w_uv_t = w[:, mla.nope :].transpose(1, 2)  # [H, r, v]
+            self.w_uk, self.w_uv = w[:, : mla.nope], w[:, mla.nope :]  # [H, nope, r], [H, v, r]
 
-    def __call__(self, x: torch.Tensor, rot: torch.Tensor, cache: LatentCache, start_pos: int,
+    def __call__(self, x: torch.Tensor, rot: torch.Tensor, cos_sin, cache: LatentCache, start_pos: int,
                  bias: torch.Tensor | None, use_kernels: bool) -> torch.Tensor:
-        """MLA.forward on the absorbed path for x [B, T, D]; ``bias`` [B|1, T, S] or None (no mask)."""
+        """MLA.forward on the absorbed path for x [B, T, D]; ``rot`` = cos + i sin [B|1, T, 1, rope/2] and
+        ``cos_sin`` the same as two fp32 tensors; ``bias`` [B|1, T, S] or None (no mask)."""
         m = self.mla
         B, T, _ = x.shape
-        H, r = m.n_heads, m.kv_rank
         if len(self.q) == 2:
             q = linear(rms_norm(m.q_a_layernorm, linear(x, self.q[0], use_kernels)), self.q[1], use_kernels)
         else:
             q = linear(x, self.q[0], use_kernels)
-        q_nope, q_pe = q.view(B, T, H, m.nope + m.rope).split([m.nope, m.rope], dim=-1)
-        c_kv, k_pe = linear(x, self.kv_a, use_kernels).split([r, m.rope], dim=-1)
+        c_kv, k_pe = linear(x, self.kv_a, use_kernels).split([m.kv_rank, m.rope], dim=-1)
         cache.write(m.layer_idx, start_pos, rms_norm(m.kv_a_layernorm, c_kv), rotate(k_pe.unsqueeze(2), rot)[:, :, 0])
         S = start_pos + T
-        q_lat = torch.bmm(q_nope.float().reshape(B * T, H, m.nope).transpose(0, 1), self.w_uk)  # [H, BT, r]
-        q_lat = q_lat.view(H, B, T, r).permute(1, 2, 0, 3).reshape(B, T * H, r)
-        o_lat = latent_attention(q_lat, rotate(q_pe, rot).reshape(B, T * H, m.rope), cache.kv[m.layer_idx, :B, :S],
-                                 cache.pe[m.layer_idx, :B, :S], bias, m.scale, H, use_kernels)  # [B, T*H, r]
-        o_lat = o_lat.view(B * T, H, r).transpose(0, 1)  # [H, BT, r]
-        out = torch.bmm(o_lat, self.w_uv_t).transpose(0, 1).reshape(B, T, H * m.v_dim).to(x.dtype)
+        out = mla_decode(q.view(B, T, m.n_heads, m.nope + m.rope), *cos_sin, self.w_uk, self.w_uv,
+                         cache.kv[m.layer_idx, :B, :S], cache.pe[m.layer_idx, :B, :S], bias, m.scale, use_kernels)
         return linear(out, self.o, use_kernels)
 
 
@@ -166,9 +160,9 @@ class BlockPlan:
         self.ffn = FeedForwardPlan(block.mlp)
         self.ok = self.attn.ok and self.ffn.ok and not block._forward_hooks and not block._forward_pre_hooks
 
-    def __call__(self, x, rot, cache, start_pos, bias, use_kernels):
+    def __call__(self, x, rot, cos_sin, cache, start_pos, bias, use_kernels):
         b = self.block
-        x = x + self.attn(rms_norm(b.input_layernorm, x), rot, cache, start_pos, bias, use_kernels)
+        x = x + self.attn(rms_norm(b.input_layernorm, x), rot, cos_sin, cache, start_pos, bias, use_kernels)
         return x + self.ffn(rms_norm(b.post_attention_layernorm, x), use_kernels)
 
 
@@ -204,7 +198,7 @@ class FastDecode:
 
     def _run(self, plan: BlockPlan, x, rot, cache, start_pos, bias, cos_sin, mask):
         if plan.ok:
-            return plan(x, rot, cache, start_pos, bias, self.use_kernels)
+            return plan(x, rot, cos_sin, cache, start_pos, bias, self.use_kernels)
         return plan.block(x, *cos_sin, cache, start_pos, mask, True)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
@@ -237,9 +231,10 @@ class FastDecode:
         if not self._usable(cache, start_pos, absorb) or eh is None or not plan.ok or layer._forward_hooks:
             return self.model.mtp_hidden(depth, h, next_ids, positions, cache, start_pos, mask, absorb)
         rot, bias = self._step_inputs(positions, next_ids.shape[1], start_pos, mask)
+        cos_sin = self.model.angles(positions)
         emb = getattr(layer, "embed_tokens", self.model.model.embed_tokens)(next_ids)
         x = linear(torch.cat([rms_norm(layer.enorm, emb), rms_norm(layer.hnorm, h)], dim=-1), eh, self.use_kernels)
-        return plan(x, rot, cache, start_pos, bias, self.use_kernels)
+        return plan(x, rot, cos_sin, cache, start_pos, bias, self.use_kernels)
 
     def mtp_logits(self, depth: int, h_mtp: torch.Tensor) -> torch.Tensor:
         head = self.model._mtp_head(depth)

@@ -271,55 +271,6 @@ static void softmax_row(float *row, int64_t n) {
     for (s = 0; s < n; s++) row[s] *= inv;
 }
 
-/* Absorbed MLA attention of a decode step against the latent cache, for B rows and M = T * H queries each
- * (query m belongs to step m / H): out[b, m] = sum_s softmax_s(scale * (q_lat[b, m] . kv[b, s] +
- * q_pe[b, m] . pe[b, s]) + bias[b, m / H, s]) kv[b, s]. q_lat [B, M, r], q_pe [B, M, p] and out [B, M, r]
- * are fp32; the cache rows kv, pe are fp32 or bf16 (ckind), row b, slot s at b * bstride + s * sstride
- * elements; bias [B or 1, T, S] fp32 (bias_bstride 0: shared) or NULL. Returns 0. */
-int dsv3_latent_attention(const float *q_lat, const float *q_pe, const void *kv, const void *pe, int ckind, int64_t B,
-                          int64_t M, int64_t H, int64_t S, int64_t r, int64_t p, int64_t kv_bstride,
-                          int64_t kv_sstride, int64_t pe_bstride, int64_t pe_sstride, const float *bias,
-                          int64_t bias_bstride, float scale, float *out, int nthreads) {
-    const int64_t mblocks = (M + MAX_ROWS - 1) / MAX_ROWS;
-    const size_t es = ckind == W_F32 ? 4 : 2;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t task = 0; task < B * mblocks; task++) {
-        const int64_t b = task / mblocks, m0 = (task % mblocks) * MAX_ROWS;
-        const int mb = M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS;
-        const char *kv_b = (const char *)kv + (size_t)(b * kv_bstride) * es;
-        const char *pe_b = (const char *)pe + (size_t)(b * pe_bstride) * es;
-        float *sc = (float *)malloc((size_t)(MAX_ROWS * S) * sizeof(float));
-        float r1[MAX_ROWS], r2[MAX_ROWS];
-        for (int64_t s = 0; s < S; s++) {
-            dot_rows(ckind, mb, kv_b + (size_t)(s * kv_sstride) * es, NULL, r, q_lat + (b * M + m0) * r, r, r1);
-            dot_rows(ckind, mb, pe_b + (size_t)(s * pe_sstride) * es, NULL, p, q_pe + (b * M + m0) * p, p, r2);
-            for (int i = 0; i < mb; i++) {
-                const float *bias_row = bias ? bias + b * bias_bstride + ((m0 + i) / H) * S : NULL;
-                sc[i * S + s] = scale * (r1[i] + r2[i]) + (bias_row ? bias_row[s] : 0.0f);
-            }
-        }
-        for (int i = 0; i < mb; i++) softmax_row(sc + i * S, S);
-        float *o = out + (b * M + m0) * r;
-        memset(o, 0, (size_t)(mb * r) * sizeof(float));
-        for (int64_t s = 0; s < S; s++) {
-            const void *row = kv_b + (size_t)(s * kv_sstride) * es;
-            int64_t k = 0;
-            for (; k + 8 <= r; k += 8) {
-                __m256 v = load8(ckind, row, k);
-                for (int i = 0; i < mb; i++)
-                    _mm256_storeu_ps(o + i * r + k, _mm256_fmadd_ps(_mm256_set1_ps(sc[i * S + s]), v,
-                                                                    _mm256_loadu_ps(o + i * r + k)));
-            }
-            for (; k < r; k++) {
-                const float v = load1(ckind, row, k);
-                for (int i = 0; i < mb; i++) o[i * r + k] += sc[i * S + s] * v;
-            }
-        }
-        free(sc);
-    }
-    return 0;
-}
-
 /* Index of the largest of v[0..n) not yet taken (ties: the lowest index). */
 static int64_t argmax_free(const float *v, const unsigned char *taken, int64_t n) {
     int64_t best = -1;
@@ -388,5 +339,84 @@ int dsv3_route(const float *gate, const float *bias, int64_t E, int64_t D, const
         }
     }
     free(xf), free(scores), free(choice), free(group), free(taken);
+    return 0;
+}
+
+static float act_load(const void *a, int akind, int64_t i) {
+    return akind == A_F32 ? ((const float *)a)[i] : bf16_to_f32(((const uint16_t *)a)[i]);
+}
+
+/* The absorbed MLA attention of a decode step from the query projection to the heads' outputs, for
+ * B rows x T tokens x H heads (query m = t * H + h): q [B, T, H, nope + rope] (activation dtype) ->
+ * q_lat = W_UK[h]^T q_nope, q_pe roped by cos/sin [B or 1, T, rope/2] (interleaved pairs), attention over
+ * the latent cache (softmax of scale * (q_lat . kv + q_pe . pe) + bias), then out[b, t, h * v:(h + 1) * v] = W_UV[h] o_lat.
+ * W_UK[h] is [nope, r] and W_UV[h] is [v, r], fp32, at w + h * hstride, rows ``rstride`` apart.
+ * out [B, T, H * v] in the activation dtype. Returns 0. */
+int dsv3_mla_decode(const void *q, int akind, const float *cos, const float *sin, int64_t rot_bstride,
+                    const float *w_uk, int64_t uk_hstride, int64_t uk_rstride, const float *w_uv, int64_t uv_hstride,
+                    int64_t uv_rstride, const void *kv, const void *pe, int ckind, int64_t B, int64_t T, int64_t H,
+                    int64_t S, int64_t nope, int64_t p, int64_t r, int64_t v, int64_t kv_bstride, int64_t kv_sstride,
+                    int64_t pe_bstride, int64_t pe_sstride, const float *bias, int64_t bias_bstride, float scale,
+                    void *out, int nthreads) {
+    const int64_t M = T * H, mblocks = (M + MAX_ROWS - 1) / MAX_ROWS;
+    const size_t es = ckind == W_F32 ? 4 : 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t task = 0; task < B * mblocks; task++) {
+        const int64_t b = task / mblocks, m0 = (task % mblocks) * MAX_ROWS;
+        const int mb = M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS;
+        float *q_lat = (float *)calloc((size_t)(MAX_ROWS * r), sizeof(float));
+        float *q_pe = (float *)malloc((size_t)(MAX_ROWS * p) * sizeof(float));
+        float *o_lat = (float *)calloc((size_t)(MAX_ROWS * r), sizeof(float));
+        float *sc = (float *)malloc((size_t)(MAX_ROWS * S) * sizeof(float));
+        for (int i = 0; i < mb; i++) { /* the query: absorbed into the latent space, and roped */
+            const int64_t t = (m0 + i) / H, h = (m0 + i) % H, base = ((b * T + t) * H + h) * (nope + p);
+            for (int64_t j = 0; j < nope; j++) {
+                const float qj = act_load(q, akind, base + j);
+                const float *row = w_uk + h * uk_hstride + j * uk_rstride;
+                for (int64_t k = 0; k < r; k++) q_lat[i * r + k] += qj * row[k];
+            }
+            const float *c = cos + rot_bstride * b + t * (p / 2), *s = sin + rot_bstride * b + t * (p / 2);
+            for (int64_t j = 0; j < p / 2; j++) {
+                const float x0 = act_load(q, akind, base + nope + 2 * j), x1 = act_load(q, akind, base + nope + 2 * j + 1);
+                q_pe[i * p + 2 * j] = x0 * c[j] - x1 * s[j];
+                q_pe[i * p + 2 * j + 1] = x0 * s[j] + x1 * c[j];
+            }
+        }
+        const char *kv_b = (const char *)kv + (size_t)(b * kv_bstride) * es;
+        const char *pe_b = (const char *)pe + (size_t)(b * pe_bstride) * es;
+        float r1[MAX_ROWS], r2[MAX_ROWS];
+        for (int64_t s = 0; s < S; s++) {
+            dot_rows(ckind, mb, kv_b + (size_t)(s * kv_sstride) * es, NULL, r, q_lat, r, r1);
+            dot_rows(ckind, mb, pe_b + (size_t)(s * pe_sstride) * es, NULL, p, q_pe, p, r2);
+            for (int i = 0; i < mb; i++) {
+                const float *bias_row = bias ? bias + b * bias_bstride + ((m0 + i) / H) * S : NULL;
+                sc[i * S + s] = scale * (r1[i] + r2[i]) + (bias_row ? bias_row[s] : 0.0f);
+            }
+        }
+        for (int i = 0; i < mb; i++) softmax_row(sc + i * S, S);
+        for (int64_t s = 0; s < S; s++) {
+            const void *row = kv_b + (size_t)(s * kv_sstride) * es;
+            int64_t k = 0;
+            for (; k + 8 <= r; k += 8) {
+                __m256 val = load8(ckind, row, k);
+                for (int i = 0; i < mb; i++)
+                    _mm256_storeu_ps(o_lat + i * r + k, _mm256_fmadd_ps(_mm256_set1_ps(sc[i * S + s]), val,
+                                                                        _mm256_loadu_ps(o_lat + i * r + k)));
+            }
+            for (; k < r; k++) {
+                const float val = load1(ckind, row, k);
+                for (int i = 0; i < mb; i++) o_lat[i * r + k] += sc[i * S + s] * val;
+            }
+        }
+        for (int i = 0; i < mb; i++) { /* W_UV[h] o_lat, into this head's slice of the output */
+            const int64_t t = (m0 + i) / H, h = (m0 + i) % H;
+            float res;
+            for (int64_t c = 0; c < v; c++) {
+                dot_rows(W_F32, 1, w_uv + h * uv_hstride + c * uv_rstride, NULL, r, o_lat + i * r, r, &res);
+                store((char *)out + (size_t)(((b * T + t) * H + h) * v + c) * (akind == A_F32 ? 4 : 2), akind, &res, 1, 0);
+            }
+        }
+        free(q_lat), free(q_pe), free(o_lat), free(sc);
+    }
     return 0;
 }

@@ -78,10 +78,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.dsv3_linear.argtypes = [p, p, i32, i64, i64, p, i32, i64, p, i32, i32]
     lib.dsv3_swiglu_experts.argtypes = [p, p, p, p, p, p, i32, i64, i64, i64, p, i32, i64, p, p, i64, p, i32,
                                         i32, i32]
-    lib.dsv3_latent_attention.argtypes = [p, p, p, p, i32, i64, i64, i64, i64, i64, i64, i64, i64, i64, i64, p, i64,
-                                          ctypes.c_float, p, i32]
     lib.dsv3_route.argtypes = [p, p, i64, i64, p, i32, i64, i32, i64, i64, i32, i64, i32, ctypes.c_float, p, p, i32]
-    for fn in (lib.dsv3_linear, lib.dsv3_swiglu_experts, lib.dsv3_latent_attention, lib.dsv3_route):
+    lib.dsv3_mla_decode.argtypes = [p, i32, p, p, i64, p, i64, i64, p, i64, i64, p, p, i32] + [i64] * 12 + [
+        p, i64, ctypes.c_float, p, i32]
+    for fn in (lib.dsv3_linear, lib.dsv3_swiglu_experts, lib.dsv3_route, lib.dsv3_mla_decode):
         fn.restype = i32
     return lib
 
@@ -216,34 +216,11 @@ def swiglu_experts_reference(x: torch.Tensor, idx: torch.Tensor, gates: torch.Te
     return out
 
 
-def latent_attention(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pe: torch.Tensor,
-                     bias: torch.Tensor | None, scale: float, heads: int, use_kernel: bool = True) -> torch.Tensor:
-    """Absorbed attention over the latent cache: softmax(scale * (q_lat kv^T + q_pe pe^T) + bias) kv.
-
-    q_lat [B, M, r], q_pe [B, M, p] fp32 with M = T * heads (query m is step m // heads); kv [B, S, r] and
-    pe [B, S, p] the cache's rows (fp32 or bf16, any row strides); bias [B|1, T, S] fp32 (-inf hides a
-    key) or None. Returns [B, M, r] fp32. The kernel reads the cache in place, in its own dtype."""
-    lib = _load()[0] if use_kernel else None
-    tensors = (q_lat, q_pe, kv, pe) + (() if bias is None else (bias,))
-    if (lib is None or kv.dtype not in A_KIND or pe.dtype != kv.dtype or any(t.device.type != "cpu" for t in tensors)
-            or kv.stride(-1) != 1 or pe.stride(-1) != 1):
-        return latent_attention_reference(q_lat, q_pe, kv, pe, bias, scale, heads)
-    B, M, r = q_lat.shape
-    S, p = kv.shape[1], pe.shape[-1]
-    q_lat, q_pe = q_lat.float().contiguous(), q_pe.float().contiguous()
-    if bias is not None:
-        bias = bias.float().contiguous()
-    out = q_lat.new_empty(B, M, r)
-    lib.dsv3_latent_attention(q_lat.data_ptr(), q_pe.data_ptr(), kv.data_ptr(), pe.data_ptr(), A_KIND[kv.dtype], B, M,
-                              heads, S, r, p, kv.stride(0), kv.stride(1), pe.stride(0), pe.stride(1), _ptr(bias),
-                              0 if bias is None or bias.shape[0] == 1 else bias.stride(0), scale, out.data_ptr(),
-                              torch.get_num_threads())
-    return out
-
-
 def latent_attention_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pe: torch.Tensor,
                                bias: torch.Tensor | None, scale: float, heads: int) -> torch.Tensor:
-    """What ``latent_attention`` computes, in fp32 PyTorch ops."""
+    """Absorbed attention over the latent cache, in fp32: softmax(scale * (q_lat kv^T + q_pe pe^T) + bias) kv
+    for q_lat [B, M, r], q_pe [B, M, p] with M = T * heads (query m is step m // heads); kv [B, S, r],
+    pe [B, S, p]; bias [B|1, T, S] (-inf hides a key) or None. Returns [B, M, r]."""
     B, M, _ = q_lat.shape
     S = kv.shape[1]
     kv = kv.float()
@@ -278,3 +255,49 @@ def route(x: torch.Tensor, router, use_kernel: bool = True) -> tuple[torch.Tenso
                    int(router.norm_topk_prob), float(router.route_scale), idx.data_ptr(), gates.data_ptr(),
                    torch.get_num_threads())
     return idx, gates
+
+
+def mla_decode(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
+               kv: torch.Tensor, pe: torch.Tensor, bias: torch.Tensor | None, scale: float,
+               use_kernel: bool = True) -> torch.Tensor:
+    """The absorbed MLA attention of a decode step, from the query projection to the heads' outputs.
+
+    q [B, T, H, nope + rope] (x's dtype); cos/sin [B|1, T, rope/2] fp32; W_UK [H, nope, r] and
+    W_UV [H, v, r] fp32; kv [B, S, r], pe [B, S, rope] the cache's rows; bias [B|1, T, S] or None.
+    Returns [B, T, H * v] in q's dtype. One kernel call: absorb W_UK into the query, rope q_pe, attend
+    over the latent cache, apply W_UV."""
+    lib = _load()[0] if use_kernel else None
+    tensors = (q, cos, sin, w_uk, w_uv, kv, pe) + (() if bias is None else (bias,))
+    if (lib is None or q.dtype not in A_KIND or kv.dtype not in A_KIND or pe.dtype != kv.dtype
+            or any(t.device.type != "cpu" for t in tensors) or w_uk.dtype != torch.float32
+            or w_uv.dtype != torch.float32 or any(t.stride(-1) != 1 for t in (kv, pe, w_uk, w_uv))):
+        return mla_decode_reference(q, cos, sin, w_uk, w_uv, kv, pe, bias, scale)
+    B, T, H, _ = q.shape
+    nope, r, v, p = w_uk.shape[1], w_uk.shape[2], w_uv.shape[1], pe.shape[-1]
+    q, cos, sin = q.contiguous(), cos.float().contiguous(), sin.float().contiguous()
+    if bias is not None:
+        bias = bias.float().contiguous()
+    out = q.new_empty(B, T, H * v)
+    lib.dsv3_mla_decode(q.data_ptr(), A_KIND[q.dtype], cos.data_ptr(), sin.data_ptr(),
+                        0 if cos.shape[0] == 1 else cos.stride(0), w_uk.data_ptr(), w_uk.stride(0), w_uk.stride(1),
+                        w_uv.data_ptr(), w_uv.stride(0), w_uv.stride(1), kv.data_ptr(), pe.data_ptr(),
+                        A_KIND[kv.dtype], B, T, H, kv.shape[1], nope, p, r, v, kv.stride(0), kv.stride(1),
+                        pe.stride(0), pe.stride(1), _ptr(bias),
+                        0 if bias is None or bias.shape[0] == 1 else bias.stride(0), scale, out.data_ptr(),
+                        torch.get_num_threads())
+    return out
+
+
+def mla_decode_reference(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_uk: torch.Tensor,
+                         w_uv: torch.Tensor, kv: torch.Tensor, pe: torch.Tensor, bias: torch.Tensor | None,
+                         scale: float) -> torch.Tensor:
+    """What ``mla_decode`` computes, in PyTorch ops (fp32 inside)."""
+    from dsv3.model.rope import apply_rope
+
+    B, T, H, _ = q.shape
+    nope, r = w_uk.shape[1], w_uk.shape[2]
+    q_nope, q_pe = q.float().split([nope, q.shape[-1] - nope], dim=-1)
+    q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk).reshape(B, T * H, r)
+    q_pe = apply_rope(q_pe, cos, sin).reshape(B, T * H, -1)
+    o_lat = latent_attention_reference(q_lat, q_pe, kv, pe, bias, scale, H).view(B, T, H, r)
+    return torch.einsum("bthr,hvr->bthv", o_lat, w_uv).reshape(B, T, -1).to(q.dtype)
