@@ -16,8 +16,9 @@ latent cache at that context) divided by the read bandwidth measured here with t
 256 MB). ``roofline_fraction`` = that time / the measured time per token (1.0 = at the memory limit).
 
 Sections: ``batch1`` (contexts x threads x implementations), ``batch`` (output tokens/s at batch 16 vs
-batch 1, context 1024), ``overhead`` (tiny shapes vs transformers at context 2048: the fixed per-token
-cost), ``weights`` (resident bytes), ``cache_precision``; ``kernels`` says whether the C kernels ran.
+batch 1, context 1024), ``mtp`` (a speculative step's cost next to a plain one), ``overhead`` (tiny
+shapes vs transformers at context 2048: the fixed per-token cost), ``weights`` (resident bytes),
+``cache_precision``; ``kernels`` says whether the C kernels ran.
 llama.cpp: pass ``--llama-convert PATH/convert_hf_to_gguf.py`` (from the llama.cpp source that
 llama-cpp-python was built from); it needs ``gguf``. Without them the llama.cpp rows are left out.
 """
@@ -88,8 +89,8 @@ def cache_bytes_per_token(cfg, context: int, element_bytes: int) -> int:
 
 
 class Dsv3:
-    def __init__(self, model: Transformer, fast: bool):
-        self.engine = Engine(model, eos_token_ids=frozenset(), fast=fast)
+    def __init__(self, model: Transformer, fast: bool, speculative: bool = False):
+        self.engine = Engine(model, eos_token_ids=frozenset(), fast=fast, speculative=speculative)
         self.weight_bytes = weight_bytes_per_token(model)
         self.cache_element = self.engine.cache_dtype.itemsize
 
@@ -124,7 +125,7 @@ class HF:
     def decode(self, n: int) -> float:
         t0 = time.perf_counter()
         for _ in range(n):
-            out = self.model(self.token, past_key_values=self.cache, use_cache=True)
+            out = self.model(self.token, cache=self.cache, use_cache=True)
             self.cache, self.token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
         return (time.perf_counter() - t0) / n
 
@@ -257,8 +258,8 @@ def batch_section(folder, cfg, args, bandwidth) -> list[dict]:
     out = []
     threads = max(args.threads)
     torch.set_num_threads(threads)
-    for name, dtype in (("fp32", torch.float32), ("bf16", torch.bfloat16)):
-        model = load_model(folder, dtype)
+    for name in args.batch_weights:
+        model = load_model(folder, {"fp32": torch.float32, "bf16": torch.bfloat16}[name])
         row = {"weights": name, "context": args.batch_context, "threads": threads}
         impls = {f"batch {b}": Dsv3(model, fast=True) for b in (1, args.batch)}
         for b, key in ((1, "batch 1"), (args.batch, f"batch {args.batch}")):
@@ -270,6 +271,21 @@ def batch_section(folder, cfg, args, bandwidth) -> list[dict]:
         log(f"batch {args.batch} / batch 1, {name}: {row['batch_over_1']:.2f}x")
         out.append(row)
     return out
+
+
+def mtp_section(folder, cfg, args) -> dict:
+    """What one speculative step (a 2-token verify plus the MTP layer's draft) costs next to a plain step, at
+    batch 1 on the fast path; with acceptance a, MTP gives (1 + a) / cost tokens per plain step's time.
+    Random weights: the acceptance itself needs a trained model (benchmarks/mtp_speedup.py)."""
+    torch.set_num_threads(max(args.threads))
+    model = load_model(folder, torch.float32)
+    impls = {"plain": Dsv3(model, fast=True), "mtp": Dsv3(model, fast=True, speculative=True)}
+    secs = race(impls, prompt_of(256, cfg.vocab_size), args.new_tokens, args.repeats)
+    cost = secs["mtp"] / secs["plain"]
+    log(f"MTP step / plain step: {cost:.2f}")
+    return {"context": 256, "threads": max(args.threads), "plain_ms_per_step": 1000 * secs["plain"],
+            "mtp_ms_per_step": 1000 * secs["mtp"], "step_cost_ratio": cost,
+            "speedup_at_acceptance": {a: (1 + a) / cost for a in (0.7, 0.8, 0.9)}}
 
 
 def overhead_section(args, bandwidth) -> list[dict]:
@@ -301,12 +317,14 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds (after one warm-up round)")
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--batch-context", type=int, default=1024)
-    ap.add_argument("--sections", default="batch1,batch,overhead,weights,cache")
+    ap.add_argument("--batch-weights", default="fp32,bf16")
+    ap.add_argument("--sections", default="batch1,batch,mtp,overhead,weights,cache")
     ap.add_argument("--llama-convert", default=None, metavar="PATH", help="llama.cpp's convert_hf_to_gguf.py")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     args.contexts = [int(c) for c in args.contexts.split(",")]
     args.threads = [int(t) for t in args.threads.split(",")]
+    args.batch_weights = args.batch_weights.split(",")
     sections = set(args.sections.split(","))
     bandwidth = {t: read_bandwidth(t) for t in sorted({1, *args.threads})}
     log("read bandwidth: " + ", ".join(f"{t} thread(s) {b / 1e9:.1f} GB/s" for t, b in bandwidth.items()))
@@ -326,6 +344,8 @@ def main() -> None:
             result["batch1"] = batch1_section(folder, cfg, args, ggufs, bandwidth)
         if "batch" in sections:
             result["batch"] = batch_section(folder, cfg, args, bandwidth)
+        if "mtp" in sections:
+            result["mtp"] = mtp_section(folder, cfg, args)
         if "weights" in sections:
             result["weights"] = {name: resident_bytes(load_model(folder, dt, w)) for name, dt, w in (
                 ("fp32", torch.float32, "native"), ("bf16", torch.bfloat16, "native"), ("fp8", torch.bfloat16, "fp8"))}
@@ -346,6 +366,8 @@ def report(result: dict) -> str:
                 lines.append(f"  {name:24} {f['tokens_per_s']:8.1f} tokens/s  roofline {f['roofline_fraction']:.2f}")
     for row in result.get("batch", []):
         lines.append(f"batch {row['weights']}: {row['batch_over_1']:.2f}x batch 1 at context {row['context']}")
+    if "mtp" in result:
+        lines.append(f"MTP step costs {result['mtp']['step_cost_ratio']:.2f} plain steps")
     for row in result.get("overhead", []):
         lines.append(f"overhead {row['shape']}: dsv3 {row['speedup']:.2f}x transformers at context 2048")
     return "\n".join(lines)
