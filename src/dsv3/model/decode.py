@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv3.model.decode_kernels import ExpertWeights, Weight, linear, mla_decode, route, swiglu_experts
+from dsv3.model.decode_kernels import ExpertWeights, Weight, kernel_status, linear, mla_decode, route, swiglu_experts
 from dsv3.model.dispatch import LocalDispatcher
 from dsv3.model.experts import GroupedExperts, ResidentFP8Experts
 from dsv3.model.mla import MLA, LatentCache
@@ -178,6 +178,7 @@ class FastDecode:
         dtype = model.model.embed_tokens.weight.dtype
         self.blocks = [BlockPlan(layer, dtype) for layer in model.model.layers]
         self.head = weight_of(model.lm_head)
+        self.kernels = kernel_status() if use_kernels else "not asked for"  # builds them now, not mid-request
 
     def _usable(self, cache: LatentCache | None, start_pos: int, absorb: bool | None) -> bool:
         return cache is not None and start_pos > 0 and absorb in (None, True)
