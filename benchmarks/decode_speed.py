@@ -13,7 +13,8 @@ that machine load hits them alike, and each figure is the median over rounds of 
 Roofline: the bytes one decode step must read (the weights a token touches: attention, dense and shared
 FFNs, the top-k routed experts, router and head, in the implementation's own storage format; plus the
 latent cache at that context) divided by the read bandwidth measured here with torch (``x.sum()`` over
-256 MB). ``roofline_fraction`` = that time / the measured time per token (1.0 = at the memory limit).
+256 MB at the start and 128 MB after every round; the best value seen in the run).
+``roofline_fraction`` = that time / the measured time per token (1.0 = at the memory limit).
 
 Sections: ``batch1`` (contexts x threads x implementations), ``batch`` (output tokens/s at batch 16 vs
 batch 1, context 1024), ``mtp`` (a speculative step's cost next to a plain one), ``overhead`` (tiny
@@ -204,14 +205,30 @@ def prompt_of(context: int, vocab: int, batch: int = 1) -> list[list[int]]:
 # ---- the measurements -----------------------------------------------------------------------------
 
 
-def figure(seconds: float, weight_bytes: int, cache_bytes: int, bandwidth: float, batch: int = 1) -> dict:
-    read = weight_bytes + cache_bytes * batch
-    return {"ms_per_step": 1000 * seconds, "tokens_per_s": batch / seconds, "bytes_per_step": read,
-            "roofline_fraction": read / bandwidth / seconds}
+def figure(seconds: float, weight_bytes: int, cache_bytes: int, threads: int, batch: int = 1) -> dict:
+    """One measurement; its roofline fraction is added at the end (``add_roofline``), against the best
+    read bandwidth seen during the whole run."""
+    return {"ms_per_step": 1000 * seconds, "tokens_per_s": batch / seconds,
+            "bytes_per_step": weight_bytes + cache_bytes * batch, "threads": threads}
 
 
-def race(impls: dict, prompts: list[list[int]], steps: int, repeats: int) -> dict[str, float]:
-    """Median seconds per step of each implementation, their decode rounds alternating."""
+def add_roofline(node, bandwidth: dict[int, float]) -> None:
+    """roofline_fraction = (bytes per step / read bandwidth) / time per step, for every figure in ``node``."""
+    if isinstance(node, dict):
+        if "bytes_per_step" in node:
+            seconds = node["ms_per_step"] / 1000
+            node["roofline_fraction"] = node["bytes_per_step"] / bandwidth[node["threads"]] / seconds
+        for value in node.values():
+            add_roofline(value, bandwidth)
+    elif isinstance(node, list):
+        for value in node:
+            add_roofline(value, bandwidth)
+
+
+def race(impls: dict, prompts: list[list[int]], steps: int, repeats: int,
+         bandwidth: dict[int, float]) -> dict[str, float]:
+    """Median seconds per step of each implementation, their decode rounds alternating; the read bandwidth
+    is measured again after every round (its best value is the roofline's: load only lowers it)."""
     for name, impl in impls.items():
         log(f"  prefill {name} ({len(prompts)} x {len(prompts[0])} tokens)")
         impl.start(prompts, steps * (repeats + 1))
@@ -221,6 +238,8 @@ def race(impls: dict, prompts: list[list[int]], steps: int, repeats: int) -> dic
             t = impl.decode(steps)
             if rep:  # round 0 warms up
                 times[name].append(t)
+        threads = torch.get_num_threads()
+        bandwidth[threads] = max(bandwidth.get(threads, 0.0), read_bandwidth(threads, mbytes=128, repeats=2))
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -241,14 +260,12 @@ def batch1_section(folder, cfg, args, ggufs, bandwidth) -> list[dict]:
                 impls[f"llama.cpp {outtype}"] = LlamaCpp(path, threads, ctx + args.new_tokens * (args.repeats + 2) + 8,
                                                          dense)
             log(f"threads {threads}, context {ctx}")
-            secs = race(impls, prompt_of(ctx, cfg.vocab_size), args.new_tokens, args.repeats)
+            secs = race(impls, prompt_of(ctx, cfg.vocab_size), args.new_tokens, args.repeats, bandwidth)
             row = {"threads": threads, "context": ctx}
             for name, s in secs.items():
                 impl = impls[name]
-                row[name] = figure(s, impl.weight_bytes, cache_bytes_per_token(cfg, ctx, impl.cache_element),
-                                   bandwidth[threads])
-                f = row[name]
-                log(f"  {name}: {f['tokens_per_s']:.1f} tokens/s, roofline {f['roofline_fraction']:.2f}")
+                row[name] = figure(s, impl.weight_bytes, cache_bytes_per_token(cfg, ctx, impl.cache_element), threads)
+                log(f"  {name}: {row[name]['tokens_per_s']:.1f} tokens/s")
             rows.append(row)
     return rows
 
@@ -264,23 +281,23 @@ def batch_section(folder, cfg, args, bandwidth) -> list[dict]:
         impls = {f"batch {b}": Dsv3(model, fast=True) for b in (1, args.batch)}
         for b, key in ((1, "batch 1"), (args.batch, f"batch {args.batch}")):
             prompts = prompt_of(args.batch_context, cfg.vocab_size, b)
-            s = race({key: impls[key]}, prompts, args.new_tokens, args.repeats)[key]
+            s = race({key: impls[key]}, prompts, args.new_tokens, args.repeats, bandwidth)[key]
             cache = cache_bytes_per_token(cfg, args.batch_context, impls[key].cache_element)
-            row[key] = figure(s, impls[key].weight_bytes, cache, bandwidth[threads], b)
+            row[key] = figure(s, impls[key].weight_bytes, cache, threads, b)
         row["batch_over_1"] = row[f"batch {args.batch}"]["tokens_per_s"] / row["batch 1"]["tokens_per_s"]
         log(f"batch {args.batch} / batch 1, {name}: {row['batch_over_1']:.2f}x")
         out.append(row)
     return out
 
 
-def mtp_section(folder, cfg, args) -> dict:
+def mtp_section(folder, cfg, args, bandwidth) -> dict:
     """What one speculative step (a 2-token verify plus the MTP layer's draft) costs next to a plain step, at
     batch 1 on the fast path; with acceptance a, MTP gives (1 + a) / cost tokens per plain step's time.
     Random weights: the acceptance itself needs a trained model (benchmarks/mtp_speedup.py)."""
     torch.set_num_threads(max(args.threads))
     model = load_model(folder, torch.float32)
     impls = {"plain": Dsv3(model, fast=True), "mtp": Dsv3(model, fast=True, speculative=True)}
-    secs = race(impls, prompt_of(256, cfg.vocab_size), args.new_tokens, args.repeats)
+    secs = race(impls, prompt_of(256, cfg.vocab_size), args.new_tokens, args.repeats, bandwidth)
     cost = secs["mtp"] / secs["plain"]
     log(f"MTP step / plain step: {cost:.2f}")
     return {"context": 256, "threads": max(args.threads), "plain_ms_per_step": 1000 * secs["plain"],
@@ -298,10 +315,10 @@ def overhead_section(args, bandwidth) -> list[dict]:
             build_checkpoint(folder, cfg, tokenizer=False)
             impls = {"dsv3": Dsv3(load_model(folder, torch.float32), fast=True), "transformers": HF(folder)}
             impls["transformers"].weight_bytes = impls["dsv3"].weight_bytes
-            secs = race(impls, prompt_of(2048, cfg.vocab_size), args.new_tokens, args.repeats)
+            secs = race(impls, prompt_of(2048, cfg.vocab_size), args.new_tokens, args.repeats, bandwidth)
         row = {"shape": name, "context": 2048}
         for k, s in secs.items():
-            row[k] = figure(s, impls[k].weight_bytes, cache_bytes_per_token(cfg, 2048, 4), bandwidth[1])
+            row[k] = figure(s, impls[k].weight_bytes, cache_bytes_per_token(cfg, 2048, 4), 1)
         row["speedup"] = secs["transformers"] / secs["dsv3"]
         log(f"overhead {name}: {row['speedup']:.2f}x transformers")
         rows.append(row)
@@ -345,7 +362,7 @@ def main() -> None:
         if "batch" in sections:
             result["batch"] = batch_section(folder, cfg, args, bandwidth)
         if "mtp" in sections:
-            result["mtp"] = mtp_section(folder, cfg, args)
+            result["mtp"] = mtp_section(folder, cfg, args, bandwidth)
         if "weights" in sections:
             result["weights"] = {name: resident_bytes(load_model(folder, dt, w)) for name, dt, w in (
                 ("fp32", torch.float32, "native"), ("bf16", torch.bfloat16, "native"), ("fp8", torch.bfloat16, "fp8"))}
@@ -353,6 +370,8 @@ def main() -> None:
             result["cache_precision"] = cache_precision(load_model(folder, torch.float32))
     if "overhead" in sections:
         result["overhead"] = overhead_section(args, bandwidth)
+    add_roofline(result, bandwidth)
+    result["read_bandwidth_gb_s"] = {t: b / 1e9 for t, b in bandwidth.items()}  # the best seen in the run
     print(json.dumps(result) if args.json else report(result))
 
 
