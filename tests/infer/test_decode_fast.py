@@ -197,3 +197,27 @@ def test_route_kernel_equals_the_router(overrides, dtype):
     got_idx, got_gates = dk.route(x, router)
     assert torch.equal(got_idx, idx)
     assert torch.allclose(got_gates, gates, atol=1e-6, rtol=1e-5)
+
+
+def test_a_layer_changed_after_the_engine_was_built_is_planned_again(model):
+    """Swapping a layer's dispatcher (as expert parallelism does) after the engine exists: the fast
+    path notices and runs that layer through its module (which here counts its calls)."""
+    from dsv3.model.dispatch import LocalDispatcher
+
+    class Counting(LocalDispatcher):
+        calls = 0
+
+        def dispatch(self, x, routing):
+            Counting.calls += 1
+            return (yield from super().dispatch(x, routing))
+
+    engine = Engine(model)
+    expected = generate(Engine(model, fast=False), [PROMPTS[0]], 6)
+    moe = model.model.layers[1].mlp
+    original = moe.dispatcher
+    moe.dispatcher = Counting(original.n_experts)
+    try:
+        assert generate(engine, [PROMPTS[0]], 6) == expected
+    finally:
+        moe.dispatcher = original
+    assert Counting.calls >= 6

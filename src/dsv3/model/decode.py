@@ -153,12 +153,26 @@ def _mlp_weights(mlp: MLP) -> ExpertWeights | None:
                                   w.dtype) for w in parts))
 
 
+def layout(block: Block) -> tuple:
+    """What a block's plan depends on besides tensor values: its submodules (a layer made expert-parallel
+    or quantized after the engine was built swaps them), the dispatcher and its combine format, and hooks."""
+    mla, mlp = block.self_attn, block.mlp
+    parts = [*mla.children(), mlp, *mlp.children(), getattr(getattr(mlp, "dispatcher", None), "combine_format", None)]
+    hooks = [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in (block, mla, mlp, *mlp.children())]
+    return tuple(id(p) if isinstance(p, nn.Module) else p for p in parts) + tuple(hooks)
+
+
 class BlockPlan:
     def __init__(self, block: Block, dtype: torch.dtype):
-        self.block = block
+        self.block, self.dtype = block, dtype
+        self.layout = layout(block)
         self.attn = AttentionPlan(block.self_attn, dtype)
         self.ffn = FeedForwardPlan(block.mlp)
         self.ok = self.attn.ok and self.ffn.ok and not block._forward_hooks and not block._forward_pre_hooks
+
+    def current(self) -> BlockPlan:
+        """This plan, or a new one when the block's modules changed since it was made."""
+        return self if layout(self.block) == self.layout else BlockPlan(self.block, self.dtype)
 
     def __call__(self, x, rot, cos_sin, cache, start_pos, bias, use_kernels):
         b = self.block
@@ -197,6 +211,10 @@ class FastDecode:
         bias = torch.zeros(keep.shape, dtype=torch.float32, device=keep.device).masked_fill_(~keep, float("-inf"))
         return rot, bias
 
+    def _plan(self, i: int) -> BlockPlan:
+        self.blocks[i] = self.blocks[i].current()
+        return self.blocks[i]
+
     def _run(self, plan: BlockPlan, x, rot, cache, start_pos, bias, cos_sin, mask):
         if plan.ok:
             return plan(x, rot, cos_sin, cache, start_pos, bias, self.use_kernels)
@@ -214,8 +232,8 @@ class FastDecode:
         rot, bias = self._step_inputs(positions, T, start_pos, mask)
         cos_sin = self.model.angles(positions)
         x = self.model.model.embed_tokens(input_ids)
-        for plan in self.blocks[: self.model.config.num_hidden_layers]:
-            x = self._run(plan, x, rot, cache, start_pos, bias, cos_sin, mask)
+        for i in range(self.model.config.num_hidden_layers):
+            x = self._run(self._plan(i), x, rot, cache, start_pos, bias, cos_sin, mask)
         return rms_norm(self.model.model.norm, x)
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
@@ -227,7 +245,7 @@ class FastDecode:
                    cache: LatentCache | None = None, start_pos: int = 0, mask=None, absorb=None) -> torch.Tensor:
         """Transformer.mtp_hidden for a decode step."""
         layer: MTPLayer = self.model.mtp_layers[depth]
-        plan = self.blocks[self.model.config.num_hidden_layers + depth]
+        plan = self._plan(self.model.config.num_hidden_layers + depth)
         eh = weight_of(layer.eh_proj)
         if not self._usable(cache, start_pos, absorb) or eh is None or not plan.ok or layer._forward_hooks:
             return self.model.mtp_hidden(depth, h, next_ids, positions, cache, start_pos, mask, absorb)
