@@ -168,3 +168,15 @@ def test_a_list_of_eos_ids_in_the_config_stops_on_any_of_them(model):
     first = min(free.index(free[6]), free.index(free[3]))
     assert result.token_ids == free[: first + 1] and result.finish_reason == "stop"
     assert eos_ids(listed, None) == {free[6], free[3]}
+
+
+def test_greedy_rows_take_the_argmax_without_a_random_draw(model, monkeypatch):
+    """A multinomial over the whole vocabulary cost about 1 ms per row and step; plain greedy decoding
+    needs none (speculative verification still draws, see speculative.verify)."""
+    expected = reference_greedy(model, PROMPTS[0], 8)[0]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("greedy decoding drew from a multinomial")
+
+    monkeypatch.setattr(torch, "multinomial", refuse)
+    assert collect(Engine(model), [Request(PROMPTS[0], 8)])[0] == expected
