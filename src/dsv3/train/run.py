@@ -31,7 +31,7 @@ from dsv3.model.transformer import Transformer
 from dsv3.parallel.layout import Parallelized, parallelize
 from dsv3.parallel.memory import SavedTensorMeter, gather_memory, rank_memory
 from dsv3.train import checkpoints as ckpt
-from dsv3.train.distributed import World, setup_world, teardown_world, training_layout
+from dsv3.train.distributed import World, peer_failures, setup_world, teardown_world, training_layout
 from dsv3.train.evaluate import eval_windows, evaluate
 from dsv3.train.loop import RunState, StepRunner
 from dsv3.train.metrics import MetricsLog, read_rows
@@ -150,9 +150,10 @@ def run_training(
     opts.check()
     if opts.threads:
         torch.set_num_threads(opts.threads)
-    world = setup_world(opts.device)
+    world = setup_world(opts.device, opts.dist_timeout)
     try:
-        return _Run(opts, world, resume, on_step, show_progress, plots).execute()
+        with peer_failures(world, Path(opts.out), opts.dist_timeout):  # a dead or hung peer: one error line
+            return _Run(opts, world, resume, on_step, show_progress, plots).execute()
     finally:
         teardown_world(world)
 
