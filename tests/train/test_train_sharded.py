@@ -313,3 +313,12 @@ def test_fp8_losses_match_the_single_process_fp8_run(name, single_fp8_run, shard
     for a, b in zip(one, four, strict=True):
         assert b["loss"] == pytest.approx(a["loss"], rel=5e-4), a["step"]
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=2e-2), a["step"]
+
+
+def test_sharded_expert_parallel_layouts_are_checked_before_any_process_group():
+    from dsv3.parallel.layout import Layout
+
+    assert Layout(dp=4, ep=4, dp_shard="fsdp", gpus_per_node=2).check(4).ep == 4  # no longer refused
+    assert Layout(dp=4, ep=2, dp_shard="zero1", gpus_per_node=1).check(4).dp_shard == "zero1"
+    with pytest.raises(DSV3Error, match="--ep 3 must divide the number of data-parallel processes"):
+        Layout(dp=4, ep=3, dp_shard="fsdp", gpus_per_node=1).check(4)

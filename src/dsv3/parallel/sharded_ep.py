@@ -47,7 +47,7 @@ from dsv3.parallel.sharding import (
 
 def sharded_expert_parallel(model: nn.Module, layout: Layout) -> Parallelized:
     """The Parallelized object of ``layout`` (EP with ``dp_shard`` zero1 or fsdp)."""
-    return (ZeroOneExpertParallelized if layout.dp_shard == "zero1" else FSDPExpertParallelized)(model, layout)
+    return (Zero1ExpertParallelized if layout.dp_shard == "zero1" else FSDPExpertParallelized)(model, layout)
 
 
 class _ShardedExpertParallelized(SubgroupExpertParallelized):
@@ -132,7 +132,7 @@ class FSDPExpertParallelized(_ShardedExpertParallelized):
         load_fsdp_optimizer_state(optimizer, state)
 
 
-class ZeroOneExpertParallelized(_ShardedExpertParallelized):
+class Zero1ExpertParallelized(_ShardedExpertParallelized):
     """ZeRO-1 for the non-expert parameters over all D ranks, and for each rank's experts over its replica
     group: AdamW state exists once per parameter over the whole world."""
 
