@@ -66,8 +66,8 @@ class World:
 
 DEFAULT_TIMEOUT_S = 600.0  # NCCL's own default; gloo's is 30 min, long for a run whose peer hung
 # How a collective reports a peer that died (gloo: its connection closed) or hung (a timeout).
-PEER_FAILURE_MARKERS = ("connection closed by peer", "connection reset by peer", "broken pipe", "timed out",
-                        "timeout", "gloo", "nccl", "processgroup", "socket")
+PEER_FAILURE_MARKERS = ("connection closed by peer", "connection reset by peer", "connection refused",
+                        "broken pipe", "timed out")
 
 
 def setup_world(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
