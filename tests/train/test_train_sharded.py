@@ -89,7 +89,7 @@ def sharded_launch(tmp_path_factory, base_options) -> tuple[Path, dict[str, list
     for name, extra in FP8_LAYOUTS.items():
         options = {**base_options, **extra, "steps": FP8_STEPS, "precision": "fp8"}
         runs.append({"options": {**options, "out": str(root / f"fp8-{name}")}})
-    per_rank = launch(counted_train_worker, 4, (runs,), timeout_s=900)
+    per_rank = launch(counted_train_worker, 4, (runs,), timeout_s=600)
     by_run = {Path(spec["options"]["out"]).name: [r[i] for r in per_rank] for i, spec in enumerate(runs)}
     for name, summaries in by_run.items():
         assert [(s["world_size"], s["step"]) for s in summaries] == [(4, s["steps"]) for s in summaries], name
