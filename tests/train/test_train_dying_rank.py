@@ -65,7 +65,8 @@ def test_fsdp_ep_under_torchrun_then_a_killed_rank_stops_the_others_with_one_err
 
     proc = subprocess.Popen(_torchrun(["train", "--resume", str(out), "--steps", "1000", "--log-every", "1",
                                        "--save-every", "1000"]),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                            start_new_session=True)  # its own process group: a failed test ends all of it
     try:
         deadline = time.monotonic() + 300
         while _train_rows(out) < 4:  # two steps of the resumed run are done
@@ -79,7 +80,7 @@ def test_fsdp_ep_under_torchrun_then_a_killed_rank_stops_the_others_with_one_err
         took = time.monotonic() - killed
     finally:
         if proc.poll() is None:
-            proc.kill()
+            os.killpg(proc.pid, signal.SIGKILL)
             proc.communicate()
     assert proc.returncode != 0 and took < KILL_BOUND_S
     errors = [line for line in stderr.splitlines() if line.startswith("error: ")]
