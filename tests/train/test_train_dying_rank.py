@@ -113,3 +113,20 @@ def test_dist_timeout_must_be_positive(make_opts, train_argv, tmp_path, capsys):
     assert main(train_argv(tmp_path / "bad", "--dist-timeout", "-1")) == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
         "error: --dist-timeout must be a positive number of seconds, got -1.0")
+
+
+def test_groups_created_after_the_world_time_out_like_it():
+    """The hung-rank case once waited 30 minutes despite --dist-timeout 10: the EP, replica and mesh groups
+    (`new_group` without a timeout) took torch's module default instead of the world's timeout."""
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d
+
+    from dsv3.train.distributed import _groups_time_out_after
+
+    saved = distributed_c10d.default_pg_timeout, distributed_c10d.default_pg_nccl_timeout
+    try:
+        _groups_time_out_after(timedelta(seconds=7))
+        assert distributed_c10d._get_default_timeout("gloo") == timedelta(seconds=7)
+    finally:
+        distributed_c10d.default_pg_timeout, distributed_c10d.default_pg_nccl_timeout = saved

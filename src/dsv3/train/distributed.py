@@ -81,8 +81,21 @@ def setup_world(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> W
         backend = "nccl" if dev.type == "cuda" else "gloo"
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        dist.init_process_group(backend=backend, timeout=datetime.timedelta(seconds=timeout_s))
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend=backend, timeout=timeout)
+        _groups_time_out_after(timeout)
     return World(rank=rank, size=size, local_rank=local_rank, device=dev)
+
+
+def _groups_time_out_after(timeout: datetime.timedelta) -> None:
+    """Make the process groups created later in this process (EP, replica, pipeline, FSDP mesh groups) time
+    out like the world: ``new_group`` without a timeout takes torch's module default (30 min for gloo), not
+    the world's, and layouts create their groups without one. Only a process that set up its own world (the
+    trainer's) changes it."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
 
 
 def teardown_world(world: World) -> None:
