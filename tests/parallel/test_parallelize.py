@@ -60,7 +60,6 @@ def test_a_combine_format_without_ep_is_simulated_by_the_local_dispatchers():
         (Layout(pp=2, dp_shard="zero1"), "pipeline stages with sharded data parallelism are not implemented yet"),
         (Layout(pp=2, schedule="gpipe"), "--pp-schedule must be one of"),
         (Layout(dp_shard="zero1"), "--dp-shard zero1 shards over the data-parallel processes but only one"),
-        (Layout(dp_shard="fsdp", dp=2, ep=2), "--dp-shard fsdp with --ep 2 is not implemented"),
         (Layout(dp_shard="zero3"), "dp_shard must be one of none, zero1, fsdp"),
         (Layout(dp=4), "needs pp x dp = 4 processes, but 1 are running"),
         (Layout(ep=4), "--ep 4 must divide the number of data-parallel processes (1)"),

@@ -21,8 +21,10 @@ Layouts that exist today, over torch.distributed (torchrun; gloo on CPU, NCCL on
 
 * ``Layout(dp=D, dp_shard="zero1" | "fsdp")``: sharded data parallelism (``dsv3.parallel.sharding``): AdamW
   state, or parameters, gradients and AdamW state, split over the D ranks.
+* ``Layout(dp=D, ep=E, dp_shard="zero1" | "fsdp")``: both (``dsv3.parallel.sharded_ep``): the routed experts
+  as with EP, everything else sharded over the D ranks.
 
-Pipeline stages with sharding, and sharding with EP, are refused with a clear error until they exist.
+Pipeline stages with sharding are refused with a clear error until they exist.
 """
 
 from __future__ import annotations
@@ -146,6 +148,10 @@ def parallelize(model: nn.Module, layout: Layout | None = None) -> Parallelized:
         from dsv3.parallel.pipeline_layout import PipelineParallelized
 
         return PipelineParallelized(model, layout)
+    if layout.ep > 1 and layout.dp_shard != "none":
+        from dsv3.parallel.sharded_ep import sharded_expert_parallel
+
+        return sharded_expert_parallel(model, layout)
     if layout.ep > 1 and layout.ep < layout.dp:
         from dsv3.parallel.ep_subgroups import SubgroupExpertParallelized
 

@@ -106,6 +106,10 @@ def train(
         help="torch CPU threads (0: torch's default). On a small model and a busy "
         "machine, 1 thread is often as fast and far steadier (default: 0).",
     ),
+    dist_timeout: float = typer.Option(
+        None, help="Under torchrun: seconds a collective waits for another process before the run stops "
+        "with an error (a process that died is noticed at once; this bounds one that hangs) (default: 600).",
+    ),
     resume: str = typer.Option(None, help="Continue the run in this folder from its latest checkpoint."),
     json_out: bool = typer.Option(False, "--json", help="Print one JSON summary on stdout."),
 ) -> None:

@@ -2,12 +2,22 @@
 
 A single process is a world of size 1 and every collective here is then a no-op, so the training loop
 reads the same with and without torchrun.
+
+A process that dies (or hangs) must not leave the others waiting forever: every collective of the process
+group times out after ``--dist-timeout`` seconds (a dead peer's closed connection fails gloo's collectives
+at once), and `peer_failures` turns such a failure into one `DSV3Error` line naming the rank, the cause and
+the last checkpoint, instead of a traceback.
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -54,8 +64,15 @@ class World:
         return bool(self.max_(torch.tensor([float(flag)], device=self.device)).item())
 
 
-def setup_world(device: str = "auto") -> World:
-    """Join torchrun's process group when WORLD_SIZE > 1; pick this rank's device."""
+DEFAULT_TIMEOUT_S = 600.0  # NCCL's own default; gloo's is 30 min, long for a run whose peer hung
+# How a collective reports a peer that died (gloo: its connection closed) or hung (a timeout).
+PEER_FAILURE_MARKERS = ("connection closed by peer", "connection reset by peer", "connection refused",
+                        "broken pipe", "timed out")
+
+
+def setup_world(device: str = "auto", timeout_s: float = DEFAULT_TIMEOUT_S) -> World:
+    """Join torchrun's process group when WORLD_SIZE > 1 (collectives time out after ``timeout_s``); pick
+    this rank's device."""
     size = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -64,13 +81,59 @@ def setup_world(device: str = "auto") -> World:
         backend = "nccl" if dev.type == "cuda" else "gloo"
         if dev.type == "cuda":
             torch.cuda.set_device(dev)
-        dist.init_process_group(backend=backend)
+        timeout = datetime.timedelta(seconds=timeout_s)
+        dist.init_process_group(backend=backend, timeout=timeout)
+        _groups_time_out_after(timeout)
     return World(rank=rank, size=size, local_rank=local_rank, device=dev)
+
+
+def _groups_time_out_after(timeout: datetime.timedelta) -> None:
+    """Make the process groups created later in this process (EP, replica, pipeline, FSDP mesh groups) time
+    out like the world: ``new_group`` without a timeout takes torch's module default (30 min for gloo), not
+    the world's, and layouts create their groups without one. Only a process that set up its own world (the
+    trainer's) changes it."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d.default_pg_timeout = timeout
+    distributed_c10d.default_pg_nccl_timeout = timeout
 
 
 def teardown_world(world: World) -> None:
     if world.distributed and dist.is_initialized():
-        dist.destroy_process_group()
+        with contextlib.suppress(RuntimeError):  # a group whose peer died may fail to shut down cleanly
+            dist.destroy_process_group()
+
+
+def is_peer_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` is a collective that failed because another process died or stopped answering."""
+    if isinstance(exc, dist.DistError):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(marker in text for marker in PEER_FAILURE_MARKERS)
+
+
+@contextlib.contextmanager
+def peer_failures(world: World, run_dir: Path, timeout_s: float) -> Iterator[None]:
+    """Within the block, a collective that fails because a peer died or hung ends as one DSV3Error line."""
+    try:
+        yield
+    except (RuntimeError, dist.DistError) as exc:
+        if not world.distributed or not is_peer_failure(exc):
+            raise
+        raise DSV3Error(lost_peer_message(world, exc, run_dir, timeout_s)) from None
+
+
+def lost_peer_message(world: World, exc: BaseException, run_dir: Path, timeout_s: float) -> str:
+    """One line: which rank stopped, the collective's own reason (its first meaningful line), what is on disk."""
+    from dsv3.train.checkpoints import latest_checkpoint
+
+    text = " ".join(re.sub(r"\[[^\]]*:\d+\]", " ", str(exc)).split())  # without gloo's [file.cc:553]
+    reason = text.split(". ")[0][:160] or type(exc).__name__
+    latest = latest_checkpoint(Path(run_dir))
+    saved = f"last checkpoint {latest}; continue with: dsv3 train --resume {run_dir}" if latest else \
+        "no checkpoint was saved"
+    return (f"rank {world.rank} of {world.size} stopped: another process of the run died or did not answer "
+            f"within --dist-timeout {timeout_s:g} s ({reason}); {saved}")
 
 
 def _device(name: str, local_rank: int) -> torch.device:

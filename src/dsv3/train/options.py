@@ -32,6 +32,7 @@ OPERATIONAL = {
     "cache_dir",
     "device",
     "threads",
+    "dist_timeout",
 }
 # How the processes split the work: a checkpoint is resharded on load, so a resumption may change these too
 # (the losses then agree with the original layout's to fp32 rounding).
@@ -79,6 +80,7 @@ class TrainOptions:
     cache_dir: str | None = None
     device: str = "auto"
     threads: int = 0  # torch intra-op threads; 0: torch's default (torchrun sets 1 per process)
+    dist_timeout: float = 600.0  # seconds a collective waits for a process that died or hung
 
     @property
     def warmup_steps(self) -> int:
@@ -117,6 +119,8 @@ class TrainOptions:
         self._check_pipeline()
         if self.dp_shard not in DP_SHARDS:
             raise DSV3Error(f"--dp-shard must be one of {', '.join(DP_SHARDS)}, got {self.dp_shard!r}")
+        if not self.dist_timeout > 0:
+            raise DSV3Error(f"--dist-timeout must be a positive number of seconds, got {self.dist_timeout}")
         if self.threads < 0:
             raise DSV3Error(f"--threads must be >= 0, got {self.threads}")
         if self.sample_tokens < 0:
