@@ -20,24 +20,11 @@ import threading
 import time
 from pathlib import Path
 
+from dsv3.testing.launch import rank_pid, train_steps_done
+
 CASES = {"SIGKILL": [], "SIGSTOP": ["--dist-timeout", "10"]}
 
 
-def rank_pid(run_dir: Path, rank: int) -> int | None:
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in environ and str(run_dir).encode() in cmdline and b"dsv3" in cmdline:
-            return int(pid)
-    return None
-
-
-def steps_done(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return sum('"kind": "train"' in line for line in path.read_text().splitlines()) if path.exists() else 0
 
 
 def run_case(sig: str, flags: list[str], out: Path, data: str) -> dict:
@@ -51,7 +38,7 @@ def run_case(sig: str, flags: list[str], out: Path, data: str) -> dict:
     reader = threading.Thread(target=lambda: lines.extend((time.monotonic(), ln.rstrip()) for ln in proc.stderr))
     reader.start()
     try:
-        while steps_done(out) < 3:
+        while train_steps_done(out) < 3:
             if proc.poll() is not None:
                 sys.exit(f"error: the run ended before its third step:\n{lines[-20:]}")
             time.sleep(0.2)

@@ -5,10 +5,8 @@ import copy
 import dataclasses
 import json
 import re
-import socket
 import threading
 import time
-from contextlib import contextmanager
 
 import httpx
 import pytest
@@ -16,33 +14,12 @@ import torch
 
 from dsv3.infer.engine import Engine, Request
 from dsv3.infer.server import create_app
+from dsv3.testing.http import serving
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def serving(app):
-    """``app`` on a real uvicorn server on 127.0.0.1 (a free port, in a thread); yields its base URL."""
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not srv.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=20)
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ from dsv3.infer.engine import Engine, Request
 from dsv3.infer.prefix_cache import PrefixCache
 from dsv3.infer.sampling import GREEDY
 from dsv3.infer.server import create_app
+from dsv3.testing.http import serving
 
 from .conftest import tiny_model
 from .prometheus_text import parse, total, value
-from .test_infer_server import serving
 
 openai = pytest.importorskip("openai")
 

@@ -7,7 +7,6 @@ and `--prefill-ranks 2` (disaggregation) with EPLB."""
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from conftest import tiny_model, tiny_tokenizer  # noqa: E402
 from dsv3.infer.engine import Engine  # noqa: E402
 from dsv3.infer.server import create_app  # noqa: E402
+from dsv3.testing.http import serving  # noqa: E402
+from dsv3.testing.launch import free_port  # noqa: E402
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -42,28 +43,6 @@ def checkpoint(tmp_path_factory):
     return folder
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextmanager
-def serving(app):
-    """``app`` (one process) on a real uvicorn server on 127.0.0.1, in a thread; yields its base URL."""
-    port = _free_port()
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="error"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.time() + 20
-    while not srv.started:
-        assert time.time() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=20)
 
 
 class Group:
@@ -120,7 +99,7 @@ def serve_group(checkpoint: Path, nproc: int, *flags: str, torchrun: bool = True
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
         procs = [subprocess.Popen(cmd + args, env=env, **spawn)]
     else:
-        master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "WORLD_SIZE": str(nproc)}
+        master = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": str(nproc)}
         procs = [subprocess.Popen([sys.executable, *args], env={**env, **master, "RANK": str(r), "LOCAL_RANK": str(r)},
                                   **spawn) for r in range(nproc)]
     group = Group(procs)

@@ -10,34 +10,18 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 import dsv3
 from dsv3.errors import DSV3Error
+from dsv3.testing.launch import rank_pid, train_steps_done
 from dsv3.train.distributed import World, is_peer_failure, lost_peer_message
 
 KILL_BOUND_S = 120  # measured: the survivors stop about 8 s after the kill (2 loaded cores)
 
 
-def _rank_pid(run_dir: Path, rank: int) -> int | None:
-    """The pid of the training process of ``rank`` whose command line names ``run_dir`` (torchrun sets RANK)."""
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
-            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        if f"RANK={rank}".encode() in environ and str(run_dir).encode() in cmdline and b"dsv3" in cmdline:
-            return int(pid)
-    return None
-
-
-def _train_rows(run_dir: Path) -> int:
-    path = run_dir / "metrics.jsonl"
-    return sum('"kind": "train"' in line for line in path.read_text().splitlines()) if path.exists() else 0
 
 
 def _torchrun(args: list[str]) -> list[str]:
@@ -69,10 +53,10 @@ def test_fsdp_ep_under_torchrun_then_a_killed_rank_stops_the_others_with_one_err
                             start_new_session=True)  # its own process group: a failed test ends all of it
     try:
         deadline = time.monotonic() + 300
-        while _train_rows(out) < 4:  # two steps of the resumed run are done
+        while train_steps_done(out) < 4:  # two steps of the resumed run are done
             assert proc.poll() is None and time.monotonic() < deadline, "the resumed run did not get going"
             time.sleep(0.2)
-        victim = _rank_pid(out, 2)
+        victim = rank_pid(out, 2)
         assert victim is not None
         os.kill(victim, signal.SIGKILL)
         killed = time.monotonic()

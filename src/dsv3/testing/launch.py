@@ -13,6 +13,7 @@ import queue
 import socket
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -83,3 +84,23 @@ def launch(fn: Callable, world: int, args: tuple = (), timeout_s: float = 120.0)
     if errors:
         raise DSV3Error("; ".join(errors))
     return out
+
+
+def rank_pid(run_dir: Path, rank: int) -> int | None:
+    """The pid of the local ``dsv3`` process of ``rank`` (RANK in its environment, as torchrun sets it) whose
+    command line names ``run_dir``, to signal one rank of a running group; None when there is none."""
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+            cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if f"RANK={rank}".encode() in environ and str(run_dir).encode() in cmdline and b"dsv3" in cmdline:
+            return int(pid)
+    return None
+
+
+def train_steps_done(run_dir: Path) -> int:
+    """How many optimizer steps a running ``dsv3 train`` has logged in ``run_dir``/metrics.jsonl."""
+    path = Path(run_dir) / "metrics.jsonl"
+    return sum('"kind": "train"' in line for line in path.read_text().splitlines()) if path.exists() else 0
