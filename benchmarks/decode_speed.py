@@ -1,14 +1,27 @@
-"""Decode speed at batch 1, dsv3's engine vs transformers' DeepseekV3ForCausalLM on the same weights (CPU).
+"""Decode speed on a CPU, every figure of docs/inference.md's decode-speed section in one run: dsv3 (fast
+path and module path; fp32, bf16 and FP8 weights) against transformers' DeepseekV3ForCausalLM and, when
+``llama-cpp-python`` is installed, llama.cpp on the same checkpoint (converted by llama.cpp's own
+``convert_hf_to_gguf.py``), each with its fraction of the memory roofline.
 
-Both load one checkpoint (a V3-architecture model of the ``small`` preset shape, random weights, fp32),
-both prefill the same random context and then decode greedily; only the decode steps are timed. Runs
-alternate between the two implementations at every context so that machine load hits both alike.
+    .venv/bin/python benchmarks/decode_speed.py --json > decode_speed.json
 
-    .venv/bin/python benchmarks/decode_speed.py --contexts 256,512,2048,4096 --new-tokens 32 --json
+The model is the ``small`` preset shape with random weights (speed does not depend on their values),
+saved once and loaded by every implementation. Each implementation prefills each context once and then
+decodes greedily; the timed decode steps of all implementations alternate in rounds (``--repeats``), so
+that machine load hits them alike, and each figure is the median over rounds of the mean step time.
 
-Prints one JSON object: per context and implementation, ms per token and tokens/s (median of repeats),
-the speed-up, the latent-cache bytes per token per layer measured from each allocation, and the ratio of
-time per token at the longest context to the shortest.
+Roofline: the bytes one decode step must read (the weights a token touches: attention, dense and shared
+FFNs, the top-k routed experts, router and head, in the implementation's own storage format; plus the
+latent cache at that context) divided by the read bandwidth measured here with torch (``x.sum()`` over
+256 MB at the start and 128 MB after every round; the best value seen in the run).
+``roofline_fraction`` = that time / the measured time per token (1.0 = at the memory limit).
+
+Sections: ``batch1`` (contexts x threads x implementations), ``batch`` (output tokens/s at batch 16 vs
+batch 1, context 1024), ``mtp`` (a speculative step's cost next to a plain one), ``overhead`` (tiny
+shapes vs transformers at context 2048: the fixed per-token cost), ``weights`` (resident bytes),
+``cache_precision``; ``kernels`` says whether the C kernels ran.
+llama.cpp: pass ``--llama-convert PATH/convert_hf_to_gguf.py`` (from the llama.cpp source that
+llama-cpp-python was built from); it needs ``gguf``. Without them the llama.cpp rows are left out.
 """
 
 from __future__ import annotations
@@ -16,128 +29,367 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
+from pathlib import Path
 
 import torch
 
-from dsv3 import load_pretrained
 from dsv3.config import preset
 from dsv3.infer.bench import cache_precision
 from dsv3.infer.engine import Engine, Request
+from dsv3.infer.fp8_weights import resident_bytes
+from dsv3.infer.loading import load_model
 from dsv3.model import Transformer
+from dsv3.model.decode_kernels import kernel_status
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def build_checkpoint(folder: str, preset_name: str, max_len: int) -> None:
-    cfg = preset(preset_name).replace(max_position_embeddings=max_len)
+# ---- the roofline ---------------------------------------------------------------------------------
+
+
+def read_bandwidth(threads: int, mbytes: int = 256, repeats: int = 7) -> float:
+    """Bytes/s of a streaming read with ``threads`` torch threads (best of ``repeats``)."""
+    torch.set_num_threads(threads)
+    x = torch.ones(mbytes * 2**20 // 4)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t0)
+    return x.nbytes / best
+
+
+def weight_bytes_per_token(model: Transformer) -> int:
+    """Bytes of the weights one decoded token reads, as stored: every tensor of the main layers, final
+    norm and head, the routed experts' at top-k / E of their size, one embedding row; not the MTP layer."""
+    cfg = model.config
+    share = cfg.num_experts_per_tok / cfg.n_routed_experts
+    tensors = lambda m: [*m.parameters(), *m.buffers()]  # noqa: E731
+    routed = {id(t) for moe in model.moe_layers() for t in tensors(moe.experts)}
+    skip = {id(t) for layer in model.mtp_layers for t in tensors(layer)}
+    skip |= {id(model.model.embed_tokens.weight), id(model.inv_freq)} | {id(m.expert_load) for m in model.moe_layers()}
+    total, seen = model.model.embed_tokens.weight[0].nbytes, set()
+    for t in tensors(model):
+        if id(t) not in skip and id(t) not in seen:
+            seen.add(id(t))
+            total += int(t.nbytes * (share if id(t) in routed else 1))
+    return total
+
+
+def cache_bytes_per_token(cfg, context: int, element_bytes: int) -> int:
+    return context * cfg.num_hidden_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * element_bytes
+
+
+# ---- implementations: each prefills once, then decodes n steps per call ---------------------------
+
+
+class Dsv3:
+    def __init__(self, model: Transformer, fast: bool, speculative: bool = False):
+        self.engine = Engine(model, eos_token_ids=frozenset(), fast=fast, speculative=speculative)
+        self.weight_bytes = weight_bytes_per_token(model)
+        self.cache_element = self.engine.cache_dtype.itemsize
+
+    def start(self, prompts: list[list[int]], steps: int) -> None:
+        with torch.inference_mode():
+            self.batch = self.engine.start([Request(p, steps + 2) for p in prompts])
+
+    def decode(self, n: int) -> float:
+        """Seconds per step over n steps."""
+        with torch.inference_mode():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                self.batch.step()
+            return (time.perf_counter() - t0) / n
+
+
+class HF:
+    def __init__(self, folder: str):
+        import transformers
+
+        transformers.logging.set_verbosity_error()  # the MTP layer's tensors are "unexpected" to it
+        self.model = transformers.DeepseekV3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+        self.weight_bytes = None  # same fp32 weights as dsv3 fp32: filled in by the caller
+        self.cache_element = 4
+
+    @torch.inference_mode()
+    def start(self, prompts: list[list[int]], steps: int) -> None:
+        out = self.model(torch.tensor(prompts), use_cache=True)
+        self.cache, self.token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+
+    @torch.inference_mode()
+    def decode(self, n: int) -> float:
+        t0 = time.perf_counter()
+        for _ in range(n):
+            out = self.model(self.token, cache=self.cache, use_cache=True)
+            self.cache, self.token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        return (time.perf_counter() - t0) / n
+
+
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python, greedy, its fastest attention setting (flash attention on)."""
+
+    def __init__(self, gguf: Path, threads: int, context: int, weight_bytes: int):
+        from llama_cpp import Llama
+
+        self.llm = Llama(str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                         flash_attn=True, verbose=False, logits_all=False)
+        self.weight_bytes = weight_bytes
+        self.cache_element = 2  # llama.cpp's default f16 KV cache
+
+    def start(self, prompts: list[list[int]], steps: int) -> None:
+        self.llm.reset()
+        self.llm.eval(prompts[0])
+        self.token = int(self.llm.eval_logits[-1].index(max(self.llm.eval_logits[-1]))) if self.llm.eval_logits \
+            else 1
+
+    def decode(self, n: int) -> float:
+        import numpy as np
+
+        t0 = time.perf_counter()
+        for _ in range(n):
+            self.llm.eval([self.token])
+            self.token = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+        return (time.perf_counter() - t0) / n
+
+
+def gguf_files(folder: str, converter: str | None, out: Path) -> dict[str, Path]:
+    """f32 and bf16 GGUF files of the checkpoint by llama.cpp's own converter, or {} when llama.cpp is
+    not usable here (the reason is logged)."""
+    try:
+        import gguf  # noqa: F401
+        import llama_cpp  # noqa: F401
+    except ImportError as exc:
+        log(f"llama.cpp rows left out: {exc} (pip install llama-cpp-python gguf)")
+        return {}
+    if not converter or not Path(converter).is_file():
+        log("llama.cpp rows left out: pass --llama-convert PATH/convert_hf_to_gguf.py")
+        return {}
+    files = {}
+    for outtype in ("f32", "bf16"):
+        target = out / f"model-{outtype}.gguf"
+        done = subprocess.run([sys.executable, converter, folder, "--outfile", str(target), "--outtype", outtype],
+                              capture_output=True, text=True)
+        if done.returncode != 0:
+            log(f"llama.cpp {outtype} conversion failed: {done.stderr.strip()[-400:]}")
+            continue
+        files[outtype] = target
+    return files
+
+
+# ---- the checkpoint -------------------------------------------------------------------------------
+
+
+def build_checkpoint(folder: str, cfg, tokenizer: bool) -> None:
     torch.manual_seed(0)
     Transformer(cfg).save_pretrained(folder)
+    if tokenizer:  # llama.cpp's converter reads the vocabulary from the checkpoint's tokenizer
+        import sysconfig
+
+        from dsv3.data.tokenizer import _train_bpe, save_tokenizer_files
+
+        texts = [p.read_text(errors="replace") for p in sorted(Path(sysconfig.get_paths()["stdlib"]).glob("*.py"))]
+        save_tokenizer_files(_train_bpe(texts, cfg.vocab_size), Path(folder), cfg.max_position_embeddings)
 
 
-def ours_decode(engine: Engine, prompt: list[int], n: int) -> tuple[float, float]:
-    """(seconds per decode token, cache bytes per token per layer from the allocation)."""
-    for _ in engine.stream([Request(prompt, n + 1)]):
-        pass
-    stats = engine.last_stats
-    return stats.decode_s / stats.tokens, stats.cache_bytes_per_token_per_layer
+def prompt_of(context: int, vocab: int, batch: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(context)
+    return [torch.randint(1, vocab, (context,), generator=g).tolist() for _ in range(batch)]
 
 
-@torch.inference_mode()
-def hf_decode(hf, prompt: list[int], n: int) -> tuple[float, float]:
-    """Greedy decode with transformers' own cache; same timing boundaries as ours."""
-    out = hf(torch.tensor([prompt]), use_cache=True)
-    cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-    t0 = time.perf_counter()
-    for _ in range(n):
-        out = hf(token, cache=cache, use_cache=True)
-        cache, token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
-    elapsed = time.perf_counter() - t0
-    return elapsed / n, _hf_cache_bytes_per_token_per_layer(cache, len(prompt) + n)
+# ---- the measurements -----------------------------------------------------------------------------
 
 
-def _hf_cache_bytes_per_token_per_layer(cache, tokens: int) -> float:
-    layers = cache.layers
-    total = sum(t.nbytes for layer in layers for t in (layer.keys, layer.values) if t is not None)
-    return total / (len(layers) * tokens)
+def figure(seconds: float, weight_bytes: int, cache_bytes: int, threads: int, batch: int = 1) -> dict:
+    """One measurement; its roofline fraction is added at the end (``add_roofline``), against the best
+    read bandwidth seen during the whole run."""
+    return {"ms_per_step": 1000 * seconds, "tokens_per_s": batch / seconds,
+            "bytes_per_step": weight_bytes + cache_bytes * batch, "threads": threads}
 
 
-def weight_precision(folder: str, prompt: list[int], new_tokens: int) -> dict:
-    """Resident weight bytes and decode speed for fp32, bf16 and FP8-block weights (dequantized per layer)."""
-    from dsv3.infer.fp8_weights import resident_bytes
-    from dsv3.infer.loading import load_model
+def add_roofline(node, bandwidth: dict[int, float]) -> None:
+    """roofline_fraction = (bytes per step / read bandwidth) / time per step, for every figure in ``node``."""
+    if isinstance(node, dict):
+        if "bytes_per_step" in node:
+            seconds = node["ms_per_step"] / 1000
+            node["roofline_fraction"] = node["bytes_per_step"] / bandwidth[node["threads"]] / seconds
+        for value in node.values():
+            add_roofline(value, bandwidth)
+    elif isinstance(node, list):
+        for value in node:
+            add_roofline(value, bandwidth)
 
-    out = {}
-    for name, dtype, weights in (("fp32", torch.float32, "native"), ("bf16", torch.bfloat16, "native"),
-                                 ("fp8_blocks_bf16_compute", torch.bfloat16, "fp8")):
-        model = load_model(folder, dtype, weights)
-        per_token, _ = ours_decode(Engine(model, eos_token_ids=frozenset()), prompt, new_tokens)
-        out[name] = {"resident_weight_bytes": resident_bytes(model), "ms_per_token": 1000 * per_token}
+
+def race(impls: dict, prompts: list[list[int]], steps: int, repeats: int,
+         bandwidth: dict[int, float]) -> dict[str, float]:
+    """Median seconds per step of each implementation, their decode rounds alternating; the read bandwidth
+    is measured again after every round (its best value is the roofline's: load only lowers it)."""
+    for name, impl in impls.items():
+        log(f"  prefill {name} ({len(prompts)} x {len(prompts[0])} tokens)")
+        impl.start(prompts, steps * (repeats + 1))
+    times = {name: [] for name in impls}
+    for rep in range(repeats + 1):
+        for name, impl in impls.items():
+            t = impl.decode(steps)
+            if rep:  # round 0 warms up
+                times[name].append(t)
+        threads = torch.get_num_threads()
+        bandwidth[threads] = max(bandwidth.get(threads, 0.0), read_bandwidth(threads, mbytes=128, repeats=2))
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def batch1_section(folder, cfg, args, ggufs, bandwidth) -> list[dict]:
+    models = {"fp32": load_model(folder, torch.float32), "bf16": load_model(folder, torch.bfloat16),
+              "fp8": load_model(folder, torch.bfloat16, "fp8")}
+    rows = []
+    for threads in args.threads:
+        torch.set_num_threads(threads)
+        for ctx in args.contexts:
+            impls = {f"dsv3 {name}": Dsv3(model, fast=True) for name, model in models.items()}
+            impls["dsv3 fp32 module path"] = Dsv3(models["fp32"], fast=False)
+            hf = HF(folder)
+            hf.weight_bytes = impls["dsv3 fp32"].weight_bytes
+            impls["transformers fp32"] = hf
+            for outtype, path in ggufs.items():
+                dense = impls["dsv3 fp32" if outtype == "f32" else "dsv3 bf16"].weight_bytes
+                impls[f"llama.cpp {outtype}"] = LlamaCpp(path, threads, ctx + args.new_tokens * (args.repeats + 2) + 8,
+                                                         dense)
+            log(f"threads {threads}, context {ctx}")
+            secs = race(impls, prompt_of(ctx, cfg.vocab_size), args.new_tokens, args.repeats, bandwidth)
+            row = {"threads": threads, "context": ctx}
+            for name, s in secs.items():
+                impl = impls[name]
+                row[name] = figure(s, impl.weight_bytes, cache_bytes_per_token(cfg, ctx, impl.cache_element), threads)
+                log(f"  {name}: {row[name]['tokens_per_s']:.1f} tokens/s")
+            rows.append(row)
+    return rows
+
+
+def batch_section(folder, cfg, args, bandwidth) -> list[dict]:
+    """Output tokens/s at batch 16 vs batch 1 (same context): the weights are read once per step."""
+    out = []
+    threads = max(args.threads)
+    torch.set_num_threads(threads)
+    for name in args.batch_weights:
+        model = load_model(folder, {"fp32": torch.float32, "bf16": torch.bfloat16}[name])
+        row = {"weights": name, "context": args.batch_context, "threads": threads}
+        impls = {f"batch {b}": Dsv3(model, fast=True) for b in (1, args.batch)}
+        for b, key in ((1, "batch 1"), (args.batch, f"batch {args.batch}")):
+            prompts = prompt_of(args.batch_context, cfg.vocab_size, b)
+            s = race({key: impls[key]}, prompts, args.new_tokens, args.repeats, bandwidth)[key]
+            cache = cache_bytes_per_token(cfg, args.batch_context, impls[key].cache_element)
+            row[key] = figure(s, impls[key].weight_bytes, cache, threads, b)
+        row["batch_over_1"] = row[f"batch {args.batch}"]["tokens_per_s"] / row["batch 1"]["tokens_per_s"]
+        log(f"batch {args.batch} / batch 1, {name}: {row['batch_over_1']:.2f}x")
+        out.append(row)
     return out
+
+
+def mtp_section(folder, cfg, args, bandwidth) -> dict:
+    """What one speculative step (a 2-token verify plus the MTP layer's draft) costs next to a plain step, at
+    batch 1 on the fast path; with acceptance a, MTP gives (1 + a) / cost tokens per plain step's time.
+    Random weights: the acceptance itself needs a trained model (benchmarks/mtp_speedup.py)."""
+    torch.set_num_threads(max(args.threads))
+    model = load_model(folder, torch.float32)
+    impls = {"plain": Dsv3(model, fast=True), "mtp": Dsv3(model, fast=True, speculative=True)}
+    secs = race(impls, prompt_of(256, cfg.vocab_size), args.new_tokens, args.repeats, bandwidth)
+    cost = secs["mtp"] / secs["plain"]
+    log(f"MTP step / plain step: {cost:.2f}")
+    return {"context": 256, "threads": max(args.threads), "plain_ms_per_step": 1000 * secs["plain"],
+            "mtp_ms_per_step": 1000 * secs["mtp"], "step_cost_ratio": cost,
+            "speedup_at_acceptance": {a: (1 + a) / cost for a in (0.7, 0.8, 0.9)}}
+
+
+def overhead_section(args, bandwidth) -> list[dict]:
+    """Tiny shapes at context 2048, fp32, 1 thread: fixed per-token cost against transformers."""
+    torch.set_num_threads(1)
+    rows = []
+    for name, overrides in (("nano", {}), ("4 layers, hidden 256", {"hidden_size": 256})):
+        cfg = preset("nano").replace(max_position_embeddings=4096, **overrides)
+        with tempfile.TemporaryDirectory() as folder:
+            build_checkpoint(folder, cfg, tokenizer=False)
+            impls = {"dsv3": Dsv3(load_model(folder, torch.float32), fast=True), "transformers": HF(folder)}
+            impls["transformers"].weight_bytes = impls["dsv3"].weight_bytes
+            secs = race(impls, prompt_of(2048, cfg.vocab_size), args.new_tokens, args.repeats, bandwidth)
+        row = {"shape": name, "context": 2048}
+        for k, s in secs.items():
+            row[k] = figure(s, impls[k].weight_bytes, cache_bytes_per_token(cfg, 2048, 4), 1)
+        row["speedup"] = secs["transformers"] / secs["dsv3"]
+        log(f"overhead {name}: {row['speedup']:.2f}x transformers")
+        rows.append(row)
+    return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="small")
-    ap.add_argument("--contexts", default="256,512,2048,4096")
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (the shared CI machine: 1)")
+    ap.add_argument("--contexts", default="256,2048,4096")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--new-tokens", type=int, default=16, help="decode steps per round")
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds (after one warm-up round)")
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--batch-context", type=int, default=1024)
+    ap.add_argument("--batch-weights", default="fp32,bf16")
+    ap.add_argument("--sections", default="batch1,batch,mtp,overhead,weights,cache")
+    ap.add_argument("--llama-convert", default=None, metavar="PATH", help="llama.cpp's convert_hf_to_gguf.py")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    import transformers
+    args.contexts = [int(c) for c in args.contexts.split(",")]
+    args.threads = [int(t) for t in args.threads.split(",")]
+    args.batch_weights = args.batch_weights.split(",")
+    sections = set(args.sections.split(","))
+    bandwidth = {t: read_bandwidth(t) for t in sorted({1, *args.threads})}
+    log("read bandwidth: " + ", ".join(f"{t} thread(s) {b / 1e9:.1f} GB/s" for t, b in bandwidth.items()))
+    longest = max([*args.contexts, args.batch_context]) + args.new_tokens * (args.repeats + 2) + 16
+    cfg = preset(args.preset).replace(max_position_embeddings=longest)
+    result = {"benchmark": "decode_speed", "preset": args.preset, "kernels": kernel_status(),
+              "new_tokens": args.new_tokens, "repeats": args.repeats,
+              "read_bandwidth_gb_s": {t: b / 1e9 for t, b in bandwidth.items()}}
+    with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as gguf_dir:
+        ggufs = {}
+        want_llama = args.llama_convert is not None and "batch1" in sections
+        build_checkpoint(folder, cfg, tokenizer=want_llama)
+        if want_llama:
+            ggufs = gguf_files(folder, args.llama_convert, Path(gguf_dir))
+        result["llama_cpp"] = sorted(ggufs) or None
+        if "batch1" in sections:
+            result["batch1"] = batch1_section(folder, cfg, args, ggufs, bandwidth)
+        if "batch" in sections:
+            result["batch"] = batch_section(folder, cfg, args, bandwidth)
+        if "mtp" in sections:
+            result["mtp"] = mtp_section(folder, cfg, args, bandwidth)
+        if "weights" in sections:
+            result["weights"] = {name: resident_bytes(load_model(folder, dt, w)) for name, dt, w in (
+                ("fp32", torch.float32, "native"), ("bf16", torch.bfloat16, "native"), ("fp8", torch.bfloat16, "fp8"))}
+        if "cache" in sections:
+            result["cache_precision"] = cache_precision(load_model(folder, torch.float32))
+    if "overhead" in sections:
+        result["overhead"] = overhead_section(args, bandwidth)
+    add_roofline(result, bandwidth)
+    result["read_bandwidth_gb_s"] = {t: b / 1e9 for t, b in bandwidth.items()}  # the best seen in the run
+    print(json.dumps(result) if args.json else report(result))
 
-    contexts = [int(c) for c in args.contexts.split(",")]
-    with tempfile.TemporaryDirectory() as folder:
-        build_checkpoint(folder, args.preset, max(contexts) + args.new_tokens + 8)
-        ours = Engine(load_pretrained(folder, dtype=torch.float32), eos_token_ids=frozenset())
-        hf = transformers.DeepseekV3ForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
-        vocab = ours.model.config.vocab_size
-        log("weights: fp32 / bf16 / fp8 blocks")
-        weights = weight_precision(folder, list(range(1, 257)), args.new_tokens)
-    log("cache precision: fp32 / bf16 / fp8")
-    caches = cache_precision(ours.model)
-    ours_decode(ours, list(range(16)), 4)  # warm-up: first calls pay for lazy initialisation
-    hf_decode(hf, list(range(16)), 4)
-    rows = []
-    for ctx in contexts:
-        prompt = torch.randint(0, vocab, (ctx,), generator=torch.Generator().manual_seed(ctx)).tolist()
-        times: dict[str, list[float]] = {"dsv3": [], "transformers": []}
-        cache_bpt = {}
-        for rep in range(args.repeats):
-            for name, decode, impl in (("dsv3", ours_decode, ours), ("transformers", hf_decode, hf)):
-                per_token, cache_bpt[name] = decode(impl, prompt, args.new_tokens)
-                times[name].append(per_token)
-                log(f"context {ctx} repeat {rep} {name}: {1000 * per_token:.2f} ms/token")
-        row = {"context": ctx}
-        for name, ts in times.items():
-            med = statistics.median(ts)
-            row[name] = {"ms_per_token": 1000 * med, "tokens_per_s": 1 / med,
-                         "cache_bytes_per_token_per_layer": cache_bpt[name]}
-        row["speedup"] = row["transformers"]["ms_per_token"] / row["dsv3"]["ms_per_token"]
-        rows.append(row)
-    cfg = ours.model.config
-    result = {
-        "benchmark": "decode_speed", "preset": args.preset, "batch": 1, "dtype": "float32",
-        "threads": args.threads, "new_tokens": args.new_tokens, "repeats": args.repeats,
-        "expected_cache_bytes_per_token_per_layer": (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * 4,
-        "rows": rows, "cache_precision": caches, "weight_precision": weights,
-        "dsv3_longest_over_shortest": rows[-1]["dsv3"]["ms_per_token"] / rows[0]["dsv3"]["ms_per_token"],
-        "transformers_longest_over_shortest":
-            rows[-1]["transformers"]["ms_per_token"] / rows[0]["transformers"]["ms_per_token"],
-    }
-    if args.json:
-        print(json.dumps(result))
-    else:
-        print(f"{'context':>8} {'dsv3 ms/tok':>12} {'hf ms/tok':>10} {'speedup':>8}")
-        for r in rows:
-            print(f"{r['context']:>8} {r['dsv3']['ms_per_token']:>12.2f} {r['transformers']['ms_per_token']:>10.2f} "
-                  f"{r['speedup']:>8.2f}")
+
+def report(result: dict) -> str:
+    """The tables of docs/inference.md, as text."""
+    lines = [f"kernels: {result['kernels']}; read bandwidth (GB/s): {result['read_bandwidth_gb_s']}"]
+    for row in result.get("batch1", []):
+        lines.append(f"threads {row['threads']}, context {row['context']}:")
+        for name, f in row.items():
+            if isinstance(f, dict):
+                lines.append(f"  {name:24} {f['tokens_per_s']:8.1f} tokens/s  roofline {f['roofline_fraction']:.2f}")
+    for row in result.get("batch", []):
+        lines.append(f"batch {row['weights']}: {row['batch_over_1']:.2f}x batch 1 at context {row['context']}")
+    if "mtp" in result:
+        lines.append(f"MTP step costs {result['mtp']['step_cost_ratio']:.2f} plain steps")
+    for row in result.get("overhead", []):
+        lines.append(f"overhead {row['shape']}: dsv3 {row['speedup']:.2f}x transformers at context 2048")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

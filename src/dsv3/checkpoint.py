@@ -32,7 +32,7 @@ from dsv3.errors import DSV3Error
 from dsv3.io import publish_tree, require_regular_file, staging_dir
 from dsv3.model.moe import stays_fp32
 from dsv3.precision import fp8
-from dsv3.run_dir import resolve_checkpoint
+from dsv3.run_dir import SHARDED_DIR, is_sharded_checkpoint, resolve_checkpoint
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
@@ -207,6 +207,9 @@ def checkpoint_files(path: Path) -> list[Path]:
     if (path / SINGLE_NAME).exists():
         return [require_regular_file(path / SINGLE_NAME)]
     found = sorted(path.glob("*.safetensors"))
+    if not found and is_sharded_checkpoint(path):
+        raise DSV3Error(f"{path} is a sharded training checkpoint ({SHARDED_DIR}/); export it to the HF layout "
+                        f"first: dsv3 convert {path} DST --to hf")
     if not found:
         raise DSV3Error(f"no safetensors checkpoint in {path}")
     return [require_regular_file(f) for f in found]
@@ -379,6 +382,8 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
         raise DSV3Error(f"checkpoint folder not found: {path}")
     path = resolve_checkpoint(path)  # a training run folder means its latest checkpoint
     cfg = ModelConfig.from_json(path / "config.json")
+    if is_sharded_checkpoint(path):  # a training checkpoint: its sharded state, read into one process
+        return _load_sharded(path, cfg, dtype, device)
     files = checkpoint_files(path)
     cfg = check_checkpoint(cfg, files)  # from the headers, before any weight is read
     tensors = to_model_names(dequantized(read_tensors(files)), cfg)
@@ -393,6 +398,19 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
     model.load_state_dict(state, strict=True, assign=True)
     model.init_buffers(device)  # non-persistent buffers are still meta
     return model.eval()
+
+
+def _load_sharded(path: Path, cfg: ModelConfig, dtype: torch.dtype | None, device: str | torch.device):
+    """A training checkpoint's DCP state as one model; floating tensors in ``dtype`` (default: as stored,
+    fp32) but the router and its bias, which stay fp32."""
+    from dsv3.parallel.checkpoint import whole_model  # the sharded format's rules live with the layouts
+
+    model = whole_model(path / SHARDED_DIR, cfg)
+    stored = set(model.state_dict())
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if dtype is not None and name in stored and t.is_floating_point() and not stays_fp32(name):
+            t.data = t.data.to(dtype)
+    return model.to(device).eval()
 
 
 def _without_absent_mtp(cfg: ModelConfig, tensors: dict[str, torch.Tensor]) -> ModelConfig:

@@ -1,4 +1,4 @@
-"""`dsv3 convert SRC DST --to bf16|fp8`."""
+"""`dsv3 convert SRC DST --to bf16|fp8|hf`."""
 
 import json
 from pathlib import Path
@@ -12,11 +12,13 @@ app = typer.Typer(add_completion=False)
 def convert(
     src: Path = typer.Argument(..., help="Checkpoint folder to read (config.json + safetensors)."),
     dst: Path = typer.Argument(..., help="Folder to write; must not exist unless --overwrite."),
-    to: str = typer.Option(..., "--to", help="bf16: dequantize FP8 blocks; fp8: quantize to 128x128 blocks."),
+    to: str = typer.Option(..., "--to", help="bf16: dequantize FP8 blocks; fp8: quantize to 128x128 blocks; hf: "
+                           "export a training checkpoint (RUN/latest, sharded) to the HF layout."),
     overwrite: bool = typer.Option(False, help="Replace DST if it exists."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON summary object."),
 ) -> None:
-    """Convert a DeepSeek-format checkpoint between FP8 (block-scaled) and BF16, on a CPU, shard by shard."""
+    """Convert a DeepSeek-format checkpoint between FP8 (block-scaled) and BF16, on a CPU, shard by shard, or
+    export a training checkpoint (sharded) to the HF layout that transformers loads."""
     from dsv3.convert import convert_checkpoint
 
     summary = convert_checkpoint(src, dst, to, overwrite=overwrite)

@@ -1,4 +1,6 @@
-"""FP8 <-> BF16 conversion of DeepSeek-format checkpoints, shard by shard, on the CPU.
+"""FP8 <-> BF16 conversion of DeepSeek-format checkpoints, shard by shard, on the CPU; and the export of a
+training checkpoint (sharded, torch.distributed.checkpoint) to the HF layout (``--to hf``, or directly in
+BF16 or FP8 blocks), read whole into one process.
 
 DeepSeek's own ``fp8_cast_bf16.py`` needs a GPU (Triton). Here each output shard is made from one
 input shard, so memory stays bounded by the largest shard; a weight whose ``weight_scale_inv`` lives in
@@ -31,25 +33,29 @@ from dsv3.checkpoint import (
     open_safetensors,
     quantize_fp8_blocks,
     read_tensors,
+    stored_tensors,
 )
 from dsv3.config import ModelConfig
 from dsv3.errors import DSV3Error
 from dsv3.io import publish_tree, staging_dir
-from dsv3.run_dir import resolve_checkpoint
+from dsv3.run_dir import is_sharded_checkpoint, resolve_checkpoint
 
 FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 
 
 def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: bool = False) -> dict:
-    """Convert ``src`` into ``dst`` with weights in ``to`` ("bf16" or "fp8"); returns a summary."""
+    """Convert ``src`` into ``dst`` with weights in ``to`` ("bf16", "fp8", or "hf": the whole model in the HF
+    layout as it loads, e.g. a training checkpoint exported); returns a summary."""
     src, dst = Path(src), Path(dst)
-    if to not in ("bf16", "fp8"):
-        raise DSV3Error(f"--to must be bf16 or fp8, got {to!r}")
+    if to not in ("bf16", "fp8", "hf"):
+        raise DSV3Error(f"--to must be bf16, fp8 or hf, got {to!r}")
     if not src.is_dir():
         raise DSV3Error(f"source checkpoint folder not found: {src}")
     src = resolve_checkpoint(src)  # a training run folder means its latest checkpoint
     if dst.exists() and not overwrite:
         raise DSV3Error(f"{dst} already exists (pass --overwrite to replace it)")
+    if to == "hf" or is_sharded_checkpoint(src):  # a training checkpoint is read whole, then written
+        return export_whole(src, dst, to)
     cfg = ModelConfig.from_json(src / "config.json")
     files = checkpoint_files(src)
     check_checkpoint(cfg, files)  # the checks load_pretrained makes, before anything is written
@@ -83,6 +89,35 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: boo
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return summary
+
+
+def export_whole(src: Path, dst: Path, to: str) -> dict:
+    """The model of checkpoint folder ``src`` (a sharded training checkpoint, or any folder `load_pretrained`
+    reads) written to ``dst`` in the HF layout, MTP layer included, with the tokenizer files beside it: as it
+    loads (``to="hf"``: a training checkpoint's fp32), in BF16, or in FP8 blocks. Built in a staging folder
+    and renamed into place."""
+    from dsv3.checkpoint import load_pretrained
+
+    model = load_pretrained(src)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = staging_dir(dst.parent, f".{dst.name}.tmp-")
+    try:
+        model.save_pretrained(tmp, dtype=None if to == "hf" else torch.bfloat16, fp8=to == "fp8")
+        for extra in src.iterdir():  # tokenizer, generation config, ...
+            if _carried_over(extra):
+                shutil.copy2(extra, tmp / extra.name)
+        publish_tree(tmp)
+        if dst.exists():
+            shutil.rmtree(dst)
+        tmp.rename(dst)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    files = checkpoint_files(dst)
+    stored = stored_tensors(files)
+    quantized = sum(name.endswith("_scale_inv") for name in stored)
+    return {"tensors": len(stored) - quantized, "quantized": quantized, "dequantized": 0, "shards": len(files),
+            "bytes": sum(f.stat().st_size for f in files)}
 
 
 def _carried_over(f: Path) -> bool:

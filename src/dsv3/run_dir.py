@@ -1,8 +1,9 @@
 """Where a ``--model PATH`` points: a checkpoint folder, or a training run folder resolved to its latest
 checkpoint.
 
-`dsv3 train --out RUN` writes ``RUN/checkpoints/step-NNNNNN`` (each a complete HF-layout folder) and
-points ``RUN/latest`` at the newest. A newcomer naturally passes ``RUN`` itself; every command that
+`dsv3 train --out RUN` writes ``RUN/checkpoints/step-NNNNNN`` (each a config.json, the tokenizer and a
+sharded ``dcp/`` state that `dsv3.load_pretrained` reads; the last one of a finished run also the HF-layout
+export) and points ``RUN/latest`` at the newest. A newcomer naturally passes ``RUN`` itself; every command that
 loads a model calls :func:`resolve_checkpoint` so that this works everywhere in the same way. Only the
 standard library is used here: the layout is a contract of the training layer, not its code.
 """
@@ -18,6 +19,13 @@ from dsv3.errors import DSV3Error
 CONFIG = "config.json"
 STEP_DIR = re.compile(r"^step-(\d+)$")
 RUN_MARKERS = ("checkpoints", "run.json", "metrics.jsonl", "latest")
+SHARDED_DIR = "dcp"  # a training checkpoint's torch.distributed.checkpoint folder
+
+
+def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether ``path`` is a training checkpoint without HF-layout weights (only its ``dcp/`` state)."""
+    path = Path(path)
+    return (path / SHARDED_DIR / ".metadata").is_file() and not any(path.glob("*.safetensors"))
 
 
 def resolve_checkpoint(path: str | os.PathLike) -> Path:

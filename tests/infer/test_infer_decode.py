@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from dsv3.infer.engine import Engine, Request
+from dsv3.model.decode import AttentionPlan
 from dsv3.model.mla import MLA
 
 
@@ -29,16 +30,19 @@ def collect(engine, requests):
 PROMPTS = [[5, 17, 42, 99, 7, 250, 3], [11, 12], [200, 100, 50, 25, 12, 6, 3, 1, 2, 9, 8]]
 
 
-def test_absorbed_decode_equals_expanded_path_token_for_token(model, monkeypatch):
+@pytest.mark.parametrize("fast", [False, True])
+def test_absorbed_decode_equals_expanded_path_token_for_token(model, monkeypatch, fast):
+    """Both decode paths: the modules' (MLA._absorbed) and FastDecode's (AttentionPlan)."""
     calls = {"absorbed": 0}
-    original = MLA._absorbed
+    cls = AttentionPlan if fast else MLA
+    original = cls.__call__ if fast else MLA._absorbed
 
     def counting(self, *args):
         calls["absorbed"] += 1
         return original(self, *args)
 
-    monkeypatch.setattr(MLA, "_absorbed", counting)
-    engine = Engine(model)
+    monkeypatch.setattr(cls, "__call__" if fast else "_absorbed", counting)
+    engine = Engine(model, fast=fast)
     batch = engine.start([Request(PROMPTS[0], 24)])
     tokens = list(batch.first_events[0].token_ids)
     with torch.no_grad():
@@ -164,3 +168,15 @@ def test_a_list_of_eos_ids_in_the_config_stops_on_any_of_them(model):
     first = min(free.index(free[6]), free.index(free[3]))
     assert result.token_ids == free[: first + 1] and result.finish_reason == "stop"
     assert eos_ids(listed, None) == {free[6], free[3]}
+
+
+def test_greedy_rows_take_the_argmax_without_a_random_draw(model, monkeypatch):
+    """A multinomial over the whole vocabulary cost about 1 ms per row and step; plain greedy decoding
+    needs none (speculative verification still draws, see speculative.verify)."""
+    expected = reference_greedy(model, PROMPTS[0], 8)[0]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("greedy decoding drew from a multinomial")
+
+    monkeypatch.setattr(torch, "multinomial", refuse)
+    assert collect(Engine(model), [Request(PROMPTS[0], 8)])[0] == expected

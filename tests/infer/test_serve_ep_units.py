@@ -4,6 +4,7 @@ and the serve flags' errors."""
 
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -29,7 +30,8 @@ class _Worker:
 
 
 def _scheduler(world: int, max_batch: int, **sides) -> ClusterScheduler:
-    return ClusterScheduler(None, _Worker(), world, max_batch, **sides)
+    engine = SimpleNamespace(prefix_cache=None)  # the front end's assignment logic never runs the engine
+    return ClusterScheduler(engine, _Worker(), world, max_batch, **sides)
 
 
 def _queue(s: ClusterScheduler, n: int) -> list[Request]:

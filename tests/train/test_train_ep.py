@@ -1,6 +1,6 @@
 """`torchrun --nproc-per-node 4 -m dsv3 train --ep 4 --gpus-per-node 2`: experts sharded over four gloo
 processes (2 nodes x 2, one expert group per node) train like one process (fp32 wire formats),
-checkpoint as one full HF folder, and resume from per-rank optimizer state."""
+checkpoint each rank's experts into one sharded (DCP) checkpoint, and resume from it."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ def test_expert_parallel_run_and_resume_match_one_process(make_opts, train_argv,
         "--save-every", "2", "--eval-every", "2", "--ep", "4", "--gpus-per-node", "2",
     ))
     assert first["world_size"] == 4 and first["parameters"] == single_parameters(single)
-    assert os.path.exists(out / "checkpoints" / "step-000002" / "trainer_state.rank3.pt")
+    assert os.path.exists(out / "checkpoints" / "step-000002" / "dcp" / "__3_0.distcp")  # rank 3 wrote its experts
     second = torchrun(4, ["train", "--resume", str(out), "--steps", "4"])
     assert second["step"] == 4
 

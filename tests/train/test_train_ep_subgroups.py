@@ -1,8 +1,9 @@
 """`torchrun --nproc-per-node 4 -m dsv3 train --ep 2 --gpus-per-node 1`: the routed experts split over two
 EP groups of two ranks (each group two "nodes" of one) and replicated across the groups, everything else
-data parallel over all four. It trains like one process (fp32 wire formats) and checkpoints one full HF
-folder plus per-rank optimizer state (this once failed: --ep had to equal the number of processes). Resuming
-per-rank state is test_train_ep.py's, the same code; one launch keeps the test short."""
+data parallel over all four. It trains like one process (fp32 wire formats) and checkpoints one sharded
+(DCP) checkpoint, exported to the HF layout at the end (this once failed: --ep had to equal the number of
+processes). Resuming is test_train_ep.py's and test_train_reshard.py's, the same code; one launch keeps the
+test short."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def test_ep_over_part_of_the_processes_trains_like_one_process(make_opts, train_
     ))
     assert summary["world_size"] == 4 and summary["step"] == 4
     assert summary["parameters"] == sum(p.numel() for p in dsv3.load_pretrained(single.out + "/latest").parameters())
-    assert os.path.exists(out / "checkpoints" / "step-000004" / "trainer_state.rank3.pt")
+    assert os.path.exists(out / "checkpoints" / "step-000004" / "dcp" / ".metadata")
 
     assert [r["step"] for r in read_rows(out / "metrics.jsonl") if r["kind"] == "train"] == [1, 2, 3, 4]
     same_training_as(single.out, out)

@@ -158,18 +158,6 @@ def test_saved_tensor_meter_counts_the_peak_of_saved_activations_and_releases_th
     assert meter.live == 0 and meter.peak == 8 * 16 * 4 + 8 * 32 * 4
 
 
-def test_a_checkpoint_of_another_dp_shard_is_refused_on_resume():
-    from dsv3.model import Transformer
-    from dsv3.parallel.layout import parallelize
-    from dsv3.testing.ep_scenarios import tiny_config
-
-    parallel = parallelize(Transformer(tiny_config(2)))
-    saved = {"world_size": 4, "ep_size": 0, "layout": {"dp": 4, "dp_shard": "fsdp"}}
-    with pytest.raises(DSV3Error, match="saved with --dp-shard fsdp; resume it with the same --dp-shard"):
-        parallel.check_resume(saved, "ckpt")
-    parallel.check_resume({"world_size": 2, "ep_size": 0, "layout": {"dp": 2, "dp_shard": "none"}}, "ckpt")
-
-
 def test_fsdp_gives_every_rank_as_many_eval_windows_even_when_there_are_fewer_than_ranks():
     from dsv3.parallel.sharding import FSDPParallelized
 

@@ -33,6 +33,7 @@ from dsv3.errors import DSV3Error
 from dsv3.infer.detok import TextStream
 from dsv3.infer.sampling import GREEDY, SamplingParams, draw, probabilities
 from dsv3.infer.speculative import verify
+from dsv3.model.decode import FastDecode
 from dsv3.model.mla import LatentCache
 from dsv3.model.transformer import Transformer
 
@@ -196,10 +197,13 @@ def context_limit(model: Transformer) -> int | None:
 
 
 class Engine:
-    """Generation over a :class:`Transformer`. ``speculative=True`` drafts with the first MTP layer."""
+    """Generation over a :class:`Transformer`. ``speculative=True`` drafts with the first MTP layer.
+    ``fast=False`` runs decode steps through the model's modules instead of ``FastDecode`` (same results;
+    the readable reference path)."""
 
     def __init__(self, model: Transformer, tokenizer=None, speculative: bool = False,
-                 cache_dtype: torch.dtype | None = None, eos_token_ids: frozenset[int] | None = None):
+                 cache_dtype: torch.dtype | None = None, eos_token_ids: frozenset[int] | None = None,
+                 fast: bool = True):
         if speculative and not model.mtp_layers:
             raise DSV3Error("--speculative mtp needs a checkpoint with an MTP layer (num_nextn_predict_layers >= 1)")
         self.model = model.eval()
@@ -210,6 +214,7 @@ class Engine:
         self.eos_ids = eos_token_ids if eos_token_ids is not None else model.config.eos_token_ids
         self.context = context_limit(model)
         self.prefix_cache = None  # a dsv3.infer.prefix_cache.PrefixCache: prompts reuse cached latent blocks
+        self.decoder: Transformer | FastDecode = FastDecode(model) if fast else model  # decode steps only
 
     def start(self, requests: list[Request]) -> Batch:
         """Prefill ``requests`` as one batch; the first token of each is in ``batch.first_events``.
@@ -252,6 +257,12 @@ class Engine:
             if ev.finish_reason and not res.finish_reason:
                 res.finish_reason, res.error = ev.finish_reason, ev.error
         return [results[id(r)] for r in requests]
+
+
+def _pick(p: torch.Tensor, row: Row) -> int:
+    """A token from the distribution p [V]: its one token when greedy (what a draw from the one-hot p
+    gives, without a multinomial over the vocabulary: about 1 ms per row and step), else a draw."""
+    return int(p.argmax()) if row.params.greedy else draw(p, row.gen)
 
 
 class _Poisoned(Exception):
@@ -409,7 +420,7 @@ class Batch:
             self.stats.drafted += 1
             self.stats.accepted += accepted
         else:
-            new = [draw(p[0], row.gen)]
+            new = [_pick(p[0], row)]
         row.new = new
         n_top = row.request.logprobs
         return row.commit(new, token_logprobs(logits, new, n_top) if n_top is not None else None)
@@ -429,9 +440,9 @@ class Batch:
             T, device=self.device
         )  # [B, T]
         self.valid[:, start : start + T] = True
-        h = self.model.hidden_states(ids, positions=positions, cache=self.cache, start_pos=start,
-                                     mask=self._mask(start, T))
-        logits = self.model.lm_head(h).cpu()  # [B, T, V]
+        h = self.engine.decoder.hidden_states(ids, positions=positions, cache=self.cache, start_pos=start,
+                                              mask=self._mask(start, T))
+        logits = self.engine.decoder.lm_head(h).cpu()  # [B, T, V]
         committed = []
         for b, row in enumerate(self.rows):
             row.new = []
@@ -462,10 +473,10 @@ class Batch:
         (the token after each); each row drafts from its last committed slot. Returns the error events
         of rows whose draft logits came out non-finite."""
         n = next_ids.shape[1]
-        h_mtp = self.model.mtp_hidden(0, h, next_ids, positions, cache=self.cache, start_pos=start,
-                                      mask=self._mask(start, n))
+        h_mtp = self.engine.decoder.mtp_hidden(0, h, next_ids, positions, cache=self.cache, start_pos=start,
+                                               mask=self._mask(start, n))
         last = (torch.tensor(counts).clamp(min=1) - 1).to(h_mtp.device)
-        logits = self.model.mtp_logits(0, h_mtp[torch.arange(len(counts), device=h_mtp.device), last]).cpu()
+        logits = self.engine.decoder.mtp_logits(0, h_mtp[torch.arange(len(counts), device=h_mtp.device), last]).cpu()
         if start == 0:  # the prefill's draft: padding may have poisoned it too
             self._check_poison(logits)
         events = []
@@ -477,7 +488,7 @@ class Batch:
 
     def _draw_draft(self, row: Row, logits: torch.Tensor) -> None:
         row.draft_q = probabilities(finite_logits(logits, row, "MTP draft logits"), row.params)
-        row.draft = draw(row.draft_q, row.gen)
+        row.draft = _pick(row.draft_q, row)
 
     def _cancel(self) -> list[Event]:
         gone = [b for b, r in enumerate(self.rows) if r.request.cancelled]

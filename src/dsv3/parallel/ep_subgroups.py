@@ -163,16 +163,6 @@ class SubgroupExpertParallelized(ExpertParallelized):
         dist.all_reduce(count, group=self.groups.ep.ep)
         return dense + int(count.item())
 
-    def check_resume(self, saved: dict, folder) -> None:
-        """Each rank's optimizer state belongs to its place in the layout: the EP size and the number of
-        processes must both match."""
-        super().check_resume(saved, folder)
-        if saved.get("world_size") != self.world:
-            raise DSV3Error(
-                f"{folder} was saved by {saved.get('world_size')} processes with --ep {self.layout.ep}; resume "
-                "it with the same --ep and number of processes"
-            )
-
 
 def expert_replicas_equal(model: nn.Module, groups: SubgroupGroups) -> bool:
     """Whether every replica of this rank's expert shard holds the same weights (a collective over the

@@ -1,7 +1,7 @@
 """`parallelize(model, layout)`: apply a layout's parallelism to a plain model and return the one object the
 trainer talks to. That object owns what differs between layouts: how the loss module is wrapped, gradient
 sync and clipping across the mesh, the expert-load reduction behind the aux-free bias update, the full
-model for saving and sampling, and how many forwards every rank must run in step. The trainer has no
+model for sampling, sharded checkpoints (DCP), and how many forwards every rank must run in step. The trainer has no
 parallelism branches; a single process is the all-ones layout through the same code (its collectives
 are no-ops).
 
@@ -176,8 +176,6 @@ class Parallelized:
     """A model under a replicated layout: one process, or DDP over the data-parallel ranks (gradients
     averaged by DDP's hooks during backward). Subclasses change what their layout changes."""
 
-    per_rank_optimizer_state = False  # True: each rank's optimizer holds different tensors (save each)
-
     def __init__(self, model: nn.Module, layout: Layout):
         self.model, self.layout = model, layout
         self.world = layout.world
@@ -265,7 +263,7 @@ class Parallelized:
         return self.model.update_router_biases()
 
     def full_model(self) -> nn.Module:
-        """The whole model on every rank (a collective), for saving and sampling: here the model itself."""
+        """The whole model on every rank (a collective), for sampling: here the model itself."""
         return self.model
 
     def eval_model(self) -> nn.Module:
@@ -275,13 +273,22 @@ class Parallelized:
     def attach_optimizer(self, optimizer: torch.optim.Optimizer) -> None:
         """Called once with the optimizer built over ``model.parameters()``: a sharded layout hooks its step."""
 
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        """This rank's optimizer state as a checkpoint stores it (plain tensors)."""
-        return optimizer.state_dict()
+    def updated_parameters(self) -> list[nn.Parameter]:
+        """The parameters whose optimizer state this rank keeps (ZeRO-1: only those it owns)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
 
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        """The inverse of `optimizer_state`."""
-        optimizer.load_state_dict(state)
+    def save_state(self, folder, optimizer: torch.optim.Optimizer) -> None:
+        """Write this rank's share of the model and optimizer state into the DCP checkpoint ``folder``, keyed
+        by the whole model's names (`dsv3.parallel.checkpoint`); a collective over every rank."""
+        from dsv3.parallel.checkpoint import save_state
+
+        save_state(folder, self.model, optimizer)
+
+    def load_state(self, folder, optimizer: torch.optim.Optimizer) -> None:
+        """Fill this rank's share from a DCP checkpoint that any layout wrote (resharding); a collective."""
+        from dsv3.parallel.checkpoint import load_state
+
+        load_state(folder, self.model, optimizer, self.updated_parameters())
 
     def parameter_count(self) -> int:
         """Parameters of the whole model, however they are spread over ranks."""
@@ -296,28 +303,13 @@ class Parallelized:
         return {"world_size": self.world, "ep_size": self.layout.ep if self.layout.ep > 1 else 0,
                 "layout": asdict(self.layout)}
 
-    def check_resume(self, saved: dict, folder) -> None:
-        """Refuse a checkpoint whose optimizer state is split differently from this layout's."""
-        saved_pp = (saved.get("layout") or {}).get("pp", 1)
-        if saved_pp != self.layout.pp:
-            raise DSV3Error(f"{folder} was saved by {saved_pp} pipeline stages; resume it with the same --pp")
-        saved_shard = (saved.get("layout") or {}).get("dp_shard", "none")
-        if saved_shard != self.layout.dp_shard:
-            raise DSV3Error(f"{folder} was saved with --dp-shard {saved_shard}; resume it with the same --dp-shard")
-        saved_ep = saved.get("ep_size") or 1
-        if saved_ep != self.layout.ep:
-            how = f"by {saved_ep} expert-parallel ranks" if saved_ep > 1 else "without expert parallelism"
-            raise DSV3Error(f"{folder} was saved {how}; resume it with the same --ep and number of processes")
-
 
 class ExpertParallelized(Parallelized):
     """Expert parallelism over the data-parallel ranks: each rank holds its share of every MoE layer's
     routed experts. No DDP: `sync_grads` averages the replicated gradients and scales the experts' after
-    backward; the norm for clipping adds every rank's expert gradients; saving gathers all experts into
-    one ordinary model; each rank keeps its own optimizer state; every MoE forward is a collective, so all
-    ranks evaluate the same number of batches."""
-
-    per_rank_optimizer_state = True
+    backward; the norm for clipping adds every rank's expert gradients; `full_model` gathers all experts into
+    one ordinary model (for sampling), while a checkpoint holds each expert under its own key; every MoE
+    forward is a collective, so all ranks evaluate the same number of batches."""
 
     def _place_experts(self) -> None:
         """This rank's share of every MoE layer's experts, behind the two-hop dispatcher."""

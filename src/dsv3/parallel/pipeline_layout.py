@@ -3,10 +3,11 @@
 
 Ranks: process ``r`` is pipeline rank ``r % P`` of data-parallel replica ``r // P`` (a replica's stages sit
 on consecutive processes); with EP inside the stages the order is stage-major (`process_rank`). Each process
-holds only its stages' modules, so what needs the whole model (saving the HF checkpoint, sampling, held-out
-evaluation) gathers the stages' tensors into one ordinary
+holds only its stages' modules, so what needs the whole model (sampling, held-out evaluation) gathers the
+stages' tensors into one ordinary
 `Transformer` on every process of the pipeline: simple and exact, and cheap at the sizes a CPU trains.
-Each process keeps the optimizer state of its own parameters (saved per rank, like expert parallelism).
+Each process keeps the optimizer state of its own parameters; a checkpoint holds each stage's tensors under
+the whole model's names (`dsv3.parallel.checkpoint`), so a pipeline run resumes under any layout.
 """
 
 from __future__ import annotations
@@ -75,7 +76,6 @@ class PipelineParallelized(Parallelized):
     """A `Transformer` in P pipeline stages (schedule ``layout.schedule``, ``layout.microbatches``
     micro-batches per step) times D data-parallel replicas. ``model`` keeps only this process's modules."""
 
-    per_rank_optimizer_state = True
     stage_major = False  # process order (`process_rank`): replica-major here
 
     def __init__(self, model: nn.Module, layout: Layout, overlap: Overlap | None = None):
@@ -196,12 +196,3 @@ class PipelineParallelized(Parallelized):
 
     def checkpoint_fields(self) -> dict:
         return {"world_size": self.world, "ep_size": 0, "layout": asdict(self.layout)}
-
-    def check_resume(self, saved: dict, folder) -> None:
-        """Each process's optimizer state covers its own stages: resume under the same pipeline only."""
-        layout = {"ep": 1} | (saved.get("layout") or {})
-        keys = ("pp", "dp", "ep", "schedule", "microbatches")
-        if any(layout.get(k) != getattr(self.layout, k) for k in keys):
-            was = ", ".join(f"{k}={layout.get(k)}" for k in keys)
-            raise DSV3Error(f"{folder} was saved under another layout ({was}); resume it with the same --pp, "
-                            "--pp-schedule, --microbatches, --ep and number of processes")

@@ -12,9 +12,9 @@
   reduce-scattered (averaged) after. ``Transformer.loss`` is registered as a forward method so that the
   root's parameters are gathered for the training step as for ``model(ids)``.
 
-Checkpoints stay ordinary full models (gathered on every rank, written by rank 0) plus each rank's own
-optimizer state (``per_rank_optimizer_state``), so a sharded run resumes bit for bit under the same layout
-and its weights load anywhere. Sharding combined with expert parallelism is refused.
+Checkpoints are sharded (`dsv3.parallel.checkpoint`): FSDP's DTensors and ZeRO-1's owned optimizer state
+are written by the ranks that hold them, keyed by the whole model's names, so a sharded run resumes under
+any layout. Sharding combined with expert parallelism is refused.
 """
 
 from __future__ import annotations
@@ -62,25 +62,11 @@ def assign_owners(params: list[nn.Parameter], ranks: int) -> list[int]:
     return owners
 
 
-class _ShardedResume:
-    """A sharded checkpoint holds one optimizer shard per rank: it resumes on the same number of ranks."""
-
-    def check_resume(self, saved: dict, folder) -> None:
-        super().check_resume(saved, folder)  # the next class in the MRO: Parallelized
-        if saved.get("world_size") != self.world:
-            raise DSV3Error(
-                f"{folder} was saved by {saved.get('world_size')} processes with --dp-shard "
-                f"{self.layout.dp_shard}; resume it with as many (its optimizer state is split per process)"
-            )
-
-
-class Zero1Parallelized(_ShardedResume, Parallelized):
+class Zero1Parallelized(Parallelized):
     """ZeRO-1: each parameter's gradient is summed onto the rank that owns it, which alone keeps AdamW state
     for it and updates it; the owners then broadcast the updated parameters. No DDP: the reduction is one
     flat ``reduce`` per owner in a fixed order, so a resumed run repeats the same sums bit for bit (DDP
     rebuilds its buckets after the first step and so sums differently in a resumed run's first step)."""
-
-    per_rank_optimizer_state = True
 
     def __init__(self, model: nn.Module, layout: Layout):
         super().__init__(model, layout)
@@ -94,6 +80,10 @@ class Zero1Parallelized(_ShardedResume, Parallelized):
     def owned(self) -> list[nn.Parameter]:
         """The parameters this rank updates (and keeps AdamW state for)."""
         return [p for p, r in zip(self.params, self.owners, strict=True) if r == self.rank]
+
+    def updated_parameters(self) -> list[nn.Parameter]:
+        """A resumed rank loads optimizer state for its own parameters only."""
+        return self.owned()
 
     def _groups(self) -> Iterator[tuple[int, list[nn.Parameter]]]:
         """(owner, its parameters of one dtype), in the same order on every rank."""
@@ -149,10 +139,8 @@ class Zero1Parallelized(_ShardedResume, Parallelized):
                     p.copy_(chunk.view_as(p))
 
 
-class FSDPParallelized(_ShardedResume, Parallelized):
+class FSDPParallelized(Parallelized):
     """FSDP2 over the data-parallel ranks: every parameter, its gradient and its AdamW state are sharded."""
-
-    per_rank_optimizer_state = True
 
     def _wrap(self, step: LossStep) -> nn.Module:
         """Shard each main Block, then the root; LossStep calls ``model.loss``, registered as a forward."""
@@ -208,25 +196,3 @@ class FSDPParallelized(_ShardedResume, Parallelized):
     def windows_for_eval(self, windows: list[int]) -> list[int]:
         """Every Block forward all-gathers, so every rank must run as many (`equal_share`)."""
         return equal_share(windows, self.world)
-
-    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict:
-        """AdamW's state with each DTensor shard as its plain local tensor (what torch.save can keep)."""
-        state = optimizer.state_dict()
-        state["state"] = {i: {k: local_tensor(v) for k, v in s.items()} for i, s in state["state"].items()}
-        return state
-
-    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict) -> None:
-        """Load a state saved by `optimizer_state`, the local shards made DTensors like their parameters."""
-        from torch.distributed.tensor import DTensor
-
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        optimizer.load_state_dict(state)
-        for p in params:
-            if not isinstance(p, DTensor) or p not in optimizer.state:
-                continue
-            s = optimizer.state[p]
-            for k, v in s.items():
-                if torch.is_tensor(v) and not isinstance(v, DTensor) and v.shape == p.to_local().shape:
-                    s[k] = DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, run_check=False,
-                                              shape=p.shape, stride=p.stride())
-

@@ -480,7 +480,7 @@ def _as_the_trainer_builds_it(cfg: ModelConfig, spec: TrainSpec, rank: int, worl
     from dsv3.train.run import build_model
 
     opts = TrainOptions(precision=spec.precision, ep=world, gpus_per_node=spec.gpus_per_node, seed=spec.seed)
-    parallel = build_model(cfg, opts, None, World(rank, world, rank, torch.device("cpu")))
+    parallel = build_model(cfg, opts, World(rank, world, rank, torch.device("cpu")))
     if reference is not None and spec.precision == "fp8":
         apply_fp8(reference)
     return parallel, reference

@@ -1,5 +1,12 @@
-"""Training checkpoints: RUN_DIR/checkpoints/step-NNNNNN, each a complete HF-layout model folder plus
-the trainer state, written whole into a hidden staging folder and renamed into place.
+"""Training checkpoints: RUN_DIR/checkpoints/step-NNNNNN, each written whole into a hidden staging folder
+(``.step-NNNNNN.staging``) and renamed into place. A checkpoint folder holds
+
+* ``dcp/``: the model and optimizer state as a torch.distributed.checkpoint (DCP) checkpoint, every rank
+  writing only what it holds, keyed by the whole model's names (`dsv3.parallel.checkpoint`), so any
+  layout resumes it;
+* ``trainer_state.pt`` (scheduler, RNG, data position, optimizer hyperparameters, the layout that wrote it)
+  and ``trainer_state.json`` (a readable summary), ``config.json`` and the tokenizer files, from rank 0;
+* at the end of a run, the HF-layout export (``model.safetensors``) that transformers loads.
 
 A ``kill -9`` at any moment therefore leaves only complete ``step-*`` folders (and perhaps a hidden
 staging or trash folder, cleaned on the next start). Old checkpoints are renamed to trash before they
@@ -20,7 +27,8 @@ import numpy as np
 import torch
 
 from dsv3.errors import DSV3Error
-from dsv3.io import atomic_write_text, staging_dir
+from dsv3.io import atomic_write_text, publish_tree
+from dsv3.run_dir import SHARDED_DIR
 
 STEP_DIR = re.compile(r"^step-(\d+)$")
 STATE_PT, STATE_JSON = "trainer_state.pt", "trainer_state.json"
@@ -72,26 +80,38 @@ def restore_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(
+def staging_folder(run_dir: Path, step: int) -> Path:
+    """Where every rank writes step ``step`` before rank 0 renames it into place (one name all ranks know)."""
+    return checkpoint_dir(run_dir) / f".step-{step:06d}.staging"
+
+
+def prepare_staging(run_dir: Path, step: int) -> Path:
+    """Rank 0, before the ranks write: an empty staging folder for step ``step`` (a leftover removed)."""
+    staging = staging_folder(run_dir, step)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def publish_checkpoint(
     run_dir: Path,
     step: int,
-    model,
     trainer_state: dict[str, Any],
     summary: dict[str, Any],
     write_extras,
     keep_last: int,
 ) -> Path:
-    """Write step ``step``: model (fp32 HF layout), ``write_extras(folder)`` (tokenizer files), the
-    trainer state (torch.save) and a readable summary; then point ``latest`` at it and prune."""
+    """Rank 0, after every rank wrote its share into the staging folder: ``write_extras(folder)`` (config,
+    tokenizer files, the HF export at the end of a run), the trainer state (torch.save) and a readable
+    summary; then rename the folder into place, point ``latest`` at it and prune."""
     root = checkpoint_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
-    staging = staging_dir(root, f".{final.name}.tmp-")  # umask permissions, not mkdtemp's 0700
+    staging = staging_folder(run_dir, step)
     try:
-        model.save_pretrained(staging)
         write_extras(staging)
         _atomic_torch_save(trainer_state, staging / STATE_PT)
         atomic_write_text(staging / STATE_JSON, json.dumps(summary, indent=2) + "\n")
+        publish_tree(staging)  # umask permissions, as for any other output
         _fsync_tree(staging)
         if final.exists():  # the same step saved again (a resume that stopped at once)
             _trash(final)
@@ -106,9 +126,37 @@ def save_checkpoint(
     return final
 
 
-def load_trainer_state(folder: Path, rank: int = 0) -> dict[str, Any]:
-    """Rank 0's full trainer state, or (rank > 0, expert parallel) that rank's own optimizer state."""
-    path = Path(folder) / (STATE_PT if rank == 0 else f"trainer_state.rank{rank}.pt")
+def save_checkpoint(
+    run_dir: Path,
+    step: int,
+    model,
+    trainer_state: dict[str, Any],
+    summary: dict[str, Any],
+    write_extras,
+    keep_last: int,
+    optimizer: torch.optim.Optimizer | None = None,
+) -> Path:
+    """One process, no process group: step ``step`` of ``model`` (and ``optimizer``) written as the trainer
+    writes it (tools and tests make run folders with it); ``write_extras(folder)`` adds files such as the
+    tokenizer beside the config."""
+    from dsv3.parallel.checkpoint import save_state
+
+    staging = prepare_staging(run_dir, step)
+    save_state(staging / SHARDED_DIR, model, optimizer)
+
+    def extras(folder: Path) -> None:
+        model.config.save_json(folder / "config.json")
+        write_extras(folder)
+
+    return publish_checkpoint(run_dir, step, trainer_state, summary, extras, keep_last)
+
+
+def load_trainer_state(folder: Path) -> dict[str, Any]:
+    """The trainer state rank 0 saved (every rank reads it); the model and optimizer are in ``dcp/``."""
+    path = Path(folder) / STATE_PT
+    if not (Path(folder) / SHARDED_DIR).is_dir():
+        raise DSV3Error(f"{folder} has no {SHARDED_DIR}/ folder: it was written by an older dsv3 whose training "
+                        "checkpoints cannot be resumed; its weights still load (dsv3.load_pretrained)")
     try:
         return torch.load(path, map_location="cpu", weights_only=False)
     except (OSError, RuntimeError, EOFError) as exc:
@@ -123,28 +171,6 @@ def saved_summary(folder: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return summary if isinstance(summary, dict) else {}
-
-
-# Under expert parallelism each rank > 0 writes its optimizer state beside the checkpoint being built;
-# rank 0 moves those files into the staging folder before the rename, so they appear atomically with it.
-
-
-def save_rank_state(run_dir: Path, step: int, rank: int, state: dict[str, Any]) -> None:
-    root = checkpoint_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    _atomic_torch_save(state, root / f".pending-step-{step:06d}-rank{rank}.pt")
-
-
-def pending_rank_states(run_dir: Path, step: int, world_size: int) -> list[tuple[int, Path]]:
-    root = checkpoint_dir(run_dir)
-    return [(r, root / f".pending-step-{step:06d}-rank{r}.pt") for r in range(1, world_size)]
-
-
-def adopt_rank_states(pending: list[tuple[int, Path]], folder: Path) -> None:
-    for rank, path in pending:
-        if not path.exists():
-            raise DSV3Error(f"rank {rank} did not write its optimizer state ({path})")
-        os.replace(path, Path(folder) / f"trainer_state.rank{rank}.pt")
 
 
 def _point_latest(run_dir: Path, target: Path) -> None:
@@ -168,8 +194,11 @@ def _atomic_torch_save(obj: Any, path: Path) -> None:
 
 
 def _fsync_tree(folder: Path) -> None:
+    """Every file and folder under ``folder`` (DCP's shards sit in a sub-folder) on disk before the rename."""
     for p in folder.iterdir():
-        if p.is_file():
+        if p.is_dir():
+            _fsync_tree(p)
+        elif p.is_file():
             with open(p, "rb") as f:
                 os.fsync(f.fileno())
     _fsync_dir(folder)

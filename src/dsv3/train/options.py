@@ -1,7 +1,8 @@
 """`TrainOptions`: everything that defines a training run, saved as RUN_DIR/run.json.
 
 A resumed run reads its options back from run.json, so it continues the same run; only the
-operational knobs (how often to save, evaluate, log) and the total number of steps may change.
+operational knobs (how often to save, evaluate, log), the total number of steps and the layout (``--ep``,
+``--pp``, ``--dp-shard``, and the number of processes) may change.
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ OPERATIONAL = {
     "device",
     "threads",
 }
+# How the processes split the work: a checkpoint is resharded on load, so a resumption may change these too
+# (the losses then agree with the original layout's to fp32 rounding).
+LAYOUT = {"ep", "dp_shard", "gpus_per_node", "pp", "pp_schedule", "microbatches"}
 
 
 @dataclass
@@ -161,7 +165,7 @@ def resumed_options(saved: TrainOptions, given: dict[str, Any]) -> TrainOptions:
     for name, value in given.items():
         if value is None or value == getattr(saved, name):
             continue
-        if name not in OPERATIONAL:
+        if name not in OPERATIONAL | LAYOUT:
             raise DSV3Error(
                 f"--{name.replace('_', '-')} {value!r} differs from the resumed run's "
                 f"{getattr(saved, name)!r}; start a new run with --out to change it"

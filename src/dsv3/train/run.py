@@ -28,8 +28,10 @@ from dsv3.data import (
 from dsv3.data.tokenizer import default_cache_dir
 from dsv3.errors import DSV3Error
 from dsv3.model.transformer import Transformer
+from dsv3.parallel.checkpoint import whole_model
 from dsv3.parallel.layout import Parallelized, parallelize
 from dsv3.parallel.memory import SavedTensorMeter, gather_memory, rank_memory
+from dsv3.run_dir import SHARDED_DIR
 from dsv3.train import checkpoints as ckpt
 from dsv3.train.distributed import World, setup_world, teardown_world, training_layout
 from dsv3.train.evaluate import eval_windows, evaluate
@@ -111,17 +113,12 @@ def build_optimizer(model: torch.nn.Module, opts: TrainOptions):
     return optimizer, scheduler
 
 
-def build_model(cfg: ModelConfig, opts: TrainOptions, resume_from: Path | None, world: World) -> Parallelized:
-    """The model to train: fresh from the seed or from a checkpoint, then the numerics and the layout the
-    options ask for (every rank builds the same full model before `parallelize` spreads it)."""
-    if resume_from is not None:
-        from dsv3 import load_pretrained
-
-        model = load_pretrained(resume_from, dtype=torch.float32)
-    else:
-        torch.manual_seed(opts.seed)
-        model = Transformer(cfg)
-    model = model.to(world.device).train()
+def build_model(cfg: ModelConfig, opts: TrainOptions, world: World) -> Parallelized:
+    """The model to train, fresh from the seed, with the numerics and the layout the options ask for (every
+    rank builds the same full model before `parallelize` spreads it); a resumed run then loads each rank's
+    share from the checkpoint (`Parallelized.load_state`), whatever layout wrote it."""
+    torch.manual_seed(opts.seed)
+    model = Transformer(cfg).to(world.device).train()
     if opts.precision == "fp8":
         apply_fp8(model)
     return parallelize(model, training_layout(opts, world))
@@ -162,7 +159,7 @@ class _Run:
         self.resume_from = self._start(resume)
         self.cfg = model_config(opts)
         self.data = prepare_data(opts, self.cfg.vocab_size, world, self.progress)
-        self.parallel = build_model(self.cfg, opts, self.resume_from, world)
+        self.parallel = build_model(self.cfg, opts, world)
         self.model = self.parallel.model
         self.n_params = self.parallel.parameter_count()
         self.optimizer, self.scheduler = build_optimizer(self.model, opts)
@@ -214,17 +211,20 @@ class _Run:
         return latest
 
     def _restore(self, folder: Path) -> None:
+        """Continue from ``folder``: each rank loads its share of the model and optimizer state (resharded
+        when the layout changed), then the trainer state rank 0 saved."""
         saved = ckpt.load_trainer_state(folder)
-        self.parallel.check_resume(saved, folder)
-        if self.parallel.per_rank_optimizer_state and not self.world.is_main:
-            saved["optimizer"] = ckpt.load_trainer_state(folder, self.world.rank)["optimizer"]
-        self.parallel.load_optimizer_state(self.optimizer, saved["optimizer"])
+        self.parallel.load_state(folder / SHARDED_DIR, self.optimizer)
+        for group, hyper in zip(self.optimizer.param_groups, saved["param_groups"], strict=True):
+            group.update(hyper)  # the learning rate of the step to come, among others
         self.scheduler.load_state_dict(saved["scheduler"])
         self.state = RunState(**saved["run"])
         self.last_eval = ckpt.saved_summary(folder).get("last_eval")
         ckpt.restore_rng_state(saved["rng"])
         self.metrics.truncate_after(self.state.step)
-        self.progress.note(f"resumed from {folder} at step {self.state.step}")
+        was, now = saved.get("layout"), dataclasses.asdict(self.parallel.layout)
+        moved = f" (saved under {_layout_text(was)}, now {_layout_text(now)})" if was and was != now else ""
+        self.progress.note(f"resumed from {folder} at step {self.state.step}{moved}")
 
     # ---- the loop -----------------------------------------------------------------------
     def execute(self) -> dict[str, Any]:
@@ -304,48 +304,47 @@ class _Run:
         )
 
     def _save(self) -> None:
-        model, extras = self.parallel.full_model(), []
-        if self.parallel.per_rank_optimizer_state:  # e.g. each rank's optimizer holds its own experts' moments
-            if not self.world.is_main:
-                ckpt.save_rank_state(
-                    self.run_dir, self.state.step, self.world.rank,
-                    {"optimizer": self.parallel.optimizer_state(self.optimizer)},
-                )
-            extras = ckpt.pending_rank_states(self.run_dir, self.state.step, self.world.size)
-            self.world.barrier()
+        """Checkpoint this step (a collective): every rank writes its share of the model and optimizer state
+        into the staging folder (DCP), then rank 0 adds the trainer state, the config and tokenizer (and at
+        the end of the run the HF export) and renames the folder into place."""
+        step = self.state.step
         if self.world.is_main:
-            trainer_state = {
-                "optimizer": self.parallel.optimizer_state(self.optimizer),
-                "scheduler": self.scheduler.state_dict(),
-                "rng": ckpt.rng_state(),
-                "run": dataclasses.asdict(self.state),
-                **self.parallel.checkpoint_fields(),
-            }
-            summary = {
-                "step": self.state.step,
-                "samples": self.state.samples,
-                "tokens": self.state.tokens,
-                "epoch": self.order.epoch_of(self.state.samples),
-                "last_eval": self.last_eval,
-                "options": self.opts.to_dict(),
-            }
-            max_len = self.cfg.max_position_embeddings
-
-            def write_extras(folder: Path) -> None:
-                save_tokenizer_files(self.data.tokenizer, folder, max_len)
-                ckpt.adopt_rank_states(extras, folder)
-
-            self.last_checkpoint = ckpt.save_checkpoint(
-                self.run_dir,
-                self.state.step,
-                model,
-                trainer_state,
-                summary,
-                write_extras,
-                self.opts.keep_last,
-            )
+            ckpt.prepare_staging(self.run_dir, step)
+        self.world.barrier()
+        staging = ckpt.staging_folder(self.run_dir, step)
+        self.parallel.save_state(staging / SHARDED_DIR, self.optimizer)
+        if self.world.is_main:
+            self._publish(step)
         self.world.barrier()
         self.last_checkpoint = ckpt.latest_checkpoint(self.run_dir)
+
+    def _publish(self, step: int) -> None:
+        """Rank 0's part of a checkpoint, once every rank wrote its share."""
+        trainer_state = {
+            "scheduler": self.scheduler.state_dict(),
+            "param_groups": [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups],
+            "rng": ckpt.rng_state(),
+            "run": dataclasses.asdict(self.state),
+            **self.parallel.checkpoint_fields(),
+        }
+        summary = {
+            "step": step,
+            "samples": self.state.samples,
+            "tokens": self.state.tokens,
+            "epoch": self.order.epoch_of(self.state.samples),
+            "last_eval": self.last_eval,
+            "options": self.opts.to_dict(),
+        }
+        export = step == self.opts.steps  # the run's end: its model in the HF layout too
+
+        def write_extras(folder: Path) -> None:
+            if export:
+                whole_model(folder / SHARDED_DIR, self.cfg).save_pretrained(folder)
+            else:
+                self.cfg.save_json(folder / "config.json")
+            save_tokenizer_files(self.data.tokenizer, folder, self.cfg.max_position_embeddings)
+
+        ckpt.publish_checkpoint(self.run_dir, step, trainer_state, summary, write_extras, self.opts.keep_last)
 
     # ---- the end ------------------------------------------------------------------------
     def _finish(self) -> dict[str, Any]:
@@ -353,13 +352,15 @@ class _Run:
         train_rows = [r for r in rows if r.get("kind") == "train" and r.get("loss") is not None]
         plots = {}
         sample = None
-        full = self.parallel.full_model()  # a collective: sampling and the layer names need the whole model
         if self.world.is_main and self.plots:
             from dsv3.train.plots import write_plots
 
-            plots = write_plots(rows, self.run_dir, moe_layer_names(full))
-        if self.world.is_main:
-            if self.opts.sample_tokens:
+            with torch.device("meta"):  # the layer names only: no weights, nothing gathered
+                names = moe_layer_names(Transformer(self.cfg))
+            plots = write_plots(rows, self.run_dir, names)
+        if self.opts.sample_tokens:
+            full = self.parallel.full_model()  # a collective: sampling needs the whole model
+            if self.world.is_main:
                 sample = self._sample(full)
         recent = [r["loss"] for r in train_rows[-10:]]
         return {
@@ -405,3 +406,8 @@ def moe_layer_names(model: Transformer) -> list[str]:
         for i, block in enumerate(model.model.layers)
     }
     return [names.get(id(m), "MoE") for m in model.moe_layers()]
+
+
+def _layout_text(layout: dict) -> str:
+    """A layout as the flags that give it, e.g. "pp=1 dp=2 ep=2 dp_shard=none"."""
+    return " ".join(f"{k}={layout.get(k)}" for k in ("pp", "dp", "ep", "dp_shard"))

@@ -1,0 +1,262 @@
+"""The decode step with few, large operations: what the engine runs after prefill, beside the readable
+module path (``Transformer.hidden_states``) that it must equal.
+
+A decode step feeds one token (two when verifying an MTP draft) per row, so its cost is reading every
+weight once plus a fixed cost per PyTorch call; the module path makes about 4,000 calls per step on the
+``small`` shape, which dominated. This path computes the same layers with:
+
+* every projection, the output head and each MoE layer's routed experts through the kernels of
+  ``decode_kernels`` (weights read in place in fp32, bf16 or FP8 blocks; all routed experts of a layer in
+  one call, grouped by expert, so each routed-to expert is read once for all rows of a batch);
+* the absorbed attention as batched matmuls over the cached latent (scores from c_KV and k_R in two
+  calls, the scale folded in), RoPE as one complex multiply, and the attention mask built once per step
+  as an additive bias rather than once per layer;
+* the router exactly as the model's (``Router.forward``), so the same experts are chosen.
+
+A layer it cannot run this way (forward hooks, an expert-parallel dispatcher or a simulated combine
+format, experts of another kind, linear layers of another kind) runs through its own module, so the
+result is always the model's. ``FastDecode(model, use_kernels=False)`` takes the same path with PyTorch
+matmuls in place of the C kernels (tests compare all three).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dsv3.model.decode_kernels import ExpertWeights, Weight, kernel_status, linear, mla_decode, route, swiglu_experts
+from dsv3.model.dispatch import LocalDispatcher
+from dsv3.model.experts import GroupedExperts, ResidentFP8Experts
+from dsv3.model.mla import MLA, LatentCache
+from dsv3.model.moe import MLP, MoE
+from dsv3.model.norm import RMSNorm
+from dsv3.model.transformer import Block, MTPLayer, Transformer
+
+
+def weight_of(module: nn.Module) -> Weight | None:
+    """The kernels' view of a bias-free linear layer (plain or resident FP8), or None for any other."""
+    from dsv3.infer.fp8_weights import FP8BlockLinear
+
+    if module._forward_hooks or module._forward_pre_hooks or getattr(module, "bias", None) is not None:
+        return None
+    if type(module) is nn.Linear:
+        return Weight(module.weight.detach())
+    if type(module) is FP8BlockLinear:
+        return Weight(module.weight_fp8, module.weight_scale_inv, module.dtype)
+    return None
+
+
+def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    """RMSNorm.forward in three calls: normalised in fp32, back to x's dtype, times the weight."""
+    return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.eps).to(x.dtype)
+
+
+def rotate(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """apply_rope as one complex multiply: interleaved pairs of x [B, T, H, R] times rot [B|1, T, 1, R/2]
+    (cos + i sin), in fp32 (the result stays fp32)."""
+    pairs = torch.view_as_complex(x.float().unflatten(-1, (-1, 2)).contiguous())
+    return torch.view_as_real(pairs * rot).flatten(-2)
+
+
+class AttentionPlan:
+    """One MLA layer's decode weights: the kernels' views of its projections and W_UK/W_UV per head.
+
+    The attention itself runs in fp32 whatever the model's dtype (the cache is read in its own dtype), so
+    W_UK/W_UV are fp32: views of an fp32 ``kv_b_proj``, else an fp32 copy of it (1-2% of the weights)."""
+
+    def __init__(self, mla: MLA, dtype: torch.dtype):
+        self.mla = mla
+        names = ("q_a_proj", "q_b_proj") if hasattr(mla, "q_a_proj") else ("q_proj",)
+        self.q = [weight_of(getattr(mla, n)) for n in names]
+        self.kv_a, self.o = weight_of(mla.kv_a_proj_with_mqa), weight_of(mla.o_proj)
+        kv_b = weight_of(mla.kv_b_proj)
+        self.ok = None not in (*self.q, self.kv_a, self.o, kv_b) and not mla._forward_hooks
+        if self.ok:  # kv_b_proj is used as per-head matrices, not as a GEMV
+            w = kv_b.dense().float().view(mla.n_heads, mla.nope + mla.v_dim, mla.kv_rank)
+            self.w_uk, self.w_uv = w[:, : mla.nope], w[:, mla.nope :]  # [H, nope, r], [H, v, r]
+
+    def __call__(self, x: torch.Tensor, rot: torch.Tensor, cos_sin, cache: LatentCache, start_pos: int,
+                 bias: torch.Tensor | None, use_kernels: bool) -> torch.Tensor:
+        """MLA.forward on the absorbed path for x [B, T, D]; ``rot`` = cos + i sin [B|1, T, 1, rope/2] and
+        ``cos_sin`` the same as two fp32 tensors; ``bias`` [B|1, T, S] or None (no mask)."""
+        m = self.mla
+        B, T, _ = x.shape
+        if len(self.q) == 2:
+            q = linear(rms_norm(m.q_a_layernorm, linear(x, self.q[0], use_kernels)), self.q[1], use_kernels)
+        else:
+            q = linear(x, self.q[0], use_kernels)
+        c_kv, k_pe = linear(x, self.kv_a, use_kernels).split([m.kv_rank, m.rope], dim=-1)
+        cache.write(m.layer_idx, start_pos, rms_norm(m.kv_a_layernorm, c_kv), rotate(k_pe.unsqueeze(2), rot)[:, :, 0])
+        S = start_pos + T
+        out = mla_decode(q.view(B, T, m.n_heads, m.nope + m.rope), *cos_sin, self.w_uk, self.w_uv,
+                         cache.kv[m.layer_idx, :B, :S], cache.pe[m.layer_idx, :B, :S], bias, m.scale, use_kernels)
+        return linear(out, self.o, use_kernels)
+
+
+class FeedForwardPlan:
+    """A dense SwiGLU MLP or a DeepSeekMoE layer as the kernels run it; ``ok`` False: use the module."""
+
+    def __init__(self, mlp: nn.Module):
+        self.mlp = mlp
+        self.routed = self.shared = None
+        if isinstance(mlp, MoE):
+            plain = (type(mlp.dispatcher) is LocalDispatcher and mlp.dispatcher.combine_format is None
+                     and not mlp._forward_hooks and not mlp.gate._forward_hooks)
+            self.routed = _expert_weights(mlp.experts) if plain else None
+            self.shared = _mlp_weights(mlp.shared_experts) if mlp.shared_experts is not None else None
+            self.ok = self.routed is not None and (mlp.shared_experts is None or self.shared is not None)
+        else:
+            self.shared = _mlp_weights(mlp) if type(mlp) is MLP else None
+            self.ok = self.shared is not None
+
+    def __call__(self, x: torch.Tensor, use_kernels: bool) -> torch.Tensor:
+        """x [B, T, D] -> the layer's output [B, T, D]."""
+        flat = x.reshape(-1, x.shape[-1])
+        out = None
+        if self.routed is not None:
+            idx, weights = route(flat, self.mlp.gate, use_kernels)
+            out = swiglu_experts(flat, idx, weights, self.routed, use_kernel=use_kernels)
+        if self.shared is not None:
+            one, gate = self._everyone(flat.shape[0], flat.device)
+            out = swiglu_experts(flat, one, gate, self.shared, add_to=out, use_kernel=use_kernels)
+        return out.view(x.shape)
+
+
+    def _everyone(self, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+        """Routing of every row to the one dense "expert" with gate 1 (made once per row count)."""
+        if getattr(self, "_routing", (None,))[0] != (rows, device):
+            self._routing = ((rows, device), torch.zeros(rows, 1, dtype=torch.long, device=device),
+                             torch.ones(rows, 1, device=device))
+        return self._routing[1], self._routing[2]
+
+
+def _expert_weights(experts: nn.Module) -> ExpertWeights | None:
+    if experts._forward_hooks or experts._forward_pre_hooks:
+        return None
+    if type(experts) is GroupedExperts:
+        return ExpertWeights(*(Weight(p.detach()) for p in (experts.gate_proj, experts.up_proj, experts.down_proj)))
+    if type(experts) is ResidentFP8Experts:
+        stacks = (experts.gate_proj, experts.up_proj, experts.down_proj)
+        return ExpertWeights(*(Weight(s.weight_fp8, s.weight_scale_inv, s.dtype) for s in stacks))
+    return None
+
+
+def _mlp_weights(mlp: MLP) -> ExpertWeights | None:
+    """A dense SwiGLU MLP as one expert (views [1, N, K] of its weights)."""
+    if mlp._forward_hooks or mlp._forward_pre_hooks:
+        return None
+    parts = [weight_of(getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj")]
+    if None in parts:
+        return None
+    return ExpertWeights(*(Weight(w.w.unsqueeze(0), None if w.scale_inv is None else w.scale_inv.unsqueeze(0),
+                                  w.dtype) for w in parts))
+
+
+def layout(block: Block) -> tuple:
+    """What a block's plan depends on besides tensor values: its submodules (a layer made expert-parallel
+    or quantized after the engine was built swaps them), the dispatcher and its combine format, and hooks."""
+    mla, mlp = block.self_attn, block.mlp
+    parts = [*mla.children(), mlp, *mlp.children(), getattr(getattr(mlp, "dispatcher", None), "combine_format", None)]
+    hooks = [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in (block, mla, mlp, *mlp.children())]
+    return tuple(id(p) if isinstance(p, nn.Module) else p for p in parts) + tuple(hooks)
+
+
+class BlockPlan:
+    def __init__(self, block: Block, dtype: torch.dtype):
+        self.block, self.dtype = block, dtype
+        self.layout = layout(block)
+        self.attn = AttentionPlan(block.self_attn, dtype)
+        self.ffn = FeedForwardPlan(block.mlp)
+        self.ok = self.attn.ok and self.ffn.ok and not block._forward_hooks and not block._forward_pre_hooks
+
+    def current(self) -> BlockPlan:
+        """This plan, or a new one when the block's modules changed since it was made."""
+        return self if layout(self.block) == self.layout else BlockPlan(self.block, self.dtype)
+
+    def __call__(self, x, rot, cos_sin, cache, start_pos, bias, use_kernels):
+        b = self.block
+        x = x + self.attn(rms_norm(b.input_layernorm, x), rot, cos_sin, cache, start_pos, bias, use_kernels)
+        return x + self.ffn(rms_norm(b.post_attention_layernorm, x), use_kernels)
+
+
+class FastDecode:
+    """The decode-step interface of a :class:`Transformer` (``hidden_states``, ``lm_head``, ``mtp_hidden``,
+    ``mtp_logits``, same signatures) computed with few, large operations. Prefill (``start_pos == 0``) and
+    calls without a cache go to the model itself. The plans hold the model's own tensors, so build this
+    after the model's final form (dtype, FP8 weights) is set."""
+
+    def __init__(self, model: Transformer, use_kernels: bool = True):
+        self.model = model
+        self.use_kernels = use_kernels
+        dtype = model.model.embed_tokens.weight.dtype
+        self.blocks = [BlockPlan(layer, dtype) for layer in model.model.layers]
+        self.head = weight_of(model.lm_head)
+        self.kernels = kernel_status() if use_kernels else "not asked for"  # builds them now, not mid-request
+
+    def _usable(self, cache: LatentCache | None, start_pos: int, absorb: bool | None) -> bool:
+        return cache is not None and start_pos > 0 and absorb in (None, True)
+
+    def _step_inputs(self, positions: torch.Tensor, T: int, start_pos: int, mask: torch.Tensor | None):
+        """Per step, shared by all layers: the RoPE rotation [B|1, T, 1, R/2] and the additive mask bias
+        [B|1, T, S] (None when every query sees every key so far)."""
+        cos, sin = self.model.angles(positions)
+        rot = torch.complex(cos, sin).unsqueeze(-2)
+        if mask is None and T == 1:
+            return rot, None
+        S = start_pos + T
+        slots = torch.arange(S, device=positions.device)
+        keep = slots[None, :] <= slots[start_pos:, None]  # [T, S] causal
+        keep = keep[None] if mask is None else keep[None] & mask
+        bias = torch.zeros(keep.shape, dtype=torch.float32, device=keep.device).masked_fill_(~keep, float("-inf"))
+        return rot, bias
+
+    def _plan(self, i: int) -> BlockPlan:
+        self.blocks[i] = self.blocks[i].current()
+        return self.blocks[i]
+
+    def _run(self, plan: BlockPlan, x, rot, cache, start_pos, bias, cos_sin, mask):
+        if plan.ok:
+            return plan(x, rot, cos_sin, cache, start_pos, bias, self.use_kernels)
+        return plan.block(x, *cos_sin, cache, start_pos, mask, True)
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                      cache: LatentCache | None = None, start_pos: int = 0,
+                      mask: torch.Tensor | None = None, absorb: bool | None = None) -> torch.Tensor:
+        """Transformer.hidden_states for a decode step."""
+        if not self._usable(cache, start_pos, absorb):
+            return self.model.hidden_states(input_ids, positions, cache, start_pos, mask, absorb)
+        T = input_ids.shape[1]
+        if positions is None:
+            positions = torch.arange(start_pos, start_pos + T, device=input_ids.device)[None]
+        rot, bias = self._step_inputs(positions, T, start_pos, mask)
+        cos_sin = self.model.angles(positions)
+        x = self.model.model.embed_tokens(input_ids)
+        for i in range(self.model.config.num_hidden_layers):
+            x = self._run(self._plan(i), x, rot, cache, start_pos, bias, cos_sin, mask)
+        return rms_norm(self.model.model.norm, x)
+
+    def lm_head(self, h: torch.Tensor) -> torch.Tensor:
+        if self.head is None:
+            return self.model.lm_head(h)
+        return linear(h, self.head, self.use_kernels)
+
+    def mtp_hidden(self, depth: int, h: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
+                   cache: LatentCache | None = None, start_pos: int = 0, mask=None, absorb=None) -> torch.Tensor:
+        """Transformer.mtp_hidden for a decode step."""
+        layer: MTPLayer = self.model.mtp_layers[depth]
+        plan = self._plan(self.model.config.num_hidden_layers + depth)
+        eh = weight_of(layer.eh_proj)
+        if not self._usable(cache, start_pos, absorb) or eh is None or not plan.ok or layer._forward_hooks:
+            return self.model.mtp_hidden(depth, h, next_ids, positions, cache, start_pos, mask, absorb)
+        rot, bias = self._step_inputs(positions, next_ids.shape[1], start_pos, mask)
+        cos_sin = self.model.angles(positions)
+        emb = getattr(layer, "embed_tokens", self.model.model.embed_tokens)(next_ids)
+        x = linear(torch.cat([rms_norm(layer.enorm, emb), rms_norm(layer.hnorm, h)], dim=-1), eh, self.use_kernels)
+        return plan(x, rot, cos_sin, cache, start_pos, bias, self.use_kernels)
+
+    def mtp_logits(self, depth: int, h_mtp: torch.Tensor) -> torch.Tensor:
+        head = self.model._mtp_head(depth)
+        normed = rms_norm(self.model.mtp_layers[depth].shared_head.norm, h_mtp)
+        w = self.head if head is self.model.lm_head else weight_of(head)
+        return head(normed) if w is None else linear(normed, w, self.use_kernels)

@@ -1,0 +1,422 @@
+/* Decode-step kernels for x86 CPUs with AVX2, FMA and F16C: matrix-vector products (a handful of rows of
+ * activations against one weight matrix) that read fp32, bf16 or FP8 e4m3 (128x128 block scales) weights
+ * straight from where they live, converting each weight in registers. No dequantized copy of a matrix is
+ * ever made, and a decode step's whole routed MoE is one call.
+ *
+ * Built and loaded at first use by decode_kernels.py (cc -O3 -mavx2 -mfma -mf16c -fopenmp); every
+ * function has a plain PyTorch reference there, and the tests compare the two.
+ *
+ * Weights are [N, K] row-major. FP8 scales are [ceil(N/128), ceil(K/128)] fp32, already multiplied by
+ * 256: an e4m3 byte is turned into the fp16 number with the same bits shifted (exactly its value / 256,
+ * subnormals included), which F16C converts to fp32. Activations are fp32 or bf16, accumulated in fp32.
+ */
+#include <immintrin.h>
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+enum { W_F32 = 0, W_BF16 = 1, W_FP8 = 2 };
+enum { A_F32 = 0, A_BF16 = 1 };
+#define FP8_BLOCK 128
+#define MAX_ROWS 4
+
+/* e4m3 bytes sign-extended to 16 bits, shifted left by 7, bit 14 cleared: the fp16 with the same sign,
+ * exponent and mantissa bits, i.e. the e4m3 value / 256 (e4m3's NaN pattern is never stored in weights). */
+static inline __attribute__((always_inline)) __m256i fp8_as_fp16(__m256i sign_extended) {
+    return _mm256_and_si256(_mm256_slli_epi16(sign_extended, 7), _mm256_set1_epi16((short)0xBFFF));
+}
+
+static inline __attribute__((always_inline)) __m256 load8(int kind, const void *w, int64_t off) {
+    if (kind == W_F32) return _mm256_loadu_ps((const float *)w + off);
+    if (kind == W_BF16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + off));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    __m128i b = _mm_loadl_epi64((const __m128i *)((const uint8_t *)w + off));
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(fp8_as_fp16(_mm256_cvtepi8_epi16(b))));
+}
+
+/* 16 consecutive weights as two vectors of 8. */
+static inline __attribute__((always_inline)) void load16(int kind, const void *w, int64_t off, __m256 *w0, __m256 *w1) {
+    if (kind == W_FP8) {
+        __m256i h = fp8_as_fp16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)w + off))));
+        *w0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+        *w1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+        return;
+    }
+    *w0 = load8(kind, w, off);
+    *w1 = load8(kind, w, off + 8);
+}
+
+static inline float load1(int kind, const void *w, int64_t off) {
+    if (kind == W_F32) return ((const float *)w)[off];
+    if (kind == W_BF16) {
+        uint32_t bits = (uint32_t)((const uint16_t *)w)[off] << 16;
+        float f;
+        memcpy(&f, &bits, 4);
+        return f;
+    }
+    int16_t b = (int8_t)((const uint8_t *)w)[off];
+    return _cvtsh_ss((uint16_t)((b << 7) & 0xBFFF));
+}
+
+static inline float hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* res[i] = sum_k w[k] * x[i * ldx + k] for i < MB, with FP8 block scales ``scale_row[k / 128]``. */
+static inline __attribute__((always_inline)) void row_dot(int kind, int MB, const void *w, const float *scale_row,
+                                                          int64_t K, const float *x, int64_t ldx, float *res) {
+    const int64_t blk = kind == W_FP8 ? FP8_BLOCK : K;
+    __m256 tot[MAX_ROWS];
+    for (int i = 0; i < MB; i++) tot[i] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += blk) {
+        const int64_t k1 = k0 + blk < K ? k0 + blk : K;
+        __m256 a[MAX_ROWS][2];
+        float tail[MAX_ROWS];
+        for (int i = 0; i < MB; i++) a[i][0] = a[i][1] = _mm256_setzero_ps(), tail[i] = 0.0f;
+        int64_t k = k0;
+        for (; k + 16 <= k1; k += 16) {
+            __m256 w0, w1;
+            load16(kind, w, k, &w0, &w1);
+            for (int i = 0; i < MB; i++) {
+                a[i][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * ldx + k), a[i][0]);
+                a[i][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i * ldx + k + 8), a[i][1]);
+            }
+        }
+        for (; k + 8 <= k1; k += 8) {
+            __m256 w0 = load8(kind, w, k);
+            for (int i = 0; i < MB; i++) a[i][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * ldx + k), a[i][0]);
+        }
+        for (; k < k1; k++) {
+            float wk = load1(kind, w, k);
+            for (int i = 0; i < MB; i++) tail[i] += wk * x[i * ldx + k];
+        }
+        for (int i = 0; i < MB; i++) {
+            __m256 s = _mm256_add_ps(_mm256_add_ps(a[i][0], a[i][1]), _mm256_setr_ps(tail[i], 0, 0, 0, 0, 0, 0, 0));
+            tot[i] = kind == W_FP8 ? _mm256_fmadd_ps(s, _mm256_set1_ps(scale_row[k0 / FP8_BLOCK]), tot[i])
+                                   : _mm256_add_ps(s, tot[i]);
+        }
+    }
+    for (int i = 0; i < MB; i++) res[i] = hsum(tot[i]);
+}
+
+#define ROW_DOT_CASES(KIND)                                                  \
+    switch (mb) {                                                            \
+        case 1: row_dot(KIND, 1, w, scale_row, K, x, ldx, res); break;       \
+        case 2: row_dot(KIND, 2, w, scale_row, K, x, ldx, res); break;       \
+        case 3: row_dot(KIND, 3, w, scale_row, K, x, ldx, res); break;       \
+        default: row_dot(KIND, 4, w, scale_row, K, x, ldx, res); break;      \
+    }
+
+/* One weight row against up to MAX_ROWS activation rows; the kind and row count become constants. */
+static void dot_rows(int kind, int mb, const void *w, const float *scale_row, int64_t K, const float *x,
+                     int64_t ldx, float *res) {
+    if (kind == W_F32) { ROW_DOT_CASES(W_F32) }
+    else if (kind == W_BF16) { ROW_DOT_CASES(W_BF16) }
+    else { ROW_DOT_CASES(W_FP8) }
+}
+
+static size_t elem_size(int kind) { return kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1; }
+
+/* y[m, n] = sum_k W[n, k] x[m, k] for n in [n0, n1), all m < M; y row stride ldy. */
+static void matvec(int kind, const void *w, const float *scale, int64_t N, int64_t K, const float *x, int64_t M,
+                   float *y, int64_t ldy, int64_t n) {
+    const int64_t kblocks = (K + FP8_BLOCK - 1) / FP8_BLOCK;
+    const void *row = (const char *)w + (size_t)n * K * elem_size(kind);
+    const float *scale_row = kind == W_FP8 ? scale + (n / FP8_BLOCK) * kblocks : NULL;
+    float res[MAX_ROWS];
+    (void)N;
+    for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
+        int mb = M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS;
+        dot_rows(kind, mb, row, scale_row, K, x + m0 * K, K, res);
+        for (int i = 0; i < mb; i++) y[(m0 + i) * ldy + n] = res[i];
+    }
+}
+
+static float bf16_to_f32(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static uint16_t f32_to_bf16(float f) { /* round to nearest even, as torch does */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7FFFFFFF) > 0x7F800000) return (uint16_t)((bits >> 16) | 0x40); /* NaN stays NaN */
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+
+static float *to_f32(const void *a, int akind, int64_t n) {
+    float *out = (float *)malloc((size_t)(n > 0 ? n : 1) * sizeof(float));
+    for (int64_t i = 0; i < n; i++) out[i] = akind == A_F32 ? ((const float *)a)[i] : bf16_to_f32(((const uint16_t *)a)[i]);
+    return out;
+}
+
+/* out[i] (+)= y[i] in the activation dtype. */
+static void store(void *out, int okind, const float *y, int64_t n, int accumulate) {
+    for (int64_t i = 0; i < n; i++) {
+        if (okind == A_F32) {
+            float *o = (float *)out + i;
+            *o = accumulate ? *o + y[i] : y[i];
+        } else {
+            uint16_t *o = (uint16_t *)out + i;
+            *o = f32_to_bf16(accumulate ? bf16_to_f32(*o) + y[i] : y[i]);
+        }
+    }
+}
+
+/* out [M, N] = x [M, K] @ W^T. Returns 0. */
+int dsv3_linear(const void *w, const float *scale, int kind, int64_t N, int64_t K, const void *x, int xkind,
+                int64_t M, void *out, int okind, int nthreads) {
+    float *xf = to_f32(x, xkind, M * K);
+    float *y = (float *)malloc((size_t)(M * N > 0 ? M * N : 1) * sizeof(float));
+#pragma omp parallel for num_threads(nthreads) schedule(static) if (N * K > 32768)
+    for (int64_t n = 0; n < N; n++) matvec(kind, w, scale, N, K, xf, M, y, N, n);
+    store(out, okind, y, M * N, 0);
+    free(xf);
+    free(y);
+    return 0;
+}
+
+static float silu(float v) { return v / (1.0f + expf(-v)); }
+
+/* Routed SwiGLU experts of one decode step: out[m] (+)= sum_j gates[m, j] * SwiGLU_e(x[m]) with
+ * e = idx[m, j]. Each routed-to expert's three matrices are read once for all the rows routed to it.
+ * wg, wu [E, I, D]; wd [E, D, I]; sg, su [E, ceil(I/128), ceil(D/128)], sd [E, ceil(D/128), ceil(I/128)]
+ * (FP8 only). Returns 0. */
+int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const float *sg, const float *su,
+                        const float *sd, int kind, int64_t E, int64_t I, int64_t D, const void *x, int xkind,
+                        int64_t M, const int64_t *idx, const float *gates, int64_t topk, void *out, int okind,
+                        int accumulate, int nthreads) {
+    float *xf = to_f32(x, xkind, M * D);
+    float *acc = (float *)calloc((size_t)(M * D > 0 ? M * D : 1), sizeof(float));
+    float *xe = (float *)malloc((size_t)(M * topk * D + 1) * sizeof(float));
+    float *g = (float *)malloc((size_t)(M * topk * I + 1) * sizeof(float));
+    float *u = (float *)malloc((size_t)(M * topk * I + 1) * sizeof(float));
+    float *ye = (float *)malloc((size_t)(M * topk * D + 1) * sizeof(float));
+    int64_t *rows = (int64_t *)malloc((size_t)(M * topk + 1) * sizeof(int64_t));
+    float *rg = (float *)malloc((size_t)(M * topk + 1) * sizeof(float));
+    const size_t es = elem_size(kind);
+    const int64_t ib = (I + FP8_BLOCK - 1) / FP8_BLOCK, db = (D + FP8_BLOCK - 1) / FP8_BLOCK;
+    for (int64_t e = 0; e < E; e++) {
+        int64_t me = 0;
+        for (int64_t p = 0; p < M * topk; p++)
+            if (idx[p] == e) rows[me] = p / topk, rg[me] = gates[p], me++;
+        if (!me) continue;
+        for (int64_t r = 0; r < me; r++) memcpy(xe + r * D, xf + rows[r] * D, (size_t)D * sizeof(float));
+        const void *weg = (const char *)wg + (size_t)e * I * D * es, *weu = (const char *)wu + (size_t)e * I * D * es;
+        const void *wed = (const char *)wd + (size_t)e * D * I * es;
+        const float *seg = sg ? sg + e * ib * db : NULL, *seu = su ? su + e * ib * db : NULL;
+        const float *sed = sd ? sd + e * db * ib : NULL;
+#pragma omp parallel num_threads(nthreads)
+        {
+#pragma omp for schedule(static)
+            for (int64_t n = 0; n < I; n++) {
+                matvec(kind, weg, seg, I, D, xe, me, g, I, n);
+                matvec(kind, weu, seu, I, D, xe, me, u, I, n);
+                for (int64_t r = 0; r < me; r++) g[r * I + n] = silu(g[r * I + n]) * u[r * I + n] * rg[r];
+            }
+#pragma omp for schedule(static)
+            for (int64_t n = 0; n < D; n++) {
+                matvec(kind, wed, sed, D, I, g, me, ye, D, n);
+                for (int64_t r = 0; r < me; r++) acc[rows[r] * D + n] += ye[r * D + n];
+            }
+        }
+    }
+    store(out, okind, acc, M * D, accumulate);
+    free(xf), free(acc), free(xe), free(g), free(u), free(ye), free(rows), free(rg);
+    return 0;
+}
+
+/* exp(x) for 8 floats (Cephes' polynomial, as in avx_mathfun): relative error about 1e-7; exactly 0 for
+ * x = -inf (masked scores). */
+static inline __m256 exp8(__m256 x) {
+    const __m256 is_neg_inf = _mm256_cmp_ps(x, _mm256_set1_ps(-INFINITY), _CMP_EQ_OQ);
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-88.3762626647949f)), _mm256_set1_ps(88.3762626647949f));
+    __m256 fx = _mm256_floor_ps(_mm256_fmadd_ps(x, _mm256_set1_ps(1.44269504088896341f), _mm256_set1_ps(0.5f)));
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_add_ps(_mm256_fmadd_ps(y, _mm256_mul_ps(x, x), x), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(is_neg_inf, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
+}
+
+/* In place: row <- softmax(row) over n values. */
+static void softmax_row(float *row, int64_t n) {
+    float mx = -INFINITY;
+    for (int64_t s = 0; s < n; s++) mx = row[s] > mx ? row[s] : mx;
+    __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
+    int64_t s = 0;
+    for (; s + 8 <= n; s += 8) {
+        __m256 v = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + s), vmx));
+        _mm256_storeu_ps(row + s, v);
+        vsum = _mm256_add_ps(vsum, v);
+    }
+    float sum = hsum(vsum);
+    for (; s < n; s++) sum += (row[s] = row[s] == -INFINITY ? 0.0f : expf(row[s] - mx));
+    const float inv = 1.0f / sum;
+    for (s = 0; s < n; s++) row[s] *= inv;
+}
+
+/* Index of the largest of v[0..n) not yet taken (ties: the lowest index). */
+static int64_t argmax_free(const float *v, const unsigned char *taken, int64_t n) {
+    int64_t best = -1;
+    for (int64_t i = 0; i < n; i++)
+        if (!taken[i] && (best < 0 || v[i] > v[best])) best = i;
+    return best;
+}
+
+/* The router of a decode step (Router.forward, for inference): for each of M rows of x [M, D] (fp32 or
+ * bf16, read as fp32), scores = sigmoid or softmax of gate [E, D] (fp32) . x; the choice scores (plus
+ * ``bias`` when not NULL) pick, within the ``topk_group`` best of ``n_group`` groups (a group's score: the
+ * sum of its two best (group_sum = 1) or its best), the ``topk`` best experts; their unbiased scores,
+ * normalised to sum 1 when ``normalize``, times ``route_scale``, are the gates. idx [M, topk] int64 and
+ * gates [M, topk] fp32, experts in descending choice order. Returns 0. */
+int dsv3_route(const float *gate, const float *bias, int64_t E, int64_t D, const void *x, int xkind, int64_t M,
+               int softmax, int64_t n_group, int64_t topk_group, int group_sum, int64_t topk, int normalize,
+               float route_scale, int64_t *idx, float *gates, int nthreads) {
+    float *xf = to_f32(x, xkind, M * D);
+    float *scores = (float *)malloc((size_t)(M * E) * sizeof(float));
+    (void)nthreads;
+    for (int64_t n = 0; n < E; n++) matvec(W_F32, gate, NULL, E, D, xf, M, scores, E, n);
+    float *choice = (float *)malloc((size_t)E * sizeof(float));
+    float *group = (float *)malloc((size_t)(n_group > 0 ? n_group : 1) * sizeof(float));
+    unsigned char *taken = (unsigned char *)malloc((size_t)(E + n_group + 1));
+    const int64_t per = E / n_group;
+    for (int64_t m = 0; m < M; m++) {
+        float *s = scores + m * E;
+        if (softmax) {
+            float mx = -INFINITY, sum = 0.0f;
+            for (int64_t e = 0; e < E; e++) mx = s[e] > mx ? s[e] : mx;
+            for (int64_t e = 0; e < E; e++) sum += (s[e] = expf(s[e] - mx));
+            for (int64_t e = 0; e < E; e++) s[e] /= sum;
+        } else {
+            for (int64_t e = 0; e < E; e++) s[e] = 1.0f / (1.0f + expf(-s[e]));
+        }
+        for (int64_t e = 0; e < E; e++) choice[e] = s[e] + (bias ? bias[e] : 0.0f);
+        if (n_group > 1) {
+            for (int64_t g = 0; g < n_group; g++) {
+                const float *c = choice + g * per;
+                float a = -INFINITY, b = -INFINITY;  /* the two best of the group */
+                for (int64_t j = 0; j < per; j++) {
+                    if (c[j] > a) b = a, a = c[j];
+                    else if (c[j] > b) b = c[j];
+                }
+                group[g] = group_sum ? a + b : a;
+            }
+            memset(taken, 0, (size_t)n_group);
+            for (int64_t k = 0; k < topk_group; k++) taken[argmax_free(group, taken, n_group)] = 1;
+            for (int64_t g = 0; g < n_group; g++)
+                if (!taken[g])
+                    for (int64_t j = 0; j < per; j++) choice[g * per + j] = -INFINITY;
+        }
+        memset(taken, 0, (size_t)E);
+        float total = 0.0f;
+        for (int64_t k = 0; k < topk; k++) {
+            const int64_t e = argmax_free(choice, taken, E);
+            taken[e] = 1;
+            idx[m * topk + k] = e;
+            gates[m * topk + k] = s[e];
+            total += s[e];
+        }
+        for (int64_t k = 0; k < topk; k++) {
+            float w = gates[m * topk + k];
+            if (normalize && topk > 1) w = w / (total + 1e-20f);
+            gates[m * topk + k] = w * route_scale;
+        }
+    }
+    free(xf), free(scores), free(choice), free(group), free(taken);
+    return 0;
+}
+
+static float act_load(const void *a, int akind, int64_t i) {
+    return akind == A_F32 ? ((const float *)a)[i] : bf16_to_f32(((const uint16_t *)a)[i]);
+}
+
+/* The absorbed MLA attention of a decode step from the query projection to the heads' outputs, for
+ * B rows x T tokens x H heads (query m = t * H + h): q [B, T, H, nope + rope] (activation dtype) ->
+ * q_lat = W_UK[h]^T q_nope, q_pe roped by cos/sin [B or 1, T, rope/2] (interleaved pairs), attention over
+ * the latent cache (softmax of scale * (q_lat . kv + q_pe . pe) + bias), then out[b, t, h * v:(h + 1) * v] = W_UV[h] o_lat.
+ * W_UK[h] is [nope, r] and W_UV[h] is [v, r], fp32, at w + h * hstride, rows ``rstride`` apart.
+ * out [B, T, H * v] in the activation dtype. Returns 0. */
+int dsv3_mla_decode(const void *q, int akind, const float *cos, const float *sin, int64_t rot_bstride,
+                    const float *w_uk, int64_t uk_hstride, int64_t uk_rstride, const float *w_uv, int64_t uv_hstride,
+                    int64_t uv_rstride, const void *kv, const void *pe, int ckind, int64_t B, int64_t T, int64_t H,
+                    int64_t S, int64_t nope, int64_t p, int64_t r, int64_t v, int64_t kv_bstride, int64_t kv_sstride,
+                    int64_t pe_bstride, int64_t pe_sstride, const float *bias, int64_t bias_bstride, float scale,
+                    void *out, int nthreads) {
+    const int64_t M = T * H, mblocks = (M + MAX_ROWS - 1) / MAX_ROWS;
+    const size_t es = ckind == W_F32 ? 4 : 2;
+#pragma omp parallel for num_threads(nthreads) schedule(static)
+    for (int64_t task = 0; task < B * mblocks; task++) {
+        const int64_t b = task / mblocks, m0 = (task % mblocks) * MAX_ROWS;
+        const int mb = M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS;
+        float *q_lat = (float *)calloc((size_t)(MAX_ROWS * r), sizeof(float));
+        float *q_pe = (float *)malloc((size_t)(MAX_ROWS * p) * sizeof(float));
+        float *o_lat = (float *)calloc((size_t)(MAX_ROWS * r), sizeof(float));
+        float *sc = (float *)malloc((size_t)(MAX_ROWS * S) * sizeof(float));
+        for (int i = 0; i < mb; i++) { /* the query: absorbed into the latent space, and roped */
+            const int64_t t = (m0 + i) / H, h = (m0 + i) % H, base = ((b * T + t) * H + h) * (nope + p);
+            for (int64_t j = 0; j < nope; j++) {
+                const float qj = act_load(q, akind, base + j);
+                const float *row = w_uk + h * uk_hstride + j * uk_rstride;
+                for (int64_t k = 0; k < r; k++) q_lat[i * r + k] += qj * row[k];
+            }
+            const float *c = cos + rot_bstride * b + t * (p / 2), *s = sin + rot_bstride * b + t * (p / 2);
+            for (int64_t j = 0; j < p / 2; j++) {
+                const float x0 = act_load(q, akind, base + nope + 2 * j), x1 = act_load(q, akind, base + nope + 2 * j + 1);
+                q_pe[i * p + 2 * j] = x0 * c[j] - x1 * s[j];
+                q_pe[i * p + 2 * j + 1] = x0 * s[j] + x1 * c[j];
+            }
+        }
+        const char *kv_b = (const char *)kv + (size_t)(b * kv_bstride) * es;
+        const char *pe_b = (const char *)pe + (size_t)(b * pe_bstride) * es;
+        float r1[MAX_ROWS], r2[MAX_ROWS];
+        for (int64_t s = 0; s < S; s++) {
+            dot_rows(ckind, mb, kv_b + (size_t)(s * kv_sstride) * es, NULL, r, q_lat, r, r1);
+            dot_rows(ckind, mb, pe_b + (size_t)(s * pe_sstride) * es, NULL, p, q_pe, p, r2);
+            for (int i = 0; i < mb; i++) {
+                const float *bias_row = bias ? bias + b * bias_bstride + ((m0 + i) / H) * S : NULL;
+                sc[i * S + s] = scale * (r1[i] + r2[i]) + (bias_row ? bias_row[s] : 0.0f);
+            }
+        }
+        for (int i = 0; i < mb; i++) softmax_row(sc + i * S, S);
+        for (int64_t s = 0; s < S; s++) {
+            const void *row = kv_b + (size_t)(s * kv_sstride) * es;
+            int64_t k = 0;
+            for (; k + 8 <= r; k += 8) {
+                __m256 val = load8(ckind, row, k);
+                for (int i = 0; i < mb; i++)
+                    _mm256_storeu_ps(o_lat + i * r + k, _mm256_fmadd_ps(_mm256_set1_ps(sc[i * S + s]), val,
+                                                                        _mm256_loadu_ps(o_lat + i * r + k)));
+            }
+            for (; k < r; k++) {
+                const float val = load1(ckind, row, k);
+                for (int i = 0; i < mb; i++) o_lat[i * r + k] += sc[i * S + s] * val;
+            }
+        }
+        for (int i = 0; i < mb; i++) { /* W_UV[h] o_lat, into this head's slice of the output */
+            const int64_t t = (m0 + i) / H, h = (m0 + i) % H;
+            float res;
+            for (int64_t c = 0; c < v; c++) {
+                dot_rows(W_F32, 1, w_uv + h * uv_hstride + c * uv_rstride, NULL, r, o_lat + i * r, r, &res);
+                store((char *)out + (size_t)(((b * T + t) * H + h) * v + c) * (akind == A_F32 ? 4 : 2), akind, &res, 1, 0);
+            }
+        }
+        free(q_lat), free(q_pe), free(o_lat), free(sc);
+    }
+    return 0;
+}

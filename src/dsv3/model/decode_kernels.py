@@ -1,0 +1,303 @@
+"""Matrix-vector kernels for the decode step on a CPU: ``decode_kernels.c`` (AVX2/FMA/F16C), compiled with
+the system C compiler at first use and cached, each beside the plain PyTorch reference it must equal.
+
+Why: a decode step multiplies one row (or a few) by every weight matrix, so its speed is the speed of
+reading the weights. PyTorch's single-row matmuls reach a fraction of the memory bandwidth (and less in
+bf16 than in fp32 on CPUs without native bf16 dot products), and resident FP8 weights had to be dequantized
+into a full bf16 copy first. The C kernels read fp32, bf16 or FP8 (128x128 blocks) weights in place and
+convert them in registers, and one call computes all routed experts of a step.
+
+When the kernels cannot be used (not x86-64 Linux with AVX2/FMA/F16C, no C compiler, a failed build, the
+tensors on another device, or ``DSV3_DECODE_KERNELS=0``) every function here computes the same thing
+with PyTorch ops; ``kernel_status()`` says which one runs and why.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from dsv3.precision.fp8 import dequantize_weight_blocks
+
+SOURCE = Path(__file__).with_name("decode_kernels.c")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
+W_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
+A_KIND = {torch.float32: 0, torch.bfloat16: 1}
+MAX_KERNEL_ROWS = 64  # more rows than this: a real matmul (PyTorch's) is the better tool
+FP8_SCALE_SHIFT = 256.0  # the kernel reads an e4m3 byte as the fp16 with the same bits: value / 256
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("DSV3_CACHE", Path.home() / ".cache" / "dsv3")) / "kernels"
+
+
+def _cpu_supported() -> str | None:
+    """None when this CPU runs the kernels, else why not."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"needs x86-64 Linux, this is {platform.system()} {platform.machine()}"
+    try:
+        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
+    except (OSError, StopIteration):
+        return "cannot read the CPU flags from /proc/cpuinfo"
+    missing = [f for f in ("avx2", "fma", "f16c") if f not in flags.split()]
+    return f"the CPU lacks {', '.join(missing)}" if missing else None
+
+
+def _build(target: Path) -> None:
+    """Compile SOURCE into ``target`` atomically (a concurrent build or a killed one never leaves a
+    half-written library under the final name)."""
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if cc is None:
+        raise RuntimeError("no C compiler (cc or gcc) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    os.close(fd)
+    try:
+        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
+                              timeout=300)
+        if done.returncode != 0:
+            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.dsv3_linear.argtypes = [p, p, i32, i64, i64, p, i32, i64, p, i32, i32]
+    lib.dsv3_swiglu_experts.argtypes = [p, p, p, p, p, p, i32, i64, i64, i64, p, i32, i64, p, p, i64, p, i32,
+                                        i32, i32]
+    lib.dsv3_route.argtypes = [p, p, i64, i64, p, i32, i64, i32, i64, i64, i32, i64, i32, ctypes.c_float, p, p, i32]
+    lib.dsv3_mla_decode.argtypes = [p, i32, p, p, i64, p, i64, i64, p, i64, i64, p, p, i32] + [i64] * 12 + [
+        p, i64, ctypes.c_float, p, i32]
+    for fn in (lib.dsv3_linear, lib.dsv3_swiglu_experts, lib.dsv3_route, lib.dsv3_mla_decode):
+        fn.restype = i32
+    return lib
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    """(the library, "ok") or (None, why not). Built once per source version, then reused."""
+    if os.environ.get("DSV3_DECODE_KERNELS", "1") == "0":
+        return None, "disabled by DSV3_DECODE_KERNELS=0"
+    reason = _cpu_supported()
+    if reason:
+        return None, reason
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    target = cache_dir() / f"decode_kernels-{digest}.so"
+    try:
+        if not target.exists():
+            _build(target)
+        return _declare(ctypes.CDLL(str(target))), "ok"
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return None, f"the C kernels could not be built or loaded: {exc}"
+
+
+def kernel_status() -> str:
+    """"ok" when the C kernels run, else why the PyTorch path runs instead."""
+    return _load()[1]
+
+
+def kernels_available() -> bool:
+    return _load()[0] is not None
+
+
+class Weight:
+    """A weight matrix [N, K] as the kernels read it: fp32, bf16, or FP8 e4m3 with 128x128 block scales
+    (``scale_inv`` [ceil(N/128), ceil(K/128)]); ``dtype`` is the compute dtype of the reference path.
+    Holds the module's own tensors (no copy), plus the FP8 scales times 256 (a few floats per block)."""
+
+    def __init__(self, w: torch.Tensor, scale_inv: torch.Tensor | None = None, dtype: torch.dtype | None = None):
+        self.w = w
+        self.scale_inv = scale_inv
+        self.dtype = dtype or (w.dtype if scale_inv is None else torch.bfloat16)
+        self.kernel_scale = None if scale_inv is None else (scale_inv.float() * FP8_SCALE_SHIFT).contiguous()
+
+    @property
+    def kind(self) -> int | None:
+        return W_KIND.get(self.w.dtype)
+
+    def dense(self) -> torch.Tensor:
+        """The weight in the compute dtype (the reference path; FP8 is dequantized here, per call)."""
+        if self.scale_inv is None:
+            return self.w
+        return dequantize_weight_blocks(self.w, self.scale_inv, self.dtype)
+
+    def runs_in_kernel(self, x: torch.Tensor) -> bool:
+        return (self.kind is not None and x.dtype in A_KIND and self.w.is_contiguous() and x.device.type == "cpu"
+                and self.w.device.type == "cpu" and 0 < x.numel() // x.shape[-1] <= MAX_KERNEL_ROWS)
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def linear(x: torch.Tensor, weight: Weight, use_kernel: bool = True) -> torch.Tensor:
+    """x [..., K] @ W^T -> [..., N] in x's dtype."""
+    lib = _load()[0] if use_kernel else None
+    if lib is None or not weight.runs_in_kernel(x):
+        return linear_reference(x, weight)
+    x2 = x.reshape(-1, x.shape[-1]).contiguous()
+    N, K = weight.w.shape
+    out = x2.new_empty(x2.shape[0], N)
+    lib.dsv3_linear(weight.w.data_ptr(), _ptr(weight.kernel_scale), weight.kind, N, K, x2.data_ptr(),
+                    A_KIND[x.dtype], x2.shape[0], out.data_ptr(), A_KIND[x.dtype], torch.get_num_threads())
+    return out.view(*x.shape[:-1], N)
+
+
+def linear_reference(x: torch.Tensor, weight: Weight) -> torch.Tensor:
+    return F.linear(x, weight.dense().to(x.dtype))
+
+
+class ExpertWeights:
+    """Stacked SwiGLU experts as the kernels read them: gate, up [E, I, D] and down [E, D, I], each a
+    :class:`Weight` over the stacked tensor (FP8 scales [E, ...])."""
+
+    def __init__(self, gate: Weight, up: Weight, down: Weight):
+        self.gate, self.up, self.down = gate, up, down
+
+    @property
+    def n_experts(self) -> int:
+        return self.gate.w.shape[0]
+
+    def expert(self, e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Expert e's dense weights in the compute dtype (the reference path)."""
+        return tuple(_dense_expert(w, e) for w in (self.gate, self.up, self.down))
+
+
+def _dense_expert(w: Weight, e: int) -> torch.Tensor:
+    if w.scale_inv is None:
+        return w.w[e]
+    return dequantize_weight_blocks(w.w[e], w.scale_inv[e], w.dtype)
+
+
+def swiglu_experts(x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, experts: ExpertWeights,
+                   add_to: torch.Tensor | None = None, use_kernel: bool = True) -> torch.Tensor:
+    """sum_j gates[m, j] * SwiGLU_{idx[m, j]}(x[m]) for x [M, D], idx/gates [M, K]; plus ``add_to`` [M, D]
+    when given (the kernel then adds in place into it)."""
+    lib = _load()[0] if use_kernel else None
+    w = experts.gate
+    if lib is None or not all(p.runs_in_kernel(x) for p in (experts.gate, experts.up, experts.down)):
+        out = swiglu_experts_reference(x, idx, gates, experts)
+        return out if add_to is None else add_to + out
+    x = x.contiguous()
+    E, I, D = w.w.shape
+    out = add_to.contiguous() if add_to is not None else x.new_empty(x.shape)
+    idx, gates = idx.contiguous().long(), gates.contiguous().float()
+    lib.dsv3_swiglu_experts(w.w.data_ptr(), experts.up.w.data_ptr(), experts.down.w.data_ptr(),
+                            _ptr(w.kernel_scale), _ptr(experts.up.kernel_scale), _ptr(experts.down.kernel_scale),
+                            w.kind, E, I, D, x.data_ptr(), A_KIND[x.dtype], x.shape[0], idx.data_ptr(),
+                            gates.data_ptr(), idx.shape[1], out.data_ptr(), A_KIND[x.dtype], int(add_to is not None),
+                            torch.get_num_threads())
+    return out
+
+
+def swiglu_experts_reference(x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor,
+                             experts: ExpertWeights) -> torch.Tensor:
+    """What ``swiglu_experts`` computes, one (row, expert) pair at a time, in x's dtype."""
+    out = torch.zeros_like(x)
+    for e in idx.unique().tolist():
+        rows, slot = (idx == e).nonzero(as_tuple=True)
+        w_gate, w_up, w_down = (t.to(x.dtype) for t in experts.expert(e))
+        xe = x[rows]
+        act = F.silu(xe @ w_gate.t()) * (xe @ w_up.t()) * gates[rows, slot, None].to(x.dtype)
+        out.index_add_(0, rows, act @ w_down.t())
+    return out
+
+
+def latent_attention_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pe: torch.Tensor,
+                               bias: torch.Tensor | None, scale: float, heads: int) -> torch.Tensor:
+    """Absorbed attention over the latent cache, in fp32: softmax(scale * (q_lat kv^T + q_pe pe^T) + bias) kv
+    for q_lat [B, M, r], q_pe [B, M, p] with M = T * heads (query m is step m // heads); kv [B, S, r],
+    pe [B, S, p]; bias [B|1, T, S] (-inf hides a key) or None. Returns [B, M, r]."""
+    B, M, _ = q_lat.shape
+    S = kv.shape[1]
+    kv = kv.float()
+    scores = torch.baddbmm(q_lat.float() @ kv.transpose(1, 2), q_pe.float(), pe.float().transpose(1, 2),
+                           beta=scale, alpha=scale)
+    if bias is not None:
+        scores = (scores.view(B, M // heads, heads, S) + bias.float().unsqueeze(2)).view(B, M, S)
+    return scores.softmax(dim=-1) @ kv
+
+
+def route(x: torch.Tensor, router, use_kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """``Router.forward``'s (expert indices [M, K], gate values [M, K] fp32) for x [M, D], in one call: the
+    affinity scores, the group limit, the top-k and the gate normalisation (the kernel is used for the
+    scoring functions and top-k methods DeepSeek ships; anything else runs the router itself)."""
+    lib = _load()[0] if use_kernel else None
+    method, E, groups = router.method, router.n_experts, router.n_group
+    plain = (router.scoring in ("sigmoid", "softmax") and method in ("noaux_tc", "group_limited_greedy", "greedy")
+             and E % groups == 0 and router.weight.dtype == torch.float32 and router.weight.is_contiguous()
+             and not router._forward_hooks and not router._forward_pre_hooks)
+    on_cpu = x.device.type == "cpu" and router.weight.device.type == "cpu"
+    if lib is None or not plain or x.dtype not in A_KIND or not on_cpu:
+        idx, weights, _ = router(x)
+        return idx, weights
+    x = x.contiguous()
+    M, K = x.shape[0], router.top_k
+    idx = torch.empty(M, K, dtype=torch.long)
+    gates = torch.empty(M, K)
+    bias = router.e_score_correction_bias if method == "noaux_tc" else None
+    lib.dsv3_route(router.weight.data_ptr(), _ptr(None if bias is None else bias.float().contiguous()), E,
+                   x.shape[1], x.data_ptr(), A_KIND[x.dtype], M, int(router.scoring == "softmax"),
+                   groups if method != "greedy" else 1, router.topk_group, int(method == "noaux_tc"), K,
+                   int(router.norm_topk_prob), float(router.route_scale), idx.data_ptr(), gates.data_ptr(),
+                   torch.get_num_threads())
+    return idx, gates
+
+
+def mla_decode(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
+               kv: torch.Tensor, pe: torch.Tensor, bias: torch.Tensor | None, scale: float,
+               use_kernel: bool = True) -> torch.Tensor:
+    """The absorbed MLA attention of a decode step, from the query projection to the heads' outputs.
+
+    q [B, T, H, nope + rope] (x's dtype); cos/sin [B|1, T, rope/2] fp32; W_UK [H, nope, r] and
+    W_UV [H, v, r] fp32; kv [B, S, r], pe [B, S, rope] the cache's rows; bias [B|1, T, S] or None.
+    Returns [B, T, H * v] in q's dtype. One kernel call: absorb W_UK into the query, rope q_pe, attend
+    over the latent cache, apply W_UV."""
+    lib = _load()[0] if use_kernel else None
+    tensors = (q, cos, sin, w_uk, w_uv, kv, pe) + (() if bias is None else (bias,))
+    if (lib is None or q.dtype not in A_KIND or kv.dtype not in A_KIND or pe.dtype != kv.dtype
+            or any(t.device.type != "cpu" for t in tensors) or w_uk.dtype != torch.float32
+            or w_uv.dtype != torch.float32 or any(t.stride(-1) != 1 for t in (kv, pe, w_uk, w_uv))):
+        return mla_decode_reference(q, cos, sin, w_uk, w_uv, kv, pe, bias, scale)
+    B, T, H, _ = q.shape
+    nope, r, v, p = w_uk.shape[1], w_uk.shape[2], w_uv.shape[1], pe.shape[-1]
+    q, cos, sin = q.contiguous(), cos.float().contiguous(), sin.float().contiguous()
+    if bias is not None:
+        bias = bias.float().contiguous()
+    out = q.new_empty(B, T, H * v)
+    lib.dsv3_mla_decode(q.data_ptr(), A_KIND[q.dtype], cos.data_ptr(), sin.data_ptr(),
+                        0 if cos.shape[0] == 1 else cos.stride(0), w_uk.data_ptr(), w_uk.stride(0), w_uk.stride(1),
+                        w_uv.data_ptr(), w_uv.stride(0), w_uv.stride(1), kv.data_ptr(), pe.data_ptr(),
+                        A_KIND[kv.dtype], B, T, H, kv.shape[1], nope, p, r, v, kv.stride(0), kv.stride(1),
+                        pe.stride(0), pe.stride(1), _ptr(bias),
+                        0 if bias is None or bias.shape[0] == 1 else bias.stride(0), scale, out.data_ptr(),
+                        torch.get_num_threads())
+    return out
+
+
+def mla_decode_reference(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_uk: torch.Tensor,
+                         w_uv: torch.Tensor, kv: torch.Tensor, pe: torch.Tensor, bias: torch.Tensor | None,
+                         scale: float) -> torch.Tensor:
+    """What ``mla_decode`` computes, in PyTorch ops (fp32 inside)."""
+    from dsv3.model.rope import apply_rope
+
+    B, T, H, _ = q.shape
+    nope, r = w_uk.shape[1], w_uk.shape[2]
+    q_nope, q_pe = q.float().split([nope, q.shape[-1] - nope], dim=-1)
+    q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk).reshape(B, T * H, r)
+    q_pe = apply_rope(q_pe, cos, sin).reshape(B, T * H, -1)
+    o_lat = latent_attention_reference(q_lat, q_pe, kv, pe, bias, scale, H).view(B, T, H, r)
+    return torch.einsum("bthr,hvr->bthv", o_lat, w_uv).reshape(B, T, -1).to(q.dtype)

@@ -1,0 +1,223 @@
+"""The fast decode path (model/decode.py, model/decode_kernels.*) against the readable one: each C kernel
+against its PyTorch reference, and whole decode steps (logits, greedy tokens) against the modules, for
+fp32, bf16 and FP8 weights, batch 1 and ragged batches, with and without MTP speculation."""
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv3.infer.engine import Engine, Request
+from dsv3.infer.fp8_weights import to_fp8_weights
+from dsv3.model import decode_kernels as dk
+from dsv3.model.decode import FastDecode
+from dsv3.precision.fp8 import quantize_weight_blocks
+
+sys.path.insert(0, str(Path(__file__).parent))
+from conftest import tiny_model  # noqa: E402
+
+needs_kernels = pytest.mark.skipif(not dk.kernels_available(), reason=f"C kernels: {dk.kernel_status()}")
+PROMPTS = [[5, 17, 42, 99, 7, 250, 3], [11, 12], [200, 100, 50, 25, 12, 6, 3, 1, 2, 9, 8]]
+
+
+def weights(kind: str, n: int, k: int, lead: tuple[int, ...] = (), seed: int = 0) -> dk.Weight:
+    w = torch.randn(*lead, n, k, generator=torch.Generator().manual_seed(seed))
+    if kind == "fp8":
+        if lead:
+            pairs = [quantize_weight_blocks(m) for m in w.flatten(0, -3)]
+            return dk.Weight(torch.stack([q for q, _ in pairs]).view(*lead, n, k),
+                             torch.stack([s for _, s in pairs]).view(*lead, *pairs[0][1].shape), torch.float32)
+        return dk.Weight(*quantize_weight_blocks(w), torch.float32)
+    return dk.Weight(w.to({"fp32": torch.float32, "bf16": torch.bfloat16}[kind]))
+
+
+def close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> bool:
+    """Relative error (norm) within the rounding of ``dtype``'s inputs and outputs."""
+    err = (got.float() - ref.float()).norm() / ref.float().norm()
+    return bool(err < (1e-2 if dtype == torch.bfloat16 else 1e-5))
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 6, 17])
+def test_linear_kernel_equals_reference(kind, act, rows):
+    w = weights(kind, 130, 200)  # partial 128-blocks, a tail under 8 columns
+    x = torch.randn(rows, 200).to(act)
+    ref = (x.float() @ w.dense().float().t()).to(act)  # the reference without rounding the weight to ``act``
+    assert close(dk.linear(x, w), ref, act)
+    assert close(dk.linear(x, w, use_kernel=False), ref, act)
+
+
+@needs_kernels
+def test_fp8_kernel_reads_every_e4m3_value_exactly():
+    """All 254 finite e4m3 codes (subnormals and negative zero included) times a one-hot row pick each
+    weight out exactly: the in-register conversion is the dequantization, bit for bit."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    finite = codes[torch.isfinite(codes.float())]
+    w = finite[:, None].expand(-1, 128).contiguous()  # [254, 128], one code per row
+    w = dk.Weight(w, torch.full((2, 1), 0.5), torch.float32)
+    x = torch.zeros(1, 128)
+    x[0, 5] = 1.0
+    assert torch.equal(dk.linear(x, w)[0], finite.float() * 0.5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("rows", [1, 5])
+def test_swiglu_experts_kernel_equals_reference(kind, rows):
+    E, I, D = 6, 136, 144
+    experts = dk.ExpertWeights(weights(kind, I, D, (E,), 1), weights(kind, I, D, (E,), 2), weights(kind, D, I, (E,), 3))
+    x = torch.randn(rows, D) / 4
+    idx = torch.stack([torch.randperm(E)[:3] for _ in range(rows)])  # rows share experts
+    gates = torch.rand(rows, 3)
+    ref = dk.swiglu_experts_reference(x, idx, gates, experts)
+    assert torch.allclose(dk.swiglu_experts(x, idx, gates, experts), ref, atol=1e-3, rtol=1e-3)
+    base = torch.randn(rows, D)
+    assert torch.allclose(dk.swiglu_experts(x, idx, gates, experts, add_to=base.clone()), base + ref, atol=1e-3,
+                          rtol=1e-3)
+
+
+@needs_kernels
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("T", [1, 2])
+def test_mla_decode_kernel_equals_reference(cache_dtype, T):
+    B, H, S, nope, r, p, v = 3, 6, 37, 16, 24, 8, 12
+    q = torch.randn(B, T, H, nope + p).to(cache_dtype)
+    angles = torch.rand(B, T, p // 2) * 6
+    w = torch.randn(H, nope + v, r)  # kv_b_proj's weight per head: W_UK then W_UV, as views
+    cache_kv, cache_pe = torch.randn(B, 50, r).to(cache_dtype), torch.randn(B, 50, p).to(cache_dtype)
+    kv, pe = cache_kv[:, :S], cache_pe[:, :S]  # views with the cache's row strides
+    keep = torch.rand(B, T, S) > 0.3
+    keep[:, :, -1] = True
+    bias = torch.zeros(B, T, S).masked_fill_(~keep, float("-inf"))
+    for b, rot in ((None, angles), (bias, angles), (bias[:1], angles[:1])):
+        args = (q, rot.cos(), rot.sin(), w[:, :nope], w[:, nope:], kv, pe, b, 0.3)
+        assert close(dk.mla_decode(*args), dk.mla_decode_reference(*args), cache_dtype)
+
+
+def step_logits(model, decoder, prompt, steps=4, T=1):
+    """Teacher-forced absorbed decode steps after a prefill: logits [steps, T, V] through ``decoder``."""
+    cache = model.new_cache(1, len(prompt) + steps * T + 2)
+    out = []
+    with torch.inference_mode():
+        model(torch.tensor([prompt]), cache=cache)
+        pos = len(prompt)
+        for s in range(steps):
+            ids = torch.tensor([[(7 * s + 3 + t) % 300 for t in range(T)]])
+            out.append(decoder.lm_head(decoder.hidden_states(ids, cache=cache, start_pos=pos))[0])
+            pos += T
+    return torch.stack(out)
+
+
+def model_in(precision: str):
+    """fp32, bf16, or FP8 weights computed in bf16 ("fp8") or in fp32 ("fp8-fp32": the dequantized
+    weights are then exact, so the fast path must match the module path to fp32 rounding)."""
+    model = tiny_model()
+    if precision in ("bf16", "fp8"):
+        model = model.to(torch.bfloat16)
+    return to_fp8_weights(model) if precision.startswith("fp8") else model
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8", "fp8-fp32"])
+@pytest.mark.parametrize("T", [1, 2])
+def test_fast_decode_logits_equal_the_module_path(precision, T):
+    """FP8 weights: equal to the model whose FP8 weights are dequantized for every matmul (the module
+    path), exactly up to fp32 rounding when computing in fp32, within bf16 rounding in bf16."""
+    model = model_in(precision)
+    ref = step_logits(model, model, PROMPTS[2], T=T).float()
+    scale = ref.abs().max()
+    limit = 3e-2 if precision in ("bf16", "fp8") else 2e-6
+    for use_kernels in (True, False):
+        got = step_logits(model, FastDecode(model, use_kernels=use_kernels), PROMPTS[2], T=T).float()
+        assert (got - ref).abs().max() / scale < limit
+
+
+def generate(engine, prompts, n=10):
+    return [r.token_ids for r in engine.generate([Request(p, n) for p in prompts])]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8-fp32"])
+@pytest.mark.parametrize("speculative", [False, True])
+def test_fast_engine_greedy_tokens_equal_the_module_path(precision, speculative):
+    model = model_in(precision)
+    ref_engine = Engine(model, speculative=speculative, fast=False)
+    fast = Engine(model, speculative=speculative)
+    assert isinstance(fast.decoder, FastDecode)
+    for prompts in ([PROMPTS[0]], PROMPTS):  # batch 1, then a ragged batch (left padding, holes)
+        assert generate(fast, prompts) == generate(ref_engine, prompts)
+
+
+def test_a_hooked_layer_runs_through_its_module(model):
+    """A forward hook (or an expert-parallel dispatcher) on a layer: that layer uses its module."""
+    calls = []
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda *args: calls.append(1))
+    try:
+        fast = generate(Engine(model), [PROMPTS[0]], 6)
+    finally:
+        handle.remove()
+    assert len(calls) >= 6  # prefill + 5 decode steps
+    assert fast == generate(Engine(model, fast=False), [PROMPTS[0]], 6)
+
+
+def test_kernels_fall_back_to_pytorch_when_they_cannot_be_built(monkeypatch, tmp_path):
+    monkeypatch.setenv("DSV3_CACHE", str(tmp_path))
+    monkeypatch.setenv("CC", "/bin/false")
+    dk._load.cache_clear()
+    try:
+        status = dk.kernel_status()
+        assert status != "ok" and not dk.kernels_available()
+        assert not list((tmp_path / "kernels").glob("*.so")) if (tmp_path / "kernels").exists() else True
+        x, w = torch.randn(2, 16), weights("fp32", 8, 16)
+        assert torch.allclose(dk.linear(x, w), x @ w.w.t(), atol=1e-6)
+        monkeypatch.setenv("DSV3_DECODE_KERNELS", "0")
+        dk._load.cache_clear()
+        assert dk.kernel_status() == "disabled by DSV3_DECODE_KERNELS=0"
+    finally:
+        dk._load.cache_clear()
+
+
+@needs_kernels
+@pytest.mark.parametrize("overrides", [{}, {"topk_method": "group_limited_greedy", "scoring_func": "softmax"},
+                                       {"topk_method": "greedy", "n_group": 1, "topk_group": 1,
+                                        "norm_topk_prob": False}])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_route_kernel_equals_the_router(overrides, dtype):
+    from dsv3.config import preset
+    from dsv3.model.moe import Router
+
+    cfg = preset("nano").replace(**overrides)
+    router = Router(cfg)
+    torch.nn.init.normal_(router.weight, 0, 0.5)
+    if router.e_score_correction_bias is not None:
+        router.e_score_correction_bias.normal_(0, 0.1)
+    x = torch.randn(9, cfg.hidden_size).to(dtype)
+    idx, gates, _ = router(x)
+    got_idx, got_gates = dk.route(x, router)
+    assert torch.equal(got_idx, idx)
+    assert torch.allclose(got_gates, gates, atol=1e-6, rtol=1e-5)
+
+
+def test_a_layer_changed_after_the_engine_was_built_is_planned_again(model):
+    """Swapping a layer's dispatcher (as expert parallelism does) after the engine exists: the fast
+    path notices and runs that layer through its module (which here counts its calls)."""
+    from dsv3.model.dispatch import LocalDispatcher
+
+    class Counting(LocalDispatcher):
+        calls = 0
+
+        def dispatch(self, x, routing):
+            Counting.calls += 1
+            return (yield from super().dispatch(x, routing))
+
+    engine = Engine(model)
+    expected = generate(Engine(model, fast=False), [PROMPTS[0]], 6)
+    moe = model.model.layers[1].mlp
+    original = moe.dispatcher
+    moe.dispatcher = Counting(original.n_experts)
+    try:
+        assert generate(engine, [PROMPTS[0]], 6) == expected
+    finally:
+        moe.dispatcher = original
+    assert Counting.calls >= 6
