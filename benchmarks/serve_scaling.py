@@ -120,6 +120,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise DSV3Error("--start-timeout and --timeout must be > 0")
     if args.model is not None and not Path(args.model).is_dir():
         raise DSV3Error(f"--model {args.model}: no such folder")
+    if args.model is None:
+        from dsv3.config import preset
+
+        preset(args.preset)  # an unknown name fails here, before any process starts
     if args.json_out is None:
         args.json_out = args.figure.with_suffix(".json")
     for path in (args.figure, args.json_out):

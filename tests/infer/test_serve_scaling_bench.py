@@ -28,13 +28,15 @@ def bench():
     (["--concurrency", "0,2"], "--concurrency must list integers >= 1, got '0,2'"),
     (["--requests", "0"], "--requests must be >= 1, got 0"),
     (["--model", "/nonexistent/ckpt"], "--model /nonexistent/ckpt: no such folder"),
+    (["--preset", "huge"], "unknown preset 'huge'; choose one of "),
     (["--figure", "/nonexistent/dir/f.png"], "/nonexistent/dir/f.png: its folder does not exist"),
 ])
 def test_bad_options_end_with_one_error_line_before_any_process_starts(bench, capsys, monkeypatch, argv, message):
     monkeypatch.setattr(bench, "benchmark", lambda args: pytest.fail("started despite a bad option"))
     assert bench.main(argv) == 2
     out = capsys.readouterr()
-    assert out.out == "" and out.err.strip().splitlines() == [f"error: {message}"]
+    lines = out.err.strip().splitlines()
+    assert out.out == "" and len(lines) == 1 and lines[0].startswith(f"error: {message}")
 
 
 def test_layouts_and_their_server_commands(bench):
