@@ -189,6 +189,62 @@ def test_ep4_streams_and_a_bad_request_harms_no_one(ep4, reference):
         time.sleep(0.1)
 
 
+def _metrics(url: str) -> dict:
+    from prometheus_text import parse
+
+    return parse(httpx.get(url + "/metrics").text)
+
+
+def _expert_tokens(samples: dict) -> dict[tuple[int, int, int], float]:
+    """{(rank, layer, expert): routed tokens} from /metrics."""
+    out = {}
+    for (name, labels), v in samples.items():
+        if name == "dsv3_expert_tokens_total":
+            d = dict(labels)
+            out[int(d["rank"]), int(d["layer"]), int(d["expert"])] = v
+    return out
+
+
+def test_ep4_metrics_count_requests_and_the_expert_load_of_every_rank(ep4, checkpoint):
+    """/metrics on a group's front end: the requests and their latencies, and every rank's expert load (the
+    tokens its routers sent to each expert, gathered from the ranks at a step boundary)."""
+    from prometheus_text import total
+
+    import dsv3
+
+    cfg = dsv3.load_pretrained(checkpoint).config
+    moe_layers = cfg.num_hidden_layers - cfg.first_k_dense_replace + cfg.num_nextn_predict_layers
+    before, assigned = _metrics(ep4.url), httpx.get(ep4.url + "/cluster").json()["assigned"]
+    ask_all(ep4.url)
+    deadline = time.time() + 30
+    while httpx.get(ep4.url + "/cluster").json()["in_flight"] != [0, 0, 0, 0]:
+        assert time.time() < deadline
+        time.sleep(0.05)
+    _metrics(ep4.url)  # asks the ranks for their counts: the next step (an idle group steps every 50 ms) has them
+    time.sleep(1.0)
+    after = _metrics(ep4.url)
+    given = [a - b for a, b in zip(httpx.get(ep4.url + "/cluster").json()["assigned"], assigned, strict=True)]
+    done = total(after, "dsv3_requests_total") - total(before, "dsv3_requests_total")
+    assert done == len(PROMPTS)
+    ttft = "dsv3_time_to_first_token_seconds_count"
+    assert total(after, ttft) - total(before, ttft) == len(PROMPTS)
+    old, new = _expert_tokens(before), _expert_tokens(after)
+    assert set(new) == {(r, layer, e) for r in range(4) for layer in range(moe_layers) for e in range(16)}
+    prompt_tokens = sum(len(ids) for ids in _prompt_ids(checkpoint))
+    routed = 0
+    for rank in range(4):
+        per_layer = [sum(new[rank, layer, e] - old.get((rank, layer, e), 0) for e in range(16))
+                     for layer in range(moe_layers)]
+        assert per_layer[-1] == 0  # the MTP layer: no speculation here
+        main = per_layer[:-1]
+        assert len(set(main)) == 1 and main[0] % cfg.num_experts_per_tok == 0, per_layer  # every token, every layer
+        assert (main[0] > 0) == (given[rank] > 0), (rank, per_layer, given)
+        routed += main[0]
+        rank_total = total(after, "dsv3_rank_expert_tokens_total", rank=rank)
+        assert rank_total == sum(new[rank, layer, e] for layer in range(moe_layers) for e in range(16))
+    assert routed >= cfg.num_experts_per_tok * prompt_tokens
+
+
 def test_ep4_killing_a_worker_rank_answers_503_not_a_hang(ep4):
     """Runs last: it takes the group down. A request in flight and every later one end with HTTP 503 and
     OpenAI's error body within seconds; /health says so too."""

@@ -24,6 +24,7 @@ from dsv3.infer.engine import Engine, Request
 from dsv3.infer.scheduler import Deliver, Scheduler
 
 IDLE_WAIT_S = 0.05  # how long an idle group waits for a request before stepping anyway
+LOAD_REFRESH_S = 1.0  # while busy, the ranks' expert load (/metrics) is gathered at most this often
 
 
 class ClusterDown(Exception):
@@ -50,7 +51,16 @@ def worker_loop(worker: RankWorker) -> None:
         control = broadcast_control(None)
         if control.stop:
             return
-        gather_reports(worker.step(control))
+        gather_reports(step(worker, control))
+
+
+def step(worker: RankWorker, control: Control) -> Report:
+    """One step of this rank's worker; its routed-token counts join the report when rank 0 asked for them
+    (not every step: they are layers x experts integers)."""
+    report = worker.step(control)
+    if control.report_load:
+        report.expert_load = worker.lockstep.routed_counts()
+    return report
 
 
 class ClusterScheduler(Scheduler):
@@ -75,6 +85,11 @@ class ClusterScheduler(Scheduler):
         self.steps = 0
         self.eplb_every, self.busy_steps = eplb_every, 0  # rebalance every eplb_every steps with work
         self._next_rid = 0
+        lockstep = getattr(worker, "lockstep", None)  # every rank has the same MoE layers: zeros until reported
+        zeros = [[0] * len(c) for c in lockstep.routed_counts()] if lockstep is not None else None
+        self.expert_counts = {r: zeros for r in range(world)} if zeros else {}  # rank -> [MoE layer][expert]
+        self._load_asked, self._load_stale, self._load_at = False, False, 0.0
+        self.metrics.expert_load = self.expert_load
 
     @property
     def active(self) -> int:
@@ -100,13 +115,35 @@ class ClusterScheduler(Scheduler):
         cancel = self._cancelled()
         control = Control(new=self._assign(), cancel=cancel, transfers=self._transfers(set(cancel)),
                           rebalance=self._rebalance_now())
+        control.report_load = self._load_due()
+        if self.inflight:
+            self.metrics.step(len(self.inflight))
         broadcast_control(control)
-        for report in gather_reports(self.worker.step(control)):
+        for rank, report in enumerate(gather_reports(step(self.worker, control))):
             self._deliver(report.events)
             self.ready += report.ready
             self.kv_bytes += report.kv_bytes
             self.kv_tokens += report.kv_tokens
+            if report.expert_load is not None:
+                self.expert_counts[rank] = report.expert_load
         self.steps += 1
+
+    # ---- expert load (/metrics) --------------------------------------------------------------------
+    def expert_load(self) -> dict[int, list[list[int]]]:
+        """``ServingMetrics.expert_load``: every rank's routed-token counts as last gathered (at most about
+        LOAD_REFRESH_S behind while busy; a scrape also asks for fresh ones at the next step). Called from
+        the HTTP thread, so it never waits for the group."""
+        self._load_asked = True
+        return dict(self.expert_counts)
+
+    def _load_due(self) -> bool:
+        """Gather the counts this step: a scrape asked, or work ran since the last gather and it is old."""
+        self._load_stale = self._load_stale or bool(self.inflight)
+        now = time.monotonic()
+        if not (self._load_asked or (self._load_stale and now - self._load_at >= LOAD_REFRESH_S)):
+            return False
+        self._load_asked, self._load_stale, self._load_at = False, bool(self.inflight), now
+        return True
 
     def _rebalance_now(self) -> bool:
         if not self.inflight:
@@ -126,6 +163,7 @@ class ClusterScheduler(Scheduler):
         keep = []
         for request, deliver in self.waiting:
             if request.cancelled:
+                self.metrics.finished(request, "cancelled")
                 continue
             rank = self._room(self.prefill)
             if rank is None:
@@ -179,6 +217,7 @@ class ClusterScheduler(Scheduler):
             request, rank = self.inflight.get(wire.rid, (None, 0))
             if request is None:
                 continue
+            self.metrics.event(request, len(wire.token_ids), wire.finish_reason)
             deliver = self.listeners.get(wire.rid)
             if deliver is not None:
                 deliver(wire.event(request))
@@ -208,7 +247,8 @@ class ClusterScheduler(Scheduler):
     def _go_down(self, exc: BaseException) -> None:
         """Fail everything in flight and everything that comes later with ClusterDown."""
         self.down = f"the serving group lost a rank and cannot generate: {_reason(exc)}"
-        for rid in list(self.inflight):
+        for rid, (request, _) in list(self.inflight.items()):
+            self.metrics.finished(request, "error")
             deliver = self.listeners.pop(rid, None)
             if deliver is not None:
                 deliver(ClusterDown(self.down))
@@ -220,7 +260,8 @@ class ClusterScheduler(Scheduler):
     def _drain(self) -> None:
         self._take(block=False)
         waiting, self.waiting = self.waiting, []
-        for _, deliver in waiting:
+        for request, deliver in waiting:
+            self.metrics.finished(request, "error")
             deliver(ClusterDown(self.down))
 
 

@@ -94,6 +94,11 @@ class Lockstep:
                 self.join_empty(w)
             self.in_round = False
 
+    def routed_counts(self) -> list[list[int]]:
+        """Tokens this rank's routers sent to each logical expert of each MoE layer since the start (the MTP
+        layer's last): the expert load ``/metrics`` reports per rank."""
+        return [moe.dispatcher.routed.tolist() for moe in self.layers]
+
     @torch.no_grad()
     def rebalance(self) -> None:
         """EPLB at a step boundary: every layer's expert load since the last rebalance, summed over the group,
@@ -140,9 +145,12 @@ class LockstepDispatcher(TokenDispatcher):
         super().__init__()
         self.lockstep, self.index, self.inner = lockstep, index, inner
         self.load = torch.zeros(inner.n_experts, dtype=torch.float64)  # tokens per logical expert, this rank
+        self.routed = torch.zeros(inner.n_experts, dtype=torch.long)  # the same, never reset (/metrics)
 
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Steps:
-        self.load += torch.bincount(routing.idx.flatten().cpu(), minlength=self.load.numel())
+        counts = torch.bincount(routing.idx.flatten().cpu(), minlength=self.load.numel())
+        self.load += counts
+        self.routed += counts
         after = self.lockstep.enter(self.index)
         rows, handle = yield from self.inner.dispatch(x, routing)
         return rows, _Handle(handle, after)

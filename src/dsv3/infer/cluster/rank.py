@@ -84,6 +84,7 @@ class Control:
     cancel: list[int] = field(default_factory=list)
     transfers: list[Transfer] = field(default_factory=list)
     rebalance: bool = False  # EPLB: every group rebalances its experts before this step's work
+    report_load: bool = False  # every rank adds its routed-token counts to its report (/metrics)
     stop: bool = False
 
 
@@ -96,6 +97,7 @@ class Report:
     ready: list[Ready] = field(default_factory=list)
     kv_bytes: int = 0
     kv_tokens: int = 0
+    expert_load: list[list[int]] | None = None  # [MoE layer][expert] routed tokens so far, when asked
 
 
 class RankWorker:
