@@ -39,6 +39,9 @@ def check_pipeline_layout(layout: Layout) -> None:
     if layout.dp_shard == "fsdp":  # zero1: dsv3.parallel.pipeline_zero1
         raise DSV3Error(f"--pp {layout.pp} with --dp-shard fsdp: pipeline stages with FSDP are not implemented; "
                         "use --dp-shard zero1")
+    if layout.dp_shard == "zero1" and layout.dp < 2:
+        raise DSV3Error(f"--pp {layout.pp} with --dp-shard zero1 shards each stage over its data-parallel replicas, "
+                        f"but there is one; start a multiple of {layout.pp} processes, at least {2 * layout.pp}")
 
 
 def default_microbatches(layout: Layout) -> int:
