@@ -57,7 +57,8 @@ def test_a_combine_format_without_ep_is_simulated_by_the_local_dispatchers():
     [
         (Layout(pp=2), "needs pp x dp = 2 processes, but 1 are running"),
         (Layout(pp=2, ep=2), "--ep 2 must divide the 1 data-parallel replica(s) of each pipeline stage"),
-        (Layout(pp=2, dp_shard="zero1"), "pipeline stages with sharded data parallelism are not implemented yet"),
+        (Layout(pp=2, dp_shard="zero1"), "--dp-shard zero1 shards each stage over its data-parallel replicas"),
+        (Layout(pp=2, dp=2, dp_shard="fsdp"), "pipeline stages with FSDP are not implemented; use --dp-shard zero1"),
         (Layout(pp=2, schedule="gpipe"), "--pp-schedule must be one of"),
         (Layout(dp_shard="zero1"), "--dp-shard zero1 shards over the data-parallel processes but only one"),
         (Layout(dp_shard="zero3"), "dp_shard must be one of none, zero1, fsdp"),

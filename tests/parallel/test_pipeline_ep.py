@@ -42,7 +42,7 @@ def test_group_arithmetic_puts_ep_groups_inside_a_stage_s_replicas():
     ("layout", "message"),
     [
         (Layout(pp=2, dp=4, ep=3), "--ep 3 must divide the 4 data-parallel replica(s) of each pipeline stage"),
-        (Layout(pp=2, dp=2, ep=2, dp_shard="zero1"), "pipeline stages with sharded data parallelism"),
+        (Layout(pp=2, dp=2, ep=2, dp_shard="fsdp"), "pipeline stages with FSDP are not implemented"),
     ],
 )
 def test_impossible_pipeline_ep_layouts_are_refused(layout, message):

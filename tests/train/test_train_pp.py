@@ -127,5 +127,6 @@ def test_pp_without_enough_processes_is_refused(make_opts):
     with pytest.raises(DSV3Error, match="--pp-schedule must be one of"):
         make_opts("bad", pp=2, pp_schedule="gpipe").check()
     make_opts("ep", pp=2, ep=2).check()  # pipeline stages with EP: the layout checks E | D (test_parallelize)
+    make_opts("zero1", pp=2, dp_shard="zero1").check()  # pipeline stages x ZeRO-1 (test_pipeline_zero1)
     with pytest.raises(DSV3Error, match="they need --pp 2 or more"):
         make_opts("nopp", microbatches=4).check()

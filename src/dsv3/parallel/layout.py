@@ -140,6 +140,10 @@ def parallelize(model: nn.Module, layout: Layout | None = None) -> Parallelized:
     """Apply ``layout`` (default: one process) to ``model`` (a `Transformer`, the same on every rank: same
     seed or checkpoint) in place and return the object that trains it. Every rank must call it."""
     layout = (layout or Layout()).check(_world_size())
+    if layout.pp > 1 and layout.dp_shard == "zero1":
+        from dsv3.parallel.pipeline_zero1 import pipeline_zero1
+
+        return pipeline_zero1(model, layout)
     if layout.pp > 1 and layout.ep > 1:
         from dsv3.parallel.pipeline_ep import PipelineExpertParallelized
 

@@ -36,9 +36,12 @@ def check_pipeline_layout(layout: Layout) -> None:
     if layout.ep > 1 and layout.dp % layout.ep:
         raise DSV3Error(f"--ep {layout.ep} must divide the {layout.dp} data-parallel replica(s) of each pipeline "
                         f"stage (processes / --pp {layout.pp}): a stage's routed experts are split over --ep of them")
-    if layout.dp_shard != "none":
-        raise DSV3Error(f"--pp {layout.pp} with --dp-shard {layout.dp_shard}: pipeline stages with sharded data "
-                        "parallelism are not implemented yet; use one of them")
+    if layout.dp_shard == "fsdp":  # zero1: dsv3.parallel.pipeline_zero1
+        raise DSV3Error(f"--pp {layout.pp} with --dp-shard fsdp: pipeline stages with FSDP are not implemented; "
+                        "use --dp-shard zero1")
+    if layout.dp_shard == "zero1" and layout.dp < 2:
+        raise DSV3Error(f"--pp {layout.pp} with --dp-shard zero1 shards each stage over its data-parallel replicas, "
+                        f"but there is one; start a multiple of {layout.pp} processes, at least {2 * layout.pp}")
 
 
 def default_microbatches(layout: Layout) -> int:
