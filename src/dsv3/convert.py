@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -60,10 +61,9 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: boo
     files = checkpoint_files(src)
     check_checkpoint(cfg, files)  # the checks load_pretrained makes, before anything is written
     scale_home = _scale_locations(src, files)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = staging_dir(dst.parent, f".{dst.name}.tmp-")
     summary = {"tensors": 0, "quantized": 0, "dequantized": 0, "shards": len(files), "bytes": 0}
-    try:
+
+    def write(tmp: Path) -> None:
         weight_map = {}
         with Progress(transient=True) as progress:
             task = progress.add_task("converting shards", total=len(files))
@@ -78,6 +78,19 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: boo
             (tmp / INDEX_NAME).write_text(json.dumps(index, indent=2) + "\n")
         cfg.replace(quantization_config=FP8_CONFIG if to == "fp8" else None,
                     torch_dtype="bfloat16").save_json(tmp / "config.json")
+
+    _publish(src, dst, write)
+    return summary
+
+
+def _publish(src: Path, dst: Path, write: Callable[[Path], None]) -> None:
+    """``write`` fills a staging folder beside ``dst``; the tokenizer and other files of ``src`` that belong
+    with the weights are copied beside them, and the folder is renamed into place (replacing ``dst``), so
+    ``dst`` is never half written; a failure removes the staging folder."""
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = staging_dir(dst.parent, f".{dst.name}.tmp-")
+    try:
+        write(tmp)
         for extra in src.iterdir():  # tokenizer, generation config, ...
             if _carried_over(extra):
                 shutil.copy2(extra, tmp / extra.name)
@@ -88,7 +101,6 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: boo
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return summary
 
 
 def export_whole(src: Path, dst: Path, to: str) -> dict:
@@ -99,20 +111,8 @@ def export_whole(src: Path, dst: Path, to: str) -> dict:
     from dsv3.checkpoint import load_pretrained
 
     model = load_pretrained(src)
-    dst.parent.mkdir(parents=True, exist_ok=True)
-    tmp = staging_dir(dst.parent, f".{dst.name}.tmp-")
-    try:
-        model.save_pretrained(tmp, dtype=None if to == "hf" else torch.bfloat16, fp8=to == "fp8")
-        for extra in src.iterdir():  # tokenizer, generation config, ...
-            if _carried_over(extra):
-                shutil.copy2(extra, tmp / extra.name)
-        publish_tree(tmp)
-        if dst.exists():
-            shutil.rmtree(dst)
-        tmp.rename(dst)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    _publish(src, dst, lambda tmp: model.save_pretrained(tmp, dtype=None if to == "hf" else torch.bfloat16,
+                                                         fp8=to == "fp8"))
     files = checkpoint_files(dst)
     stored = stored_tensors(files)
     quantized = sum(name.endswith("_scale_inv") for name in stored)

@@ -163,6 +163,24 @@ def _fail_in_forward(pipe: PipelineParallel) -> None:
     pipe.stage_modules[0].register_forward_pre_hook(boom)
 
 
+def train_steps(parallel, optimizer: torch.optim.Optimizer, spec: PipeSpec, cfg: ModelConfig) -> list[list[float]]:
+    """The spec's training steps through a layout object (this replica's rows of every global batch):
+    per step [total, lm, mtp, balance, grad_norm], the aux-free bias update included."""
+    per_replica = spec.batch // spec.dp
+    rows = slice(parallel.data_rank * per_replica, (parallel.data_rank + 1) * per_replica)
+    losses = []
+    for input_ids, labels in batches(spec, cfg.vocab_size):
+        parts = parallel.forward_backward([(input_ids[rows], labels[rows])],
+                                          autocast(spec.precision, torch.device("cpu")), 1)
+        grad_norm = parallel.sync_and_clip(spec.grad_clip)
+        optimizer.step()
+        parallel.reduce_expert_loads()
+        parallel.update_router_biases()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(parts + [grad_norm])
+    return losses
+
+
 def _pipeline_ep_run(rank: int, base: ModelConfig, spec: PipeSpec) -> dict:
     """``spec`` through ``parallelize(model, Layout(pp, dp, ep, schedule))`` and the trainer's calls on the
     object it returns. Every rank returns its losses and biases; rank 0 also the gathered whole model."""
@@ -178,18 +196,7 @@ def _pipeline_ep_run(rank: int, base: ModelConfig, spec: PipeSpec) -> dict:
     else:
         parallel = parallelize(model, layout)
     optimizer = _optimizer(parallel.model.parameters(), spec)
-    per_replica = spec.batch // spec.dp
-    rows = slice(parallel.data_rank * per_replica, (parallel.data_rank + 1) * per_replica)
-    losses = []
-    for input_ids, labels in batches(spec, cfg.vocab_size):
-        parts = parallel.forward_backward([(input_ids[rows], labels[rows])],
-                                          autocast(spec.precision, torch.device("cpu")), 1)
-        grad_norm = parallel.sync_and_clip(spec.grad_clip)
-        optimizer.step()
-        parallel.reduce_expert_loads()
-        parallel.update_router_biases()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(parts + [grad_norm])
+    losses = train_steps(parallel, optimizer, spec, cfg)
     full = parallel.full_model()  # a collective
     count = parallel.parameter_count()
     biases = {k: v for k, v in _state(model).items() if k.endswith("e_score_correction_bias")}

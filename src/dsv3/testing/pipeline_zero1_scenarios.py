@@ -11,8 +11,7 @@ import torch
 from dsv3.errors import DSV3Error
 from dsv3.model.transformer import Transformer
 from dsv3.parallel.layout import Layout, parallelize
-from dsv3.testing.pipeline_scenarios import PipeSpec, _optimizer, _state, batches, spec_config
-from dsv3.train.precision import autocast
+from dsv3.testing.pipeline_scenarios import PipeSpec, _optimizer, _state, spec_config, train_steps
 
 
 def zero1_worker(rank: int, world: int, base, specs: list[PipeSpec]) -> list[dict]:
@@ -31,18 +30,7 @@ def _zero1_run(rank: int, world: int, base, spec: PipeSpec) -> dict:
     parallel = parallelize(model, layout)
     optimizer = _optimizer(parallel.model.parameters(), spec)
     parallel.attach_optimizer(optimizer)
-    per_replica = spec.batch // spec.dp
-    rows = slice(parallel.data_rank * per_replica, (parallel.data_rank + 1) * per_replica)
-    losses = []
-    for input_ids, labels in batches(spec, cfg.vocab_size):
-        parts = parallel.forward_backward([(input_ids[rows], labels[rows])],
-                                          autocast(spec.precision, torch.device("cpu")), 1)
-        grad_norm = parallel.sync_and_clip(spec.grad_clip)
-        optimizer.step()
-        parallel.reduce_expert_loads()
-        parallel.update_router_biases()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(parts + [grad_norm])
+    losses = train_steps(parallel, optimizer, spec, cfg)
     names = {id(p): n for n, p in model.named_parameters()}
     full = parallel.full_model()  # a collective
     biases = {k: v for k, v in _state(model).items() if k.endswith("e_score_correction_bias")}
