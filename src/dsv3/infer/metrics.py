@@ -198,26 +198,20 @@ class ServingMetrics:
     def _prefix_lines(self, family) -> None:
         cache = self.prefix_cache
         c = cache.counters
-        family("prefix_cache_blocks", "gauge", "Blocks resident in the prefix cache.",
-               [f"prefix_cache_blocks {len(cache.blocks)}"])
-        family("prefix_cache_bytes", "gauge", "Bytes of the resident blocks.",
-               [f"prefix_cache_bytes {cache.used_bytes}"])
-        family("prefix_cache_capacity_bytes", "gauge", "The prefix cache's byte budget.",
-               [f"prefix_cache_capacity_bytes {cache.max_bytes}"])
-        family("prefix_cache_block_tokens", "gauge", "Tokens per block.",
-               [f"prefix_cache_block_tokens {cache.block_tokens}"])
-        family("prefix_cache_queries", "counter", "Prompt tokens looked up in the prefix cache.",
-               [f"prefix_cache_queries_total {c.queries}"])
-        family("prefix_cache_hits", "counter", "Prompt tokens served by the prefix cache (hit rate: hits / queries).",
-               [f"prefix_cache_hits_total {c.hits}"])
-        family("prefix_cache_evictions", "counter", "Blocks evicted from memory.",
-               [f"prefix_cache_evictions_total {c.evicted}"])
-        family("prefix_cache_disk_reads", "counter", "Blocks read back from the on-disk tier.",
-               [f"prefix_cache_disk_reads_total {c.disk_reads}"])
-        family("prefix_cache_disk_writes", "counter", "Blocks written to the on-disk tier.",
-               [f"prefix_cache_disk_writes_total {c.disk_writes}"])
-        family("prefix_cache_disk_rejected", "counter", "On-disk block files ignored (corrupt or foreign).",
-               [f"prefix_cache_disk_rejected_total {c.disk_rejected}"])
+        gauges = [("blocks", "Blocks resident in the prefix cache.", len(cache.blocks)),
+                  ("bytes", "Bytes of the resident blocks.", cache.used_bytes),
+                  ("capacity_bytes", "The prefix cache's byte budget.", cache.max_bytes),
+                  ("block_tokens", "Tokens per block.", cache.block_tokens)]
+        counters = [("queries", "Prompt tokens looked up in the prefix cache.", c.queries),
+                    ("hits", "Prompt tokens served by the prefix cache (hit rate: hits / queries).", c.hits),
+                    ("evictions", "Blocks evicted from memory.", c.evicted),
+                    ("disk_reads", "Blocks read back from the on-disk tier.", c.disk_reads),
+                    ("disk_writes", "Blocks written to the on-disk tier.", c.disk_writes),
+                    ("disk_rejected", "On-disk block files ignored (corrupt or foreign).", c.disk_rejected)]
+        for name, help_text, value in gauges:
+            family(f"prefix_cache_{name}", "gauge", help_text, [f"prefix_cache_{name} {value}"])
+        for name, help_text, value in counters:
+            family(f"prefix_cache_{name}", "counter", help_text, [f"prefix_cache_{name}_total {value}"])
 
     def _expert_lines(self, family) -> None:
         loads = self.expert_load()
