@@ -35,6 +35,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dsv3.config import preset
@@ -108,14 +109,16 @@ class Dsv3:
     def start(self, prompts: list[list[int]], steps: int) -> None:
         with torch.inference_mode():
             self.batch = self.engine.start([Request(p, steps + 2) for p in prompts])
+        self.first, self.tokens = self.batch.rows[0].request, []
 
     def decode(self, n: int) -> float:
         """Seconds per step over n steps."""
         with torch.inference_mode():
             t0 = time.perf_counter()
-            for _ in range(n):
-                self.batch.step()
-            return (time.perf_counter() - t0) / n
+            events = [self.batch.step() for _ in range(n)]
+            seconds = (time.perf_counter() - t0) / n
+        self.tokens += [t for step in events for ev in step if ev.request is self.first for t in ev.token_ids]
+        return seconds
 
 
 class HF:
@@ -131,6 +134,7 @@ class HF:
     def start(self, prompts: list[list[int]], steps: int) -> None:
         out = self.model(torch.tensor(prompts), use_cache=True)
         self.cache, self.token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        self.tokens = []
 
     @torch.inference_mode()
     def decode(self, n: int) -> float:
@@ -138,6 +142,7 @@ class HF:
         for _ in range(n):
             out = self.model(self.token, cache=self.cache, use_cache=True)
             self.cache, self.token = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+            self.tokens.append(int(self.token[0, 0]))
         return (time.perf_counter() - t0) / n
 
 
@@ -155,16 +160,19 @@ class LlamaCpp:
     def start(self, prompts: list[list[int]], steps: int) -> None:
         self.llm.reset()
         self.llm.eval(prompts[0])
-        self.token = int(self.llm.eval_logits[-1].index(max(self.llm.eval_logits[-1]))) if self.llm.eval_logits \
-            else 1
+        self.token = self._greedy()
+        self.tokens = []
+
+    def _greedy(self) -> int:
+        """argmax of the last evaluated token's logits (llama-cpp-python keeps no copy without logits_all)."""
+        return int(np.argmax(np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),))))
 
     def decode(self, n: int) -> float:
-        import numpy as np
-
         t0 = time.perf_counter()
         for _ in range(n):
             self.llm.eval([self.token])
-            self.token = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
+            self.token = self._greedy()
+            self.tokens.append(self.token)
         return (time.perf_counter() - t0) / n
 
 
@@ -272,6 +280,15 @@ def race(impls: dict, prompts: list[list[int]], steps: int, repeats: int,
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
+def agreement(tokens: list[int], reference: list[int]) -> str:
+    """How many of the greedy tokens (every decoded step of the run) equal the reference's before the first
+    difference: "48/48" when all do. Random weights give nearly flat logits, so a low-precision format may
+    legitimately part ways after a few tokens; fp32 implementations should agree throughout."""
+    n = min(len(tokens), len(reference))
+    same = next((i for i in range(n) if tokens[i] != reference[i]), n)
+    return f"{same}/{n}"
+
+
 def batch1_section(folder, cfg, args, ggufs, bandwidth) -> list[dict]:
     models = {"fp32": load_model(folder, torch.float32), "bf16": load_model(folder, torch.bfloat16),
               "fp8": load_model(folder, torch.bfloat16, "fp8")}
@@ -294,6 +311,7 @@ def batch1_section(folder, cfg, args, ggufs, bandwidth) -> list[dict]:
             for name, s in secs.items():
                 impl = impls[name]
                 row[name] = figure(s, impl.weight_bytes, cache_bytes_per_token(cfg, ctx, impl.cache_element), threads)
+                row[name]["greedy_agree"] = agreement(impl.tokens, impls["dsv3 fp32 module path"].tokens)
                 log(f"  {name}: {row[name]['tokens_per_s']:.1f} tokens/s")
             rows.append(row)
     return rows
@@ -429,7 +447,8 @@ def report(result: dict) -> str:
         lines.append(f"threads {row['threads']}, context {row['context']}:")
         for name, f in row.items():
             if isinstance(f, dict):
-                lines.append(f"  {name:24} {f['tokens_per_s']:8.1f} tokens/s  roofline {f['roofline_fraction']:.2f}")
+                lines.append(f"  {name:22} {f['tokens_per_s']:7.1f} tokens/s  roofline {f['roofline_fraction']:.2f}"
+                             f"  greedy {f['greedy_agree']}")
     for row in result.get("batch", []):
         lines.append(f"batch {row['weights']}: {row['batch_over_1']:.2f}x batch 1 at context {row['context']} "
                      f"(bytes allow {row['bound_over_1']:.2f}x)")
