@@ -20,14 +20,16 @@ Sections: ``batch1`` (contexts x threads x implementations), ``batch`` (output t
 batch 1, context 1024), ``mtp`` (a speculative step's cost next to a plain one), ``overhead`` (tiny
 shapes vs transformers at context 2048: the fixed per-token cost), ``weights`` (resident bytes),
 ``cache_precision``; ``kernels`` says whether the C kernels ran.
-llama.cpp: pass ``--llama-convert PATH/convert_hf_to_gguf.py`` (from the llama.cpp source that
-llama-cpp-python was built from); it needs ``gguf``. Without them the llama.cpp rows are left out.
+llama.cpp: ``bash benchmarks/llama_cpp_setup.sh`` builds it (a few minutes) and ``--env`` prints the
+environment that points the bindings, ``gguf`` and ``--llama-convert`` at it. Without them the llama.cpp
+rows are left out and the run says why.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -401,7 +403,9 @@ def main() -> None:
     ap.add_argument("--batch-context", type=int, default=1024)
     ap.add_argument("--batch-weights", default="fp32,bf16")
     ap.add_argument("--sections", default="batch1,batch,mtp,overhead,weights,cache")
-    ap.add_argument("--llama-convert", default=None, metavar="PATH", help="llama.cpp's convert_hf_to_gguf.py")
+    ap.add_argument("--llama-convert", default=os.environ.get("DSV3_LLAMA_CONVERT"), metavar="PATH",
+                    help="llama.cpp's convert_hf_to_gguf.py (default: $DSV3_LLAMA_CONVERT, which "
+                    "benchmarks/llama_cpp_setup.sh --env sets)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     args.contexts = [int(c) for c in args.contexts.split(",")]
