@@ -1,0 +1,112 @@
+"""Multi-process checks and measurements of dual micro-batch decode in an EP serving group, run through
+`launch` by the tests and by ``benchmarks/serve_dual_microbatch.py``.
+
+``dual_generation``: every rank drives the server's own `RankWorker` through a fixed schedule of control
+messages (requests arriving at given steps on given ranks, so that ranks hold odd and even numbers of rows,
+one rank idles, and rows join mid-decode); the caller compares the greedy tokens with one process.
+``decode_step_times``: every rank decodes a full batch of its own, alternating single and dual mode, and
+times each step and (single mode) the time spent in the expert exchanges.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from dsv3.infer.cluster.lockstep import Lockstep, make_lockstep, use_micro_batches
+from dsv3.infer.cluster.rank import Control, RankWorker, WireRequest
+from dsv3.infer.engine import Engine, Request
+from dsv3.infer.sampling import GREEDY
+
+# (step, rank, prompt index): when and where each request arrives
+Schedule = list[tuple[int, int, int]]
+
+
+def dual_generation(rank: int, world: int, checkpoint: str, prompts: list[list[int]], max_tokens: list[int],
+                    schedule: Schedule, speculative: bool = False) -> dict:
+    """This rank's greedy tokens {prompt index: ids} under ``schedule`` with ``--micro-batches 2``, and how
+    many of its decode steps ran split in two halves."""
+    import dsv3
+
+    engine = Engine(dsv3.load_pretrained(checkpoint), None, speculative=speculative)
+    lockstep = make_lockstep(engine.model, [list(range(world))])
+    use_micro_batches(engine, lockstep, 2)
+    worker = RankWorker(engine, lockstep, rank)
+    tokens: dict[int, list[int]] = {}
+    step, last = 0, max(s for s, _, _ in schedule)
+    while True:
+        new: dict[int, list[WireRequest]] = {}
+        for when, r, i in schedule:
+            if when == step:
+                new.setdefault(r, []).append(WireRequest(i, prompts[i], max_tokens[i], GREEDY, frozenset(), (), None))
+        for ev in worker.step(Control(new=new)).events:
+            tokens.setdefault(ev.rid, []).extend(ev.token_ids)
+        active = torch.tensor([worker.active])
+        dist.all_reduce(active)
+        step += 1
+        if step > last and not int(active):
+            return {"tokens": tokens, "split_steps": lockstep.split_forwards, "rounds": lockstep.rounds}
+
+
+def reference_tokens(checkpoint: str, prompts: list[list[int]], max_tokens: list[int],
+                     speculative: bool = False) -> list[list[int]]:
+    """One process's greedy completions of the prompts, decoded together."""
+    import dsv3
+
+    engine = Engine(dsv3.load_pretrained(checkpoint), None, speculative=speculative)
+    return [r.token_ids for r in engine.generate([Request(p, n) for p, n in zip(prompts, max_tokens, strict=True)])]
+
+
+# ---- measurement ------------------------------------------------------------------------------------
+
+
+def decode_step_times(rank: int, world: int, preset: str, rows: int, prompt_len: int, steps: int,
+                      repeats: int, seed: int = 0) -> dict:
+    """Decode ``steps`` steps of a ``rows``-row batch on every rank, ``repeats`` times per mode, modes
+    alternating (single, dual, single, ...). Per mode and repeat: the median step time (every rank steps
+    together: the group's step), and in single mode the share of it this rank spent in the expert exchanges
+    (dispatch and combine, the rounds' gathers included: what dual mode could hide)."""
+    from dsv3.config import preset as named
+    from dsv3.model.transformer import Transformer
+
+    torch.manual_seed(seed)  # the same weights on every rank
+    model = Transformer(named(preset)).eval()
+    engine = Engine(model, None)
+    lockstep = make_lockstep(model, [list(range(world))])
+    g = torch.Generator().manual_seed(seed + 1 + rank)
+    vocab = model.config.vocab_size
+    out: dict[str, list[float]] = {"single_s": [], "dual_s": [], "exchange_s": []}
+    for _ in range(repeats):
+        for n in (1, 2):
+            use_micro_batches(engine, lockstep, n)
+            requests = [Request(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), steps + 1,
+                                ignore_eos=True) for _ in range(rows)]
+            step_s, exchange_s = _timed_decode(engine, lockstep, requests, steps)
+            out["single_s" if n == 1 else "dual_s"].append(step_s)
+            if n == 1:
+                out["exchange_s"].append(exchange_s)
+    return out
+
+
+def _timed_decode(engine: Engine, lockstep: Lockstep, requests: list[Request], steps: int) -> tuple[float, float]:
+    """Prefill, then ``steps`` decode steps: (median step seconds, median exchange seconds per step)."""
+    batch = engine.start(requests)
+    lockstep.finish()
+    dispatchers = [moe.dispatcher.inner for moe in lockstep.layers]
+    times, exchanges = [], []
+    for _ in range(steps):
+        dist.barrier()
+        before = _exchange_seconds(lockstep, dispatchers)
+        t0 = time.perf_counter()
+        batch.step()
+        lockstep.finish()
+        times.append(time.perf_counter() - t0)
+        exchanges.append(_exchange_seconds(lockstep, dispatchers) - before)
+    return statistics.median(times), statistics.median(exchanges)
+
+
+def _exchange_seconds(lockstep: Lockstep, dispatchers: list) -> float:
+    return lockstep.gather_s + sum(d.stage_seconds["dispatch"] + d.stage_seconds["combine"] for d in dispatchers)
