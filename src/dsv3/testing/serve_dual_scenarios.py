@@ -65,10 +65,11 @@ def reference_tokens(checkpoint: str, prompts: list[list[int]], max_tokens: list
 
 def decode_step_times(rank: int, world: int, preset: str, rows: int, prompt_len: int, steps: int,
                       repeats: int, seed: int = 0) -> dict:
-    """Decode ``steps`` steps of a ``rows``-row batch on every rank, ``repeats`` times per mode, modes
-    alternating (single, dual, single, ...). Per mode and repeat: the median step time (every rank steps
-    together: the group's step), and in single mode the share of it this rank spent in the expert exchanges
-    (dispatch and combine, the rounds' gathers included: what dual mode could hide)."""
+    """``repeats`` batches of ``rows`` rows on every rank, each prefilled and then decoded ``2 * steps`` steps
+    with single and dual mode alternating step by step (so that load on the machine hits both alike). Per
+    repeat and mode: the median step time (every rank steps together: the group's step), and in single mode
+    the time this rank spent in the expert exchanges (dispatch and combine, the rounds' gathers included:
+    what dual mode could hide)."""
     from dsv3.config import preset as named
     from dsv3.model.transformer import Transformer
 
@@ -80,33 +81,34 @@ def decode_step_times(rank: int, world: int, preset: str, rows: int, prompt_len:
     vocab = model.config.vocab_size
     out: dict[str, list[float]] = {"single_s": [], "dual_s": [], "exchange_s": []}
     for _ in range(repeats):
-        for n in (1, 2):
-            use_micro_batches(engine, lockstep, n)
-            requests = [Request(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), steps + 1,
-                                ignore_eos=True) for _ in range(rows)]
-            step_s, exchange_s = _timed_decode(engine, lockstep, requests, steps)
-            out["single_s" if n == 1 else "dual_s"].append(step_s)
+        requests = [Request(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), 2 * steps + 1,
+                            ignore_eos=True) for _ in range(rows)]
+        use_micro_batches(engine, lockstep, 1)
+        batch = engine.start(requests)
+        lockstep.finish()
+        times: dict[int, list[float]] = {1: [], 2: []}
+        exchanges = []
+        for k in range(2 * steps):
+            n = 1 + k % 2
+            use_micro_batches(engine, lockstep, n)  # at a step boundary, on every rank alike
+            seconds, exchange = _timed_step(batch, lockstep)
+            times[n].append(seconds)
             if n == 1:
-                out["exchange_s"].append(exchange_s)
+                exchanges.append(exchange)
+        out["single_s"].append(statistics.median(times[1]))
+        out["dual_s"].append(statistics.median(times[2]))
+        out["exchange_s"].append(statistics.median(exchanges))
     return out
 
 
-def _timed_decode(engine: Engine, lockstep: Lockstep, requests: list[Request], steps: int) -> tuple[float, float]:
-    """Prefill, then ``steps`` decode steps: (median step seconds, median exchange seconds per step)."""
-    batch = engine.start(requests)
-    lockstep.finish()
+def _timed_step(batch, lockstep: Lockstep) -> tuple[float, float]:
+    """One decode step of the group: (seconds, seconds this rank spent in the exchanges)."""
     dispatchers = [moe.dispatcher.inner for moe in lockstep.layers]
-    times, exchanges = [], []
-    for _ in range(steps):
-        dist.barrier()
-        before = _exchange_seconds(lockstep, dispatchers)
-        t0 = time.perf_counter()
-        batch.step()
-        lockstep.finish()
-        times.append(time.perf_counter() - t0)
-        exchanges.append(_exchange_seconds(lockstep, dispatchers) - before)
-    return statistics.median(times), statistics.median(exchanges)
-
-
+    dist.barrier()
+    before = _exchange_seconds(lockstep, dispatchers)
+    t0 = time.perf_counter()
+    batch.step()
+    lockstep.finish()
+    return time.perf_counter() - t0, _exchange_seconds(lockstep, dispatchers) - before
 def _exchange_seconds(lockstep: Lockstep, dispatchers: list) -> float:
     return lockstep.gather_s + sum(d.stage_seconds["dispatch"] + d.stage_seconds["combine"] for d in dispatchers)
