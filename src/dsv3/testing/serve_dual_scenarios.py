@@ -64,51 +64,82 @@ def reference_tokens(checkpoint: str, prompts: list[list[int]], max_tokens: list
 
 
 def decode_step_times(rank: int, world: int, preset: str, rows: int, prompt_len: int, steps: int,
-                      repeats: int, seed: int = 0) -> dict:
+                      repeats: int, wire_latency_s: float = 0.0, seed: int = 0) -> dict:
     """``repeats`` batches of ``rows`` rows on every rank, each prefilled and then decoded ``2 * steps`` steps
     with single and dual mode alternating step by step (so that load on the machine hits both alike). Per
-    repeat and mode: the median step time (every rank steps together: the group's step), and in single mode
-    the time this rank spent in the expert exchanges (dispatch and combine, the rounds' gathers included:
-    what dual mode could hide)."""
+    repeat and mode, medians over the steps: the step time (every rank steps together: the group's step)
+    and the time this rank waited on the exchanges (blocked on an all-to-all or in a round's gather).
+    ``wire_latency_s`` > 0 emulates a network: every all-to-all completes no sooner than that long after it
+    was issued (a sleep, which costs no CPU)."""
     from dsv3.config import preset as named
     from dsv3.model.transformer import Transformer
 
+    clock = _WaitClock(wire_latency_s)
     torch.manual_seed(seed)  # the same weights on every rank
     model = Transformer(named(preset)).eval()
     engine = Engine(model, None)
     lockstep = make_lockstep(model, [list(range(world))])
     g = torch.Generator().manual_seed(seed + 1 + rank)
     vocab = model.config.vocab_size
-    out: dict[str, list[float]] = {"single_s": [], "dual_s": [], "exchange_s": []}
+    out: dict[str, list[float]] = {key: [] for key in ("single_s", "dual_s", "single_wait_s", "dual_wait_s")}
     for _ in range(repeats):
         requests = [Request(torch.randint(0, vocab, (prompt_len,), generator=g).tolist(), 2 * steps + 1,
                             ignore_eos=True) for _ in range(rows)]
         use_micro_batches(engine, lockstep, 1)
         batch = engine.start(requests)
         lockstep.finish()
-        times: dict[int, list[float]] = {1: [], 2: []}
-        exchanges = []
+        seen: dict[str, list[float]] = {key: [] for key in out}
         for k in range(2 * steps):
-            n = 1 + k % 2
-            use_micro_batches(engine, lockstep, n)  # at a step boundary, on every rank alike
-            seconds, exchange = _timed_step(batch, lockstep)
-            times[n].append(seconds)
-            if n == 1:
-                exchanges.append(exchange)
-        out["single_s"].append(statistics.median(times[1]))
-        out["dual_s"].append(statistics.median(times[2]))
-        out["exchange_s"].append(statistics.median(exchanges))
+            mode = "single" if k % 2 == 0 else "dual"
+            use_micro_batches(engine, lockstep, 1 if mode == "single" else 2)  # a step boundary, every rank alike
+            seconds, waited = _timed_step(batch, lockstep, clock)
+            seen[f"{mode}_s"].append(seconds)
+            seen[f"{mode}_wait_s"].append(waited)
+        for key, values in seen.items():
+            out[key].append(statistics.median(values))
     return out
 
 
-def _timed_step(batch, lockstep: Lockstep) -> tuple[float, float]:
-    """One decode step of the group: (seconds, seconds this rank spent in the exchanges)."""
-    dispatchers = [moe.dispatcher.inner for moe in lockstep.layers]
+def _timed_step(batch, lockstep: Lockstep, clock: _WaitClock) -> tuple[float, float]:
+    """One decode step of the group: (seconds, seconds this rank waited on the exchanges)."""
     dist.barrier()
-    before = _exchange_seconds(lockstep, dispatchers)
+    before = clock.waited + lockstep.gather_s
     t0 = time.perf_counter()
     batch.step()
     lockstep.finish()
-    return time.perf_counter() - t0, _exchange_seconds(lockstep, dispatchers) - before
-def _exchange_seconds(lockstep: Lockstep, dispatchers: list) -> float:
-    return lockstep.gather_s + sum(d.stage_seconds["dispatch"] + d.stage_seconds["combine"] for d in dispatchers)
+    return time.perf_counter() - t0, clock.waited + lockstep.gather_s - before
+
+
+class _WaitClock:
+    """Wraps this process's ``dist.all_to_all_single`` (the exchanges' collectives) so that the time spent
+    blocked on them adds up in ``waited``; with ``latency`` > 0 each also completes no sooner than that long
+    after it was issued (an emulated network: a sleep, which costs no CPU). Measurement only."""
+
+    def __init__(self, latency: float):
+        self.latency, self.waited = latency, 0.0
+        real = dist.all_to_all_single
+
+        def timed(*args, async_op: bool = False, **kwargs):
+            work = _TimedWork(real(*args, async_op=True, **kwargs), time.perf_counter() + latency, self)
+            if async_op:
+                return work
+            work.wait()
+            return None
+
+        dist.all_to_all_single = timed
+
+
+class _TimedWork:
+    """An all-to-all's handle whose ``wait`` returns no sooner than ``ready`` and is timed by ``clock``."""
+
+    def __init__(self, work, ready: float, clock: _WaitClock):
+        self.work, self.ready, self.clock = work, ready, clock
+
+    def wait(self):
+        t0 = time.perf_counter()
+        left = self.ready - t0
+        if left > 0:
+            time.sleep(left)
+        done = self.work.wait()
+        self.clock.waited += time.perf_counter() - t0
+        return done
