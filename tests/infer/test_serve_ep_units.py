@@ -110,6 +110,8 @@ def test_a_seeded_sampled_row_keeps_its_random_stream_across_the_move():
     (["--ep", "4", "--dispatch", "fp4"], "--dispatch must be one of native, bf16, fp8, fp32"),
     (["--ep", "4", "--combine", "fp8"], "--combine must be one of native, bf16, logfmt8, logfmt10, fp32"),
     (["--prefill-ranks", "2"], "need --ep N"),
+    (["--micro-batches", "2"], "need --ep N"),
+    (["--ep", "4", "--micro-batches", "3"], "--micro-batches must be 1 or 2, got 3"),
     (["--ep", "4", "--redundant-experts", "2", "--eplb-every", "2", "--weights", "fp8"],
      "cannot rebalance resident FP8 experts"),
 ])

@@ -310,6 +310,9 @@ def serve(
                                           help="With --ep: R extra expert slots per layer for replicas (EPLB)."),
     eplb_every: int = typer.Option(0, "--eplb-every", metavar="K", show_default=False,
                                    help="With --ep: rebalance experts from the observed load every K busy steps."),
+    micro_batches: int = typer.Option(1, "--micro-batches", metavar="N", show_default=False,
+                                      help="With --ep: 2 splits each decode step into two halves, one computing "
+                                           "while the other's expert exchange is in flight (default: 1)."),
 ) -> None:
     """OpenAI-compatible API: /v1/models, /v1/completions, /v1/chat/completions (stream: true as SSE),
     /metrics (Prometheus). Prints the address and the model on start, then one access log line per
@@ -327,12 +330,13 @@ def serve(
 
         engine_args = dict(dtype=dtype, weights=weights, cache_dtype=cache_dtype, speculative=speculative,
                            threads=threads)
-        opts = GroupOptions(ep, prefill_ranks, dispatch, combine, redundant_experts, eplb_every)
+        opts = GroupOptions(ep, prefill_ranks, dispatch, combine, redundant_experts, eplb_every, micro_batches)
         serve_group(opts, model, host, port, max_batch, engine_args, quiet)
         return
-    if prefill_ranks or dispatch != "native" or combine != "native" or redundant_experts or eplb_every:
-        raise DSV3Error("--prefill-ranks, --dispatch, --combine, --redundant-experts and --eplb-every need --ep N "
-                        "(several processes)")
+    if prefill_ranks or dispatch != "native" or combine != "native" or redundant_experts or eplb_every or \
+            micro_batches != 1:
+        raise DSV3Error("--prefill-ranks, --dispatch, --combine, --redundant-experts, --eplb-every and "
+                        "--micro-batches need --ep N (several processes)")
     folder = resolve_checkpoint(model)
     engine = build_engine(str(folder), dtype, weights, cache_dtype, speculative, threads=threads)
     attach_prefix_cache(engine, prefix_cache_bytes, prefix_block_tokens, prefix_cache_dir)

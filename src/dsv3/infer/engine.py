@@ -24,7 +24,7 @@ non-finite is therefore prefilled again one request at a time (see ``Engine.star
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +36,7 @@ from dsv3.infer.speculative import verify
 from dsv3.model.decode import FastDecode
 from dsv3.model.mla import LatentCache
 from dsv3.model.transformer import Transformer
+from dsv3.parallel.overlap import run_interleaved
 
 
 @dataclass
@@ -215,6 +216,10 @@ class Engine:
         self.context = context_limit(model)
         self.prefix_cache = None  # a dsv3.infer.prefix_cache.PrefixCache: prompts reuse cached latent blocks
         self.decoder: Transformer | FastDecode = FastDecode(model) if fast else model  # decode steps only
+        # Dual micro-batch decode: with 2, a decode step of two rows or more runs as two halves of its rows
+        # whose forward generators ``drive`` interleaves (expert-parallel serving gives its lockstep's driver).
+        self.micro_batches = 1
+        self.drive: Callable[[list[Generator]], list] = run_interleaved
 
     def start(self, requests: list[Request]) -> Batch:
         """Prefill ``requests`` as one batch; the first token of each is in ``batch.first_events``.
@@ -440,8 +445,7 @@ class Batch:
             T, device=self.device
         )  # [B, T]
         self.valid[:, start : start + T] = True
-        h = self.engine.decoder.hidden_states(ids, positions=positions, cache=self.cache, start_pos=start,
-                                              mask=self._mask(start, T))
+        h = self._hidden(ids, positions, start, self._mask(start, T))
         logits = self.engine.decoder.lm_head(h).cpu()  # [B, T, V]
         committed = []
         for b, row in enumerate(self.rows):
@@ -466,6 +470,26 @@ class Batch:
         self.drop([b for b, r in enumerate(self.rows) if r.finish_reason])
         self.stats.decode_s += time.perf_counter() - t0
         return events
+
+    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, start: int, mask: torch.Tensor | None):
+        """The main model's hidden states [B, T, D] for a decode step: one forward, or (``micro_batches`` 2,
+        two rows or more) two forwards over halves of the rows, each on its rows' view of the cache, driven
+        together so that one half computes while the other's expert exchange is in flight."""
+        engine, B = self.engine, ids.shape[0]
+        if engine.micro_batches == 1 or B < 2:
+            return engine.decoder.hidden_states(ids, positions=positions, cache=self.cache, start_pos=start,
+                                                mask=mask)
+        source = engine.decoder if hasattr(engine.decoder, "hidden_steps") else self.model
+        halves = [slice(0, (B + 1) // 2), slice((B + 1) // 2, B)]
+        steps = [source.hidden_steps(ids[s], positions[s], self._rows(s), start, None if mask is None else mask[s])
+                 for s in halves]
+        return torch.cat(engine.drive(steps), dim=0)
+
+    def _rows(self, rows: slice) -> LatentCache:
+        """A view of the cache holding only ``rows``: what a micro-batch writes lands in the batch's cache."""
+        view = self.model.new_cache(0, 0, dtype=self.engine.cache_dtype)
+        view.kv, view.pe = self.cache.kv[:, rows], self.cache.pe[:, rows]
+        return view
 
     def _draft(self, h: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, start: int,
                counts: list[int]) -> list[Event]:

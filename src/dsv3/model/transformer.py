@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from dsv3.config import ModelConfig
+from dsv3.model.dispatch import Steps, run
 from dsv3.model.kernels import linear_cross_entropy, plain_cross_entropy
 from dsv3.model.mla import MLA, LatentCache
 from dsv3.model.moe import MLP, MoE
@@ -31,8 +32,24 @@ class Block(nn.Module):
         self.mlp = MoE(cfg) if cfg.is_moe_layer(layer_idx) else MLP(cfg.hidden_size, cfg.intermediate_size)
 
     def forward(self, x: torch.Tensor, cos, sin, cache=None, start_pos=0, mask=None, absorb=None):
+        return run(self.steps(x, cos, sin, cache, start_pos, mask, absorb))
+
+    def steps(self, x: torch.Tensor, cos, sin, cache=None, start_pos=0, mask=None, absorb=None) -> Steps:
+        """Generator: the block's forward, yielding while its MoE layer has an expert exchange in flight (so
+        that another micro-batch computes meanwhile, ``dsv3.parallel.overlap``); returns [B, T, D]."""
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, start_pos, mask, absorb)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        h = self.post_attention_layernorm(x)
+        return x + (yield from module_steps(self.mlp, h))
+
+
+def module_steps(module: nn.Module, *args) -> Steps:
+    """Generator: ``module(*args)`` through the module's own ``steps`` when it has them and nothing hooks
+    its call (forward hooks, FSDP's class swap, a stand-in module must see the call): then it yields while
+    an exchange is in flight; otherwise the plain call, which never yields."""
+    hooked = module._forward_hooks or module._forward_pre_hooks
+    if type(module) in (Block, MoE) and not hooked:
+        return (yield from module.steps(*args))
+    return module(*args)
 
 
 class SharedHead(nn.Module):
@@ -147,13 +164,21 @@ class Transformer(nn.Module):
                       cache: LatentCache | None = None, start_pos: int = 0,
                       mask: torch.Tensor | None = None, absorb: bool | None = None) -> torch.Tensor:
         """Final normed hidden states [B, T, D] of the main model (what the head and MTP read)."""
+        return run(self.hidden_steps(input_ids, positions, cache, start_pos, mask, absorb))
+
+    def hidden_steps(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                     cache: LatentCache | None = None, start_pos: int = 0,
+                     mask: torch.Tensor | None = None, absorb: bool | None = None) -> Steps:
+        """Generator of ``hidden_states``: yields while an MoE layer's expert exchange is in flight, so that
+        two micro-batches of rows can overlap one's compute with the other's exchange (dual micro-batch
+        decode, ``dsv3.infer.engine``); returns the final normed hidden states [B, T, D]."""
         T = input_ids.shape[1]
         if positions is None:
             positions = torch.arange(start_pos, start_pos + T, device=input_ids.device)[None]
         cos, sin = self.angles(positions)
         x = self.model.embed_tokens(input_ids)
         for layer in self.main_layers:
-            x = layer(x, cos, sin, cache, start_pos, mask, absorb)
+            x = yield from module_steps(layer, x, cos, sin, cache, start_pos, mask, absorb)
         return self.model.norm(x)
 
     def forward(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:

@@ -32,6 +32,7 @@ class GroupOptions:
     combine: str = "native"
     redundant_experts: int = 0
     eplb_every: int = 0
+    micro_batches: int = 1  # 2: dual micro-batch decode (the decode group's, with --prefill-ranks)
 
 
 def check_options(opts: GroupOptions, weights: str = "native") -> None:
@@ -48,6 +49,8 @@ def check_options(opts: GroupOptions, weights: str = "native") -> None:
         raise DSV3Error("--redundant-experts and --eplb-every must be >= 0")
     if opts.eplb_every and weights == "fp8":  # moving weights at run time knows plain parameters only
         raise DSV3Error("--eplb-every cannot rebalance resident FP8 experts (--weights fp8); use --weights native")
+    if opts.micro_batches not in (1, 2):
+        raise DSV3Error(f"--micro-batches must be 1 or 2, got {opts.micro_batches}")
     if opts.prefill_ranks < 0 or (opts.prefill_ranks and not 0 < opts.prefill_ranks < opts.ep):
         raise DSV3Error(f"--prefill-ranks must be between 1 and --ep - 1 ({opts.ep - 1}), got {opts.prefill_ranks}")
 
@@ -102,7 +105,7 @@ def _serve(opts: GroupOptions, rank: int, world: int, model: str, host: str, por
            engine_args: dict, quiet: bool) -> None:
     from dsv3.infer.cli import build_engine, listen
     from dsv3.infer.cluster.frontend import worker_loop
-    from dsv3.infer.cluster.lockstep import make_lockstep
+    from dsv3.infer.cluster.lockstep import make_lockstep, use_micro_batches
     from dsv3.run_dir import resolve_checkpoint
 
     folder = resolve_checkpoint(model)
@@ -112,6 +115,7 @@ def _serve(opts: GroupOptions, rank: int, world: int, model: str, host: str, por
     summary = _describe(engine)  # the whole model, before its experts are spread
     lockstep = agree(lambda: make_lockstep(engine.model, partitions(opts, world), opts.dispatch, opts.combine,
                                                 opts.redundant_experts))
+    use_micro_batches(engine, lockstep, opts.micro_batches if rank >= opts.prefill_ranks else 1)
     worker = make_worker(opts, engine, lockstep, rank)
     sock = agree(lambda: listen(host, port) if rank == 0 else None)
     if rank != 0:
@@ -166,7 +170,8 @@ def describe_group(opts: GroupOptions, engine) -> str:
     held = f"{slots} expert slots per rank and layer ({d.n_experts} experts + {replicas} replicas" + (
         f", EPLB every {opts.eplb_every} busy steps)" if opts.eplb_every else ")") if replicas else \
         f"{slots} of {d.n_experts} routed experts per rank and layer"
-    return f"{held}, dispatch {dispatch}, combine {combine}, attention data-parallel"
+    dual = ", dual micro-batch decode" if opts.micro_batches == 2 else ""
+    return f"{held}, dispatch {dispatch}, combine {combine}, attention data-parallel{dual}"
 
 
 def partitions(opts: GroupOptions, world: int) -> list[list[int]]:
