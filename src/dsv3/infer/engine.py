@@ -522,3 +522,15 @@ class Batch:
             events.append(Event(self.rows[b].request, [], "", "cancelled"))
         self.drop(gone)
         return events
+
+
+def merged(running: Batch | None, fresh: Batch) -> Batch | None:
+    """The running batch after continuous batching takes in ``fresh`` at a step boundary (``fresh`` itself when
+    nothing runs). When the merge raises, ``running`` is left as it was and only the newcomers fail: the
+    caller reports them."""
+    if not fresh.rows:
+        return running
+    if running is None or not running.rows:
+        return fresh
+    running.merge(fresh)
+    return running

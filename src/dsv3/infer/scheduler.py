@@ -13,7 +13,7 @@ import queue
 import threading
 from collections.abc import Callable
 
-from dsv3.infer.engine import Batch, Engine, Event, Request
+from dsv3.infer.engine import Batch, Engine, Event, Request, merged
 from dsv3.infer.metrics import ServingMetrics
 
 Deliver = Callable[[Event | BaseException], None]
@@ -112,10 +112,7 @@ class Scheduler:
     def _join(self, fresh: Batch) -> None:
         """Merge a prefilled batch into the running one at this step boundary."""
         try:
-            if fresh.rows and (self.batch is None or not self.batch.rows):
-                self.batch = fresh
-            elif fresh.rows:
-                self.batch.merge(fresh)
+            self.batch = merged(self.batch, fresh)
         except Exception as exc:  # the running batch is left as it was: only the newcomers fail
             self._send([ev for ev in fresh.first_events if ev.finish_reason])
             self._fail([r.request for r in fresh.rows], exc)

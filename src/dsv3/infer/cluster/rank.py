@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from dsv3.infer.cluster.lockstep import Lockstep, LockstepBroken
-from dsv3.infer.engine import Batch, Engine, Event, Request, TokenLogprob
+from dsv3.infer.engine import Batch, Engine, Event, Request, TokenLogprob, merged
 from dsv3.infer.sampling import SamplingParams
 
 
@@ -163,10 +163,7 @@ class RankWorker:
         if isinstance(fresh, Event):
             return [fresh]
         try:
-            if fresh.rows and (self.batch is None or not self.batch.rows):
-                self.batch = fresh
-            elif fresh.rows:
-                self.batch.merge(fresh)
+            self.batch = merged(self.batch, fresh)
         except Exception as exc:  # the running batch is left as it was: only the newcomers fail
             done = [ev for ev in fresh.first_events if ev.finish_reason]
             return done + [Event(r.request, [], "", "error", error=f"generation failed: {exc}") for r in fresh.rows]
