@@ -240,7 +240,13 @@ static inline __attribute__((always_inline)) void tail(int kind, const void *con
         for (int r = 0; r < NR; r++) res[r] += wload1(kind, rows[r], k) * x[k];
 }
 
-/* res[r] = sum_k rows[r][k] * x[k], r < NR: 16 columns per step, two accumulators per row (8 chains).
+/* The summation order, the same in every tile shape so that a row's result does not depend on how many
+ * activation rows share the call (batched decode and MTP verification give the single-row numbers): per
+ * (weight row, activation row), accumulator a takes columns 16j..16j+7 and b columns 16j+8..16j+15 (a also
+ * a last group of 8), then a + b is reduced by hsum4, then the columns past the last multiple of 8 are
+ * added one by one (tail). */
+
+/* res[r] = sum_k rows[r][k] * x[k], r < NR: 16 columns per step, 8 accumulator chains.
  * pf: where to prefetch the bytes this step consumes, PF_BYTES further on (NULL: nowhere). */
 static inline __attribute__((always_inline)) void tile1(int kind, const void *const *rows, int64_t K,
                                                         const float *x, float *res, const char *pf) {
@@ -267,25 +273,45 @@ static inline __attribute__((always_inline)) void tile1(int kind, const void *co
     tail(kind, rows, k, K, x, res);
 }
 
-/* res[i * NR + r] = sum_k rows[r][k] * x[i * ldx + k], i < 2, r < NR: 8 columns per step, one accumulator
- * per (row, activation row), each converted weight used twice. */
+/* Two weight rows p, q against two activation rows x, y (8 chains): s[0..3] = the a + b vectors of
+ * (p, x), (q, x), (p, y), (q, y). */
+static inline __attribute__((always_inline)) void pair2(int kind, const void *p, const void *q, int64_t K,
+                                                        const float *x, const float *y, const char *pf, __m256 *s) {
+    const int es = kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0, p0, p1, q0, q1;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        if (pf) prefetch(pf + k * NR * es, 8 * NR * es);
+        const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        const __m256 y0 = _mm256_loadu_ps(y + k), y1 = _mm256_loadu_ps(y + k + 8);
+        wload16(kind, p, k, &p0, &p1), wload16(kind, q, k, &q0, &q1);
+        a0 = _mm256_fmadd_ps(p0, x0, a0), b0 = _mm256_fmadd_ps(p1, x1, b0);
+        a1 = _mm256_fmadd_ps(q0, x0, a1), b1 = _mm256_fmadd_ps(q1, x1, b1);
+        a2 = _mm256_fmadd_ps(p0, y0, a2), b2 = _mm256_fmadd_ps(p1, y1, b2);
+        a3 = _mm256_fmadd_ps(q0, y0, a3), b3 = _mm256_fmadd_ps(q1, y1, b3);
+    }
+    if (k + 8 <= K) {
+        const __m256 x0 = _mm256_loadu_ps(x + k), y0 = _mm256_loadu_ps(y + k);
+        p0 = wload8(kind, p, k), q0 = wload8(kind, q, k);
+        a0 = _mm256_fmadd_ps(p0, x0, a0), a1 = _mm256_fmadd_ps(q0, x0, a1);
+        a2 = _mm256_fmadd_ps(p0, y0, a2), a3 = _mm256_fmadd_ps(q0, y0, a3);
+    }
+    s[0] = _mm256_add_ps(a0, b0), s[1] = _mm256_add_ps(a1, b1), s[2] = _mm256_add_ps(a2, b2);
+    s[3] = _mm256_add_ps(a3, b3);
+}
+
+/* res[i * NR + r] = sum_k rows[r][k] * x[i * ldx + k], i < 2, r < NR: the tile as two pairs of weight
+ * rows, each converted weight used for both activation rows. */
 static inline __attribute__((always_inline)) void tile2(int kind, const void *const *rows, int64_t K,
                                                         const float *x, int64_t ldx, float *res, const char *pf) {
-    const void *r0 = rows[0], *r1 = rows[1], *r2 = rows[2], *r3 = rows[3];
-    const int es = kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1;
     const float *y = x + ldx;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0, w;
-    int64_t k = 0;
-    for (; k + 8 <= K; k += 8) {
-        if (pf) prefetch(pf + k * NR * es, 8 * NR * es);
-        const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(y + k);
-        w = wload8(kind, r0, k), a0 = _mm256_fmadd_ps(w, x0, a0), b0 = _mm256_fmadd_ps(w, x1, b0);
-        w = wload8(kind, r1, k), a1 = _mm256_fmadd_ps(w, x0, a1), b1 = _mm256_fmadd_ps(w, x1, b1);
-        w = wload8(kind, r2, k), a2 = _mm256_fmadd_ps(w, x0, a2), b2 = _mm256_fmadd_ps(w, x1, b2);
-        w = wload8(kind, r3, k), a3 = _mm256_fmadd_ps(w, x0, a3), b3 = _mm256_fmadd_ps(w, x1, b3);
-    }
-    _mm_storeu_ps(res, hsum4(a0, a1, a2, a3));
-    _mm_storeu_ps(res + NR, hsum4(b0, b1, b2, b3));
+    const int es = kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1;
+    __m256 s[8];
+    pair2(kind, rows[0], rows[1], K, x, y, pf, s);
+    pair2(kind, rows[2], rows[3], K, x, y, pf ? pf + 8 * NR * es : NULL, s + 4); /* the other half of each step */
+    _mm_storeu_ps(res, hsum4(s[0], s[1], s[4], s[5]));
+    _mm_storeu_ps(res + NR, hsum4(s[2], s[3], s[6], s[7]));
+    const int64_t k = K / 8 * 8;
     tail(kind, rows, k, K, x, res);
     tail(kind, rows, k, K, y, res + NR);
 }
