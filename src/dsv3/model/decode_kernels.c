@@ -190,7 +190,7 @@ static void store(void *out, int okind, const float *y, int64_t n, int accumulat
  * and the sums the remaining 2^56: powers of two, so no rounding beyond the scale multiply; a product only
  * loses precision below 2^-70 of the true value's scale, far below fp32's resolution of the sum. */
 #define NR 4
-#define PANEL_MIN_ROWS 3 /* from this many activation rows on, a tile's bf16/FP8 weights are converted once */
+#define PANEL_MIN_ROWS 9 /* from this many activation rows on, a tile's bf16/FP8 weights are converted once */
 #define PF_BYTES 4096    /* how far ahead of the tile being read the prefetches run */
 #define FP8_X_SHIFT 0x1p56f   /* on the activations, with the scale (which the caller multiplied by 256) */
 #define FP8_Y_SHIFT 0x1p56f   /* on the sums: 2^-120 * 2^8 * 2^56 * 2^56 = 1 */
@@ -316,7 +316,37 @@ static inline __attribute__((always_inline)) void tile2(int kind, const void *co
     tail(kind, rows, k, K, y, res + NR);
 }
 
-/* tile1 or tile2 with the weight kind as a constant. */
+/* res[i] = sum_k row[k] * x[i * ldx + k] for i < MB (1 to 4): one weight row against up to four activation
+ * rows (2 * MB chains), each converted weight used MB times; for three or more activation rows. */
+static inline __attribute__((always_inline)) void rowdot(int kind, int MB, const void *row, int64_t K,
+                                                         const float *x, int64_t ldx, float *res, const char *pf) {
+    const int es = kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1;
+    __m256 a[4], b[4], w0, w1;
+    for (int i = 0; i < 4; i++) a[i] = b[i] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        if (pf) prefetch(pf + k * es, 16 * es);
+        wload16(kind, row, k, &w0, &w1);
+        for (int i = 0; i < MB; i++) {
+            a[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * ldx + k), a[i]);
+            b[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i * ldx + k + 8), b[i]);
+        }
+    }
+    if (k + 8 <= K) {
+        w0 = wload8(kind, row, k);
+        for (int i = 0; i < MB; i++) a[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * ldx + k), a[i]);
+        k += 8;
+    }
+    float r4[4];
+    _mm_storeu_ps(r4, hsum4(_mm256_add_ps(a[0], b[0]), _mm256_add_ps(a[1], b[1]), _mm256_add_ps(a[2], b[2]),
+                            _mm256_add_ps(a[3], b[3])));
+    for (int i = 0; i < MB; i++) {
+        res[i] = r4[i];
+        for (int64_t kk = k; kk < K; kk++) res[i] += wload1(kind, row, kk) * x[i * ldx + kk];
+    }
+}
+
+/* tile1, tile2 or rowdot with the weight kind and row count as constants. */
 static void run_tile(int kind, int mb, const void *const *rows, int64_t K, const float *x, int64_t ldx, float *res,
                      const char *pf) {
 #define TILE_CASES(KIND) mb == 1 ? tile1(KIND, rows, K, x, res, pf) : tile2(KIND, rows, K, x, ldx, res, pf)
@@ -326,14 +356,37 @@ static void run_tile(int kind, int mb, const void *const *rows, int64_t K, const
 #undef TILE_CASES
 }
 
-/* The NR rows of a tile as fp32 in panel [NR, K] (FP8: value * 2^-120), for many activation rows to share. */
-static void to_panel(int kind, const void *const *rows, int64_t K, float *panel) {
+static void run_rowdot(int kind, int mb, const void *row, int64_t K, const float *x, int64_t ldx, float *res,
+                       const char *pf) {
+#define ROW_CASES(KIND)                                                                                   \
+    switch (mb) {                                                                                        \
+        case 1: rowdot(KIND, 1, row, K, x, ldx, res, pf); break;                                        \
+        case 2: rowdot(KIND, 2, row, K, x, ldx, res, pf); break;                                        \
+        case 3: rowdot(KIND, 3, row, K, x, ldx, res, pf); break;                                        \
+        default: rowdot(KIND, 4, row, K, x, ldx, res, pf); break;                                       \
+    }
+    if (kind == W_F32) { ROW_CASES(W_F32) }
+    else if (kind == W_BF16) { ROW_CASES(W_BF16) }
+    else { ROW_CASES(W_FP8) }
+#undef ROW_CASES
+}
+
+/* The NR rows of a tile as fp32 in panel [NR, K] (FP8: value * 2^-120), for many activation rows to share;
+ * prefetching pf on as the rows are read (the tile's bytes, PF_BYTES or a tile further on). */
+static void to_panel(int kind, const void *const *rows, int64_t K, float *panel, const char *pf) {
+    const int64_t es = (int64_t)elem_size(kind);
     for (int r = 0; r < NR; r++) {
         int64_t k = 0;
         if (kind == W_BF16)
-            for (; k + 8 <= K; k += 8) _mm256_storeu_ps(panel + r * K + k, wload8(W_BF16, rows[r], k));
+            for (; k + 8 <= K; k += 8) {
+                prefetch(pf + (r * K + k) * es, 8 * 2);
+                _mm256_storeu_ps(panel + r * K + k, wload8(W_BF16, rows[r], k));
+            }
         else
-            for (; k + 8 <= K; k += 8) _mm256_storeu_ps(panel + r * K + k, wload8(W_FP8, rows[r], k));
+            for (; k + 8 <= K; k += 8) {
+                prefetch(pf + (r * K + k) * es, 8);
+                _mm256_storeu_ps(panel + r * K + k, wload8(W_FP8, rows[r], k));
+            }
         for (; k < K; k++) panel[r * K + k] = wload1(kind, rows[r], k);
     }
 }
@@ -371,7 +424,7 @@ static void gemv_tiles(int kind, const void *w, const float *scale, int64_t N, i
     for (int64_t t = t0; t < t1; t++) {
         const int64_t n = t * NR;
         const int nr = N - n < NR ? (int)(N - n) : NR;
-        const char *pf = panel ? NULL : (const char *)w + n * row_bytes + ahead;
+        const char *pf = (const char *)w + n * row_bytes + ahead;
         const void *rows[NR];
         for (int r = 0; r < NR; r++) rows[r] = (const char *)w + (size_t)(n + (r < nr ? r : nr - 1)) * row_bytes;
         const float *xa = x;
@@ -383,16 +436,24 @@ static void gemv_tiles(int kind, const void *w, const float *scale, int64_t N, i
             xa = xs;
         }
         if (panel) {
-            to_panel(kind, rows, K, pan);
+            to_panel(kind, rows, K, pan, pf);
+            pf = NULL;
             for (int r = 0; r < NR; r++) rows[r] = pan + r * K;
         }
         float res[2 * NR];
-        for (int64_t m0 = 0; m0 < M; m0 += 2) {
-            const int mb = M - m0 >= 2 ? 2 : 1;
-            run_tile(panel ? W_F32 : kind, mb, rows, K, xa + m0 * K, K, res, m0 ? NULL : pf);
-            for (int i = 0; i < mb; i++)
-                for (int r = 0; r < nr; r++) y[(m0 + i) * ldy + n + r] = res[i * NR + r] * y_shift;
+        if (M <= 2) {
+            run_tile(kind, (int)M, rows, K, xa, K, res, pf);
+            for (int i = 0; i < M; i++)
+                for (int r = 0; r < nr; r++) y[i * ldy + n + r] = res[i * NR + r] * y_shift;
+            continue;
         }
+        for (int r = 0; r < nr; r++) /* one weight row at a time against four activation rows at a time */
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                const int mb = M - m0 < 4 ? (int)(M - m0) : 4;
+                run_rowdot(panel ? W_F32 : kind, mb, rows[r], K, xa + m0 * K, K, res,
+                           m0 || !pf ? NULL : pf + r * row_bytes);
+                for (int i = 0; i < mb; i++) y[(m0 + i) * ldy + n + r] = res[i] * y_shift;
+            }
     }
     _mm_setcsr(csr);
 }
