@@ -81,12 +81,17 @@ def small_cases() -> list[Case]:
 # ---- kernel libraries -----------------------------------------------------------------------------
 
 
+def last_line(text: str) -> str:
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else "(no message)"
+
+
 def build_library(source: Path, out_dir: Path) -> ctypes.CDLL:
     """Compile a decode_kernels.c with the flags decode_kernels.py uses, and load it."""
     target = out_dir / f"{source.stem}-{abs(hash(source.read_bytes())):x}.so"
     done = subprocess.run(["cc", *dk.FLAGS, str(source), "-o", str(target), "-lm"], capture_output=True, text=True)
     if done.returncode != 0:
-        raise DSV3Error(f"cannot compile {source}: {done.stderr.strip().splitlines()[-1:]}")
+        raise DSV3Error(f"cannot compile {source}: {last_line(done.stderr)}")
     return dk._declare(ctypes.CDLL(str(target)))
 
 
@@ -96,7 +101,7 @@ def baseline_library(path: str | None, rev: str | None, work: Path) -> ctypes.CD
         shown = subprocess.run(["git", "show", f"{rev}:src/dsv3/model/decode_kernels.c"], capture_output=True,
                                text=True, cwd=Path(__file__).resolve().parents[1])
         if shown.returncode != 0:
-            raise DSV3Error(f"--baseline-rev {rev}: {shown.stderr.strip().splitlines()[-1:]}")
+            raise DSV3Error(f"--baseline-rev {rev}: {last_line(shown.stderr)}")
         source = work / "baseline.c"
         source.write_text(shown.stdout)
         return build_library(source, work)

@@ -7,8 +7,10 @@
  * function has a plain PyTorch reference there, and the tests compare the two.
  *
  * Weights are [N, K] row-major. FP8 scales are [ceil(N/128), ceil(K/128)] fp32, already multiplied by
- * 256: an e4m3 byte is turned into the fp16 number with the same bits shifted (exactly its value / 256,
- * subnormals included), which F16C converts to fp32. Activations are fp32 or bf16, accumulated in fp32.
+ * 256. The matrix kernels (gemv_tiles: dsv3_linear, dsv3_swiglu_experts) turn an e4m3 byte into fp32 with
+ * integer shifts (see "The GEMV core" below); the single-row helpers (row_dot) turn it into the fp16 number
+ * with the same bits shifted (exactly its value / 256, subnormals included), which F16C converts to fp32.
+ * Activations are fp32 or bf16, accumulated in fp32.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -412,6 +414,7 @@ static size_t scratch_floats(int kind, int64_t M, int64_t K) {
  * A partial last tile repeats its last row (computed, not stored), so every tile runs the same code. */
 static void gemv_tiles(int kind, const void *w, const float *scale, int64_t N, int64_t K, const float *x, int64_t M,
                        float *y, int64_t ldy, int64_t t0, int64_t t1, float *scratch) {
+    if (M <= 0) return;
     const size_t row_bytes = (size_t)K * elem_size(kind);
     const int64_t kblocks = (K + FP8_BLOCK - 1) / FP8_BLOCK;
     const int panel = M >= PANEL_MIN_ROWS && kind != W_F32;
