@@ -7,11 +7,14 @@
  * function has a plain PyTorch reference there, and the tests compare the two.
  *
  * Weights are [N, K] row-major. FP8 scales are [ceil(N/128), ceil(K/128)] fp32, already multiplied by
- * 256: an e4m3 byte is turned into the fp16 number with the same bits shifted (exactly its value / 256,
- * subnormals included), which F16C converts to fp32. Activations are fp32 or bf16, accumulated in fp32.
+ * 256. The matrix kernels (gemv_tiles: dsv3_linear, dsv3_swiglu_experts) turn an e4m3 byte into fp32 with
+ * integer shifts (see "The GEMV core" below); the single-row helpers (row_dot) turn it into the fp16 number
+ * with the same bits shifted (exactly its value / 256, subnormals included), which F16C converts to fp32.
+ * Activations are fp32 or bf16, accumulated in fp32.
  */
 #include <immintrin.h>
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -123,7 +126,8 @@ static void dot_rows(int kind, int mb, const void *w, const float *scale_row, in
 
 static size_t elem_size(int kind) { return kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1; }
 
-/* y[m, n] = sum_k W[n, k] x[m, k] for n in [n0, n1), all m < M; y row stride ldy. */
+/* y[m, n] = sum_k W[n, k] x[m, k] for the one weight row n, all m < M; y row stride ldy. The single-row form
+ * (the router's scores); whole matrices go through gemv_tiles below. */
 static void matvec(int kind, const void *w, const float *scale, int64_t N, int64_t K, const float *x, int64_t M,
                    float *y, int64_t ldy, int64_t n) {
     const int64_t kblocks = (K + FP8_BLOCK - 1) / FP8_BLOCK;
@@ -172,66 +176,392 @@ static void store(void *out, int okind, const float *y, int64_t n, int accumulat
     }
 }
 
+/* ---- The GEMV core: NR weight rows per tile ----
+ * A decode GEMV is a race to read the weights. One weight row at a time leaves the FMA units waiting on
+ * a two-deep dependency chain and pays a horizontal sum per row; NR rows at once share every activation
+ * load, keep 8 independent accumulators in flight and reduce NR rows with one transposing hadd. A tile's
+ * NR rows are one contiguous block read as NR short streams, which the hardware prefetcher follows badly
+ * when rows are short: each tile prefetches the block PF_BYTES ahead in address order as it goes.
+ * FP8 block scales are folded into a copy of the activations (one multiply per activation per 128 weight
+ * rows), so the inner loop is the same for every weight kind: load, convert, FMA.
+ *
+ * FP8 conversion without F16C (whose vcvtph2ps is one per two cycles on AMD Zen 3: 4 weights per cycle at
+ * best): an e4m3 byte sign-extended to 32 bits, shifted left by 20 and masked to sign, 4 exponent and 3
+ * mantissa bits is the fp32 number e4m3 value * 2^-120 exactly (e4m3 subnormals become fp32 subnormals, so
+ * the kernel clears DAZ while it runs). The activations carry the compensating 2^64 (with the block scale)
+ * and the sums the remaining 2^56: powers of two, so no rounding beyond the scale multiply; a product only
+ * loses precision below 2^-70 of the true value's scale, far below fp32's resolution of the sum. */
+#define NR 4
+#define PANEL_MIN_ROWS 9 /* from this many activation rows on, a tile's bf16/FP8 weights are converted once */
+#define PF_BYTES 4096    /* how far ahead of the tile being read the prefetches run */
+#define FP8_X_SHIFT 0x1p56f   /* on the activations, with the scale (which the caller multiplied by 256) */
+#define FP8_Y_SHIFT 0x1p56f   /* on the sums: 2^-120 * 2^8 * 2^56 * 2^56 = 1 */
+
+/* 8 weights of a row from column k, as fp32 (FP8: value * 2^-120). */
+static inline __attribute__((always_inline)) __m256 wload8(int kind, const void *row, int64_t k) {
+    if (kind == W_F32) return _mm256_loadu_ps((const float *)row + k);
+    if (kind == W_BF16) {
+        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)row + k));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+    }
+    __m256i b = _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)((const uint8_t *)row + k)));
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(b, 20), _mm256_set1_epi32((int)0x87F00000)));
+}
+
+/* One weight as wload8 converts it. */
+static inline float wload1(int kind, const void *row, int64_t k) {
+    if (kind != W_FP8) return load1(kind, row, k);
+    const uint32_t bits = ((uint32_t)(int32_t)((const int8_t *)row)[k] << 20) & 0x87F00000u;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+/* 16 weights from column k as two vectors of 8. */
+static inline __attribute__((always_inline)) void wload16(int kind, const void *row, int64_t k, __m256 *w0,
+                                                          __m256 *w1) {
+    *w0 = wload8(kind, row, k);
+    *w1 = wload8(kind, row, k + 8);
+}
+
+/* Prefetch the cache lines of [p, p + bytes) (bytes a multiple of 64, or under 64: one line). */
+static inline __attribute__((always_inline)) void prefetch(const char *p, int bytes) {
+    for (int b = 0; b < (bytes > 64 ? bytes : 64); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+/* The four horizontal sums of a, b, c, d as one vector (hadd transposition). */
+static inline __attribute__((always_inline)) __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/* res[r] += sum over the columns [k, K) left after the vector loop, one at a time (K not a multiple of 8). */
+static inline __attribute__((always_inline)) void tail(int kind, const void *const *rows, int64_t k, int64_t K,
+                                                       const float *x, float *res) {
+    for (; k < K; k++)
+        for (int r = 0; r < NR; r++) res[r] += wload1(kind, rows[r], k) * x[k];
+}
+
+/* The summation order, the same in every tile shape so that a row's result does not depend on how many
+ * activation rows share the call (batched decode and MTP verification give the single-row numbers): per
+ * (weight row, activation row), accumulator a takes columns 16j..16j+7 and b columns 16j+8..16j+15 (a also
+ * a last group of 8), then a + b is reduced by hsum4, then the columns past the last multiple of 8 are
+ * added one by one (tail). */
+
+/* res[r] = sum_k rows[r][k] * x[k], r < NR: 16 columns per step, 8 accumulator chains.
+ * pf: where to prefetch the bytes this step consumes, PF_BYTES further on (NULL: nowhere). */
+static inline __attribute__((always_inline)) void tile1(int kind, const void *const *rows, int64_t K,
+                                                        const float *x, float *res, const char *pf) {
+    const void *r0 = rows[0], *r1 = rows[1], *r2 = rows[2], *r3 = rows[3];
+    const int es = kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0, w0, w1;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        if (pf) prefetch(pf + k * NR * es, 16 * NR * es);
+        const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        wload16(kind, r0, k, &w0, &w1), a0 = _mm256_fmadd_ps(w0, x0, a0), b0 = _mm256_fmadd_ps(w1, x1, b0);
+        wload16(kind, r1, k, &w0, &w1), a1 = _mm256_fmadd_ps(w0, x0, a1), b1 = _mm256_fmadd_ps(w1, x1, b1);
+        wload16(kind, r2, k, &w0, &w1), a2 = _mm256_fmadd_ps(w0, x0, a2), b2 = _mm256_fmadd_ps(w1, x1, b2);
+        wload16(kind, r3, k, &w0, &w1), a3 = _mm256_fmadd_ps(w0, x0, a3), b3 = _mm256_fmadd_ps(w1, x1, b3);
+    }
+    if (k + 8 <= K) {
+        const __m256 x0 = _mm256_loadu_ps(x + k);
+        a0 = _mm256_fmadd_ps(wload8(kind, r0, k), x0, a0), a1 = _mm256_fmadd_ps(wload8(kind, r1, k), x0, a1);
+        a2 = _mm256_fmadd_ps(wload8(kind, r2, k), x0, a2), a3 = _mm256_fmadd_ps(wload8(kind, r3, k), x0, a3);
+        k += 8;
+    }
+    _mm_storeu_ps(res, hsum4(_mm256_add_ps(a0, b0), _mm256_add_ps(a1, b1), _mm256_add_ps(a2, b2),
+                             _mm256_add_ps(a3, b3)));
+    tail(kind, rows, k, K, x, res);
+}
+
+/* Two weight rows p, q against two activation rows x, y (8 chains): s[0..3] = the a + b vectors of
+ * (p, x), (q, x), (p, y), (q, y). */
+static inline __attribute__((always_inline)) void pair2(int kind, const void *p, const void *q, int64_t K,
+                                                        const float *x, const float *y, const char *pf, __m256 *s) {
+    const int es = kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0, p0, p1, q0, q1;
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        if (pf) prefetch(pf + k * NR * es, 8 * NR * es);
+        const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
+        const __m256 y0 = _mm256_loadu_ps(y + k), y1 = _mm256_loadu_ps(y + k + 8);
+        wload16(kind, p, k, &p0, &p1), wload16(kind, q, k, &q0, &q1);
+        a0 = _mm256_fmadd_ps(p0, x0, a0), b0 = _mm256_fmadd_ps(p1, x1, b0);
+        a1 = _mm256_fmadd_ps(q0, x0, a1), b1 = _mm256_fmadd_ps(q1, x1, b1);
+        a2 = _mm256_fmadd_ps(p0, y0, a2), b2 = _mm256_fmadd_ps(p1, y1, b2);
+        a3 = _mm256_fmadd_ps(q0, y0, a3), b3 = _mm256_fmadd_ps(q1, y1, b3);
+    }
+    if (k + 8 <= K) {
+        const __m256 x0 = _mm256_loadu_ps(x + k), y0 = _mm256_loadu_ps(y + k);
+        p0 = wload8(kind, p, k), q0 = wload8(kind, q, k);
+        a0 = _mm256_fmadd_ps(p0, x0, a0), a1 = _mm256_fmadd_ps(q0, x0, a1);
+        a2 = _mm256_fmadd_ps(p0, y0, a2), a3 = _mm256_fmadd_ps(q0, y0, a3);
+    }
+    s[0] = _mm256_add_ps(a0, b0), s[1] = _mm256_add_ps(a1, b1), s[2] = _mm256_add_ps(a2, b2);
+    s[3] = _mm256_add_ps(a3, b3);
+}
+
+/* res[i * NR + r] = sum_k rows[r][k] * x[i * ldx + k], i < 2, r < NR: the tile as two pairs of weight
+ * rows, each converted weight used for both activation rows. */
+static inline __attribute__((always_inline)) void tile2(int kind, const void *const *rows, int64_t K,
+                                                        const float *x, int64_t ldx, float *res, const char *pf) {
+    const float *y = x + ldx;
+    const int es = kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1;
+    __m256 s[8];
+    pair2(kind, rows[0], rows[1], K, x, y, pf, s);
+    pair2(kind, rows[2], rows[3], K, x, y, pf ? pf + 8 * NR * es : NULL, s + 4); /* the other half of each step */
+    _mm_storeu_ps(res, hsum4(s[0], s[1], s[4], s[5]));
+    _mm_storeu_ps(res + NR, hsum4(s[2], s[3], s[6], s[7]));
+    const int64_t k = K / 8 * 8;
+    tail(kind, rows, k, K, x, res);
+    tail(kind, rows, k, K, y, res + NR);
+}
+
+/* res[i] = sum_k row[k] * x[i * ldx + k] for i < MB (1 to 4): one weight row against up to four activation
+ * rows (2 * MB chains), each converted weight used MB times; for three or more activation rows. */
+static inline __attribute__((always_inline)) void rowdot(int kind, int MB, const void *row, int64_t K,
+                                                         const float *x, int64_t ldx, float *res, const char *pf) {
+    const int es = kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1;
+    __m256 a[4], b[4], w0, w1;
+    for (int i = 0; i < 4; i++) a[i] = b[i] = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16) {
+        if (pf) prefetch(pf + k * es, 16 * es);
+        wload16(kind, row, k, &w0, &w1);
+        for (int i = 0; i < MB; i++) {
+            a[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * ldx + k), a[i]);
+            b[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i * ldx + k + 8), b[i]);
+        }
+    }
+    if (k + 8 <= K) {
+        w0 = wload8(kind, row, k);
+        for (int i = 0; i < MB; i++) a[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * ldx + k), a[i]);
+        k += 8;
+    }
+    float r4[4];
+    _mm_storeu_ps(r4, hsum4(_mm256_add_ps(a[0], b[0]), _mm256_add_ps(a[1], b[1]), _mm256_add_ps(a[2], b[2]),
+                            _mm256_add_ps(a[3], b[3])));
+    for (int i = 0; i < MB; i++) {
+        res[i] = r4[i];
+        for (int64_t kk = k; kk < K; kk++) res[i] += wload1(kind, row, kk) * x[i * ldx + kk];
+    }
+}
+
+/* tile1, tile2 or rowdot with the weight kind and row count as constants. */
+static void run_tile(int kind, int mb, const void *const *rows, int64_t K, const float *x, int64_t ldx, float *res,
+                     const char *pf) {
+#define TILE_CASES(KIND) mb == 1 ? tile1(KIND, rows, K, x, res, pf) : tile2(KIND, rows, K, x, ldx, res, pf)
+    if (kind == W_F32) TILE_CASES(W_F32);
+    else if (kind == W_BF16) TILE_CASES(W_BF16);
+    else TILE_CASES(W_FP8);
+#undef TILE_CASES
+}
+
+static void run_rowdot(int kind, int mb, const void *row, int64_t K, const float *x, int64_t ldx, float *res,
+                       const char *pf) {
+#define ROW_CASES(KIND)                                                                                   \
+    switch (mb) {                                                                                        \
+        case 1: rowdot(KIND, 1, row, K, x, ldx, res, pf); break;                                        \
+        case 2: rowdot(KIND, 2, row, K, x, ldx, res, pf); break;                                        \
+        case 3: rowdot(KIND, 3, row, K, x, ldx, res, pf); break;                                        \
+        default: rowdot(KIND, 4, row, K, x, ldx, res, pf); break;                                       \
+    }
+    if (kind == W_F32) { ROW_CASES(W_F32) }
+    else if (kind == W_BF16) { ROW_CASES(W_BF16) }
+    else { ROW_CASES(W_FP8) }
+#undef ROW_CASES
+}
+
+/* The NR rows of a tile as fp32 in panel [NR, K] (FP8: value * 2^-120), for many activation rows to share;
+ * prefetching pf on as the rows are read (the tile's bytes, PF_BYTES or a tile further on). */
+static void to_panel(int kind, const void *const *rows, int64_t K, float *panel, const char *pf) {
+    const int64_t es = (int64_t)elem_size(kind);
+    for (int r = 0; r < NR; r++) {
+        int64_t k = 0;
+        if (kind == W_BF16)
+            for (; k + 8 <= K; k += 8) {
+                prefetch(pf + (r * K + k) * es, 8 * 2);
+                _mm256_storeu_ps(panel + r * K + k, wload8(W_BF16, rows[r], k));
+            }
+        else
+            for (; k + 8 <= K; k += 8) {
+                prefetch(pf + (r * K + k) * es, 8);
+                _mm256_storeu_ps(panel + r * K + k, wload8(W_FP8, rows[r], k));
+            }
+        for (; k < K; k++) panel[r * K + k] = wload1(kind, rows[r], k);
+    }
+}
+
+/* xs[m, k] = x[m, k] * scale_row[k / 128] * FP8_X_SHIFT: a 128-row block's FP8 scales (times 256) on the
+ * activations. */
+static void prescale(const float *x, const float *scale_row, int64_t M, int64_t K, float *xs) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t k0 = 0; k0 < K; k0 += FP8_BLOCK) {
+            const float s = scale_row[k0 / FP8_BLOCK] * FP8_X_SHIFT;
+            const int64_t k1 = k0 + FP8_BLOCK < K ? k0 + FP8_BLOCK : K;
+            for (int64_t k = k0; k < k1; k++) xs[m * K + k] = x[m * K + k] * s;
+        }
+}
+
+/* Floats of per-thread scratch gemv_tiles needs: the prescaled activations (FP8) and a tile's panel. */
+static size_t scratch_floats(int kind, int64_t M, int64_t K) {
+    return (size_t)((kind == W_FP8 ? M * K : 0) + (M >= PANEL_MIN_ROWS && kind != W_F32 ? NR * K : 0) + 1);
+}
+
+/* y[m, n] = sum_k W[n, k] x[m, k] for all m < M and the rows n of tiles [t0, t1) (tile t: rows t * NR to
+ * t * NR + NR - 1, cut at N); x [M, K] contiguous, y row stride ldy. Reads each weight from memory once.
+ * A partial last tile repeats its last row (computed, not stored), so every tile runs the same code. */
+static void gemv_tiles(int kind, const void *w, const float *scale, int64_t N, int64_t K, const float *x, int64_t M,
+                       float *y, int64_t ldy, int64_t t0, int64_t t1, float *scratch) {
+    if (M <= 0) return;
+    const size_t row_bytes = (size_t)K * elem_size(kind);
+    const int64_t kblocks = (K + FP8_BLOCK - 1) / FP8_BLOCK;
+    const int panel = M >= PANEL_MIN_ROWS && kind != W_F32;
+    const size_t tile_bytes = NR * row_bytes, ahead = tile_bytes > PF_BYTES ? tile_bytes : PF_BYTES;
+    const float y_shift = kind == W_FP8 ? FP8_Y_SHIFT : 1.0f;
+    const unsigned int csr = _mm_getcsr();
+    if (kind == W_FP8) _mm_setcsr(csr & ~0x0040u); /* DAZ off: subnormal e4m3 weights are fp32 subnormals */
+    float *xs = scratch, *pan = scratch + (kind == W_FP8 ? M * K : 0);
+    int64_t scaled_block = -1;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t n = t * NR;
+        const int nr = N - n < NR ? (int)(N - n) : NR;
+        const char *pf = (const char *)w + n * row_bytes + ahead;
+        const void *rows[NR];
+        for (int r = 0; r < NR; r++) rows[r] = (const char *)w + (size_t)(n + (r < nr ? r : nr - 1)) * row_bytes;
+        const float *xa = x;
+        if (kind == W_FP8) { /* NR divides 128: a tile lies in one row block */
+            if (n / FP8_BLOCK != scaled_block) {
+                scaled_block = n / FP8_BLOCK;
+                prescale(x, scale + scaled_block * kblocks, M, K, xs);
+            }
+            xa = xs;
+        }
+        if (panel) {
+            to_panel(kind, rows, K, pan, pf);
+            pf = NULL;
+            for (int r = 0; r < NR; r++) rows[r] = pan + r * K;
+        }
+        float res[2 * NR];
+        if (M <= 2) {
+            run_tile(kind, (int)M, rows, K, xa, K, res, pf);
+            for (int i = 0; i < M; i++)
+                for (int r = 0; r < nr; r++) y[i * ldy + n + r] = res[i * NR + r] * y_shift;
+            continue;
+        }
+        for (int r = 0; r < nr; r++) /* one weight row at a time against four activation rows at a time */
+            for (int64_t m0 = 0; m0 < M; m0 += 4) {
+                const int mb = M - m0 < 4 ? (int)(M - m0) : 4;
+                run_rowdot(panel ? W_F32 : kind, mb, rows[r], K, xa + m0 * K, K, res,
+                           m0 || !pf ? NULL : pf + r * row_bytes);
+                for (int i = 0; i < mb; i++) y[(m0 + i) * ldy + n + r] = res[i] * y_shift;
+            }
+    }
+    _mm_setcsr(csr);
+}
+
+/* This thread's share [*t0, *t1) of ntiles tiles, inside a parallel region. */
+static void my_tiles(int64_t ntiles, int64_t *t0, int64_t *t1) {
+    const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
+    *t0 = ntiles * t / T;
+    *t1 = ntiles * (t + 1) / T;
+}
+
+static int64_t tiles_of(int64_t n) { return (n + NR - 1) / NR; }
+
 /* out [M, N] = x [M, K] @ W^T. Returns 0. */
 int dsv3_linear(const void *w, const float *scale, int kind, int64_t N, int64_t K, const void *x, int xkind,
                 int64_t M, void *out, int okind, int nthreads) {
-    float *xf = to_f32(x, xkind, M * K);
-    float *y = (float *)malloc((size_t)(M * N > 0 ? M * N : 1) * sizeof(float));
-#pragma omp parallel for num_threads(nthreads) schedule(static) if (N * K > 32768)
-    for (int64_t n = 0; n < N; n++) matvec(kind, w, scale, N, K, xf, M, y, N, n);
-    store(out, okind, y, M * N, 0);
-    free(xf);
-    free(y);
+    float *xf = xkind == A_F32 ? (float *)x : to_f32(x, xkind, M * K);
+    float *y = okind == A_F32 ? (float *)out : (float *)malloc((size_t)(M * N > 0 ? M * N : 1) * sizeof(float));
+#pragma omp parallel num_threads(nthreads) if (N * K > 32768)
+    {
+        int64_t t0, t1;
+        my_tiles(tiles_of(N), &t0, &t1);
+        float *scratch = (float *)malloc(scratch_floats(kind, M, K) * sizeof(float));
+        gemv_tiles(kind, w, scale, N, K, xf, M, y, N, t0, t1, scratch);
+        free(scratch);
+    }
+    if (y != out) store(out, okind, y, M * N, 0), free(y);
+    if (xf != x) free(xf);
     return 0;
 }
 
 static float silu(float v) { return v / (1.0f + expf(-v)); }
 
+/* The (row, slot) pairs of idx [P] grouped by expert, in expert then pair order: pairs of expert e at
+ * pair[start[e] .. start[e + 1]); an index outside [0, E) selects no expert. */
+static void group_by_expert(const int64_t *idx, int64_t P, int64_t E, int64_t *start, int64_t *pair) {
+    memset(start, 0, (size_t)(E + 1) * sizeof(int64_t));
+    for (int64_t p = 0; p < P; p++)
+        if (idx[p] >= 0 && idx[p] < E) start[idx[p] + 1]++;
+    for (int64_t e = 0; e < E; e++) start[e + 1] += start[e];
+    int64_t *fill = (int64_t *)malloc((size_t)(E + 1) * sizeof(int64_t));
+    memcpy(fill, start, (size_t)(E + 1) * sizeof(int64_t));
+    for (int64_t p = 0; p < P; p++)
+        if (idx[p] >= 0 && idx[p] < E) pair[fill[idx[p]]++] = p;
+    free(fill);
+}
+
 /* Routed SwiGLU experts of one decode step: out[m] (+)= sum_j gates[m, j] * SwiGLU_e(x[m]) with
- * e = idx[m, j]. Each routed-to expert's three matrices are read once for all the rows routed to it.
+ * e = idx[m, j]. Each routed-to expert's three matrices are read once for all the rows routed to it, in
+ * one parallel region: every thread computes its share of every expert's gate and up rows, then (after
+ * one barrier) its share of every expert's down rows, summed per output row in expert order.
  * wg, wu [E, I, D]; wd [E, D, I]; sg, su [E, ceil(I/128), ceil(D/128)], sd [E, ceil(D/128), ceil(I/128)]
  * (FP8 only). Returns 0. */
 int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const float *sg, const float *su,
                         const float *sd, int kind, int64_t E, int64_t I, int64_t D, const void *x, int xkind,
                         int64_t M, const int64_t *idx, const float *gates, int64_t topk, void *out, int okind,
                         int accumulate, int nthreads) {
-    float *xf = to_f32(x, xkind, M * D);
+    const int64_t P = M * topk;
+    float *xf = xkind == A_F32 ? (float *)x : to_f32(x, xkind, M * D);
     float *acc = (float *)calloc((size_t)(M * D > 0 ? M * D : 1), sizeof(float));
-    float *xe = (float *)malloc((size_t)(M * topk * D + 1) * sizeof(float));
-    float *g = (float *)malloc((size_t)(M * topk * I + 1) * sizeof(float));
-    float *u = (float *)malloc((size_t)(M * topk * I + 1) * sizeof(float));
-    float *ye = (float *)malloc((size_t)(M * topk * D + 1) * sizeof(float));
-    int64_t *rows = (int64_t *)malloc((size_t)(M * topk + 1) * sizeof(int64_t));
-    float *rg = (float *)malloc((size_t)(M * topk + 1) * sizeof(float));
+    float *xe = (float *)malloc((size_t)(P * D + 1) * sizeof(float));
+    float *g = (float *)malloc((size_t)(P * I + 1) * sizeof(float));
+    float *u = (float *)malloc((size_t)(P * I + 1) * sizeof(float));
+    float *ye = (float *)malloc((size_t)(P * D + 1) * sizeof(float));
+    int64_t *start = (int64_t *)malloc((size_t)(E + 1) * sizeof(int64_t));
+    int64_t *pair = (int64_t *)malloc((size_t)(P + 1) * sizeof(int64_t));
+    group_by_expert(idx, P, E, start, pair);
+    int64_t most = 0; /* the most pairs routed to one expert */
+    for (int64_t e = 0; e < E; e++) most = start[e + 1] - start[e] > most ? start[e + 1] - start[e] : most;
+    for (int64_t j = 0; j < start[E]; j++) memcpy(xe + j * D, xf + (pair[j] / topk) * D, (size_t)D * sizeof(float));
     const size_t es = elem_size(kind);
     const int64_t ib = (I + FP8_BLOCK - 1) / FP8_BLOCK, db = (D + FP8_BLOCK - 1) / FP8_BLOCK;
-    for (int64_t e = 0; e < E; e++) {
-        int64_t me = 0;
-        for (int64_t p = 0; p < M * topk; p++)
-            if (idx[p] == e) rows[me] = p / topk, rg[me] = gates[p], me++;
-        if (!me) continue;
-        for (int64_t r = 0; r < me; r++) memcpy(xe + r * D, xf + rows[r] * D, (size_t)D * sizeof(float));
-        const void *weg = (const char *)wg + (size_t)e * I * D * es, *weu = (const char *)wu + (size_t)e * I * D * es;
-        const void *wed = (const char *)wd + (size_t)e * D * I * es;
-        const float *seg = sg ? sg + e * ib * db : NULL, *seu = su ? su + e * ib * db : NULL;
-        const float *sed = sd ? sd + e * db * ib : NULL;
 #pragma omp parallel num_threads(nthreads)
-        {
-#pragma omp for schedule(static)
-            for (int64_t n = 0; n < I; n++) {
-                matvec(kind, weg, seg, I, D, xe, me, g, I, n);
-                matvec(kind, weu, seu, I, D, xe, me, u, I, n);
-                for (int64_t r = 0; r < me; r++) g[r * I + n] = silu(g[r * I + n]) * u[r * I + n] * rg[r];
-            }
-#pragma omp for schedule(static)
-            for (int64_t n = 0; n < D; n++) {
-                matvec(kind, wed, sed, D, I, g, me, ye, D, n);
-                for (int64_t r = 0; r < me; r++) acc[rows[r] * D + n] += ye[r * D + n];
-            }
+    {
+        float *scratch = (float *)malloc(scratch_floats(kind, most, I > D ? I : D) * sizeof(float));
+        int64_t t0, t1;
+        my_tiles(tiles_of(I), &t0, &t1);
+        const int64_t i0 = t0 * NR, i1 = t1 * NR < I ? t1 * NR : I;
+        for (int64_t e = 0; e < E; e++) {
+            const int64_t j0 = start[e], me = start[e + 1] - j0;
+            if (!me) continue;
+            const size_t off = (size_t)e * I * D * es;
+            gemv_tiles(kind, (const char *)wg + off, sg ? sg + e * ib * db : NULL, I, D, xe + j0 * D, me, g + j0 * I,
+                       I, t0, t1, scratch);
+            gemv_tiles(kind, (const char *)wu + off, su ? su + e * ib * db : NULL, I, D, xe + j0 * D, me, u + j0 * I,
+                       I, t0, t1, scratch);
+            for (int64_t j = j0; j < j0 + me; j++)
+                for (int64_t n = i0; n < i1; n++) g[j * I + n] = silu(g[j * I + n]) * u[j * I + n] * gates[pair[j]];
         }
+#pragma omp barrier
+        my_tiles(tiles_of(D), &t0, &t1);
+        const int64_t d0 = t0 * NR, d1 = t1 * NR < D ? t1 * NR : D;
+        for (int64_t e = 0; e < E; e++) {
+            const int64_t j0 = start[e], me = start[e + 1] - j0;
+            if (!me) continue;
+            gemv_tiles(kind, (const char *)wd + (size_t)e * D * I * es, sd ? sd + e * db * ib : NULL, D, I, g + j0 * I,
+                       me, ye + j0 * D, D, t0, t1, scratch);
+            for (int64_t j = j0; j < j0 + me; j++)
+                for (int64_t n = d0; n < d1; n++) acc[(pair[j] / topk) * D + n] += ye[j * D + n];
+        }
+        free(scratch);
     }
     store(out, okind, acc, M * D, accumulate);
-    free(xf), free(acc), free(xe), free(g), free(u), free(ye), free(rows), free(rg);
+    if (xf != x) free(xf);
+    free(acc), free(xe), free(g), free(u), free(ye), free(start), free(pair);
     return 0;
 }
 

@@ -4,8 +4,11 @@ the system C compiler at first use and cached, each beside the plain PyTorch ref
 Why: a decode step multiplies one row (or a few) by every weight matrix, so its speed is the speed of
 reading the weights. PyTorch's single-row matmuls reach a fraction of the memory bandwidth (and less in
 bf16 than in fp32 on CPUs without native bf16 dot products), and resident FP8 weights had to be dequantized
-into a full bf16 copy first. The C kernels read fp32, bf16 or FP8 (128x128 blocks) weights in place and
-convert them in registers, and one call computes all routed experts of a step.
+into a full bf16 copy first. The C kernels read fp32, bf16 or FP8 (128x128 blocks) weights in place,
+four weight rows at a time, converting them in registers (FP8 with integer shifts, not F16C, which is too
+slow to keep up with memory), and one call computes all routed experts of a step. A row's result does not
+depend on how many rows share the call (the summation order is fixed), so batched and single-row decode
+give the same numbers. ``benchmarks/decode_kernels_speed.py`` measures them against the read bandwidth.
 
 When the kernels cannot be used (not x86-64 Linux with AVX2/FMA/F16C, no C compiler, a failed build, the
 tensors on another device, or ``DSV3_DECODE_KERNELS=0``) every function here computes the same thing
@@ -34,7 +37,7 @@ FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
 W_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 A_KIND = {torch.float32: 0, torch.bfloat16: 1}
 MAX_KERNEL_ROWS = 64  # more rows than this: a real matmul (PyTorch's) is the better tool
-FP8_SCALE_SHIFT = 256.0  # the kernel reads an e4m3 byte as the fp16 with the same bits: value / 256
+FP8_SCALE_SHIFT = 256.0  # the C side's FP8 scales are scale_inv * 256 (its powers of two do the rest exactly)
 
 
 def cache_dir() -> Path:

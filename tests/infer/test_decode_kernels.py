@@ -1,0 +1,189 @@
+"""The GEMV core of the decode kernels (decode_kernels.c: dsv3_linear, dsv3_swiglu_experts) on the shapes
+that exercise its edges: K not a multiple of 8, 16 or 128 (the vector loops' tails), N not a multiple of
+the 4-row tile (a partial last tile), FP8 128x128 blocks cut at N and K, 1 to 64 activation rows (one
+activation row per tile, two, and the converted-panel path from three on), bf16 activations and outputs,
+several threads, and swiglu's accumulate flag. Each is compared, element by element, with a float64
+reference on the same (dequantized) weights."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dsv3.model import decode_kernels as dk
+from dsv3.precision.fp8 import quantize_weight_blocks
+
+pytestmark = pytest.mark.skipif(not dk.kernels_available(), reason=f"C kernels: {dk.kernel_status()}")
+
+
+def make_weight(kind: str, n: int, k: int, lead: tuple[int, ...] = (), seed: int = 0) -> dk.Weight:
+    """Random weights [*lead, n, k]; the 128-row blocks get magnitudes 1, 8, 64, ... so that a block scale
+    applied to the wrong block shows."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(*lead, n, k, generator=g) * (8.0 ** (torch.arange(n) // 128)).view(n, 1)
+    if kind == "fp8":
+        pairs = [quantize_weight_blocks(m) for m in w.reshape(-1, n, k)]
+        q = torch.stack([p[0] for p in pairs]).view(*lead, n, k)
+        s = torch.stack([p[1] for p in pairs]).view(*lead, *pairs[0][1].shape)
+        return dk.Weight(q, s, torch.float32)
+    return dk.Weight(w.to({"fp32": torch.float32, "bf16": torch.bfloat16}[kind]))
+
+
+def dense64(w: dk.Weight) -> torch.Tensor:
+    """The weights as the reference reads them, in float64 (FP8: each block times its scale)."""
+    if w.scale_inv is None:
+        return w.w.double()
+    n, k = w.w.shape[-2:]
+    s = w.scale_inv.double().repeat_interleave(128, -2)[..., :n, :].repeat_interleave(128, -1)[..., :k]
+    return w.w.double() * s
+
+
+def assert_matches(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, out_dtype: torch.dtype) -> None:
+    """|got - ref| within fp32 accumulation error of sum |x||w| (``bound``), plus the output's rounding."""
+    tol = 2e-6 * bound + (2 ** -8 if out_dtype == torch.bfloat16 else 1e-7) * ref.abs()
+    err = (got.double() - ref).abs()
+    worst = (err - tol).argmax()
+    assert bool((err <= tol).all()), f"element {worst.item()}: got {got.flatten()[worst]}, want {ref.flatten()[worst]}"
+
+
+# (N, K): one row and one column; a partial tile and a K below one vector; K = 8 (no 16-step);
+# K with an 8-step and a scalar tail; N and K cutting FP8 blocks; a full block plus a partial one.
+SHAPES = [(1, 1), (3, 7), (5, 8), (6, 27), (130, 203), (257, 136)]
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
+def test_linear_on_edge_shapes_and_row_counts(kind, act, shape):
+    n, k = shape
+    w = make_weight(kind, n, k)
+    ref_w = dense64(w)
+    for rows in (1, 2, 3, 4, 5, 64):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(act)
+        got = dk.linear(x, w)
+        assert got.dtype == act and got.shape == (rows, n)
+        assert_matches(got, x.double() @ ref_w.t(), x.double().abs() @ ref_w.abs().t(), act)
+
+
+def test_linear_batched_leading_dims_and_64_rows_in_one_call():
+    """x [2, 32, K] is 64 rows: one kernel call, the same rows as 64 single-row calls."""
+    w = make_weight("bf16", 70, 96)
+    x = torch.randn(2, 32, 96)
+    got = dk.linear(x, w)
+    assert got.shape == (2, 32, 70)
+    one_by_one = torch.stack([dk.linear(row[None], w)[0] for row in x.view(64, 96)]).view(2, 32, 70)
+    assert torch.equal(got, one_by_one)  # a row's sum does not depend on the rows beside it
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "fp8"])
+def test_linear_is_the_same_at_every_thread_count(kind):
+    """Threads split the weight rows; every output is computed by one thread with the same code, so the
+    result is bit-for-bit the same at 1, 2 and 3 threads (and over the parallel threshold)."""
+    w = make_weight(kind, 301, 260)
+    x = torch.randn(3, 260)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(dk.linear(x, w))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5])
+def test_fp8_reads_every_e4m3_code_exactly_even_with_denormals_flushed(rows):
+    """All 254 finite e4m3 codes, each picked out by a one-hot activation (in a vector step and in the
+    scalar tail): the kernel's conversion is the dequantization bit for bit, subnormals included, also
+    when the process flushes denormals (the kernel turns DAZ off while it runs, and restores it)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    finite = codes[torch.isfinite(codes.float())]
+    K = 203
+    w = dk.Weight(finite[:, None].expand(-1, K).contiguous(), torch.full((2, 2), 0.25), torch.float32)
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush denormals")
+    try:
+        for col in (5, 130, 201):
+            x = torch.zeros(rows, K)
+            x[:, col] = 1.0
+            got = dk.linear(x, w)
+            assert torch.equal(got, (finite.float() * 0.25).expand(rows, -1))
+        assert torch.tensor([1e-40]).mul(1.0).item() == 0.0  # still flushing after the kernel ran
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def swiglu64(x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, experts: dk.ExpertWeights) -> torch.Tensor:
+    """SwiGLU experts in float64 on the dequantized weights (the activations rounded as the kernel reads
+    them): sum_j gates[m, j] * down_e(silu(gate_e x) * up_e x)."""
+    g, u, d = (dense64(w) for w in (experts.gate, experts.up, experts.down))
+    out = torch.zeros(x.shape, dtype=torch.float64)
+    xd = x.double()
+    for m in range(x.shape[0]):
+        for j in range(idx.shape[1]):
+            e = idx[m, j]
+            h = torch.nn.functional.silu(g[e] @ xd[m]) * (u[e] @ xd[m])
+            out[m] += gates[m, j].double() * (d[e] @ h)
+    return out
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_swiglu_experts_on_edge_shapes(kind, act):
+    """I and D not multiples of 4, 16 or 128 (FP8 blocks cut in both matrices); 1 to 64 rows routed with
+    shared experts (so an expert sees 1, 2 or many rows); accumulate on and off; 1 and 2 threads."""
+    E, I, D = 5, 137, 131
+    experts = dk.ExpertWeights(*(make_weight(kind, *s, (E,), seed) for seed, s in enumerate([(I, D), (I, D),
+                                                                                            (D, I)])))
+    for p in (experts.gate, experts.up, experts.down):  # moderate magnitudes: silu stays in its curved part
+        if p.scale_inv is None:
+            p.w = (p.w.float() / 64).to(p.w.dtype)
+        else:
+            p.scale_inv = p.scale_inv / 64
+            p.kernel_scale = p.kernel_scale / 64
+    before = torch.get_num_threads()
+    try:
+        for threads, rows in ((1, 1), (2, 2), (1, 3), (2, 17), (2, 64)):
+            torch.set_num_threads(threads)
+            gen = torch.Generator().manual_seed(rows)
+            x = torch.randn(rows, D, generator=gen).to(act)
+            idx = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(rows)])
+            gates = torch.rand(rows, 2, generator=gen)
+            ref = swiglu64(x, idx, gates, experts)
+            scale = ref.abs().max()
+            got = dk.swiglu_experts(x, idx, gates, experts)
+            assert got.dtype == act
+            tol = 3e-3 if act == torch.bfloat16 else 2e-5
+            assert ((got.double() - ref).abs() / scale).max() < tol
+            base = torch.randn(rows, D, generator=gen).to(act)
+            summed = dk.swiglu_experts(x, idx, gates, experts, add_to=base.clone())
+            assert ((summed.double() - (base.double() + ref)).abs() / scale).max() < 2 * tol + (
+                2 ** -8 * base.double().abs().max() / scale if act == torch.bfloat16 else 0)
+    finally:
+        torch.set_num_threads(before)
+
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_kernels_speed.py"
+
+
+def test_speed_benchmark_reports_every_figure_as_json_and_refuses_bad_flags():
+    """A one-round run of benchmarks/decode_kernels_speed.py on one small matrix: one JSON object with the
+    read bandwidth and, per (kind, rows, threads), the kernel's and torch's GB/s and the fraction."""
+    done = subprocess.run([sys.executable, str(BENCH), "--matrices", "q_a", "--kinds", "bf16,fp8", "--threads", "1",
+                           "--rows", "1,2", "--repeats", "1", "--footprint-mb", "1", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["bandwidth_gbs"]["1"] > 0
+    assert [(r["kind"], r["rows"]) for r in report["results"]] == [("bf16", 1), ("bf16", 2), ("fp8", 1), ("fp8", 2)]
+    for r in report["results"]:
+        assert r["weight_bytes"] == 192 * 512 * (2 if r["kind"] == "bf16" else 1)
+        assert r["kernel_gbs"] > 0 and r["torch_gbs"] > 0
+        assert r["kernel_fraction_of_bw"] == pytest.approx(r["kernel_gbs"] / report["bandwidth_gbs"]["1"])
+    bad = subprocess.run([sys.executable, str(BENCH), "--kinds", "fp4"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().splitlines() == ["error: --kinds must list some of fp32,bf16,fp8, got 'fp4'"]
