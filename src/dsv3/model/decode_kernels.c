@@ -420,3 +420,201 @@ int dsv3_mla_decode(const void *q, int akind, const float *cos, const float *sin
     }
     return 0;
 }
+
+/* ---- A whole transformer block's decode step in one call ----------------------------------------------
+ * What FastDecode's per-op path does for one block (decode.py, BlockPlan), with the same roundings: every
+ * activation between two steps is stored in the activation dtype (fp32 or bf16) exactly where the per-op
+ * path stores a tensor, so the two agree to fp32 rounding in fp32 and within bf16 rounding in bf16. The
+ * heavy parts are the exported kernels above (dsv3_linear, dsv3_route, dsv3_swiglu_experts,
+ * dsv3_mla_decode); this part adds the glue that used to be 30-40 PyTorch calls per block: the RMSNorms,
+ * RoPE of the shared key, the latent cache write and the residual adds. The helpers here are the block's
+ * own (prefixed blk_) so that the GEMV code above can change freely. */
+
+typedef struct { /* a bias-free linear layer, [n, k] */
+    const void *w;
+    const float *scale; /* FP8 block scales x 256, or NULL */
+    int64_t kind, n, k;
+} BlkLinear;
+
+typedef struct { /* stacked SwiGLU experts: gate, up [E, inter, dim], down [E, dim, inter] */
+    const void *gate, *up, *down;
+    const float *gate_scale, *up_scale, *down_scale;
+    int64_t kind, n_experts, inter, dim;
+} BlkExperts;
+
+typedef struct { /* one block's weights and constants (made once per plan) */
+    int64_t akind, dim, layer;
+    const void *input_norm, *post_norm, *q_norm, *kv_norm; /* in the activation dtype */
+    float input_eps, post_eps, q_eps, kv_eps;
+    BlkLinear q_a, q_b, kv_a, o; /* q_a.w NULL: no query compression and q_b is q_proj */
+    const float *w_uk, *w_uv;    /* fp32 W_UK [H, nope, r], W_UV [H, v, r] (strided) */
+    int64_t uk_hstride, uk_rstride, uv_hstride, uv_rstride;
+    int64_t heads, nope, rope, v_dim, kv_rank;
+    float softmax_scale;
+    const float *router, *router_bias; /* router NULL: a dense MLP (in ``shared``), no routed experts */
+    int64_t softmax, n_group, topk_group, group_sum, topk, normalize;
+    float route_scale;
+    BlkExperts routed, shared; /* shared.gate NULL: no shared expert */
+} BlkDesc;
+
+typedef struct { /* one decode step, shared by all blocks */
+    int64_t rows, T, start; /* rows x T new tokens, written at cache slots [start, start + T) */
+    const float *cos, *sin; /* [rows or 1, T, rope/2] fp32 */
+    int64_t rot_bstride;    /* 0 when one rotation serves every row */
+    void *kv, *pe;          /* the latent cache [layers, batch, slots, r | rope] */
+    int64_t ckind, kv_lstride, kv_bstride, kv_sstride, pe_lstride, pe_bstride, pe_sstride;
+    const float *bias; /* additive mask [rows or 1, T, start + T], or NULL */
+    int64_t bias_bstride, nthreads;
+} BlkStep;
+
+static inline float blk_load(const void *a, int kind, int64_t i) {
+    if (kind == A_F32) return ((const float *)a)[i];
+    uint32_t bits = (uint32_t)((const uint16_t *)a)[i] << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t blk_bf16(float f) { /* round to nearest even, NaN stays NaN (as torch) */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7FFFFFFF) > 0x7F800000) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline void blk_store(void *a, int kind, int64_t i, float v) {
+    if (kind == A_F32) ((float *)a)[i] = v;
+    else ((uint16_t *)a)[i] = blk_bf16(v);
+}
+
+/* v as the activation dtype stores it (the rounding of a tensor's ``.to(dtype)``). */
+static inline float blk_round(int kind, float v) {
+    if (kind == A_F32) return v;
+    uint32_t bits = (uint32_t)blk_bf16(v) << 16;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+
+/* RMSNorm.forward for M rows of n values, x rows ``ldx`` apart: w * (x / rms(x)).to(dtype), normalised in
+ * fp32, in the activation dtype (as decode.rms_norm). out may be x. */
+static void blk_rms_norm(const void *x, int64_t ldx, const void *w, float eps, int kind, int64_t M, int64_t n,
+                         void *out, int64_t ldo) {
+    for (int64_t m = 0; m < M; m++) {
+        float ss = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            const float v = blk_load(x, kind, m * ldx + i);
+            ss += v * v;
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        for (int64_t i = 0; i < n; i++)
+            blk_store(out, kind, m * ldo + i, blk_load(w, kind, i) * blk_round(kind, blk_load(x, kind, m * ldx + i) * inv));
+    }
+}
+
+/* x (+)= y elementwise in the activation dtype (the residual add). */
+static void blk_add(void *x, const void *y, int kind, int64_t n) {
+    for (int64_t i = 0; i < n; i++) blk_store(x, kind, i, blk_load(x, kind, i) + blk_load(y, kind, i));
+}
+
+static void blk_linear(const BlkLinear *l, const void *x, int akind, int64_t M, void *out, int nthreads) {
+    dsv3_linear(l->w, l->scale, (int)l->kind, l->n, l->k, x, akind, M, out, akind, nthreads);
+}
+
+static void blk_experts(const BlkExperts *e, const void *x, int akind, int64_t M, const int64_t *idx,
+                        const float *gates, int64_t topk, void *out, int accumulate, int nthreads) {
+    dsv3_swiglu_experts(e->gate, e->up, e->down, e->gate_scale, e->up_scale, e->down_scale, (int)e->kind,
+                        e->n_experts, e->inter, e->dim, x, akind, M, idx, gates, topk, out, akind, accumulate,
+                        nthreads);
+}
+
+/* The cache write of the new tokens: c_KV normed (kv_a_layernorm, in the activation dtype) and k_R roped
+ * (in fp32), from kv_a's output kv [M, r + rope], each converted to the cache's dtype. */
+static void blk_write_latents(const BlkDesc *d, const BlkStep *s, const void *kv) {
+    const int ak = (int)d->akind, ck = (int)s->ckind;
+    const int64_t r = d->kv_rank, p = d->rope, width = r + p;
+    const size_t aes = ak == A_F32 ? 4 : 2, ces = ck == A_F32 ? 4 : 2;
+    void *c = malloc((size_t)(r > 0 ? r : 1) * aes);
+    for (int64_t b = 0; b < s->rows; b++) {
+        for (int64_t t = 0; t < s->T; t++) {
+            const int64_t m = b * s->T + t, slot = s->start + t;
+            char *kv_out = (char *)s->kv + (size_t)(d->layer * s->kv_lstride + b * s->kv_bstride + slot * s->kv_sstride) * ces;
+            char *pe_out = (char *)s->pe + (size_t)(d->layer * s->pe_lstride + b * s->pe_bstride + slot * s->pe_sstride) * ces;
+            blk_rms_norm((const char *)kv + (size_t)(m * width) * aes, 0, d->kv_norm, d->kv_eps, ak, 1, r, c, 0);
+            for (int64_t i = 0; i < r; i++) blk_store(kv_out, ck, i, blk_load(c, ak, i));
+            const float *cs = s->cos + s->rot_bstride * b + t * (p / 2), *sn = s->sin + s->rot_bstride * b + t * (p / 2);
+            for (int64_t j = 0; j < p / 2; j++) {
+                const float x0 = blk_load(kv, ak, m * width + r + 2 * j), x1 = blk_load(kv, ak, m * width + r + 2 * j + 1);
+                blk_store(pe_out, ck, 2 * j, x0 * cs[j] - x1 * sn[j]);
+                blk_store(pe_out, ck, 2 * j + 1, x0 * sn[j] + x1 * cs[j]);
+            }
+        }
+    }
+    free(c);
+}
+
+/* The feed-forward half's output y [M, dim] (activation dtype) from its normed input h: the router and
+ * the routed experts, plus the shared expert (or the dense MLP, as one expert every row goes to). */
+static void blk_feed_forward(const BlkDesc *d, const BlkStep *s, const void *h, int64_t M, void *y) {
+    const int ak = (int)d->akind, nt = (int)s->nthreads;
+    int have = 0;
+    if (d->router) {
+        const int64_t k = d->topk;
+        int64_t *idx = (int64_t *)malloc((size_t)(M * k + 1) * sizeof(int64_t));
+        float *gates = (float *)malloc((size_t)(M * k + 1) * sizeof(float));
+        dsv3_route(d->router, d->router_bias, d->routed.n_experts, d->dim, h, ak, M, (int)d->softmax, d->n_group,
+                   d->topk_group, (int)d->group_sum, k, (int)d->normalize, d->route_scale, idx, gates, nt);
+        blk_experts(&d->routed, h, ak, M, idx, gates, k, y, 0, nt);
+        free(idx), free(gates);
+        have = 1;
+    }
+    if (d->shared.gate) {
+        int64_t *zero = (int64_t *)calloc((size_t)(M + 1), sizeof(int64_t));
+        float *one = (float *)malloc((size_t)(M + 1) * sizeof(float));
+        for (int64_t m = 0; m < M; m++) one[m] = 1.0f;
+        blk_experts(&d->shared, h, ak, M, zero, one, 1, y, have, nt);
+        free(zero), free(one);
+    }
+}
+
+/* One block's decode step on x [rows * T, dim] (activation dtype), in place: x += attn(norm(x)), then
+ * x += ffn(norm(x)); the new tokens' latents are written to the cache at layer ``d->layer``. Returns 0. */
+int dsv3_decode_block(const BlkDesc *d, const BlkStep *s, void *x) {
+    const int ak = (int)d->akind, nt = (int)s->nthreads;
+    const size_t es = ak == A_F32 ? 4 : 2;
+    const int64_t M = s->rows * s->T, D = d->dim, H = d->heads, width = d->kv_rank + d->rope;
+    const int64_t S = s->start + s->T, ces = s->ckind == A_F32 ? 4 : 2;
+    char *h = (char *)malloc((size_t)(M * D + 1) * es), *y = (char *)malloc((size_t)(M * D + 1) * es);
+    char *q = (char *)malloc((size_t)(M * d->q_b.n + 1) * es), *kv = (char *)malloc((size_t)(M * width + 1) * es);
+    char *att = (char *)malloc((size_t)(M * H * d->v_dim + 1) * es);
+    blk_rms_norm(x, D, d->input_norm, d->input_eps, ak, M, D, h, D);
+    if (d->q_a.w) {
+        char *qa = (char *)malloc((size_t)(M * d->q_a.n + 1) * es);
+        blk_linear(&d->q_a, h, ak, M, qa, nt);
+        blk_rms_norm(qa, d->q_a.n, d->q_norm, d->q_eps, ak, M, d->q_a.n, qa, d->q_a.n);
+        blk_linear(&d->q_b, qa, ak, M, q, nt);
+        free(qa);
+    } else {
+        blk_linear(&d->q_b, h, ak, M, q, nt);
+    }
+    blk_linear(&d->kv_a, h, ak, M, kv, nt);
+    blk_write_latents(d, s, kv);
+    dsv3_mla_decode(q, ak, s->cos, s->sin, s->rot_bstride, d->w_uk, d->uk_hstride, d->uk_rstride, d->w_uv,
+                    d->uv_hstride, d->uv_rstride, (const char *)s->kv + (size_t)(d->layer * s->kv_lstride) * ces,
+                    (const char *)s->pe + (size_t)(d->layer * s->pe_lstride) * ces, (int)s->ckind, s->rows, s->T,
+                    H, S, d->nope, d->rope, d->kv_rank, d->v_dim, s->kv_bstride, s->kv_sstride, s->pe_bstride,
+                    s->pe_sstride, s->bias, s->bias_bstride, d->softmax_scale, att, nt);
+    blk_linear(&d->o, att, ak, M, y, nt);
+    blk_add(x, y, ak, M * D);
+    blk_rms_norm(x, D, d->post_norm, d->post_eps, ak, M, D, h, D);
+    blk_feed_forward(d, s, h, M, y);
+    blk_add(x, y, ak, M * D);
+    free(h), free(y), free(q), free(kv), free(att);
+    return 0;
+}
+
+/* RMSNorm of M rows of n values (the final norms): out = w * (x / rms(x)).to(dtype). Returns 0. */
+int dsv3_rms_norm(const void *x, const void *w, float eps, int akind, int64_t M, int64_t n, void *out) {
+    blk_rms_norm(x, n, w, eps, akind, M, n, out, n);
+    return 0;
+}
