@@ -97,9 +97,9 @@ def test_mla_decode_kernel_equals_reference(cache_dtype, T):
         assert close(dk.mla_decode(*args), dk.mla_decode_reference(*args), cache_dtype)
 
 
-def step_logits(model, decoder, prompt, steps=4, T=1):
+def step_logits(model, decoder, prompt, steps=4, T=1, cache_dtype=None):
     """Teacher-forced absorbed decode steps after a prefill: logits [steps, T, V] through ``decoder``."""
-    cache = model.new_cache(1, len(prompt) + steps * T + 2)
+    cache = model.new_cache(1, len(prompt) + steps * T + 2, dtype=cache_dtype)
     out = []
     with torch.inference_mode():
         model(torch.tensor([prompt]), cache=cache)
@@ -120,6 +120,19 @@ def model_in(precision: str):
     return to_fp8_weights(model) if precision.startswith("fp8") else model
 
 
+MODES = {"block kernel": {}, "per-op kernels": {"block_kernel": False}, "per-op torch": {"use_kernels": False}}
+
+
+def decoder_in(model, mode: str) -> FastDecode:
+    """FastDecode in one of its three modes; the block kernel mode really runs every block in one call."""
+    fast = FastDecode(model, **MODES[mode])
+    if mode == "block kernel" and dk.kernels_available():
+        assert all(plan.kernel is not None for plan in fast.blocks)
+    else:
+        assert all(plan.kernel is None for plan in fast.blocks) or fast.block_kernel is False
+    return fast
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8", "fp8-fp32"])
 @pytest.mark.parametrize("T", [1, 2])
 def test_fast_decode_logits_equal_the_module_path(precision, T):
@@ -129,24 +142,130 @@ def test_fast_decode_logits_equal_the_module_path(precision, T):
     ref = step_logits(model, model, PROMPTS[2], T=T).float()
     scale = ref.abs().max()
     limit = 3e-2 if precision in ("bf16", "fp8") else 2e-6
-    for use_kernels in (True, False):
-        got = step_logits(model, FastDecode(model, use_kernels=use_kernels), PROMPTS[2], T=T).float()
-        assert (got - ref).abs().max() / scale < limit
+    for mode in MODES:
+        got = step_logits(model, decoder_in(model, mode), PROMPTS[2], T=T).float()
+        assert (got - ref).abs().max() / scale < limit, mode
+
+
+@needs_kernels
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+def test_block_kernel_rounds_where_the_per_op_path_does(precision):
+    """The block kernel against the per-op path it fuses: the same roundings to bf16 at the same places,
+    so in bf16 they agree far more closely than either agrees with the module path (3e-2)."""
+    model = model_in(precision)
+    per_op = step_logits(model, decoder_in(model, "per-op kernels"), PROMPTS[2], T=2).float()
+    block = step_logits(model, decoder_in(model, "block kernel"), PROMPTS[2], T=2).float()
+    assert (block - per_op).abs().max() / per_op.abs().max() < (2e-6 if precision == "fp32" else 2e-3)
+
+
+def ragged_logits(model, decoder, prompts, steps: int = 3, T: int = 1):
+    """A ragged batch decoded as the engine does (left padding, per-row positions, a mask with a hole
+    where row 0's second token was rejected), teacher-forced through ``decoder``: the main logits
+    [steps, B, T, V] and the MTP layer's [steps, B, T, V]."""
+    B, L = len(prompts), max(len(p) for p in prompts)
+    cache = model.new_cache(B, L + steps * T + 2)
+    pads = torch.tensor([L - len(p) for p in prompts])
+    valid = torch.zeros(B, cache.max_len, dtype=torch.bool)
+    valid[:, :L] = torch.arange(L)[None] >= pads[:, None]
+
+    def mask(start, n):
+        S = start + n
+        return valid[:, None, :S] | (torch.arange(S)[None, :] == torch.arange(start, S)[:, None])[None]
+
+    main, mtp = [], []
+    with torch.inference_mode():
+        ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts])
+        model.hidden_states(ids, positions=(torch.arange(L)[None] - pads[:, None]).clamp(min=0), cache=cache,
+                            mask=mask(0, L))
+        for s in range(steps):
+            start = L + s * T
+            new = torch.tensor([[(11 * s + 5 * b + t + 1) % 300 for t in range(T)] for b in range(B)])
+            positions = (L - pads)[:, None] + s * T + torch.arange(T)
+            valid[:, start : start + T] = True
+            h = decoder.hidden_states(new, positions=positions, cache=cache, start_pos=start, mask=mask(start, T))
+            main.append(decoder.lm_head(h))
+            h_mtp = decoder.mtp_hidden(0, h, (new + 7) % 300, positions, cache=cache, start_pos=start,
+                                       mask=mask(start, T))
+            mtp.append(decoder.mtp_logits(0, h_mtp))
+            if s == 0:
+                valid[0, start + T - 1] = False  # a rejected draft: a hole every later step must skip
+    return torch.stack(main).float(), torch.stack(mtp).float()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8-fp32"])
+@pytest.mark.parametrize("T", [1, 2])
+def test_ragged_batches_and_the_mtp_layer_equal_the_module_path(precision, T):
+    """Batch 3 with left padding, a hole in the mask, T = 1 and 2 (MTP verify), and the MTP layer's
+    drafts: every mode of the fast path against the modules."""
+    model = model_in(precision)
+    ref = ragged_logits(model, model, PROMPTS, T=T)
+    limit = 3e-2 if precision == "bf16" else 2e-6
+    for mode in MODES:
+        got = ragged_logits(model, decoder_in(model, mode), PROMPTS, T=T)
+        for g, r in zip(got, ref, strict=True):
+            assert (g - r).abs().max() / r.abs().max() < limit, mode
+
+
+SHAPES = {"q_lora, softmax routing, no shared expert": dict(q_lora_rank=48, n_shared_experts=0, scoring_func="softmax",
+                                                           topk_method="group_limited_greedy"),
+          "greedy routing, unnormalised gates": dict(topk_method="greedy", n_group=1, topk_group=1,
+                                                     norm_topk_prob=False)}
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_kernel_on_other_block_shapes(shape, dtype):
+    """Compressed queries (q_a/q_b with their norm, as the small preset and V3), the other routers, and
+    MoE layers without a shared expert, through the block kernel; bf16 cache on the bf16 model."""
+    from dsv3.config import preset
+    from dsv3.model import Transformer
+
+    torch.manual_seed(1)
+    model = Transformer(preset("nano").replace(vocab_size=300, num_hidden_layers=2, **SHAPES[shape])).eval().to(dtype)
+    ref = step_logits(model, model, PROMPTS[2], T=2).float()
+    got = step_logits(model, decoder_in(model, "block kernel"), PROMPTS[2], T=2).float()
+    per_op = step_logits(model, decoder_in(model, "per-op kernels"), PROMPTS[2], T=2).float()
+    assert (got - ref).abs().max() / ref.abs().max() < (3e-2 if dtype == torch.bfloat16 else 2e-6)
+    assert (got - per_op).abs().max() / ref.abs().max() < (2e-3 if dtype == torch.bfloat16 else 2e-6)
 
 
 def generate(engine, prompts, n=10):
     return [r.token_ids for r in engine.generate([Request(p, n) for p in prompts])]
 
 
+def count_block_calls(monkeypatch) -> list:
+    """Record every block kernel call (one per block per decode step)."""
+    calls, real = [], dk.decode_block
+    monkeypatch.setattr(dk, "decode_block", lambda *args: (calls.append(1), real(*args))[1])
+    return calls
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8-fp32"])
 @pytest.mark.parametrize("speculative", [False, True])
-def test_fast_engine_greedy_tokens_equal_the_module_path(precision, speculative):
+def test_fast_engine_greedy_tokens_equal_the_module_path(precision, speculative, monkeypatch):
     model = model_in(precision)
     ref_engine = Engine(model, speculative=speculative, fast=False)
     fast = Engine(model, speculative=speculative)
     assert isinstance(fast.decoder, FastDecode)
+    calls = count_block_calls(monkeypatch)
     for prompts in ([PROMPTS[0]], PROMPTS):  # batch 1, then a ragged batch (left padding, holes)
         assert generate(fast, prompts) == generate(ref_engine, prompts)
+    assert calls or not dk.kernels_available()  # the engine's decode steps ran the block kernel
+
+
+@needs_kernels
+@pytest.mark.parametrize(("model_dtype", "cache_dtype"), [(torch.float32, torch.bfloat16),
+                                                          (torch.bfloat16, torch.float32)])
+def test_block_kernel_with_a_cache_of_another_dtype(model_dtype, cache_dtype):
+    """The engine's ``cache_dtype``: the block kernel converts the latents it writes, as the cache does."""
+    model = tiny_model().to(model_dtype)
+    ref = step_logits(model, model, PROMPTS[2], T=2, cache_dtype=cache_dtype)
+    per_op = step_logits(model, decoder_in(model, "per-op kernels"), PROMPTS[2], T=2, cache_dtype=cache_dtype)
+    block = step_logits(model, decoder_in(model, "block kernel"), PROMPTS[2], T=2, cache_dtype=cache_dtype)
+    scale = ref.float().abs().max()
+    assert (block.float() - ref.float()).abs().max() / scale < 3e-2
+    assert (block.float() - per_op.float()).abs().max() / scale < 2e-3
 
 
 def test_a_hooked_layer_runs_through_its_module(model):
@@ -159,6 +278,43 @@ def test_a_hooked_layer_runs_through_its_module(model):
         handle.remove()
     assert len(calls) >= 6  # prefill + 5 decode steps
     assert fast == generate(Engine(model, fast=False), [PROMPTS[0]], 6)
+
+
+def test_a_hook_set_after_the_engine_was_built_is_noticed(model, monkeypatch):
+    """The per-step check that a plan still fits its block sees a hook come and go: the hooked layer
+    runs its module (the other keeps its block kernel), then the block kernel again once it is removed."""
+    engine, expected = Engine(model), generate(Engine(model, fast=False), [PROMPTS[0]], 6)
+    seen = []
+    blocks = count_block_calls(monkeypatch)
+    handle = model.model.layers[1].self_attn.register_forward_hook(lambda *args: seen.append(1))
+    try:
+        assert generate(engine, [PROMPTS[0]], 6) == expected
+    finally:
+        handle.remove()
+    assert len(seen) == 6  # prefill + 5 decode steps, all through the module
+    assert len(blocks) == (5 if dk.kernels_available() else 0)  # layer 0 kept its block kernel
+    blocks.clear()
+    assert generate(engine, [PROMPTS[0]], 6) == expected
+    assert len(blocks) == (5 * model.config.num_hidden_layers if dk.kernels_available() else 0)
+
+
+def test_with_the_kernels_disabled_fast_decode_runs_pytorch_ops(monkeypatch):
+    """DSV3_DECODE_KERNELS=0: no block kernel, no C call; still equal to the module path."""
+    monkeypatch.setenv("DSV3_DECODE_KERNELS", "0")
+    dk._load.cache_clear()
+    try:
+        model = tiny_model()
+        fast = FastDecode(model)
+        assert fast.kernels == "disabled by DSV3_DECODE_KERNELS=0"
+        assert all(plan.kernel is None for plan in fast.blocks)
+        calls = count_block_calls(monkeypatch)
+        ref = step_logits(model, model, PROMPTS[2], T=2)
+        assert (step_logits(model, fast, PROMPTS[2], T=2) - ref).abs().max() / ref.abs().max() < 2e-6
+        assert generate(Engine(model, speculative=True), PROMPTS) == generate(
+            Engine(model, speculative=True, fast=False), PROMPTS)
+        assert not calls
+    finally:
+        dk._load.cache_clear()
 
 
 def test_kernels_fall_back_to_pytorch_when_they_cannot_be_built(monkeypatch, tmp_path):

@@ -344,16 +344,18 @@ class BlockStep(ctypes.Structure):
 
 
 @functools.cache
-def _block_functions() -> tuple | None:
-    """(dsv3_decode_block, dsv3_rms_norm) with their argument types, or None without the C kernels."""
-    lib = _load()[0]
-    if lib is None:
-        return None
+def _declare_block(lib: ctypes.CDLL) -> tuple:
     block, norm = lib.dsv3_decode_block, lib.dsv3_rms_norm
     block.argtypes = [_p, _p, _p]
     norm.argtypes = [_p, _p, _f32, ctypes.c_int, _i64, _i64, _p]
     block.restype = norm.restype = ctypes.c_int
     return block, norm
+
+
+def _block_functions() -> tuple | None:
+    """(dsv3_decode_block, dsv3_rms_norm) with their argument types, or None without the C kernels."""
+    lib = _load()[0]
+    return None if lib is None else _declare_block(lib)
 
 
 def block_kernel_available() -> bool:
