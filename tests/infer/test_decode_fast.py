@@ -147,15 +147,21 @@ def test_fast_decode_logits_equal_the_module_path(precision, T):
         assert (got - ref).abs().max() / scale < limit, mode
 
 
+def same_roundings(block: torch.Tensor, per_op: torch.Tensor) -> bool:
+    """fp32: equal to fp32 rounding. bf16: rounded to bf16 at the same places, so nearly every logit is
+    bit-equal (a path that rounds elsewhere, like the module path, differs in about 80% of them)."""
+    if block.dtype == torch.float32:
+        return bool((block - per_op).abs().max() / per_op.abs().max() < 2e-6)
+    return bool((block != per_op).float().mean() < 0.1 and (block - per_op).abs().max() / per_op.abs().max() < 1e-2)
+
+
 @needs_kernels
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
 def test_block_kernel_rounds_where_the_per_op_path_does(precision):
-    """The block kernel against the per-op path it fuses: the same roundings to bf16 at the same places,
-    so in bf16 they agree far more closely than either agrees with the module path (3e-2)."""
+    """The block kernel against the per-op path it fuses."""
     model = model_in(precision)
-    per_op = step_logits(model, decoder_in(model, "per-op kernels"), PROMPTS[2], T=2).float()
-    block = step_logits(model, decoder_in(model, "block kernel"), PROMPTS[2], T=2).float()
-    assert (block - per_op).abs().max() / per_op.abs().max() < (2e-6 if precision == "fp32" else 2e-3)
+    per_op = step_logits(model, decoder_in(model, "per-op kernels"), PROMPTS[2], T=2)
+    assert same_roundings(step_logits(model, decoder_in(model, "block kernel"), PROMPTS[2], T=2), per_op)
 
 
 def ragged_logits(model, decoder, prompts, steps: int = 3, T: int = 1):
@@ -224,10 +230,10 @@ def test_block_kernel_on_other_block_shapes(shape, dtype):
     torch.manual_seed(1)
     model = Transformer(preset("nano").replace(vocab_size=300, num_hidden_layers=2, **SHAPES[shape])).eval().to(dtype)
     ref = step_logits(model, model, PROMPTS[2], T=2).float()
-    got = step_logits(model, decoder_in(model, "block kernel"), PROMPTS[2], T=2).float()
-    per_op = step_logits(model, decoder_in(model, "per-op kernels"), PROMPTS[2], T=2).float()
-    assert (got - ref).abs().max() / ref.abs().max() < (3e-2 if dtype == torch.bfloat16 else 2e-6)
-    assert (got - per_op).abs().max() / ref.abs().max() < (2e-3 if dtype == torch.bfloat16 else 2e-6)
+    got = step_logits(model, decoder_in(model, "block kernel"), PROMPTS[2], T=2)
+    per_op = step_logits(model, decoder_in(model, "per-op kernels"), PROMPTS[2], T=2)
+    assert (got.float() - ref).abs().max() / ref.abs().max() < (3e-2 if dtype == torch.bfloat16 else 2e-6)
+    assert same_roundings(got, per_op)
 
 
 def generate(engine, prompts, n=10):
@@ -265,7 +271,7 @@ def test_block_kernel_with_a_cache_of_another_dtype(model_dtype, cache_dtype):
     block = step_logits(model, decoder_in(model, "block kernel"), PROMPTS[2], T=2, cache_dtype=cache_dtype)
     scale = ref.float().abs().max()
     assert (block.float() - ref.float()).abs().max() / scale < 3e-2
-    assert (block.float() - per_op.float()).abs().max() / scale < 2e-3
+    assert same_roundings(block, per_op)
 
 
 def test_a_hooked_layer_runs_through_its_module(model):
