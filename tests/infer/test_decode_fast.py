@@ -82,14 +82,20 @@ def test_swiglu_experts_kernel_equals_reference(kind, rows):
 @needs_kernels
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 2])
-def test_mla_decode_kernel_equals_reference(cache_dtype, T):
-    B, H, S, nope, r, p, v = 3, 6, 37, 16, 24, 8, 12
+@pytest.mark.parametrize("S", [37, 200])
+def test_mla_decode_kernel_equals_reference(cache_dtype, T, S):
+    """Within one tile of keys (37) and over several (200: the kernel's online softmax, with a whole
+    tile masked for one row and the largest scores late, so the running max grows)."""
+    B, H, nope, r, p, v = 3, 6, 16, 24, 8, 12
     q = torch.randn(B, T, H, nope + p).to(cache_dtype)
     angles = torch.rand(B, T, p // 2) * 6
     w = torch.randn(H, nope + v, r)  # kv_b_proj's weight per head: W_UK then W_UV, as views
-    cache_kv, cache_pe = torch.randn(B, 50, r).to(cache_dtype), torch.randn(B, 50, p).to(cache_dtype)
+    cache_kv, cache_pe = torch.randn(B, S + 13, r), torch.randn(B, S + 13, p)
+    cache_kv[:, S // 2 :] *= 3  # later keys score higher
+    cache_kv, cache_pe = cache_kv.to(cache_dtype), cache_pe.to(cache_dtype)
     kv, pe = cache_kv[:, :S], cache_pe[:, :S]  # views with the cache's row strides
     keep = torch.rand(B, T, S) > 0.3
+    keep[1, :, :100] = False  # row 1 sees nothing in its first tile(s)
     keep[:, :, -1] = True
     bias = torch.zeros(B, T, S).masked_fill_(~keep, float("-inf"))
     for b, rot in ((None, angles), (bias, angles), (bias[:1], angles[:1])):
