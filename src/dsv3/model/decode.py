@@ -2,21 +2,26 @@
 module path (``Transformer.hidden_states``) that it must equal.
 
 A decode step feeds one token (two when verifying an MTP draft) per row, so its cost is reading every
-weight once plus a fixed cost per PyTorch call; the module path makes about 4,000 calls per step on the
-``small`` shape, which dominated. This path computes the same layers with:
+weight once plus a fixed cost per call; the module path makes about 4,000 PyTorch calls per step on the
+``small`` shape, which dominated. Three layers, each tested against the one before:
 
-* every projection, the output head and each MoE layer's routed experts through the kernels of
-  ``decode_kernels`` (weights read in place in fp32, bf16 or FP8 blocks; all routed experts of a layer in
-  one call, grouped by expert, so each routed-to expert is read once for all rows of a batch);
-* the absorbed attention as batched matmuls over the cached latent (scores from c_KV and k_R in two
-  calls, the scale folded in), RoPE as one complex multiply, and the attention mask built once per step
-  as an additive bias rather than once per layer;
-* the router exactly as the model's (``Router.forward``), so the same experts are chosen.
+* the module path (``Transformer.hidden_states``), the reference;
+* the per-op path (``BlockPlan.__call__``): every projection, the output head and each MoE layer's routed
+  experts through the kernels of ``decode_kernels`` (weights read in place in fp32, bf16 or FP8 blocks;
+  all routed experts of a layer in one call, grouped by expert, so each routed-to expert is read once for
+  all rows of a batch), the absorbed attention in one call over the cached latent, RoPE as one complex
+  multiply, the mask built once per step as an additive bias, the router exactly as the model's
+  (``Router.forward``) so the same experts are chosen. About 30 PyTorch calls per block;
+* the block kernel (``BlockKernel``): the same computation, with the same roundings, as one C call per
+  block (``dsv3_decode_block``), which reads a descriptor of the block's tensors made once per plan and
+  one of the step made once per step. What remains per step in Python is the embedding, the RoPE
+  angles, the final norm and the head: the fixed cost no longer grows with the number of layers.
 
-A layer it cannot run this way (forward hooks, an expert-parallel dispatcher or a simulated combine
+A layer the kernels cannot run (forward hooks, an expert-parallel dispatcher or a simulated combine
 format, experts of another kind, linear layers of another kind) runs through its own module, so the
-result is always the model's. ``FastDecode(model, use_kernels=False)`` takes the same path with PyTorch
-matmuls in place of the C kernels (tests compare all three).
+result is always the model's. ``FastDecode(model, block_kernel=False)`` stops at the per-op path and
+``FastDecode(model, use_kernels=False)`` runs it with PyTorch matmuls in place of the C kernels (tests
+compare all of them).
 """
 
 from __future__ import annotations
