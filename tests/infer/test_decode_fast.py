@@ -389,3 +389,22 @@ def test_a_layer_changed_after_the_engine_was_built_is_planned_again(model):
     finally:
         moe.dispatcher = original
     assert Counting.calls >= 6
+
+
+def test_a_cache_without_the_mtp_layer(model):
+    """A cache with the main layers only: the blocks decode into it; the MTP layer, which has no cache
+    layer there, is never written out of bounds (an IndexError, as the module path raises)."""
+    from dsv3.model.mla import LatentCache
+
+    prompt, layers = PROMPTS[2], model.config.num_hidden_layers
+    logits = []
+    for decoder in (model, FastDecode(model)):
+        cache = LatentCache(model.config, 1, 32, layers=layers)
+        with torch.inference_mode():
+            model(torch.tensor([prompt]), cache=cache)
+            ids, positions = torch.tensor([[7]]), torch.tensor([[len(prompt)]])
+            h = decoder.hidden_states(ids, positions=positions, cache=cache, start_pos=len(prompt))
+            logits.append(decoder.lm_head(h))
+            with pytest.raises(IndexError):
+                decoder.mtp_hidden(0, h, ids, positions, cache=cache, start_pos=len(prompt))
+    assert torch.allclose(logits[0], logits[1], atol=1e-5, rtol=1e-5)

@@ -208,6 +208,7 @@ class BlockKernel:
     def __init__(self, desc: dk.BlockDesc, keep: list):
         self.desc, self.keep = desc, keep
         self.address = ctypes.addressof(desc)
+        self.layer = desc.layer  # the cache layer it writes: a step's cache must have it
 
     @classmethod
     def of(cls, plan: BlockPlan) -> BlockKernel | None:
@@ -316,7 +317,8 @@ class FastDecode:
 
     def _run(self, plan: BlockPlan, x: torch.Tensor, step: Step) -> torch.Tensor:
         """One block: the block kernel (in place on x), the per-op path, or the block's modules."""
-        if step.kernel is not None and plan.kernel is not None and x.dtype == plan.dtype and x.is_contiguous():
+        if (step.kernel is not None and plan.kernel is not None and plan.kernel.layer < step.cache.kv.shape[0]
+                and x.dtype == plan.dtype and x.is_contiguous()):
             dk.decode_block(plan.kernel.address, step.address, x)
             return x
         if plan.ok:
