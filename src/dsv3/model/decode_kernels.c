@@ -254,6 +254,23 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(is_neg_inf, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
+/* In place: row <- softmax(row) over n values. */
+static void softmax_row(float *row, int64_t n) {
+    float mx = -INFINITY;
+    for (int64_t s = 0; s < n; s++) mx = row[s] > mx ? row[s] : mx;
+    __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
+    int64_t s = 0;
+    for (; s + 8 <= n; s += 8) {
+        __m256 v = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + s), vmx));
+        _mm256_storeu_ps(row + s, v);
+        vsum = _mm256_add_ps(vsum, v);
+    }
+    float sum = hsum(vsum);
+    for (; s < n; s++) sum += (row[s] = row[s] == -INFINITY ? 0.0f : expf(row[s] - mx));
+    const float inv = 1.0f / sum;
+    for (s = 0; s < n; s++) row[s] *= inv;
+}
+
 /* Index of the largest of v[0..n) not yet taken (ties: the lowest index). */
 static int64_t argmax_free(const float *v, const unsigned char *taken, int64_t n) {
     int64_t best = -1;
