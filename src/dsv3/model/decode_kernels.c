@@ -342,7 +342,8 @@ int dsv3_route(const float *gate, const float *bias, int64_t E, int64_t D, const
     return 0;
 }
 
-/* ---- Helpers of the attention and block kernels below (their own: the GEMV code above can change freely) */
+/* ---- Helpers of the attention and block kernels below: their own (only exp8 is shared), so that the GEMV
+ * code above can change freely. */
 
 static inline float blk_load(const void *a, int kind, int64_t i) {
     if (kind == A_F32) return ((const float *)a)[i];
@@ -380,6 +381,13 @@ static inline __m256 blk_load8(const void *a, int kind, int64_t off) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
+/* The sum of v's lanes. */
+static inline float blk_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
 /* The sums of the lanes of a, b, c and d, in that order. */
 static inline __m128 blk_hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
@@ -397,7 +405,7 @@ static float blk_dot(const float *a, const float *b, int64_t n) {
     for (; k + 8 <= n; k += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), s0);
     float tail = 0.0f;
     for (; k < n; k++) tail += a[k] * b[k];
-    return hsum(_mm256_add_ps(s0, s1)) + tail;
+    return blk_hsum(_mm256_add_ps(s0, s1)) + tail;
 }
 
 #define ATT_QUERIES 4 /* queries per task: each cached row read serves four queries */
@@ -486,7 +494,7 @@ static void att_softmax_tile(float *sc, int64_t n, float *m, float *l, float *o,
         _mm256_storeu_ps(sc + j, e);
         vsum = _mm256_add_ps(vsum, e);
     }
-    float sum = hsum(vsum);
+    float sum = blk_hsum(vsum);
     for (; j < n; j++) sum += (sc[j] = sc[j] == -INFINITY ? 0.0f : expf(sc[j] - mx));
     *l += sum;
 }
