@@ -82,14 +82,20 @@ def test_swiglu_experts_kernel_equals_reference(kind, rows):
 @needs_kernels
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 2])
-def test_mla_decode_kernel_equals_reference(cache_dtype, T):
-    B, H, S, nope, r, p, v = 3, 6, 37, 16, 24, 8, 12
+@pytest.mark.parametrize("S", [37, 200])
+def test_mla_decode_kernel_equals_reference(cache_dtype, T, S):
+    """Within one tile of keys (37) and over several (200: the kernel's online softmax, with a whole
+    tile masked for one row and the largest scores late, so the running max grows)."""
+    B, H, nope, r, p, v = 3, 6, 16, 24, 8, 12
     q = torch.randn(B, T, H, nope + p).to(cache_dtype)
     angles = torch.rand(B, T, p // 2) * 6
     w = torch.randn(H, nope + v, r)  # kv_b_proj's weight per head: W_UK then W_UV, as views
-    cache_kv, cache_pe = torch.randn(B, 50, r).to(cache_dtype), torch.randn(B, 50, p).to(cache_dtype)
+    cache_kv, cache_pe = torch.randn(B, S + 13, r), torch.randn(B, S + 13, p)
+    cache_kv[:, S // 2 :] *= 3  # later keys score higher
+    cache_kv, cache_pe = cache_kv.to(cache_dtype), cache_pe.to(cache_dtype)
     kv, pe = cache_kv[:, :S], cache_pe[:, :S]  # views with the cache's row strides
     keep = torch.rand(B, T, S) > 0.3
+    keep[1, :, :100] = False  # row 1 sees nothing in its first tile(s)
     keep[:, :, -1] = True
     bias = torch.zeros(B, T, S).masked_fill_(~keep, float("-inf"))
     for b, rot in ((None, angles), (bias, angles), (bias[:1], angles[:1])):
@@ -97,9 +103,9 @@ def test_mla_decode_kernel_equals_reference(cache_dtype, T):
         assert close(dk.mla_decode(*args), dk.mla_decode_reference(*args), cache_dtype)
 
 
-def step_logits(model, decoder, prompt, steps=4, T=1):
+def step_logits(model, decoder, prompt, steps=4, T=1, cache_dtype=None):
     """Teacher-forced absorbed decode steps after a prefill: logits [steps, T, V] through ``decoder``."""
-    cache = model.new_cache(1, len(prompt) + steps * T + 2)
+    cache = model.new_cache(1, len(prompt) + steps * T + 2, dtype=cache_dtype)
     out = []
     with torch.inference_mode():
         model(torch.tensor([prompt]), cache=cache)
@@ -120,6 +126,19 @@ def model_in(precision: str):
     return to_fp8_weights(model) if precision.startswith("fp8") else model
 
 
+MODES = {"block kernel": {}, "per-op kernels": {"block_kernel": False}, "per-op torch": {"use_kernels": False}}
+
+
+def decoder_in(model, mode: str) -> FastDecode:
+    """FastDecode in one of its three modes; the block kernel mode really runs every block in one call."""
+    fast = FastDecode(model, **MODES[mode])
+    if mode == "block kernel" and dk.kernels_available():
+        assert all(plan.kernel is not None for plan in fast.blocks)
+    else:
+        assert all(plan.kernel is None for plan in fast.blocks) or fast.block_kernel is False
+    return fast
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8", "fp8-fp32"])
 @pytest.mark.parametrize("T", [1, 2])
 def test_fast_decode_logits_equal_the_module_path(precision, T):
@@ -129,24 +148,136 @@ def test_fast_decode_logits_equal_the_module_path(precision, T):
     ref = step_logits(model, model, PROMPTS[2], T=T).float()
     scale = ref.abs().max()
     limit = 3e-2 if precision in ("bf16", "fp8") else 2e-6
-    for use_kernels in (True, False):
-        got = step_logits(model, FastDecode(model, use_kernels=use_kernels), PROMPTS[2], T=T).float()
-        assert (got - ref).abs().max() / scale < limit
+    for mode in MODES:
+        got = step_logits(model, decoder_in(model, mode), PROMPTS[2], T=T).float()
+        assert (got - ref).abs().max() / scale < limit, mode
+
+
+def same_roundings(block: torch.Tensor, per_op: torch.Tensor) -> bool:
+    """fp32: equal to fp32 rounding. bf16: rounded to bf16 at the same places, so nearly every logit is
+    bit-equal (a path that rounds elsewhere, like the module path, differs in about 80% of them)."""
+    if block.dtype == torch.float32:
+        return bool((block - per_op).abs().max() / per_op.abs().max() < 2e-6)
+    return bool((block != per_op).float().mean() < 0.1 and (block - per_op).abs().max() / per_op.abs().max() < 1e-2)
+
+
+@needs_kernels
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+def test_block_kernel_rounds_where_the_per_op_path_does(precision):
+    """The block kernel against the per-op path it fuses."""
+    model = model_in(precision)
+    per_op = step_logits(model, decoder_in(model, "per-op kernels"), PROMPTS[2], T=2)
+    assert same_roundings(step_logits(model, decoder_in(model, "block kernel"), PROMPTS[2], T=2), per_op)
+
+
+def ragged_logits(model, decoder, prompts, steps: int = 3, T: int = 1):
+    """A ragged batch decoded as the engine does (left padding, per-row positions, a mask with a hole
+    where row 0's second token was rejected), teacher-forced through ``decoder``: the main logits
+    [steps, B, T, V] and the MTP layer's [steps, B, T, V]."""
+    B, L = len(prompts), max(len(p) for p in prompts)
+    cache = model.new_cache(B, L + steps * T + 2)
+    pads = torch.tensor([L - len(p) for p in prompts])
+    valid = torch.zeros(B, cache.max_len, dtype=torch.bool)
+    valid[:, :L] = torch.arange(L)[None] >= pads[:, None]
+
+    def mask(start, n):
+        S = start + n
+        return valid[:, None, :S] | (torch.arange(S)[None, :] == torch.arange(start, S)[:, None])[None]
+
+    main, mtp = [], []
+    with torch.inference_mode():
+        ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts])
+        model.hidden_states(ids, positions=(torch.arange(L)[None] - pads[:, None]).clamp(min=0), cache=cache,
+                            mask=mask(0, L))
+        for s in range(steps):
+            start = L + s * T
+            new = torch.tensor([[(11 * s + 5 * b + t + 1) % 300 for t in range(T)] for b in range(B)])
+            positions = (L - pads)[:, None] + s * T + torch.arange(T)
+            valid[:, start : start + T] = True
+            h = decoder.hidden_states(new, positions=positions, cache=cache, start_pos=start, mask=mask(start, T))
+            main.append(decoder.lm_head(h))
+            h_mtp = decoder.mtp_hidden(0, h, (new + 7) % 300, positions, cache=cache, start_pos=start,
+                                       mask=mask(start, T))
+            mtp.append(decoder.mtp_logits(0, h_mtp))
+            if s == 0:
+                valid[0, start + T - 1] = False  # a rejected draft: a hole every later step must skip
+    return torch.stack(main).float(), torch.stack(mtp).float()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8-fp32"])
+@pytest.mark.parametrize("T", [1, 2])
+def test_ragged_batches_and_the_mtp_layer_equal_the_module_path(precision, T):
+    """Batch 3 with left padding, a hole in the mask, T = 1 and 2 (MTP verify), and the MTP layer's
+    drafts: every mode of the fast path against the modules."""
+    model = model_in(precision)
+    ref = ragged_logits(model, model, PROMPTS, T=T)
+    limit = 3e-2 if precision == "bf16" else 2e-6
+    for mode in MODES:
+        got = ragged_logits(model, decoder_in(model, mode), PROMPTS, T=T)
+        for g, r in zip(got, ref, strict=True):
+            assert (g - r).abs().max() / r.abs().max() < limit, mode
+
+
+SHAPES = {"q_lora, softmax routing, no shared expert": dict(q_lora_rank=48, n_shared_experts=0, scoring_func="softmax",
+                                                           topk_method="group_limited_greedy"),
+          "greedy routing, unnormalised gates": dict(topk_method="greedy", n_group=1, topk_group=1,
+                                                     norm_topk_prob=False)}
+
+
+@needs_kernels
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_block_kernel_on_other_block_shapes(shape, dtype):
+    """Compressed queries (q_a/q_b with their norm, as the small preset and V3), the other routers, and
+    MoE layers without a shared expert, through the block kernel; bf16 cache on the bf16 model."""
+    from dsv3.config import preset
+    from dsv3.model import Transformer
+
+    torch.manual_seed(1)
+    model = Transformer(preset("nano").replace(vocab_size=300, num_hidden_layers=2, **SHAPES[shape])).eval().to(dtype)
+    ref = step_logits(model, model, PROMPTS[2], T=2).float()
+    got = step_logits(model, decoder_in(model, "block kernel"), PROMPTS[2], T=2)
+    per_op = step_logits(model, decoder_in(model, "per-op kernels"), PROMPTS[2], T=2)
+    assert (got.float() - ref).abs().max() / ref.abs().max() < (3e-2 if dtype == torch.bfloat16 else 2e-6)
+    assert same_roundings(got, per_op)
 
 
 def generate(engine, prompts, n=10):
     return [r.token_ids for r in engine.generate([Request(p, n) for p in prompts])]
 
 
+def count_block_calls(monkeypatch) -> list:
+    """Record every block kernel call (one per block per decode step)."""
+    calls, real = [], dk.decode_block
+    monkeypatch.setattr(dk, "decode_block", lambda *args: (calls.append(1), real(*args))[1])
+    return calls
+
+
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8-fp32"])
 @pytest.mark.parametrize("speculative", [False, True])
-def test_fast_engine_greedy_tokens_equal_the_module_path(precision, speculative):
+def test_fast_engine_greedy_tokens_equal_the_module_path(precision, speculative, monkeypatch):
     model = model_in(precision)
     ref_engine = Engine(model, speculative=speculative, fast=False)
     fast = Engine(model, speculative=speculative)
     assert isinstance(fast.decoder, FastDecode)
+    calls = count_block_calls(monkeypatch)
     for prompts in ([PROMPTS[0]], PROMPTS):  # batch 1, then a ragged batch (left padding, holes)
         assert generate(fast, prompts) == generate(ref_engine, prompts)
+    assert calls or not dk.kernels_available()  # the engine's decode steps ran the block kernel
+
+
+@needs_kernels
+@pytest.mark.parametrize(("model_dtype", "cache_dtype"), [(torch.float32, torch.bfloat16),
+                                                          (torch.bfloat16, torch.float32)])
+def test_block_kernel_with_a_cache_of_another_dtype(model_dtype, cache_dtype):
+    """The engine's ``cache_dtype``: the block kernel converts the latents it writes, as the cache does."""
+    model = tiny_model().to(model_dtype)
+    ref = step_logits(model, model, PROMPTS[2], T=2, cache_dtype=cache_dtype)
+    per_op = step_logits(model, decoder_in(model, "per-op kernels"), PROMPTS[2], T=2, cache_dtype=cache_dtype)
+    block = step_logits(model, decoder_in(model, "block kernel"), PROMPTS[2], T=2, cache_dtype=cache_dtype)
+    scale = ref.float().abs().max()
+    assert (block.float() - ref.float()).abs().max() / scale < 3e-2
+    assert same_roundings(block, per_op)
 
 
 def test_a_hooked_layer_runs_through_its_module(model):
@@ -159,6 +290,43 @@ def test_a_hooked_layer_runs_through_its_module(model):
         handle.remove()
     assert len(calls) >= 6  # prefill + 5 decode steps
     assert fast == generate(Engine(model, fast=False), [PROMPTS[0]], 6)
+
+
+def test_a_hook_set_after_the_engine_was_built_is_noticed(model, monkeypatch):
+    """The per-step check that a plan still fits its block sees a hook come and go: the hooked layer
+    runs its module (the other keeps its block kernel), then the block kernel again once it is removed."""
+    engine, expected = Engine(model), generate(Engine(model, fast=False), [PROMPTS[0]], 6)
+    seen = []
+    blocks = count_block_calls(monkeypatch)
+    handle = model.model.layers[1].self_attn.register_forward_hook(lambda *args: seen.append(1))
+    try:
+        assert generate(engine, [PROMPTS[0]], 6) == expected
+    finally:
+        handle.remove()
+    assert len(seen) == 6  # prefill + 5 decode steps, all through the module
+    assert len(blocks) == (5 if dk.kernels_available() else 0)  # layer 0 kept its block kernel
+    blocks.clear()
+    assert generate(engine, [PROMPTS[0]], 6) == expected
+    assert len(blocks) == (5 * model.config.num_hidden_layers if dk.kernels_available() else 0)
+
+
+def test_with_the_kernels_disabled_fast_decode_runs_pytorch_ops(monkeypatch):
+    """DSV3_DECODE_KERNELS=0: no block kernel, no C call; still equal to the module path."""
+    monkeypatch.setenv("DSV3_DECODE_KERNELS", "0")
+    dk._load.cache_clear()
+    try:
+        model = tiny_model()
+        fast = FastDecode(model)
+        assert fast.kernels == "disabled by DSV3_DECODE_KERNELS=0"
+        assert all(plan.kernel is None for plan in fast.blocks)
+        calls = count_block_calls(monkeypatch)
+        ref = step_logits(model, model, PROMPTS[2], T=2)
+        assert (step_logits(model, fast, PROMPTS[2], T=2) - ref).abs().max() / ref.abs().max() < 2e-6
+        assert generate(Engine(model, speculative=True), PROMPTS) == generate(
+            Engine(model, speculative=True, fast=False), PROMPTS)
+        assert not calls
+    finally:
+        dk._load.cache_clear()
 
 
 def test_kernels_fall_back_to_pytorch_when_they_cannot_be_built(monkeypatch, tmp_path):
@@ -221,3 +389,22 @@ def test_a_layer_changed_after_the_engine_was_built_is_planned_again(model):
     finally:
         moe.dispatcher = original
     assert Counting.calls >= 6
+
+
+def test_a_cache_without_the_mtp_layer(model):
+    """A cache with the main layers only: the blocks decode into it; the MTP layer, which has no cache
+    layer there, is never written out of bounds (an IndexError, as the module path raises)."""
+    from dsv3.model.mla import LatentCache
+
+    prompt, layers = PROMPTS[2], model.config.num_hidden_layers
+    logits = []
+    for decoder in (model, FastDecode(model)):
+        cache = LatentCache(model.config, 1, 32, layers=layers)
+        with torch.inference_mode():
+            model(torch.tensor([prompt]), cache=cache)
+            ids, positions = torch.tensor([[7]]), torch.tensor([[len(prompt)]])
+            h = decoder.hidden_states(ids, positions=positions, cache=cache, start_pos=len(prompt))
+            logits.append(decoder.lm_head(h))
+            with pytest.raises(IndexError):
+                decoder.mtp_hidden(0, h, ids, positions, cache=cache, start_pos=len(prompt))
+    assert torch.allclose(logits[0], logits[1], atol=1e-5, rtol=1e-5)

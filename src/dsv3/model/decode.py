@@ -2,29 +2,37 @@
 module path (``Transformer.hidden_states``) that it must equal.
 
 A decode step feeds one token (two when verifying an MTP draft) per row, so its cost is reading every
-weight once plus a fixed cost per PyTorch call; the module path makes about 4,000 calls per step on the
-``small`` shape, which dominated. This path computes the same layers with:
+weight once plus a fixed cost per call; the module path makes about 4,000 PyTorch calls per step on the
+``small`` shape, which dominated. Three layers, each tested against the one before:
 
-* every projection, the output head and each MoE layer's routed experts through the kernels of
-  ``decode_kernels`` (weights read in place in fp32, bf16 or FP8 blocks; all routed experts of a layer in
-  one call, grouped by expert, so each routed-to expert is read once for all rows of a batch);
-* the absorbed attention as batched matmuls over the cached latent (scores from c_KV and k_R in two
-  calls, the scale folded in), RoPE as one complex multiply, and the attention mask built once per step
-  as an additive bias rather than once per layer;
-* the router exactly as the model's (``Router.forward``), so the same experts are chosen.
+* the module path (``Transformer.hidden_states``), the reference;
+* the per-op path (``BlockPlan.__call__``): every projection, the output head and each MoE layer's routed
+  experts through the kernels of ``decode_kernels`` (weights read in place in fp32, bf16 or FP8 blocks;
+  all routed experts of a layer in one call, grouped by expert, so each routed-to expert is read once for
+  all rows of a batch), the absorbed attention in one call over the cached latent, RoPE as one complex
+  multiply, the mask built once per step as an additive bias, the router exactly as the model's
+  (``Router.forward``) so the same experts are chosen. About 30 PyTorch calls per block;
+* the block kernel (``BlockKernel``): the same computation, with the same roundings, as one C call per
+  block (``dsv3_decode_block``), which reads a descriptor of the block's tensors made once per plan and
+  one of the step made once per step. What remains per step in Python is the embedding, the RoPE
+  angles, the final norm and the head: the fixed cost no longer grows with the number of layers.
 
-A layer it cannot run this way (forward hooks, an expert-parallel dispatcher or a simulated combine
+A layer the kernels cannot run (forward hooks, an expert-parallel dispatcher or a simulated combine
 format, experts of another kind, linear layers of another kind) runs through its own module, so the
-result is always the model's. ``FastDecode(model, use_kernels=False)`` takes the same path with PyTorch
-matmuls in place of the C kernels (tests compare all three).
+result is always the model's. ``FastDecode(model, block_kernel=False)`` stops at the per-op path and
+``FastDecode(model, use_kernels=False)`` runs it with PyTorch matmuls in place of the C kernels (tests
+compare all of them).
 """
 
 from __future__ import annotations
+
+import ctypes
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dsv3.model import decode_kernels as dk
 from dsv3.model.decode_kernels import ExpertWeights, Weight, kernel_status, linear, mla_decode, route, swiglu_experts
 from dsv3.model.dispatch import LocalDispatcher
 from dsv3.model.experts import GroupedExperts, ResidentFP8Experts
@@ -155,70 +163,173 @@ def _mlp_weights(mlp: MLP) -> ExpertWeights | None:
 
 def layout(block: Block) -> tuple:
     """What a block's plan depends on besides tensor values: its submodules (a layer made expert-parallel
-    or quantized after the engine was built swaps them), the dispatcher and its combine format, and hooks."""
+    or quantized after the engine was built swaps them), the dispatcher's combine format, and whether any
+    hooks are set. Checked before every step, so it is kept to a few attribute reads (no module walk)."""
     mla, mlp = block.self_attn, block.mlp
-    parts = [*mla.children(), mlp, *mlp.children(), getattr(getattr(mlp, "dispatcher", None), "combine_format", None)]
-    hooks = [len(m._forward_hooks) + len(m._forward_pre_hooks) for m in (block, mla, mlp, *mlp.children())]
-    return tuple(id(p) if isinstance(p, nn.Module) else p for p in parts) + tuple(hooks)
+    children = mlp._modules
+    hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (block, mla, mlp, *children.values()))
+    return (*mla._modules.values(), mlp, *children.values(),
+            getattr(children.get("dispatcher"), "combine_format", None), hooked)
 
 
 class BlockPlan:
+    """One block's decode step: through the block kernel (``kernel``, one C call) when it can run it, else
+    through the per-op plans (``attn``, ``ffn``), else (``ok`` False) through the block's own modules."""
+
     def __init__(self, block: Block, dtype: torch.dtype):
         self.block, self.dtype = block, dtype
         self.layout = layout(block)
         self.attn = AttentionPlan(block.self_attn, dtype)
         self.ffn = FeedForwardPlan(block.mlp)
         self.ok = self.attn.ok and self.ffn.ok and not block._forward_hooks and not block._forward_pre_hooks
+        self.kernel = BlockKernel.of(self)
 
     def current(self) -> BlockPlan:
         """This plan, or a new one when the block's modules changed since it was made."""
         return self if layout(self.block) == self.layout else BlockPlan(self.block, self.dtype)
 
     def __call__(self, x, rot, cos_sin, cache, start_pos, bias, use_kernels):
+        """The per-op path: x [B, T, D] -> the block's output."""
         b = self.block
         x = x + self.attn(rms_norm(b.input_layernorm, x), rot, cos_sin, cache, start_pos, bias, use_kernels)
         return x + self.ffn(rms_norm(b.post_attention_layernorm, x), use_kernels)
+
+
+def _norm_ok(norm: RMSNorm, dtype: torch.dtype) -> bool:
+    w = norm.weight
+    return type(norm) is RMSNorm and w.dtype == dtype and w.is_contiguous() and w.device.type == "cpu"
+
+
+class BlockKernel:
+    """A block's plan as one ``dsv3_decode_block`` call: the descriptor (pointers into the block's own
+    tensors, made once) and those tensors, held so that the pointers stay valid even if the module's
+    parameters are replaced later (``.to()`` swaps ``param.data``)."""
+
+    def __init__(self, desc: dk.BlockDesc, keep: list):
+        self.desc, self.keep = desc, keep
+        self.address = ctypes.addressof(desc)
+        self.layer = desc.layer  # the cache layer it writes: a step's cache must have it
+
+    @classmethod
+    def of(cls, plan: BlockPlan) -> BlockKernel | None:
+        """The plan's block kernel, or None when the C kernels are not built or cannot read one of its
+        tensors (that block then runs the per-op path)."""
+        if not plan.ok or plan.dtype not in dk.A_KIND or not dk.block_kernel_available():
+            return None
+        b, a, f = plan.block, plan.attn, plan.ffn
+        m = b.self_attn
+        norms = [b.input_layernorm, b.post_attention_layernorm, m.kv_a_layernorm]
+        norms += [m.q_a_layernorm] if len(a.q) == 2 else []
+        linears = [dk.block_linear(w) for w in (*a.q, a.kv_a, a.o)]
+        w_uk, w_uv = a.w_uk, a.w_uv
+        routed = dk.block_experts(f.routed) if f.routed is not None else dk.BlockExperts()
+        shared = dk.block_experts(f.shared) if f.shared is not None else dk.BlockExperts()
+        router = dk.route_constants(f.mlp.gate) if f.routed is not None else ({}, [])
+        if (not all(_norm_ok(n, plan.dtype) for n in norms) or None in linears or routed is None or shared is None
+                or router is None or any(w.device.type != "cpu" or w.stride(-1) != 1 for w in (w_uk, w_uv))):
+            return None
+        keep = [n.weight.detach() for n in norms] + router[1]
+        q_a, q_b = linears[:-2] if len(a.q) == 2 else (dk.BlockLinear(), linears[0])
+        desc = dk.BlockDesc(
+            akind=dk.A_KIND[plan.dtype], dim=b.input_layernorm.weight.shape[0], layer=m.layer_idx,
+            input_norm=keep[0].data_ptr(), post_norm=keep[1].data_ptr(), kv_norm=keep[2].data_ptr(),
+            q_norm=keep[3].data_ptr() if len(a.q) == 2 else None,
+            input_eps=b.input_layernorm.eps, post_eps=b.post_attention_layernorm.eps, kv_eps=m.kv_a_layernorm.eps,
+            q_eps=m.q_a_layernorm.eps if len(a.q) == 2 else 0.0,
+            q_a=q_a, q_b=q_b, kv_a=linears[-2], o=linears[-1], w_uk=w_uk.data_ptr(), w_uv=w_uv.data_ptr(),
+            uk_hstride=w_uk.stride(0), uk_rstride=w_uk.stride(1), uv_hstride=w_uv.stride(0),
+            uv_rstride=w_uv.stride(1), heads=m.n_heads, nope=m.nope, rope=m.rope, v_dim=m.v_dim,
+            kv_rank=m.kv_rank, softmax_scale=m.scale, routed=routed, shared=shared, **router[0])
+        return cls(desc, keep)
+
+
+class Step:
+    """What every block of one decode step shares: the RoPE rotation (as cos/sin, and as cos + i sin for
+    the per-op path, made on first use), the additive mask bias, and the block kernel's step descriptor
+    (None when this step cannot use it: too many rows, a cache of another kind, a full cache)."""
+
+    def __init__(self, model: Transformer, positions: torch.Tensor, T: int, start_pos: int,
+                 mask: torch.Tensor | None, cache: LatentCache, rows: int, dtype: torch.dtype, kernels: bool):
+        self.cos_sin = tuple(t.contiguous() for t in model.angles(positions))
+        self.mask, self.start_pos, self.cache = mask, start_pos, cache
+        self.bias = self._bias(positions.device, T, start_pos, mask)
+        self._rot = None
+        self.kernel = None
+        if kernels and self._kernel_fits(cache, rows, T, start_pos, dtype):
+            self.kernel = dk.block_step(rows, T, start_pos, *self.cos_sin, cache.kv, cache.pe, self.bias)
+            self.address = ctypes.addressof(self.kernel)
+
+    @staticmethod
+    def _bias(device, T: int, start_pos: int, mask: torch.Tensor | None) -> torch.Tensor | None:
+        """The additive mask bias [B|1, T, S] (None when every query sees every key so far)."""
+        if mask is None and T == 1:
+            return None
+        S = start_pos + T
+        slots = torch.arange(S, device=device)
+        keep = slots[None, :] <= slots[start_pos:, None]  # [T, S] causal
+        keep = keep[None] if mask is None else keep[None] & mask
+        return torch.zeros(keep.shape, dtype=torch.float32, device=keep.device).masked_fill_(~keep, float("-inf"))
+
+    @staticmethod
+    def _kernel_fits(cache: LatentCache, rows: int, T: int, start_pos: int, dtype: torch.dtype) -> bool:
+        kv, pe = cache.kv, cache.pe
+        return (dtype in dk.A_KIND and rows * T <= dk.MAX_KERNEL_ROWS and kv.dtype in dk.A_KIND
+                and pe.dtype == kv.dtype and kv.device.type == "cpu" and pe.device.type == "cpu"
+                and kv.stride(-1) == 1 and pe.stride(-1) == 1 and rows <= kv.shape[1] and rows <= pe.shape[1]
+                and start_pos + T <= cache.max_len and kv.shape[0] == pe.shape[0])
+
+    @property
+    def rot(self) -> torch.Tensor:
+        """cos + i sin [B|1, T, 1, R/2] (the per-op path's rotation)."""
+        if self._rot is None:
+            self._rot = torch.complex(*self.cos_sin).unsqueeze(-2)
+        return self._rot
 
 
 class FastDecode:
     """The decode-step interface of a :class:`Transformer` (``hidden_states``, ``lm_head``, ``mtp_hidden``,
     ``mtp_logits``, same signatures) computed with few, large operations. Prefill (``start_pos == 0``) and
     calls without a cache go to the model itself. The plans hold the model's own tensors, so build this
-    after the model's final form (dtype, FP8 weights) is set."""
+    after the model's final form (dtype, FP8 weights) is set.
 
-    def __init__(self, model: Transformer, use_kernels: bool = True):
+    Each block runs in one C call (``BlockKernel``) when it can, else through the per-op path
+    (``block_kernel=False`` forces that: the tests compare the two), else through its modules."""
+
+    def __init__(self, model: Transformer, use_kernels: bool = True, block_kernel: bool = True):
         self.model = model
         self.use_kernels = use_kernels
-        dtype = model.model.embed_tokens.weight.dtype
-        self.blocks = [BlockPlan(layer, dtype) for layer in model.model.layers]
-        self.head = weight_of(model.lm_head)
+        self.block_kernel = block_kernel and use_kernels
+        self.dtype = model.model.embed_tokens.weight.dtype
         self.kernels = kernel_status() if use_kernels else "not asked for"  # builds them now, not mid-request
+        self.blocks = [BlockPlan(layer, self.dtype) for layer in model.model.layers]
+        self.head = weight_of(model.lm_head)
+        self._eh: dict[int, tuple[nn.Module, Weight | None]] = {}
 
     def _usable(self, cache: LatentCache | None, start_pos: int, absorb: bool | None) -> bool:
         return cache is not None and start_pos > 0 and absorb in (None, True)
-
-    def _step_inputs(self, positions: torch.Tensor, T: int, start_pos: int, mask: torch.Tensor | None):
-        """Per step, shared by all layers: the RoPE rotation [B|1, T, 1, R/2] and the additive mask bias
-        [B|1, T, S] (None when every query sees every key so far)."""
-        cos, sin = self.model.angles(positions)
-        rot = torch.complex(cos, sin).unsqueeze(-2)
-        if mask is None and T == 1:
-            return rot, None
-        S = start_pos + T
-        slots = torch.arange(S, device=positions.device)
-        keep = slots[None, :] <= slots[start_pos:, None]  # [T, S] causal
-        keep = keep[None] if mask is None else keep[None] & mask
-        bias = torch.zeros(keep.shape, dtype=torch.float32, device=keep.device).masked_fill_(~keep, float("-inf"))
-        return rot, bias
 
     def _plan(self, i: int) -> BlockPlan:
         self.blocks[i] = self.blocks[i].current()
         return self.blocks[i]
 
-    def _run(self, plan: BlockPlan, x, rot, cache, start_pos, bias, cos_sin, mask):
+    def _step(self, positions: torch.Tensor, T: int, start_pos: int, mask, cache: LatentCache, rows: int) -> Step:
+        return Step(self.model, positions, T, start_pos, mask, cache, rows, self.dtype, self.block_kernel)
+
+    def _run(self, plan: BlockPlan, x: torch.Tensor, step: Step) -> torch.Tensor:
+        """One block: the block kernel (in place on x), the per-op path, or the block's modules."""
+        if (step.kernel is not None and plan.kernel is not None and plan.kernel.layer < step.cache.kv.shape[0]
+                and x.dtype == plan.dtype and x.is_contiguous()):
+            dk.decode_block(plan.kernel.address, step.address, x)
+            return x
         if plan.ok:
-            return plan(x, rot, cos_sin, cache, start_pos, bias, self.use_kernels)
-        return plan.block(x, *cos_sin, cache, start_pos, mask, True)
+            return plan(x, step.rot, step.cos_sin, step.cache, step.start_pos, step.bias, self.use_kernels)
+        return plan.block(x, *step.cos_sin, step.cache, step.start_pos, step.mask, True)
+
+    def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """rms_norm, in one C call when the block kernels run."""
+        if self.block_kernel and dk.block_kernel_available() and _norm_ok(norm, x.dtype) and x.device.type == "cpu":
+            return dk.rms_norm_kernel(x, norm.weight, norm.eps)
+        return rms_norm(norm, x)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                       cache: LatentCache | None = None, start_pos: int = 0,
@@ -226,37 +337,43 @@ class FastDecode:
         """Transformer.hidden_states for a decode step."""
         if not self._usable(cache, start_pos, absorb):
             return self.model.hidden_states(input_ids, positions, cache, start_pos, mask, absorb)
-        T = input_ids.shape[1]
+        B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(start_pos, start_pos + T, device=input_ids.device)[None]
-        rot, bias = self._step_inputs(positions, T, start_pos, mask)
-        cos_sin = self.model.angles(positions)
+        step = self._step(positions, T, start_pos, mask, cache, B)
         x = self.model.model.embed_tokens(input_ids)
         for i in range(self.model.config.num_hidden_layers):
-            x = self._run(self._plan(i), x, rot, cache, start_pos, bias, cos_sin, mask)
-        return rms_norm(self.model.model.norm, x)
+            x = self._run(self._plan(i), x, step)
+        return self._norm(self.model.model.norm, x)
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         if self.head is None:
             return self.model.lm_head(h)
         return linear(h, self.head, self.use_kernels)
 
+    def _eh_proj(self, depth: int, layer: MTPLayer) -> Weight | None:
+        """The kernels' view of an MTP layer's eh_proj (made once per module)."""
+        if self._eh.get(depth, (None,))[0] is not layer.eh_proj:
+            self._eh[depth] = (layer.eh_proj, weight_of(layer.eh_proj))
+        return self._eh[depth][1]
+
     def mtp_hidden(self, depth: int, h: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
                    cache: LatentCache | None = None, start_pos: int = 0, mask=None, absorb=None) -> torch.Tensor:
         """Transformer.mtp_hidden for a decode step."""
         layer: MTPLayer = self.model.mtp_layers[depth]
         plan = self._plan(self.model.config.num_hidden_layers + depth)
-        eh = weight_of(layer.eh_proj)
-        if not self._usable(cache, start_pos, absorb) or eh is None or not plan.ok or layer._forward_hooks:
+        eh = self._eh_proj(depth, layer)
+        if (not self._usable(cache, start_pos, absorb) or eh is None or not plan.ok or layer._forward_hooks
+                or layer._forward_pre_hooks):
             return self.model.mtp_hidden(depth, h, next_ids, positions, cache, start_pos, mask, absorb)
-        rot, bias = self._step_inputs(positions, next_ids.shape[1], start_pos, mask)
-        cos_sin = self.model.angles(positions)
+        B, T = next_ids.shape
+        step = self._step(positions, T, start_pos, mask, cache, B)
         emb = getattr(layer, "embed_tokens", self.model.model.embed_tokens)(next_ids)
-        x = linear(torch.cat([rms_norm(layer.enorm, emb), rms_norm(layer.hnorm, h)], dim=-1), eh, self.use_kernels)
-        return plan(x, rot, cos_sin, cache, start_pos, bias, self.use_kernels)
+        x = linear(torch.cat([self._norm(layer.enorm, emb), self._norm(layer.hnorm, h)], dim=-1), eh, self.use_kernels)
+        return self._run(plan, x.contiguous(), step)
 
     def mtp_logits(self, depth: int, h_mtp: torch.Tensor) -> torch.Tensor:
         head = self.model._mtp_head(depth)
-        normed = rms_norm(self.model.mtp_layers[depth].shared_head.norm, h_mtp)
+        normed = self._norm(self.model.mtp_layers[depth].shared_head.norm, h_mtp)
         w = self.head if head is self.model.lm_head else weight_of(head)
         return head(normed) if w is None else linear(normed, w, self.use_kernels)

@@ -672,8 +672,161 @@ int dsv3_route(const float *gate, const float *bias, int64_t E, int64_t D, const
     return 0;
 }
 
-static float act_load(const void *a, int akind, int64_t i) {
-    return akind == A_F32 ? ((const float *)a)[i] : bf16_to_f32(((const uint16_t *)a)[i]);
+/* ---- Helpers of the attention and block kernels below: their own (only exp8 is shared), so that the GEMV
+ * code above can change freely. */
+
+static inline float blk_load(const void *a, int kind, int64_t i) {
+    if (kind == A_F32) return ((const float *)a)[i];
+    uint32_t bits = (uint32_t)((const uint16_t *)a)[i] << 16;
+    float f;
+    memcpy(&f, &bits, 4);
+    return f;
+}
+
+static inline uint16_t blk_bf16(float f) { /* round to nearest even, NaN stays NaN (as torch) */
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if ((bits & 0x7FFFFFFF) > 0x7F800000) return (uint16_t)((bits >> 16) | 0x40);
+    bits += 0x7FFF + ((bits >> 16) & 1);
+    return (uint16_t)(bits >> 16);
+}
+
+static inline void blk_store(void *a, int kind, int64_t i, float v) {
+    if (kind == A_F32) ((float *)a)[i] = v;
+    else ((uint16_t *)a)[i] = blk_bf16(v);
+}
+
+/* v as the activation dtype stores it (the rounding of a tensor's ``.to(dtype)``). */
+static inline float blk_round(int kind, float v) {
+    if (kind == A_F32) return v;
+    uint32_t bits = (uint32_t)blk_bf16(v) << 16;
+    memcpy(&v, &bits, 4);
+    return v;
+}
+
+/* 8 consecutive fp32 or bf16 values as fp32. */
+static inline __m256 blk_load8(const void *a, int kind, int64_t off) {
+    if (kind == A_F32) return _mm256_loadu_ps((const float *)a + off);
+    __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)a + off));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+/* The sum of v's lanes. */
+static inline float blk_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+/* The sums of the lanes of a, b, c and d, in that order. */
+static inline __m128 blk_hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
+    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
+}
+
+/* sum_k a[k] * b[k] over n fp32 values. */
+static float blk_dot(const float *a, const float *b, int64_t n) {
+    __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16) {
+        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), s0);
+        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), s1);
+    }
+    for (; k + 8 <= n; k += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), s0);
+    float tail = 0.0f;
+    for (; k < n; k++) tail += a[k] * b[k];
+    return blk_hsum(_mm256_add_ps(s0, s1)) + tail;
+}
+
+#define ATT_QUERIES 4 /* queries per task: each cached row read serves four queries */
+#define ATT_TILE 64   /* keys scored, then summed into the outputs while they are still in cache */
+
+/* Adds to a[i] (two vectors per query, eight FMA chains in flight) and tail[i] the products of
+ * ATT_QUERIES fp32 queries q [ATT_QUERIES, n] (row stride n) with one cached row of n values. */
+static inline __attribute__((always_inline)) void att_dots(const float *q, const void *row, int kind, int64_t n,
+                                                           __m256 a[ATT_QUERIES][2], float *tail) {
+    int64_t k = 0;
+    for (; k + 16 <= n; k += 16) {
+        const __m256 v0 = blk_load8(row, kind, k), v1 = blk_load8(row, kind, k + 8);
+        for (int i = 0; i < ATT_QUERIES; i++) {
+            a[i][0] = _mm256_fmadd_ps(v0, _mm256_loadu_ps(q + i * n + k), a[i][0]);
+            a[i][1] = _mm256_fmadd_ps(v1, _mm256_loadu_ps(q + i * n + k + 8), a[i][1]);
+        }
+    }
+    for (; k + 8 <= n; k += 8) {
+        const __m256 v0 = blk_load8(row, kind, k);
+        for (int i = 0; i < ATT_QUERIES; i++) a[i][0] = _mm256_fmadd_ps(v0, _mm256_loadu_ps(q + i * n + k), a[i][0]);
+    }
+    for (; k < n; k++) {
+        const float v = blk_load(row, kind, k);
+        for (int i = 0; i < ATT_QUERIES; i++) tail[i] += v * q[i * n + k];
+    }
+}
+
+/* The ATT_QUERIES scores q_lat . kv_row + q_pe . pe_row into d. */
+static inline void att_scores(const float *q_lat, const float *q_pe, const void *kv_row, const void *pe_row,
+                              int kind, int64_t r, int64_t p, float *d) {
+    __m256 a[ATT_QUERIES][2];
+    float tail[ATT_QUERIES] = {0};
+    for (int i = 0; i < ATT_QUERIES; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
+    att_dots(q_lat, kv_row, kind, r, a, tail);
+    att_dots(q_pe, pe_row, kind, p, a, tail);
+    _mm_storeu_ps(d, _mm_add_ps(_mm_loadu_ps(tail), blk_hsum4(_mm256_add_ps(a[0][0], a[0][1]), _mm256_add_ps(a[1][0], a[1][1]),
+                                                              _mm256_add_ps(a[2][0], a[2][1]), _mm256_add_ps(a[3][0], a[3][1]))));
+}
+
+/* o[i] += sum_j p[i][j] * row_j for ATT_QUERIES queries over n keys (rows ``stride`` elements apart);
+ * o [ATT_QUERIES, r] fp32, p [ATT_QUERIES, ATT_TILE]. */
+static void att_values(float *o, const float *p, const void *rows, int kind, int64_t stride, int64_t n, int64_t r) {
+    const size_t es = kind == A_F32 ? 4 : 2;
+    int64_t k = 0;
+    for (; k + 16 <= r; k += 16) {
+        __m256 a[ATT_QUERIES][2];
+        for (int i = 0; i < ATT_QUERIES; i++) a[i][0] = _mm256_loadu_ps(o + i * r + k), a[i][1] = _mm256_loadu_ps(o + i * r + k + 8);
+        for (int64_t j = 0; j < n; j++) {
+            const void *row = (const char *)rows + (size_t)(j * stride) * es;
+            const __m256 v0 = blk_load8(row, kind, k), v1 = blk_load8(row, kind, k + 8);
+            for (int i = 0; i < ATT_QUERIES; i++) {
+                const __m256 w = _mm256_set1_ps(p[i * ATT_TILE + j]);
+                a[i][0] = _mm256_fmadd_ps(w, v0, a[i][0]);
+                a[i][1] = _mm256_fmadd_ps(w, v1, a[i][1]);
+            }
+        }
+        for (int i = 0; i < ATT_QUERIES; i++) _mm256_storeu_ps(o + i * r + k, a[i][0]), _mm256_storeu_ps(o + i * r + k + 8, a[i][1]);
+    }
+    for (; k < r; k++)
+        for (int64_t j = 0; j < n; j++) {
+            const float v = blk_load((const char *)rows + (size_t)(j * stride) * es, kind, k);
+            for (int i = 0; i < ATT_QUERIES; i++) o[i * r + k] += p[i * ATT_TILE + j] * v;
+        }
+}
+
+/* Online softmax for one query over a tile: sc [n] (scores, -inf = masked) becomes exp(sc - max) with the
+ * running max ``m`` and sum ``l`` updated; the output so far o [r] is rescaled when the max grows. */
+static void att_softmax_tile(float *sc, int64_t n, float *m, float *l, float *o, int64_t r) {
+    float mx = *m;
+    for (int64_t j = 0; j < n; j++) mx = sc[j] > mx ? sc[j] : mx;
+    if (mx == -INFINITY) { /* every key so far is masked */
+        memset(sc, 0, (size_t)n * sizeof(float));
+        return;
+    }
+    if (mx > *m) {
+        const float f = expf(*m - mx); /* 0 when nothing was seen yet */
+        *l *= f;
+        for (int64_t k = 0; k < r; k++) o[k] *= f;
+        *m = mx;
+    }
+    const __m256 vmx = _mm256_set1_ps(mx);
+    __m256 vsum = _mm256_setzero_ps();
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), vmx));
+        _mm256_storeu_ps(sc + j, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float sum = blk_hsum(vsum);
+    for (; j < n; j++) sum += (sc[j] = sc[j] == -INFINITY ? 0.0f : expf(sc[j] - mx));
+    *l += sum;
 }
 
 /* The absorbed MLA attention of a decode step from the query projection to the heads' outputs, for
@@ -681,72 +834,236 @@ static float act_load(const void *a, int akind, int64_t i) {
  * q_lat = W_UK[h]^T q_nope, q_pe roped by cos/sin [B or 1, T, rope/2] (interleaved pairs), attention over
  * the latent cache (softmax of scale * (q_lat . kv + q_pe . pe) + bias), then out[b, t, h * v:(h + 1) * v] = W_UV[h] o_lat.
  * W_UK[h] is [nope, r] and W_UV[h] is [v, r], fp32, at w + h * hstride, rows ``rstride`` apart.
- * out [B, T, H * v] in the activation dtype. Returns 0. */
+ * out [B, T, H * v] in the activation dtype. Returns 0.
+ *
+ * Each task takes four queries of one batch row and reads the cache once, in tiles of ATT_TILE keys:
+ * a tile's scores (one cached row read serves the four queries, the scale folded into the queries), their
+ * exponentials against a running max (online softmax), then the tile's rows weighted into the outputs
+ * while still in cache. */
 int dsv3_mla_decode(const void *q, int akind, const float *cos, const float *sin, int64_t rot_bstride,
                     const float *w_uk, int64_t uk_hstride, int64_t uk_rstride, const float *w_uv, int64_t uv_hstride,
                     int64_t uv_rstride, const void *kv, const void *pe, int ckind, int64_t B, int64_t T, int64_t H,
                     int64_t S, int64_t nope, int64_t p, int64_t r, int64_t v, int64_t kv_bstride, int64_t kv_sstride,
                     int64_t pe_bstride, int64_t pe_sstride, const float *bias, int64_t bias_bstride, float scale,
                     void *out, int nthreads) {
-    const int64_t M = T * H, mblocks = (M + MAX_ROWS - 1) / MAX_ROWS;
-    const size_t es = ckind == W_F32 ? 4 : 2;
+    const int64_t M = T * H, mblocks = (M + ATT_QUERIES - 1) / ATT_QUERIES;
+    const size_t es = ckind == A_F32 ? 4 : 2;
 #pragma omp parallel for num_threads(nthreads) schedule(static)
     for (int64_t task = 0; task < B * mblocks; task++) {
-        const int64_t b = task / mblocks, m0 = (task % mblocks) * MAX_ROWS;
-        const int mb = M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS;
-        float *q_lat = (float *)calloc((size_t)(MAX_ROWS * r), sizeof(float));
-        float *q_pe = (float *)malloc((size_t)(MAX_ROWS * p) * sizeof(float));
-        float *o_lat = (float *)calloc((size_t)(MAX_ROWS * r), sizeof(float));
-        float *sc = (float *)malloc((size_t)(MAX_ROWS * S) * sizeof(float));
-        for (int i = 0; i < mb; i++) { /* the query: absorbed into the latent space, and roped */
+        const int64_t b = task / mblocks, m0 = (task % mblocks) * ATT_QUERIES;
+        const int mb = M - m0 < ATT_QUERIES ? (int)(M - m0) : ATT_QUERIES;
+        float *q_lat = (float *)calloc((size_t)(ATT_QUERIES * r + 1), sizeof(float));
+        float *q_pe = (float *)calloc((size_t)(ATT_QUERIES * p + 1), sizeof(float));
+        float *o_lat = (float *)calloc((size_t)(ATT_QUERIES * r + 1), sizeof(float));
+        float sc[ATT_QUERIES * ATT_TILE], mx[ATT_QUERIES], sum[ATT_QUERIES];
+        const float *bias_row[ATT_QUERIES];
+        for (int i = 0; i < mb; i++) { /* the query: absorbed into the latent space, roped, times the scale */
             const int64_t t = (m0 + i) / H, h = (m0 + i) % H, base = ((b * T + t) * H + h) * (nope + p);
             for (int64_t j = 0; j < nope; j++) {
-                const float qj = act_load(q, akind, base + j);
+                const float qj = blk_load(q, akind, base + j) * scale;
                 const float *row = w_uk + h * uk_hstride + j * uk_rstride;
                 for (int64_t k = 0; k < r; k++) q_lat[i * r + k] += qj * row[k];
             }
             const float *c = cos + rot_bstride * b + t * (p / 2), *s = sin + rot_bstride * b + t * (p / 2);
             for (int64_t j = 0; j < p / 2; j++) {
-                const float x0 = act_load(q, akind, base + nope + 2 * j), x1 = act_load(q, akind, base + nope + 2 * j + 1);
-                q_pe[i * p + 2 * j] = x0 * c[j] - x1 * s[j];
-                q_pe[i * p + 2 * j + 1] = x0 * s[j] + x1 * c[j];
+                const float x0 = blk_load(q, akind, base + nope + 2 * j), x1 = blk_load(q, akind, base + nope + 2 * j + 1);
+                q_pe[i * p + 2 * j] = (x0 * c[j] - x1 * s[j]) * scale;
+                q_pe[i * p + 2 * j + 1] = (x0 * s[j] + x1 * c[j]) * scale;
             }
+            bias_row[i] = bias ? bias + b * bias_bstride + t * S : NULL;
+            mx[i] = -INFINITY, sum[i] = 0.0f;
         }
         const char *kv_b = (const char *)kv + (size_t)(b * kv_bstride) * es;
         const char *pe_b = (const char *)pe + (size_t)(b * pe_bstride) * es;
-        float r1[MAX_ROWS], r2[MAX_ROWS];
-        for (int64_t s = 0; s < S; s++) {
-            dot_rows(ckind, mb, kv_b + (size_t)(s * kv_sstride) * es, NULL, r, q_lat, r, r1);
-            dot_rows(ckind, mb, pe_b + (size_t)(s * pe_sstride) * es, NULL, p, q_pe, p, r2);
-            for (int i = 0; i < mb; i++) {
-                const float *bias_row = bias ? bias + b * bias_bstride + ((m0 + i) / H) * S : NULL;
-                sc[i * S + s] = scale * (r1[i] + r2[i]) + (bias_row ? bias_row[s] : 0.0f);
+        for (int64_t s0 = 0; s0 < S; s0 += ATT_TILE) {
+            const int64_t n = S - s0 < ATT_TILE ? S - s0 : ATT_TILE;
+            for (int64_t j = 0; j < n; j++) {
+                float d[ATT_QUERIES];
+                att_scores(q_lat, q_pe, kv_b + (size_t)((s0 + j) * kv_sstride) * es,
+                           pe_b + (size_t)((s0 + j) * pe_sstride) * es, ckind, r, p, d);
+                for (int i = 0; i < ATT_QUERIES; i++)
+                    sc[i * ATT_TILE + j] = i < mb ? d[i] + (bias_row[i] ? bias_row[i][s0 + j] : 0.0f) : 0.0f;
             }
+            for (int i = 0; i < mb; i++) att_softmax_tile(sc + i * ATT_TILE, n, mx + i, sum + i, o_lat + i * r, r);
+            att_values(o_lat, sc, kv_b + (size_t)(s0 * kv_sstride) * es, ckind, kv_sstride, n, r);
         }
-        for (int i = 0; i < mb; i++) softmax_row(sc + i * S, S);
-        for (int64_t s = 0; s < S; s++) {
-            const void *row = kv_b + (size_t)(s * kv_sstride) * es;
-            int64_t k = 0;
-            for (; k + 8 <= r; k += 8) {
-                __m256 val = load8(ckind, row, k);
-                for (int i = 0; i < mb; i++)
-                    _mm256_storeu_ps(o_lat + i * r + k, _mm256_fmadd_ps(_mm256_set1_ps(sc[i * S + s]), val,
-                                                                        _mm256_loadu_ps(o_lat + i * r + k)));
-            }
-            for (; k < r; k++) {
-                const float val = load1(ckind, row, k);
-                for (int i = 0; i < mb; i++) o_lat[i * r + k] += sc[i * S + s] * val;
-            }
-        }
-        for (int i = 0; i < mb; i++) { /* W_UV[h] o_lat, into this head's slice of the output */
+        for (int i = 0; i < mb; i++) { /* W_UV[h] o_lat / sum, into this head's slice of the output */
             const int64_t t = (m0 + i) / H, h = (m0 + i) % H;
-            float res;
-            for (int64_t c = 0; c < v; c++) {
-                dot_rows(W_F32, 1, w_uv + h * uv_hstride + c * uv_rstride, NULL, r, o_lat + i * r, r, &res);
-                store((char *)out + (size_t)(((b * T + t) * H + h) * v + c) * (akind == A_F32 ? 4 : 2), akind, &res, 1, 0);
+            const float inv = 1.0f / sum[i];
+            for (int64_t k = 0; k < r; k++) o_lat[i * r + k] *= inv;
+            for (int64_t c = 0; c < v; c++)
+                blk_store(out, akind, ((b * T + t) * H + h) * v + c, blk_dot(w_uv + h * uv_hstride + c * uv_rstride, o_lat + i * r, r));
+        }
+        free(q_lat), free(q_pe), free(o_lat);
+    }
+    return 0;
+}
+
+/* ---- A whole transformer block's decode step in one call ----------------------------------------------
+ * What FastDecode's per-op path does for one block (decode.py, BlockPlan), with the same roundings: every
+ * activation between two steps is stored in the activation dtype (fp32 or bf16) exactly where the per-op
+ * path stores a tensor, so the two agree to fp32 rounding in fp32 and within bf16 rounding in bf16. The
+ * heavy parts are the exported kernels above (dsv3_linear, dsv3_route, dsv3_swiglu_experts,
+ * dsv3_mla_decode); this part adds the glue that used to be 30-40 PyTorch calls per block: the RMSNorms,
+ * RoPE of the shared key, the latent cache write and the residual adds. The helpers here are the block's
+ * own (prefixed blk_) so that the GEMV code above can change freely. */
+
+typedef struct { /* a bias-free linear layer, [n, k] */
+    const void *w;
+    const float *scale; /* FP8 block scales x 256, or NULL */
+    int64_t kind, n, k;
+} BlkLinear;
+
+typedef struct { /* stacked SwiGLU experts: gate, up [E, inter, dim], down [E, dim, inter] */
+    const void *gate, *up, *down;
+    const float *gate_scale, *up_scale, *down_scale;
+    int64_t kind, n_experts, inter, dim;
+} BlkExperts;
+
+typedef struct { /* one block's weights and constants (made once per plan) */
+    int64_t akind, dim, layer;
+    const void *input_norm, *post_norm, *q_norm, *kv_norm; /* in the activation dtype */
+    float input_eps, post_eps, q_eps, kv_eps;
+    BlkLinear q_a, q_b, kv_a, o; /* q_a.w NULL: no query compression and q_b is q_proj */
+    const float *w_uk, *w_uv;    /* fp32 W_UK [H, nope, r], W_UV [H, v, r] (strided) */
+    int64_t uk_hstride, uk_rstride, uv_hstride, uv_rstride;
+    int64_t heads, nope, rope, v_dim, kv_rank;
+    float softmax_scale;
+    const float *router, *router_bias; /* router NULL: a dense MLP (in ``shared``), no routed experts */
+    int64_t softmax, n_group, topk_group, group_sum, topk, normalize;
+    float route_scale;
+    BlkExperts routed, shared; /* shared.gate NULL: no shared expert */
+} BlkDesc;
+
+typedef struct { /* one decode step, shared by all blocks */
+    int64_t rows, T, start; /* rows x T new tokens, written at cache slots [start, start + T) */
+    const float *cos, *sin; /* [rows or 1, T, rope/2] fp32 */
+    int64_t rot_bstride;    /* 0 when one rotation serves every row */
+    void *kv, *pe;          /* the latent cache [layers, batch, slots, r | rope] */
+    int64_t ckind, kv_lstride, kv_bstride, kv_sstride, pe_lstride, pe_bstride, pe_sstride;
+    const float *bias; /* additive mask [rows or 1, T, start + T], or NULL */
+    int64_t bias_bstride, nthreads;
+} BlkStep;
+
+/* RMSNorm.forward for M rows of n values, x rows ``ldx`` apart: w * (x / rms(x)).to(dtype), normalised in
+ * fp32, in the activation dtype (as decode.rms_norm). out may be x. */
+static void blk_rms_norm(const void *x, int64_t ldx, const void *w, float eps, int kind, int64_t M, int64_t n,
+                         void *out, int64_t ldo) {
+    for (int64_t m = 0; m < M; m++) {
+        float ss = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            const float v = blk_load(x, kind, m * ldx + i);
+            ss += v * v;
+        }
+        const float inv = 1.0f / sqrtf(ss / (float)n + eps);
+        for (int64_t i = 0; i < n; i++)
+            blk_store(out, kind, m * ldo + i, blk_load(w, kind, i) * blk_round(kind, blk_load(x, kind, m * ldx + i) * inv));
+    }
+}
+
+/* x (+)= y elementwise in the activation dtype (the residual add). */
+static void blk_add(void *x, const void *y, int kind, int64_t n) {
+    for (int64_t i = 0; i < n; i++) blk_store(x, kind, i, blk_load(x, kind, i) + blk_load(y, kind, i));
+}
+
+static void blk_linear(const BlkLinear *l, const void *x, int akind, int64_t M, void *out, int nthreads) {
+    dsv3_linear(l->w, l->scale, (int)l->kind, l->n, l->k, x, akind, M, out, akind, nthreads);
+}
+
+static void blk_experts(const BlkExperts *e, const void *x, int akind, int64_t M, const int64_t *idx,
+                        const float *gates, int64_t topk, void *out, int accumulate, int nthreads) {
+    dsv3_swiglu_experts(e->gate, e->up, e->down, e->gate_scale, e->up_scale, e->down_scale, (int)e->kind,
+                        e->n_experts, e->inter, e->dim, x, akind, M, idx, gates, topk, out, akind, accumulate,
+                        nthreads);
+}
+
+/* The cache write of the new tokens: c_KV normed (kv_a_layernorm, in the activation dtype) and k_R roped
+ * (in fp32), from kv_a's output kv [M, r + rope], each converted to the cache's dtype. */
+static void blk_write_latents(const BlkDesc *d, const BlkStep *s, const void *kv) {
+    const int ak = (int)d->akind, ck = (int)s->ckind;
+    const int64_t r = d->kv_rank, p = d->rope, width = r + p;
+    const size_t aes = ak == A_F32 ? 4 : 2, ces = ck == A_F32 ? 4 : 2;
+    void *c = malloc((size_t)(r > 0 ? r : 1) * aes);
+    for (int64_t b = 0; b < s->rows; b++) {
+        for (int64_t t = 0; t < s->T; t++) {
+            const int64_t m = b * s->T + t, slot = s->start + t;
+            char *kv_out = (char *)s->kv + (size_t)(d->layer * s->kv_lstride + b * s->kv_bstride + slot * s->kv_sstride) * ces;
+            char *pe_out = (char *)s->pe + (size_t)(d->layer * s->pe_lstride + b * s->pe_bstride + slot * s->pe_sstride) * ces;
+            blk_rms_norm((const char *)kv + (size_t)(m * width) * aes, 0, d->kv_norm, d->kv_eps, ak, 1, r, c, 0);
+            for (int64_t i = 0; i < r; i++) blk_store(kv_out, ck, i, blk_load(c, ak, i));
+            const float *cs = s->cos + s->rot_bstride * b + t * (p / 2), *sn = s->sin + s->rot_bstride * b + t * (p / 2);
+            for (int64_t j = 0; j < p / 2; j++) {
+                const float x0 = blk_load(kv, ak, m * width + r + 2 * j), x1 = blk_load(kv, ak, m * width + r + 2 * j + 1);
+                blk_store(pe_out, ck, 2 * j, x0 * cs[j] - x1 * sn[j]);
+                blk_store(pe_out, ck, 2 * j + 1, x0 * sn[j] + x1 * cs[j]);
             }
         }
-        free(q_lat), free(q_pe), free(o_lat), free(sc);
     }
+    free(c);
+}
+
+/* The feed-forward half's output y [M, dim] (activation dtype) from its normed input h: the router and
+ * the routed experts, plus the shared expert (or the dense MLP, as one expert every row goes to). */
+static void blk_feed_forward(const BlkDesc *d, const BlkStep *s, const void *h, int64_t M, void *y) {
+    const int ak = (int)d->akind, nt = (int)s->nthreads;
+    int have = 0;
+    if (d->router) {
+        const int64_t k = d->topk;
+        int64_t *idx = (int64_t *)malloc((size_t)(M * k + 1) * sizeof(int64_t));
+        float *gates = (float *)malloc((size_t)(M * k + 1) * sizeof(float));
+        dsv3_route(d->router, d->router_bias, d->routed.n_experts, d->dim, h, ak, M, (int)d->softmax, d->n_group,
+                   d->topk_group, (int)d->group_sum, k, (int)d->normalize, d->route_scale, idx, gates, nt);
+        blk_experts(&d->routed, h, ak, M, idx, gates, k, y, 0, nt);
+        free(idx), free(gates);
+        have = 1;
+    }
+    if (d->shared.gate) {
+        int64_t *zero = (int64_t *)calloc((size_t)(M + 1), sizeof(int64_t));
+        float *one = (float *)malloc((size_t)(M + 1) * sizeof(float));
+        for (int64_t m = 0; m < M; m++) one[m] = 1.0f;
+        blk_experts(&d->shared, h, ak, M, zero, one, 1, y, have, nt);
+        free(zero), free(one);
+    }
+}
+
+/* One block's decode step on x [rows * T, dim] (activation dtype), in place: x += attn(norm(x)), then
+ * x += ffn(norm(x)); the new tokens' latents are written to the cache at layer ``d->layer``. Returns 0. */
+int dsv3_decode_block(const BlkDesc *d, const BlkStep *s, void *x) {
+    const int ak = (int)d->akind, nt = (int)s->nthreads;
+    const size_t es = ak == A_F32 ? 4 : 2;
+    const int64_t M = s->rows * s->T, D = d->dim, H = d->heads, width = d->kv_rank + d->rope;
+    const int64_t S = s->start + s->T, ces = s->ckind == A_F32 ? 4 : 2;
+    char *h = (char *)malloc((size_t)(M * D + 1) * es), *y = (char *)malloc((size_t)(M * D + 1) * es);
+    char *q = (char *)malloc((size_t)(M * d->q_b.n + 1) * es), *kv = (char *)malloc((size_t)(M * width + 1) * es);
+    char *att = (char *)malloc((size_t)(M * H * d->v_dim + 1) * es);
+    blk_rms_norm(x, D, d->input_norm, d->input_eps, ak, M, D, h, D);
+    if (d->q_a.w) {
+        char *qa = (char *)malloc((size_t)(M * d->q_a.n + 1) * es);
+        blk_linear(&d->q_a, h, ak, M, qa, nt);
+        blk_rms_norm(qa, d->q_a.n, d->q_norm, d->q_eps, ak, M, d->q_a.n, qa, d->q_a.n);
+        blk_linear(&d->q_b, qa, ak, M, q, nt);
+        free(qa);
+    } else {
+        blk_linear(&d->q_b, h, ak, M, q, nt);
+    }
+    blk_linear(&d->kv_a, h, ak, M, kv, nt);
+    blk_write_latents(d, s, kv);
+    dsv3_mla_decode(q, ak, s->cos, s->sin, s->rot_bstride, d->w_uk, d->uk_hstride, d->uk_rstride, d->w_uv,
+                    d->uv_hstride, d->uv_rstride, (const char *)s->kv + (size_t)(d->layer * s->kv_lstride) * ces,
+                    (const char *)s->pe + (size_t)(d->layer * s->pe_lstride) * ces, (int)s->ckind, s->rows, s->T,
+                    H, S, d->nope, d->rope, d->kv_rank, d->v_dim, s->kv_bstride, s->kv_sstride, s->pe_bstride,
+                    s->pe_sstride, s->bias, s->bias_bstride, d->softmax_scale, att, nt);
+    blk_linear(&d->o, att, ak, M, y, nt);
+    blk_add(x, y, ak, M * D);
+    blk_rms_norm(x, D, d->post_norm, d->post_eps, ak, M, D, h, D);
+    blk_feed_forward(d, s, h, M, y);
+    blk_add(x, y, ak, M * D);
+    free(h), free(y), free(q), free(kv), free(att);
+    return 0;
+}
+
+/* RMSNorm of M rows of n values (the final norms): out = w * (x / rms(x)).to(dtype). Returns 0. */
+int dsv3_rms_norm(const void *x, const void *w, float eps, int akind, int64_t M, int64_t n, void *out) {
+    blk_rms_norm(x, n, w, eps, akind, M, n, out, n);
     return 0;
 }

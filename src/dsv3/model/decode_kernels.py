@@ -304,3 +304,127 @@ def mla_decode_reference(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     q_pe = apply_rope(q_pe, cos, sin).reshape(B, T * H, -1)
     o_lat = latent_attention_reference(q_lat, q_pe, kv, pe, bias, scale, H).view(B, T, H, r)
     return torch.einsum("bthr,hvr->bthv", o_lat, w_uv).reshape(B, T, -1).to(q.dtype)
+
+
+# ---- a whole block's decode step in one call ------------------------------------------------------------
+# ``dsv3_decode_block`` runs what FastDecode's per-op path runs for one block (decode.BlockPlan), reading
+# a descriptor made once per plan (pointers to the block's own tensors, sizes, constants) and one made once
+# per step (rows, RoPE rotation, cache, mask). The structures mirror BlkLinear / BlkExperts / BlkDesc /
+# BlkStep in decode_kernels.c field for field.
+
+_p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class BlockLinear(ctypes.Structure):
+    _fields_ = [("w", _p), ("scale", _p), ("kind", _i64), ("n", _i64), ("k", _i64)]
+
+
+class BlockExperts(ctypes.Structure):
+    _fields_ = [("gate", _p), ("up", _p), ("down", _p), ("gate_scale", _p), ("up_scale", _p), ("down_scale", _p),
+                ("kind", _i64), ("n_experts", _i64), ("inter", _i64), ("dim", _i64)]
+
+
+class BlockDesc(ctypes.Structure):
+    _fields_ = [("akind", _i64), ("dim", _i64), ("layer", _i64),
+                ("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("kv_norm", _p),
+                ("input_eps", _f32), ("post_eps", _f32), ("q_eps", _f32), ("kv_eps", _f32),
+                ("q_a", BlockLinear), ("q_b", BlockLinear), ("kv_a", BlockLinear), ("o", BlockLinear),
+                ("w_uk", _p), ("w_uv", _p),
+                ("uk_hstride", _i64), ("uk_rstride", _i64), ("uv_hstride", _i64), ("uv_rstride", _i64),
+                ("heads", _i64), ("nope", _i64), ("rope", _i64), ("v_dim", _i64), ("kv_rank", _i64),
+                ("softmax_scale", _f32),
+                ("router", _p), ("router_bias", _p),
+                ("softmax", _i64), ("n_group", _i64), ("topk_group", _i64), ("group_sum", _i64), ("topk", _i64),
+                ("normalize", _i64), ("route_scale", _f32),
+                ("routed", BlockExperts), ("shared", BlockExperts)]
+
+
+class BlockStep(ctypes.Structure):
+    _fields_ = [("rows", _i64), ("T", _i64), ("start", _i64), ("cos", _p), ("sin", _p), ("rot_bstride", _i64),
+                ("kv", _p), ("pe", _p), ("ckind", _i64), ("kv_lstride", _i64), ("kv_bstride", _i64),
+                ("kv_sstride", _i64), ("pe_lstride", _i64), ("pe_bstride", _i64), ("pe_sstride", _i64),
+                ("bias", _p), ("bias_bstride", _i64), ("nthreads", _i64)]
+
+
+@functools.cache
+def _declare_block(lib: ctypes.CDLL) -> tuple:
+    block, norm = lib.dsv3_decode_block, lib.dsv3_rms_norm
+    block.argtypes = [_p, _p, _p]
+    norm.argtypes = [_p, _p, _f32, ctypes.c_int, _i64, _i64, _p]
+    block.restype = norm.restype = ctypes.c_int
+    return block, norm
+
+
+def _block_functions() -> tuple | None:
+    """(dsv3_decode_block, dsv3_rms_norm) with their argument types, or None without the C kernels."""
+    lib = _load()[0]
+    return None if lib is None else _declare_block(lib)
+
+
+def block_kernel_available() -> bool:
+    return _block_functions() is not None
+
+
+def block_linear(weight: Weight) -> BlockLinear | None:
+    """The block kernel's view of a linear layer, or None when the kernels cannot read it."""
+    if weight.kind is None or not weight.w.is_contiguous() or weight.w.device.type != "cpu":
+        return None
+    N, K = weight.w.shape
+    return BlockLinear(weight.w.data_ptr(), _ptr(weight.kernel_scale), weight.kind, N, K)
+
+
+def block_experts(experts: ExpertWeights) -> BlockExperts | None:
+    """The block kernel's view of stacked experts (one weight kind for all three), or None."""
+    parts = (experts.gate, experts.up, experts.down)
+    if (any(p.kind is None or not p.w.is_contiguous() or p.w.device.type != "cpu" for p in parts)
+            or len({p.kind for p in parts}) != 1):
+        return None
+    E, I, D = experts.gate.w.shape
+    return BlockExperts(*(p.w.data_ptr() for p in parts), *(_ptr(p.kernel_scale) for p in parts), experts.gate.kind,
+                        E, I, D)
+
+
+def route_constants(router) -> tuple[dict, list[torch.Tensor]] | None:
+    """The router as ``dsv3_route`` reads it (the fields of BlockDesc) and the tensors they point to, or
+    None for a scoring function or top-k method the kernel does not implement. The weight and bias are
+    read in place when fp32 (the dtype DeepSeek keeps them in), else through an fp32 copy (the router
+    computes in fp32 anyway, so the scores are the same)."""
+    method, groups = router.method, router.n_group
+    bias = router.e_score_correction_bias if method == "noaux_tc" else None
+    tensors = [router.weight.detach()] + ([] if bias is None else [bias.detach()])
+    if not (router.scoring in ("sigmoid", "softmax") and method in ("noaux_tc", "group_limited_greedy", "greedy")
+            and router.n_experts % groups == 0 and all(t.device.type == "cpu" for t in tensors)):
+        return None
+    tensors = [t.float().contiguous() for t in tensors]
+    fields = {"router": tensors[0].data_ptr(), "router_bias": _ptr(None if bias is None else tensors[1]),
+              "softmax": int(router.scoring == "softmax"), "n_group": groups if method != "greedy" else 1,
+              "topk_group": router.topk_group, "group_sum": int(method == "noaux_tc"), "topk": router.top_k,
+              "normalize": int(router.norm_topk_prob), "route_scale": float(router.route_scale)}
+    return fields, tensors
+
+
+def block_step(rows: int, T: int, start: int, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
+               pe: torch.Tensor, bias: torch.Tensor | None) -> BlockStep:
+    """The per-step descriptor: cos/sin [rows|1, T, rope/2] fp32 contiguous, the cache's kv/pe [L, B, S, .]
+    (last dim contiguous), bias [rows|1, T, start + T] fp32 contiguous or None. The caller keeps the
+    tensors alive while the step runs."""
+    return BlockStep(rows, T, start, cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else cos.stride(0),
+                     kv.data_ptr(), pe.data_ptr(), A_KIND[kv.dtype], *kv.stride()[:3], *pe.stride()[:3],
+                     _ptr(bias), 0 if bias is None or bias.shape[0] == 1 else bias.stride(0),
+                     torch.get_num_threads())
+
+
+def decode_block(desc: int, step: int, x: torch.Tensor) -> None:
+    """Run one block on x [rows * T, dim] (contiguous, the block's activation dtype) in place; ``desc`` and
+    ``step`` are the addresses of a BlockDesc and a BlockStep."""
+    _block_functions()[0](desc, step, x.data_ptr())
+
+
+def rms_norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm of x [..., n] with ``weight`` [n] of x's dtype (fp32 or bf16, contiguous, CPU), as
+    ``decode.rms_norm`` computes it."""
+    x = x.contiguous()
+    out = torch.empty_like(x)
+    _block_functions()[1](x.data_ptr(), weight.data_ptr(), eps, A_KIND[x.dtype], x.numel() // x.shape[-1],
+                          x.shape[-1], out.data_ptr())
+    return out
