@@ -584,23 +584,6 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_andnot_ps(is_neg_inf, _mm256_mul_ps(y, _mm256_castsi256_ps(e)));
 }
 
-/* In place: row <- softmax(row) over n values. */
-static void softmax_row(float *row, int64_t n) {
-    float mx = -INFINITY;
-    for (int64_t s = 0; s < n; s++) mx = row[s] > mx ? row[s] : mx;
-    __m256 vmx = _mm256_set1_ps(mx), vsum = _mm256_setzero_ps();
-    int64_t s = 0;
-    for (; s + 8 <= n; s += 8) {
-        __m256 v = exp8(_mm256_sub_ps(_mm256_loadu_ps(row + s), vmx));
-        _mm256_storeu_ps(row + s, v);
-        vsum = _mm256_add_ps(vsum, v);
-    }
-    float sum = hsum(vsum);
-    for (; s < n; s++) sum += (row[s] = row[s] == -INFINITY ? 0.0f : expf(row[s] - mx));
-    const float inv = 1.0f / sum;
-    for (s = 0; s < n; s++) row[s] *= inv;
-}
-
 /* Index of the largest of v[0..n) not yet taken (ties: the lowest index). */
 static int64_t argmax_free(const float *v, const unsigned char *taken, int64_t n) {
     int64_t best = -1;
@@ -672,34 +655,21 @@ int dsv3_route(const float *gate, const float *bias, int64_t E, int64_t D, const
     return 0;
 }
 
-/* ---- Helpers of the attention and block kernels below: their own (only exp8 is shared), so that the GEMV
- * code above can change freely. */
+/* ---- Helpers of the attention and block kernels below: activations read and stored by dtype. */
 
 static inline float blk_load(const void *a, int kind, int64_t i) {
-    if (kind == A_F32) return ((const float *)a)[i];
-    uint32_t bits = (uint32_t)((const uint16_t *)a)[i] << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
-
-static inline uint16_t blk_bf16(float f) { /* round to nearest even, NaN stays NaN (as torch) */
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if ((bits & 0x7FFFFFFF) > 0x7F800000) return (uint16_t)((bits >> 16) | 0x40);
-    bits += 0x7FFF + ((bits >> 16) & 1);
-    return (uint16_t)(bits >> 16);
+    return kind == A_F32 ? ((const float *)a)[i] : bf16_to_f32(((const uint16_t *)a)[i]);
 }
 
 static inline void blk_store(void *a, int kind, int64_t i, float v) {
     if (kind == A_F32) ((float *)a)[i] = v;
-    else ((uint16_t *)a)[i] = blk_bf16(v);
+    else ((uint16_t *)a)[i] = f32_to_bf16(v);
 }
 
 /* v as the activation dtype stores it (the rounding of a tensor's ``.to(dtype)``). */
 static inline float blk_round(int kind, float v) {
     if (kind == A_F32) return v;
-    uint32_t bits = (uint32_t)blk_bf16(v) << 16;
+    uint32_t bits = (uint32_t)f32_to_bf16(v) << 16;
     memcpy(&v, &bits, 4);
     return v;
 }
@@ -709,19 +679,6 @@ static inline __m256 blk_load8(const void *a, int kind, int64_t off) {
     if (kind == A_F32) return _mm256_loadu_ps((const float *)a + off);
     __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)a + off));
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-/* The sum of v's lanes. */
-static inline float blk_hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
-}
-
-/* The sums of the lanes of a, b, c and d, in that order. */
-static inline __m128 blk_hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
-    const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-    return _mm_add_ps(_mm256_castps256_ps128(abcd), _mm256_extractf128_ps(abcd, 1));
 }
 
 /* sum_k a[k] * b[k] over n fp32 values. */
@@ -735,7 +692,7 @@ static float blk_dot(const float *a, const float *b, int64_t n) {
     for (; k + 8 <= n; k += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), s0);
     float tail = 0.0f;
     for (; k < n; k++) tail += a[k] * b[k];
-    return blk_hsum(_mm256_add_ps(s0, s1)) + tail;
+    return hsum(_mm256_add_ps(s0, s1)) + tail;
 }
 
 #define ATT_QUERIES 4 /* queries per task: each cached row read serves four queries */
@@ -771,7 +728,7 @@ static inline void att_scores(const float *q_lat, const float *q_pe, const void 
     for (int i = 0; i < ATT_QUERIES; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
     att_dots(q_lat, kv_row, kind, r, a, tail);
     att_dots(q_pe, pe_row, kind, p, a, tail);
-    _mm_storeu_ps(d, _mm_add_ps(_mm_loadu_ps(tail), blk_hsum4(_mm256_add_ps(a[0][0], a[0][1]), _mm256_add_ps(a[1][0], a[1][1]),
+    _mm_storeu_ps(d, _mm_add_ps(_mm_loadu_ps(tail), hsum4(_mm256_add_ps(a[0][0], a[0][1]), _mm256_add_ps(a[1][0], a[1][1]),
                                                               _mm256_add_ps(a[2][0], a[2][1]), _mm256_add_ps(a[3][0], a[3][1]))));
 }
 
@@ -824,7 +781,7 @@ static void att_softmax_tile(float *sc, int64_t n, float *m, float *l, float *o,
         _mm256_storeu_ps(sc + j, e);
         vsum = _mm256_add_ps(vsum, e);
     }
-    float sum = blk_hsum(vsum);
+    float sum = hsum(vsum);
     for (; j < n; j++) sum += (sc[j] = sc[j] == -INFINITY ? 0.0f : expf(sc[j] - mx));
     *l += sum;
 }
