@@ -11,12 +11,7 @@ import httpx
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_serve_ep import ask_all, serve_group  # noqa: E402
-
-from conftest import tiny_model, tiny_tokenizer  # noqa: E402
-from dsv3.infer.engine import Engine  # noqa: E402
-from dsv3.infer.server import create_app  # noqa: E402
-from dsv3.testing.http import serving  # noqa: E402
+from test_serve_ep import ask_all, checkpoint, reference_mtp, serve_group  # noqa: E402, F401 (fixtures)
 
 pytest.importorskip("openai")
 
@@ -28,15 +23,7 @@ MAX_TOKENS = [9, 6, 11, 7, 8, 10, 6, 9]
 SCHEDULE = [(0, 0, 0), (0, 0, 1), (0, 0, 2), (0, 1, 3), (0, 1, 4), (0, 2, 5), (2, 1, 7), (3, 3, 6)]
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("dual_ckpt")
-    tiny_model(layers=3).save_pretrained(folder)
-    tiny_tokenizer().save(str(folder / "tokenizer.json"))
-    return folder
-
-
-def test_dual_micro_batch_decode_on_4_ranks_equals_one_process(checkpoint):
+def test_dual_micro_batch_decode_on_4_ranks_equals_one_process(checkpoint):  # noqa: F811 (a fixture)
     from dsv3.testing.launch import launch
     from dsv3.testing.serve_dual_scenarios import dual_generation, reference_tokens
 
@@ -50,18 +37,7 @@ def test_dual_micro_batch_decode_on_4_ranks_equals_one_process(checkpoint):
     assert len({r["rounds"] for r in ranks}) == 1
 
 
-@pytest.fixture(scope="module")
-def reference_mtp(checkpoint):
-    """The single-process server with MTP speculation (greedy: the same tokens as without)."""
-    import dsv3
-    from dsv3.infer.loading import load_tokenizer
-
-    engine = Engine(dsv3.load_pretrained(checkpoint), load_tokenizer(checkpoint), speculative=True)
-    with serving(create_app(engine, model_name="ckpt", max_batch=4)) as url:
-        return ask_all(url)
-
-
-def test_dual_micro_batch_decode_group_with_prefill_ranks_equals_one_process(checkpoint, reference_mtp):
+def test_dual_micro_batch_decode_group_with_prefill_ranks_equals_one_process(checkpoint, reference_mtp):  # noqa: F811
     """`serve --ep 4 --prefill-ranks 2 --micro-batches 2 --speculative mtp`: the decode group (ranks 2-3)
     splits its steps, the verify forward included (MTP drafts stay one micro-batch beside an empty half)."""
     flags = ("--prefill-ranks", "2", "--micro-batches", "2", "--speculative", "mtp")
