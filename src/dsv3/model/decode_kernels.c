@@ -1,16 +1,15 @@
-/* Decode-step kernels for x86 CPUs with AVX2, FMA and F16C: matrix-vector products (a handful of rows of
+/* Decode-step kernels for x86 CPUs with AVX2 and FMA: matrix-vector products (a handful of rows of
  * activations against one weight matrix) that read fp32, bf16 or FP8 e4m3 (128x128 block scales) weights
  * straight from where they live, converting each weight in registers. No dequantized copy of a matrix is
- * ever made, and a decode step's whole routed MoE is one call.
+ * ever made, and a decode step's whole routed MoE is one call; so is a whole block (dsv3_decode_block).
  *
- * Built and loaded at first use by decode_kernels.py (cc -O3 -mavx2 -mfma -mf16c -fopenmp); every
- * function has a plain PyTorch reference there, and the tests compare the two.
+ * Built and loaded at first use by decode_kernels.py (cc -O3 -mavx2 -mfma -fopenmp); every function has a
+ * plain PyTorch reference there, and the tests compare the two.
  *
  * Weights are [N, K] row-major. FP8 scales are [ceil(N/128), ceil(K/128)] fp32, already multiplied by
- * 256. The matrix kernels (gemv_tiles: dsv3_linear, dsv3_swiglu_experts) turn an e4m3 byte into fp32 with
- * integer shifts (see "The GEMV core" below); the single-row helpers (row_dot) turn it into the fp16 number
- * with the same bits shifted (exactly its value / 256, subnormals included), which F16C converts to fp32.
- * Activations are fp32 or bf16, accumulated in fp32.
+ * 256. The one matrix kernel (gemv_tiles, under dsv3_linear, dsv3_swiglu_experts and dsv3_route) turns an
+ * e4m3 byte into fp32 with integer shifts (see "The GEMV core" below). Activations are fp32 or bf16,
+ * accumulated in fp32.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -22,47 +21,6 @@
 enum { W_F32 = 0, W_BF16 = 1, W_FP8 = 2 };
 enum { A_F32 = 0, A_BF16 = 1 };
 #define FP8_BLOCK 128
-#define MAX_ROWS 4
-
-/* e4m3 bytes sign-extended to 16 bits, shifted left by 7, bit 14 cleared: the fp16 with the same sign,
- * exponent and mantissa bits, i.e. the e4m3 value / 256 (e4m3's NaN pattern is never stored in weights). */
-static inline __attribute__((always_inline)) __m256i fp8_as_fp16(__m256i sign_extended) {
-    return _mm256_and_si256(_mm256_slli_epi16(sign_extended, 7), _mm256_set1_epi16((short)0xBFFF));
-}
-
-static inline __attribute__((always_inline)) __m256 load8(int kind, const void *w, int64_t off) {
-    if (kind == W_F32) return _mm256_loadu_ps((const float *)w + off);
-    if (kind == W_BF16) {
-        __m128i h = _mm_loadu_si128((const __m128i *)((const uint16_t *)w + off));
-        return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-    }
-    __m128i b = _mm_loadl_epi64((const __m128i *)((const uint8_t *)w + off));
-    return _mm256_cvtph_ps(_mm256_castsi256_si128(fp8_as_fp16(_mm256_cvtepi8_epi16(b))));
-}
-
-/* 16 consecutive weights as two vectors of 8. */
-static inline __attribute__((always_inline)) void load16(int kind, const void *w, int64_t off, __m256 *w0, __m256 *w1) {
-    if (kind == W_FP8) {
-        __m256i h = fp8_as_fp16(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)((const uint8_t *)w + off))));
-        *w0 = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
-        *w1 = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
-        return;
-    }
-    *w0 = load8(kind, w, off);
-    *w1 = load8(kind, w, off + 8);
-}
-
-static inline float load1(int kind, const void *w, int64_t off) {
-    if (kind == W_F32) return ((const float *)w)[off];
-    if (kind == W_BF16) {
-        uint32_t bits = (uint32_t)((const uint16_t *)w)[off] << 16;
-        float f;
-        memcpy(&f, &bits, 4);
-        return f;
-    }
-    int16_t b = (int8_t)((const uint8_t *)w)[off];
-    return _cvtsh_ss((uint16_t)((b << 7) & 0xBFFF));
-}
 
 static inline float hsum(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -71,76 +29,7 @@ static inline float hsum(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* res[i] = sum_k w[k] * x[i * ldx + k] for i < MB, with FP8 block scales ``scale_row[k / 128]``. */
-static inline __attribute__((always_inline)) void row_dot(int kind, int MB, const void *w, const float *scale_row,
-                                                          int64_t K, const float *x, int64_t ldx, float *res) {
-    const int64_t blk = kind == W_FP8 ? FP8_BLOCK : K;
-    __m256 tot[MAX_ROWS];
-    for (int i = 0; i < MB; i++) tot[i] = _mm256_setzero_ps();
-    for (int64_t k0 = 0; k0 < K; k0 += blk) {
-        const int64_t k1 = k0 + blk < K ? k0 + blk : K;
-        __m256 a[MAX_ROWS][2];
-        float tail[MAX_ROWS];
-        for (int i = 0; i < MB; i++) a[i][0] = a[i][1] = _mm256_setzero_ps(), tail[i] = 0.0f;
-        int64_t k = k0;
-        for (; k + 16 <= k1; k += 16) {
-            __m256 w0, w1;
-            load16(kind, w, k, &w0, &w1);
-            for (int i = 0; i < MB; i++) {
-                a[i][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * ldx + k), a[i][0]);
-                a[i][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i * ldx + k + 8), a[i][1]);
-            }
-        }
-        for (; k + 8 <= k1; k += 8) {
-            __m256 w0 = load8(kind, w, k);
-            for (int i = 0; i < MB; i++) a[i][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * ldx + k), a[i][0]);
-        }
-        for (; k < k1; k++) {
-            float wk = load1(kind, w, k);
-            for (int i = 0; i < MB; i++) tail[i] += wk * x[i * ldx + k];
-        }
-        for (int i = 0; i < MB; i++) {
-            __m256 s = _mm256_add_ps(_mm256_add_ps(a[i][0], a[i][1]), _mm256_setr_ps(tail[i], 0, 0, 0, 0, 0, 0, 0));
-            tot[i] = kind == W_FP8 ? _mm256_fmadd_ps(s, _mm256_set1_ps(scale_row[k0 / FP8_BLOCK]), tot[i])
-                                   : _mm256_add_ps(s, tot[i]);
-        }
-    }
-    for (int i = 0; i < MB; i++) res[i] = hsum(tot[i]);
-}
-
-#define ROW_DOT_CASES(KIND)                                                  \
-    switch (mb) {                                                            \
-        case 1: row_dot(KIND, 1, w, scale_row, K, x, ldx, res); break;       \
-        case 2: row_dot(KIND, 2, w, scale_row, K, x, ldx, res); break;       \
-        case 3: row_dot(KIND, 3, w, scale_row, K, x, ldx, res); break;       \
-        default: row_dot(KIND, 4, w, scale_row, K, x, ldx, res); break;      \
-    }
-
-/* One weight row against up to MAX_ROWS activation rows; the kind and row count become constants. */
-static void dot_rows(int kind, int mb, const void *w, const float *scale_row, int64_t K, const float *x,
-                     int64_t ldx, float *res) {
-    if (kind == W_F32) { ROW_DOT_CASES(W_F32) }
-    else if (kind == W_BF16) { ROW_DOT_CASES(W_BF16) }
-    else { ROW_DOT_CASES(W_FP8) }
-}
-
 static size_t elem_size(int kind) { return kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1; }
-
-/* y[m, n] = sum_k W[n, k] x[m, k] for the one weight row n, all m < M; y row stride ldy. The single-row form
- * (the router's scores); whole matrices go through gemv_tiles below. */
-static void matvec(int kind, const void *w, const float *scale, int64_t N, int64_t K, const float *x, int64_t M,
-                   float *y, int64_t ldy, int64_t n) {
-    const int64_t kblocks = (K + FP8_BLOCK - 1) / FP8_BLOCK;
-    const void *row = (const char *)w + (size_t)n * K * elem_size(kind);
-    const float *scale_row = kind == W_FP8 ? scale + (n / FP8_BLOCK) * kblocks : NULL;
-    float res[MAX_ROWS];
-    (void)N;
-    for (int64_t m0 = 0; m0 < M; m0 += MAX_ROWS) {
-        int mb = M - m0 < MAX_ROWS ? (int)(M - m0) : MAX_ROWS;
-        dot_rows(kind, mb, row, scale_row, K, x + m0 * K, K, res);
-        for (int i = 0; i < mb; i++) y[(m0 + i) * ldy + n] = res[i];
-    }
-}
 
 static float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -210,7 +99,8 @@ static inline __attribute__((always_inline)) __m256 wload8(int kind, const void 
 
 /* One weight as wload8 converts it. */
 static inline float wload1(int kind, const void *row, int64_t k) {
-    if (kind != W_FP8) return load1(kind, row, k);
+    if (kind == W_F32) return ((const float *)row)[k];
+    if (kind == W_BF16) return bf16_to_f32(((const uint16_t *)row)[k]);
     const uint32_t bits = ((uint32_t)(int32_t)((const int8_t *)row)[k] << 20) & 0x87F00000u;
     float f;
     memcpy(&f, &bits, 4);
@@ -603,8 +493,10 @@ int dsv3_route(const float *gate, const float *bias, int64_t E, int64_t D, const
                float route_scale, int64_t *idx, float *gates, int nthreads) {
     float *xf = to_f32(x, xkind, M * D);
     float *scores = (float *)malloc((size_t)(M * E) * sizeof(float));
-    (void)nthreads;
-    for (int64_t n = 0; n < E; n++) matvec(W_F32, gate, NULL, E, D, xf, M, scores, E, n);
+    float *scratch = (float *)malloc(scratch_floats(W_F32, M, D) * sizeof(float));
+    (void)nthreads; /* E x D is small: one thread */
+    gemv_tiles(W_F32, gate, NULL, E, D, xf, M, scores, E, 0, tiles_of(E), scratch);
+    free(scratch);
     float *choice = (float *)malloc((size_t)E * sizeof(float));
     float *group = (float *)malloc((size_t)(n_group > 0 ? n_group : 1) * sizeof(float));
     unsigned char *taken = (unsigned char *)malloc((size_t)(E + n_group + 1));

@@ -1,4 +1,4 @@
-"""Matrix-vector kernels for the decode step on a CPU: ``decode_kernels.c`` (AVX2/FMA/F16C), compiled with
+"""Matrix-vector kernels for the decode step on a CPU: ``decode_kernels.c`` (AVX2/FMA), compiled with
 the system C compiler at first use and cached, each beside the plain PyTorch reference it must equal.
 
 Why: a decode step multiplies one row (or a few) by every weight matrix, so its speed is the speed of
@@ -10,7 +10,7 @@ slow to keep up with memory), and one call computes all routed experts of a step
 depend on how many rows share the call (the summation order is fixed), so batched and single-row decode
 give the same numbers. ``benchmarks/decode_kernels_speed.py`` measures them against the read bandwidth.
 
-When the kernels cannot be used (not x86-64 Linux with AVX2/FMA/F16C, no C compiler, a failed build, the
+When the kernels cannot be used (not x86-64 Linux with AVX2/FMA, no C compiler, a failed build, the
 tensors on another device, or ``DSV3_DECODE_KERNELS=0``) every function here computes the same thing
 with PyTorch ops; ``kernel_status()`` says which one runs and why.
 """
@@ -33,7 +33,7 @@ import torch.nn.functional as F
 from dsv3.precision.fp8 import dequantize_weight_blocks
 
 SOURCE = Path(__file__).with_name("decode_kernels.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 W_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 A_KIND = {torch.float32: 0, torch.bfloat16: 1}
 MAX_KERNEL_ROWS = 64  # more rows than this: a real matmul (PyTorch's) is the better tool
@@ -52,7 +52,7 @@ def _cpu_supported() -> str | None:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         return "cannot read the CPU flags from /proc/cpuinfo"
-    missing = [f for f in ("avx2", "fma", "f16c") if f not in flags.split()]
+    missing = [f for f in ("avx2", "fma") if f not in flags.split()]
     return f"the CPU lacks {', '.join(missing)}" if missing else None
 
 
