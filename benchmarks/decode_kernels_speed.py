@@ -39,6 +39,7 @@ from dsv3.config import preset
 from dsv3.errors import DSV3Error
 from dsv3.model import decode_kernels as dk
 from dsv3.precision.fp8 import dequantize_weight_blocks, quantize_weight_blocks
+from serve_scaling import parse_ints  # the benchmarks folder is the script's sys.path[0]
 
 KINDS = ("fp32", "bf16", "fp8")
 ACT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
@@ -269,16 +270,6 @@ def print_table(report: dict) -> None:
         print(line + f" {r['torch_gbs']:>6.1f} {r['kernel_gbs'] / r['torch_gbs']:>5.2f}")
 
 
-def int_list(flag: str, text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise DSV3Error(f"{flag} must be comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise DSV3Error(f"{flag} must list integers >= 1, got {text!r}")
-    return values
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
@@ -292,7 +283,7 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args()
     try:
-        threads, rows = int_list("--threads", args.threads), int_list("--rows", args.rows)
+        threads, rows = parse_ints(args.threads, "--threads"), parse_ints(args.rows, "--rows")
         if max(rows) > dk.MAX_KERNEL_ROWS:
             raise DSV3Error(f"--rows: the kernels take at most {dk.MAX_KERNEL_ROWS} rows")
         kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
