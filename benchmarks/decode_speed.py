@@ -41,12 +41,14 @@ import numpy as np
 import torch
 
 from dsv3.config import preset
+from dsv3.errors import DSV3Error
 from dsv3.infer.bench import cache_precision
 from dsv3.infer.engine import Engine, Request
 from dsv3.infer.fp8_weights import resident_bytes
 from dsv3.infer.loading import load_model
 from dsv3.model import Transformer
 from dsv3.model.decode_kernels import kernel_status
+from dsv3.option_lists import parse_list
 
 
 def log(msg: str) -> None:
@@ -408,10 +410,13 @@ def main() -> None:
                     "benchmarks/llama_cpp_setup.sh --env sets)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    args.contexts = [int(c) for c in args.contexts.split(",")]
-    args.threads = [int(t) for t in args.threads.split(",")]
-    args.batch_weights = args.batch_weights.split(",")
-    sections = set(args.sections.split(","))
+    try:
+        args.contexts = parse_list(args.contexts, "--contexts", int)
+        args.threads = parse_list(args.threads, "--threads", int)
+        args.batch_weights = parse_list(args.batch_weights, "--batch-weights")
+        sections = set(parse_list(args.sections, "--sections"))
+    except DSV3Error as exc:
+        ap.error(str(exc))
     bandwidth = {t: read_bandwidth(t) for t in sorted({1, *args.threads})}
     log("read bandwidth: " + ", ".join(f"{t} thread(s) {b / 1e9:.1f} GB/s" for t, b in bandwidth.items()))
     longest = max([*args.contexts, args.batch_context]) + args.new_tokens * (args.repeats + 2) + 16

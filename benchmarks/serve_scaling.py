@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dsv3.errors import DSV3Error
+from dsv3.option_lists import parse_list
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURE = ROOT / "docs" / "figures" / "serve_concurrency.png"
@@ -79,14 +80,9 @@ def parse_layout(text: str) -> Layout:
 
 def parse_ints(text: str, flag: str) -> list[int]:
     """A comma-separated list of distinct positive integers, sorted."""
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise DSV3Error(f"{flag} must be comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
+    values = parse_list(text, flag, int)
+    if min(values) < 1:
         raise DSV3Error(f"{flag} must list integers >= 1, got {text!r}")
-    if len(set(values)) != len(values):
-        raise DSV3Error(f"{flag} lists a value twice: {text!r}")
     return sorted(values)
 
 

@@ -17,6 +17,7 @@ import typer
 
 from dsv3.errors import DSV3Error
 from dsv3.infer.options import CACHE_DTYPE, DTYPE, SPECULATIVE, THREADS, WEIGHTS
+from dsv3.option_lists import parse_list
 
 generate_app = typer.Typer(add_completion=False, help="Generate text from a checkpoint (latent-cache decode, MTP).")
 chat_app = typer.Typer(add_completion=False, help="Chat with a checkpoint in the terminal.")
@@ -69,15 +70,10 @@ def sampling_from_flags(greedy: bool, temperature: float | None, top_p: float | 
 
 
 def parse_ids(text: str, vocab_size: int) -> list[int]:
-    try:
-        ids = [int(t) for t in text.replace(" ", "").split(",") if t]
-    except ValueError:
-        raise DSV3Error(f"--prompt-ids must be comma-separated integers, got {text!r}") from None
+    ids = parse_list(text, "--prompt-ids", int, unique=False)
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
         raise DSV3Error(f"--prompt-ids has ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
-    if not ids:
-        raise DSV3Error("--prompt-ids is empty")
     return ids
 
 

@@ -24,6 +24,7 @@ from rich.progress import Progress
 
 from dsv3.errors import DSV3Error
 from dsv3.io import save_figure
+from dsv3.option_lists import parse_list
 from dsv3.precision import accumulation as acc_lib
 from dsv3.precision.accumulation import Accumulator
 
@@ -59,10 +60,7 @@ def mode_name(promote_every: int | None) -> str:
 
 
 def parse_ks(text: str) -> list[int]:
-    try:
-        ks = sorted({int(part) for part in text.split(",") if part.strip()})
-    except ValueError as exc:
-        raise DSV3Error(f"--k must be comma-separated integers, got {text!r}") from exc
+    ks = sorted(set(parse_list(text, "--k", int, unique=False)))
     group = acc_lib.HOPPER_GROUP
     if not ks or min(ks) < group or max(ks) > MAX_K or any(k % group for k in ks):
         raise DSV3Error(f"--k values must be multiples of {group} in {group}..{MAX_K}, got {text!r}")

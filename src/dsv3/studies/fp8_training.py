@@ -27,6 +27,7 @@ from torch import nn
 
 from dsv3.errors import DSV3Error
 from dsv3.io import save_figure
+from dsv3.option_lists import parse_list
 from dsv3.precision import fp8
 from dsv3.precision.fp8_linear import convert_to_fp8
 from dsv3.termtable import fitted_table
@@ -346,23 +347,14 @@ def write_plot(result: dict, path: Path) -> None:
 
 
 def parse_scales(text: str) -> list[float]:
-    try:
-        scales = [float(s) for s in text.split(",") if s.strip()]
-    except ValueError as exc:
-        raise DSV3Error(f"--outlier-scales must be comma-separated numbers, got {text!r}") from exc
+    scales = parse_list(text, "--outlier-scales", float)
     if any(s < 0 or s > 1e6 for s in scales):
         raise DSV3Error("--outlier-scales must lie in 0..1e6 (0 means no outliers)")
     return scales
 
 
 def parse_seeds(text: str) -> list[int]:
-    try:
-        seeds = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError as exc:
-        raise DSV3Error(f"--seeds must be comma-separated integers, got {text!r}") from exc
-    if not seeds or len(set(seeds)) != len(seeds):
-        raise DSV3Error(f"--seeds must list at least one seed, each once, got {text!r}")
-    return seeds
+    return parse_list(text, "--seeds", int)
 
 
 def _emit(result: dict, as_json: bool, as_markdown: bool, text: str) -> None:

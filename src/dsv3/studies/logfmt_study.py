@@ -18,6 +18,7 @@ import typer
 
 from dsv3.errors import DSV3Error
 from dsv3.io import save_figure
+from dsv3.option_lists import parse_list
 
 FORMATS = ("bf16", "e4m3", "e5m2", "logfmt8", "logfmt10", "logfmt8-logspace")
 FP8_SCALE_BITS = 32  # one float32 scale per 1x128 tile
@@ -423,19 +424,6 @@ def write_train_plot(result: dict, path: Path) -> None:
     )
     fig.tight_layout()
     save_figure(fig, path, dpi=120)
-
-
-def parse_list(text: str, option: str, kind=str) -> list:
-    items = [item.strip() for item in text.split(",") if item.strip()]
-    if not items:
-        raise DSV3Error(f"{option} is empty")
-    try:
-        values = [kind(item) for item in items]
-    except ValueError:
-        raise DSV3Error(f"{option}: cannot read {text!r} as a comma-separated list of {kind.__name__}") from None
-    if len(set(values)) != len(values):
-        raise DSV3Error(f"{option} lists a value twice: {text!r}")
-    return values
 
 
 def main(
