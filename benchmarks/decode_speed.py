@@ -168,8 +168,12 @@ class LlamaCpp:
         self.tokens = []
 
     def _greedy(self) -> int:
-        """argmax of the last evaluated token's logits (llama-cpp-python keeps no copy without logits_all)."""
-        return int(np.argmax(np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),))))
+        """argmax of the last evaluated token's logits, read through the public C binding
+        (``llama_get_logits_ith(ctx, -1)``): llama-cpp-python keeps no copy of them without logits_all."""
+        import llama_cpp
+
+        logits = llama_cpp.llama_get_logits_ith(self.llm.ctx, -1)
+        return int(np.argmax(np.ctypeslib.as_array(logits, shape=(self.llm.n_vocab(),))))
 
     def decode(self, n: int) -> float:
         t0 = time.perf_counter()
