@@ -45,6 +45,7 @@ run_section logfmt
 run_section accumulation
 run_section ep
 run_section decode
+run_section static_decode
 run_section seam
 
 if [ "${#failed[@]}" -gt 0 ]; then

@@ -167,6 +167,16 @@ def routed_swiglu_reference(x: torch.Tensor, gates: torch.Tensor, token: torch.T
     return out
 
 
+def gathered_swiglu(x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, w_gate: torch.Tensor,
+                    w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """What ``routed_swiglu`` computes, with static shapes: each row's top-k experts' weights are gathered
+    ([N, K, I, D]) and applied with batched products, so no shape depends on the routing (what a compiled
+    graph or a CUDA graph needs; gpt-fast's MoE does the same). Each row reads its own K experts' weights:
+    at one row per step the bytes of the grouped path, at many rows more. x [N, D], idx/gates [N, K]."""
+    act = F.silu(torch.einsum("nd,nkid->nki", x, w_gate[idx])) * torch.einsum("nd,nkid->nki", x, w_up[idx])
+    return torch.einsum("nki,nkdi->nd", gates.to(act.dtype)[..., None] * act, w_down[idx])
+
+
 # ==== the head loss =================================================================================
 
 # Next-token cross-entropy fused with the output head, one chunk of rows at a time.

@@ -121,11 +121,17 @@ class MLA(nn.Module):
         return attention_core(q, k, v, self.scale, full).transpose(1, 2)
 
     def _absorbed(self, q_nope, q_pe, c_kv, k_pe, start_pos, mask) -> torch.Tensor:
+        full = causal_mask(q_nope.shape[1], c_kv.shape[1], start_pos, q_nope.device, mask)
+        return self.latent_attention(q_nope, q_pe, c_kv, k_pe, full)
+
+    def latent_attention(self, q_nope, q_pe, c_kv, k_pe, allowed: torch.Tensor) -> torch.Tensor:
+        """Absorbed attention of queries q_nope [B, T, H, nope], q_pe [B, T, H, rope] over latents c_kv
+        [B, S, r], k_pe [B, S, rope]; ``allowed`` bool [B|1, T, S] says which keys each query sees.
+        Returns [B, T, H, v]."""
         w_uk, w_uv = self._absorbed_weights()
         q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk)  # query in the latent space
         scores = torch.einsum("bthr,bsr->bhts", q_lat, c_kv) + torch.einsum("bthp,bsp->bhts", q_pe, k_pe)
-        full = causal_mask(q_nope.shape[1], c_kv.shape[1], start_pos, q_nope.device, mask)
-        scores = (scores.float() * self.scale).masked_fill(~full.unsqueeze(1), float("-inf"))
+        scores = (scores.float() * self.scale).masked_fill(~allowed.unsqueeze(1), float("-inf"))
         probs = scores.softmax(dim=-1).to(c_kv.dtype)
         o_lat = torch.einsum("bhts,bsr->bthr", probs, c_kv)
         return torch.einsum("bthr,hvr->bthv", o_lat, w_uv)

@@ -1,0 +1,133 @@
+"""A decode step whose shapes never change, for ``torch.compile`` and CUDA graphs (gpt-fast's approach).
+
+On a GPU a decode step of a small batch is bound by launch overhead, not by bytes: the module path issues
+thousands of small kernels per token. Compiled into one graph and replayed as a CUDA graph, the step costs
+a few launches. That needs every shape and every Python-level value to stay the same from step to step,
+which the engine's step does not give: its cache grows with the batch, ``start_pos`` is a Python int (a
+new graph per position), the routed experts run on data-dependent row counts. Here:
+
+* the latent cache is allocated once (``batch`` rows x ``max_len`` slots) and held as buffers of this
+  module, so a CUDA graph sees the same addresses every replay;
+* the step writes its latents at ``slot``, a 0-d tensor, with ``index_copy_``, and attends over all
+  ``max_len`` slots through a mask (slot <= the current one, and ``valid``, the engine's per-row slots);
+* the routed experts gather each row's top-k weights (``kernels.gathered_swiglu``) instead of grouping
+  rows by expert.
+
+Everything else is the model's own modules (norms, projections, router, shared experts, head), and the
+attention is ``MLA.latent_attention``, the absorbed path's own code, so the step equals the module path
+(tests/model/test_static_decode.py). Plain decode only (no MTP drafting), on plain ``GroupedExperts`` with
+the local dispatcher: the layouts a single GPU serves.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dsv3.errors import DSV3Error
+from dsv3.model.dispatch import LocalDispatcher
+from dsv3.model.experts import GroupedExperts
+from dsv3.model.kernels import gathered_swiglu
+from dsv3.model.mla import MLA, LatentCache
+from dsv3.model.moe import MoE
+from dsv3.model.transformer import Transformer
+
+
+def unsupported(model: Transformer) -> str | None:
+    """Why ``StaticDecode`` cannot run this model, or None."""
+    for i, layer in enumerate(model.main_layers):
+        hooked = [m for m in (layer, layer.self_attn, layer.mlp) if m._forward_hooks or m._forward_pre_hooks]
+        if hooked:
+            return f"layer {i} has forward hooks, which a static step does not call"
+        mlp = layer.mlp
+        if isinstance(mlp, MoE) and (type(mlp.experts) is not GroupedExperts or type(mlp.dispatcher)
+                                     is not LocalDispatcher or mlp.dispatcher.combine_format is not None):
+            return (f"layer {i}'s experts are {type(mlp.experts).__name__} behind {type(mlp.dispatcher).__name__}; "
+                    "a static step needs plain GroupedExperts with the local dispatcher")
+    return None
+
+
+class StaticDecode(nn.Module):
+    """Greedy-ready decode over a fixed ``batch`` x ``max_len`` latent cache: ``prefill`` once, then call
+    the module (compiled or not) once per step. ``compiled(mode)`` gives the compiled step
+    (``mode="reduce-overhead"`` on CUDA captures it as a CUDA graph)."""
+
+    def __init__(self, model: Transformer, batch: int, max_len: int, cache_dtype: torch.dtype | None = None):
+        super().__init__()
+        why = unsupported(model)
+        if why:
+            raise DSV3Error(f"cannot build a static decode step: {why}")
+        self.model = model.eval()
+        cache = model.new_cache(batch, max_len, dtype=cache_dtype or next(model.parameters()).dtype)
+        self.register_buffer("kv", cache.kv.to(model.inv_freq.device), persistent=False)  # [L, B, S, r]
+        self.register_buffer("pe", cache.pe.to(model.inv_freq.device), persistent=False)  # [L, B, S, rope]
+        self.register_buffer("slots", torch.arange(max_len, device=model.inv_freq.device), persistent=False)
+
+    @property
+    def cache(self) -> LatentCache:
+        """The static cache as a LatentCache (same tensors), for the model's own prefill."""
+        view = self.model.new_cache(0, 0, dtype=self.kv.dtype)
+        view.kv, view.pe = self.kv, self.pe
+        return view
+
+    @torch.no_grad()
+    def prefill(self, ids_BP: torch.Tensor) -> torch.Tensor:
+        """The model's own prefill of prompts ids [B, P] (equal lengths) into the static cache; returns the
+        logits [B, V] after each prompt's last token."""
+        return self.model(ids_BP, cache=self.cache, start_pos=0)[:, -1]
+
+    @torch.no_grad()
+    def forward(self, ids_B1: torch.Tensor, positions_B1: torch.Tensor, slot: torch.Tensor,
+                valid_BS: torch.Tensor) -> torch.Tensor:
+        """One decode step: tokens ids [B, 1] at RoPE positions [B, 1], written at cache slot ``slot`` (0-d
+        long tensor); each row attends to the slots up to ``slot`` that ``valid`` [B, max_len] allows.
+        Returns the logits [B, V]."""
+        m = self.model
+        cos, sin = m.angles(positions_B1)
+        allowed_B1S = (valid_BS & (self.slots <= slot))[:, None]
+        x = m.model.embed_tokens(ids_B1)
+        for layer in m.main_layers:
+            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, slot, allowed_B1S)
+            x = x + self._feed_forward(layer.mlp, layer.post_attention_layernorm(x))
+        return m.lm_head(m.model.norm(x))[:, -1]
+
+    def _attention(self, mla: MLA, x: torch.Tensor, cos, sin, slot: torch.Tensor, allowed: torch.Tensor):
+        q_nope, q_pe = mla._query(x, cos, sin)
+        c_kv, k_pe = mla.latent(x, cos, sin)
+        B, i = x.shape[0], mla.layer_idx
+        kv, pe = self.kv[i, :B], self.pe[i, :B]
+        kv.index_copy_(1, slot.view(1), c_kv.to(kv.dtype))
+        pe.index_copy_(1, slot.view(1), k_pe.to(pe.dtype))
+        out = mla.latent_attention(q_nope, q_pe, kv.to(x.dtype), pe.to(x.dtype), allowed)
+        return mla.o_proj(out.flatten(2))
+
+    @staticmethod
+    def _feed_forward(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
+        if not isinstance(mlp, MoE):
+            return mlp(h)
+        flat = h.flatten(0, 1)
+        idx, gates, _ = mlp.gate(flat)
+        e = mlp.experts
+        out = gathered_swiglu(flat, idx, gates, e.gate_proj, e.up_proj, e.down_proj).view_as(h)
+        return out if mlp.shared_experts is None else out + mlp.shared_experts(h)
+
+    def compiled(self, mode: str | None = None):
+        """The step compiled as one graph (``fullgraph``: a graph break is an error, not a slow path)."""
+        return torch.compile(self, fullgraph=True, dynamic=False, mode=mode)
+
+
+@torch.no_grad()
+def greedy(step, static: StaticDecode, prompt_BP: torch.Tensor, new_tokens: int) -> torch.Tensor:
+    """Greedy continuation [B, new_tokens] of equal-length prompts through ``step`` (``static`` itself or
+    its compiled form): the loop a benchmark times."""
+    B, P = prompt_BP.shape
+    valid = torch.zeros(B, static.kv.shape[2], dtype=torch.bool, device=prompt_BP.device)
+    valid[:, :P] = True
+    token = static.prefill(prompt_BP).argmax(-1)
+    out = [token]
+    for i in range(new_tokens - 1):
+        slot = torch.tensor(P + i, device=prompt_BP.device)
+        valid[:, P + i] = True
+        token = step(token[:, None], slot.expand(B)[:, None], slot, valid).argmax(-1)
+        out.append(token)
+    return torch.stack(out, dim=1)

@@ -1,0 +1,83 @@
+"""The static-shape decode step (gpt-fast's approach, for torch.compile and CUDA graphs) against the module
+path: the same logits step by step, with a masked slot, and one graph for every step once compiled."""
+
+import pytest
+import torch
+
+from dsv3.config import preset
+from dsv3.errors import DSV3Error
+from dsv3.infer.engine import Engine, Request
+from dsv3.model import Transformer
+from dsv3.model.static_decode import StaticDecode, greedy
+
+CFG = preset("nano").replace(num_hidden_layers=2)  # one dense layer, one MoE layer
+
+
+@pytest.fixture(scope="module")
+def model():
+    torch.manual_seed(0)
+    return Transformer(CFG).eval()
+
+
+def test_each_step_equals_the_module_path_with_a_masked_slot(model):
+    """Row 1 has a slot its queries must not see (a pad or a rejected draft's hole)."""
+    B, P, steps = 2, 6, 5
+    prompt = torch.randint(0, CFG.vocab_size, (B, P))
+    static = StaticDecode(model, B, 16)
+    reference = model.new_cache(B, 16)
+    valid = torch.zeros(B, 16, dtype=torch.bool)
+    valid[:, :P] = True
+    with torch.no_grad():
+        got = static.prefill(prompt)
+        want = model(prompt, cache=reference)[:, -1]
+        valid[1, 2] = False  # from now on, row 1 does not see slot 2
+        for t in range(P, P + steps):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+            token = want.argmax(-1)[:, None]
+            valid[:, t] = True
+            slot = torch.tensor(t)
+            got = static(token, slot.expand(B)[:, None], slot, valid)
+            want = model(token, positions=slot.expand(B)[:, None], cache=reference, start_pos=t,
+                         mask=valid[:, None, : t + 1])[:, -1]
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(static.kv[:, :, : P + steps], reference.kv[:, :, : P + steps], rtol=1e-5, atol=1e-6)
+
+
+def test_greedy_equals_the_engine(model):
+    prompts = torch.randint(0, CFG.vocab_size, (2, 7))
+    engine = Engine(model, fast=False, eos_token_ids=frozenset())
+    want = [r.token_ids for r in engine.generate([Request(p, 10) for p in prompts.tolist()])]
+    static = StaticDecode(model, 2, 32)
+    assert greedy(static, static, prompts, 10).tolist() == want
+
+
+def test_unsupported_layouts_are_refused_clearly(model):
+    handle = model.main_layers[1].mlp.register_forward_hook(lambda *a: None)
+    try:
+        with pytest.raises(DSV3Error, match="layer 1 has forward hooks"):
+            StaticDecode(model, 1, 8)
+    finally:
+        handle.remove()
+    from dsv3.infer.fp8_weights import to_fp8_weights
+
+    torch.manual_seed(0)
+    fp8 = to_fp8_weights(Transformer(CFG).to(torch.bfloat16).eval())
+    with pytest.raises(DSV3Error, match="plain GroupedExperts"):
+        StaticDecode(fp8, 1, 8)
+
+
+def test_compiled_step_is_one_graph_for_every_step(model, monkeypatch):
+    """fullgraph=True makes a graph break an error; after the first step no step may compile again (a
+    Python int position or a data-dependent shape would), which CUDA-graph replay depends on."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    prompts = torch.randint(0, CFG.vocab_size, (2, 5))
+    static = StaticDecode(model, 2, 24)
+    eager = greedy(static, static, prompts, 8)
+    step = static.compiled()
+    static.kv.zero_(), static.pe.zero_()
+    first = greedy(step, static, prompts, 2)  # compiles once
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    assert torch.equal(greedy(step, static, prompts, 8), eager)
+    assert torch.equal(first, eager[:, :2])
