@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -72,12 +71,13 @@ def write(folder: str | Path, ids: list[int], counts: torch.Tensor, corpus: str)
     path = Path(folder) / FILE
     doc = {"format": FORMAT, "vocab_size": len(ids), "corpus": corpus, "tokens_counted": int(counts.sum()),
            "ids": ids, "counts": counts[ids].tolist()}
+    tmp = path.with_name(f".{FILE}.{os.getpid()}.tmp")
     try:
-        fd, tmp = tempfile.mkstemp(prefix=".draft_vocab.", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
+        with open(tmp, "w") as f:
             json.dump(doc, f, separators=(",", ":"))
         os.replace(tmp, path)
     except OSError as exc:
+        tmp.unlink(missing_ok=True)
         raise DSV3Error(f"cannot write {path}: {exc.strerror or exc}") from None
     return path
 

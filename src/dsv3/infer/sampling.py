@@ -90,7 +90,7 @@ def all_finite(x: torch.Tensor) -> bool:
     """Whether no element of x is NaN or infinite. A finite sum proves it (NaN and inf propagate through
     it) in one pass without a bool tensor, about 7x faster than ``isfinite(x).all()``; only when the sum
     is not finite (a bad value, or a sum past the fp32 range) is each element checked."""
-    return bool(torch.isfinite(x.sum(dtype=torch.float32))) or bool(torch.isfinite(x).all())
+    return math.isfinite(float(x.sum(dtype=torch.float32))) or bool(torch.isfinite(x).all())
 
 
 def draw(probs: torch.Tensor, gen: torch.Generator) -> int:

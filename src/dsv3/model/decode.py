@@ -376,8 +376,10 @@ class FastDecode:
         """Transformer.mtp_logits; with ``vocab`` (a ``dsv3.infer.draft_vocab.DraftVocab``) the logits of its
         K tokens only [..., K], from its gathered copy of the head's rows (the full head then those columns
         when the head cannot be gathered)."""
-        head = self.model._mtp_head(depth)
-        normed = self._norm(self.model.mtp_layers[depth].shared_head.norm, h_mtp)
+        # the layer by one index: ``Transformer.mtp_layers`` slices the ModuleList (about 0.1 ms a call)
+        shared = self.model.model.layers[self.model.config.num_hidden_layers + depth].shared_head
+        head = getattr(shared, "head", self.model.lm_head)  # Transformer._mtp_head
+        normed = self._norm(shared.norm, h_mtp)
         w = self.head if head is self.model.lm_head else weight_of(head)
         if vocab is not None:
             rows = vocab.head_weight(w)
