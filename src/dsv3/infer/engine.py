@@ -457,9 +457,7 @@ class Batch:
         self._ensure_capacity()
         B, T, start = len(self.rows), self.T, self.cur
         ids = torch.tensor([[r.last] + ([r.draft] if T == 2 else []) for r in self.rows], device=self.device)
-        positions = torch.tensor([r.next_pos for r in self.rows], device=self.device)[:, None] + torch.arange(
-            T, device=self.device
-        )  # [B, T]
+        positions = torch.tensor([[r.next_pos + t for t in range(T)] for r in self.rows], device=self.device)
         self.valid[:, start : start + T] = True
         h = self._hidden(ids, positions, start, self._mask(start, T))
         logits = self.engine.decoder.lm_head(h).cpu()  # [B, T, V]
@@ -514,8 +512,7 @@ class Batch:
         n = next_ids.shape[1]
         h_mtp = self.engine.decoder.mtp_hidden(0, h, next_ids, positions, cache=self.cache, start_pos=start,
                                                mask=self._mask(start, n))
-        last = (torch.tensor(counts).clamp(min=1) - 1).to(h_mtp.device)
-        h_last = h_mtp[torch.arange(len(counts), device=h_mtp.device), last]
+        h_last = self._last_committed(h_mtp, counts)
         vocab = self.engine.draft_vocab
         logits = (self.engine.decoder.mtp_logits(0, h_last) if vocab is None
                   else vocab.logits(self.engine.decoder, 0, h_last)).cpu()  # [B, V], or [B, K] over the draft vocab
@@ -527,6 +524,15 @@ class Batch:
                 failed = self._guarded(row, lambda row=row, b=b: self._draw_draft(row, logits[b]))
                 events += [failed] if failed is not None else []
         return events
+
+    @staticmethod
+    def _last_committed(h_mtp: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each row's MTP state [B, D] at its last committed slot (a row that committed nothing: its first):
+        a slice when every row committed as many (always at batch 1), else a gather."""
+        last = [max(c, 1) - 1 for c in counts]
+        if len(set(last)) == 1:
+            return h_mtp[:, last[0]]
+        return h_mtp[torch.arange(len(last), device=h_mtp.device), torch.tensor(last, device=h_mtp.device)]
 
     def _draw_draft(self, row: Row, logits: torch.Tensor) -> None:
         """The row's draft from the MTP logits [V] (or [K] over the draft vocabulary): the argmax when
