@@ -185,3 +185,13 @@ def test_draft_vocab_needs_speculation_and_a_tokenizer(tmp_path, capsys):
         Engine(tiny_model(vocab=12), draft_vocab=[1, 2])
     with pytest.raises(DSV3Error, match="outside"):
         Engine(tiny_model(vocab=12), speculative=True, draft_vocab=[1, 12])
+
+
+def test_serve_and_chat_build_their_engine_with_the_draft_vocabulary(checkpoint):
+    from dsv3.infer.cli import _describe, build_engine
+
+    folder, _ = checkpoint
+    if not (folder / dv.FILE).exists():
+        dv.write(folder, list(range(300)), torch.ones(300, dtype=torch.int64), "test")
+    engine = build_engine(str(folder), "auto", "native", "auto", "mtp", draft_vocab=16)
+    assert engine.draft_vocab.k == 16 and "16-token draft vocabulary" in _describe(engine)
