@@ -61,7 +61,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="small", help="random weights of this preset (unless --model)")
     ap.add_argument("--model", default=None, help="a trained checkpoint (its draft_vocab.json for --draft-vocab)")
-    ap.add_argument("--dtype", default="bf16", choices=("fp32", "bf16"))
+    ap.add_argument("--dtype", default="auto", choices=("auto", "fp32", "bf16"),
+                    help="auto: as stored (--model), bf16 (--preset)")
     ap.add_argument("--context", type=int, default=256)
     ap.add_argument("--draft-vocab", default="512,1024,2048")
     ap.add_argument("--threads", type=int, default=1)
@@ -71,14 +72,14 @@ def main() -> None:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "auto": None}[args.dtype]
     if args.model:
         folder = resolve_checkpoint(args.model)
         model = load_model(folder, dtype)
     else:
         folder = None
         torch.manual_seed(0)
-        model = Transformer(preset(args.preset)).to(dtype).eval()
+        model = Transformer(preset(args.preset)).to(dtype or torch.bfloat16).eval()
     V = model.config.vocab_size
     ks = [int(k) for k in args.draft_vocab.split(",") if k.strip()]
     eos = frozenset()
@@ -114,7 +115,8 @@ def main() -> None:
             row["speedup_at_acceptance"] = {a: (1 + a) / row["step_cost_ratio"] for a in (0.7, 0.8, 0.9)}
             row["byte_bound"] = {a: mtp_byte_bound(model, a, k) for a in (0.7, 0.8, 0.9)}
         rows.append(row)
-    result = {"benchmark": "mtp_step_cost", "model": args.model or args.preset, "dtype": args.dtype,
+    dtype_name = str(next(model.parameters()).dtype).replace("torch.", "")
+    result = {"benchmark": "mtp_step_cost", "model": args.model or args.preset, "dtype": dtype_name,
               "context": args.context, "threads": args.threads, "rows": rows}
     if args.json:
         print(json.dumps(result))
