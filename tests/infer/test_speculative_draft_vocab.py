@@ -195,3 +195,10 @@ def test_serve_and_chat_build_their_engine_with_the_draft_vocabulary(checkpoint)
         dv.write(folder, list(range(300)), torch.ones(300, dtype=torch.int64), "test")
     engine = build_engine(str(folder), "auto", "native", "auto", "mtp", draft_vocab=16)
     assert engine.draft_vocab.k == 16 and "16-token draft vocabulary" in _describe(engine)
+
+
+def test_draft_vocab_help_reads_well_at_80_columns(monkeypatch, capsys):
+    monkeypatch.setenv("COLUMNS", "80")
+    assert main(["draft-vocab", "--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--model" in out and "--data" in out and all(len(line) <= 80 for line in out.splitlines())
