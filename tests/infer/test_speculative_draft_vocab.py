@@ -202,3 +202,12 @@ def test_draft_vocab_help_reads_well_at_80_columns(monkeypatch, capsys):
     assert main(["draft-vocab", "--help"]) == 0
     out = capsys.readouterr().out
     assert "--model" in out and "--data" in out and all(len(line) <= 80 for line in out.splitlines())
+
+
+def test_a_head_the_kernels_cannot_read_gives_the_same_draft_logits():
+    model = tiny_model(vocab=300)
+    h = torch.randn(1, model.config.hidden_size)
+    vocab = DraftVocab([5, 1, 250], 300)
+    want = model.mtp_logits(0, h)[:, [5, 1, 250]]
+    model.lm_head.register_forward_hook(lambda module, args, out: out)  # the fast path then calls the module
+    torch.testing.assert_close(vocab.logits(FastDecode(model), 0, h), want)

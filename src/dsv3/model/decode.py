@@ -382,7 +382,6 @@ class FastDecode:
         normed = self._norm(shared.norm, h_mtp)
         w = self.head if head is self.model.lm_head else weight_of(head)
         if vocab is not None:
-            rows = vocab.head_weight(w)
-            return vocab.restrict(head(normed) if w is None else linear(normed, w, self.use_kernels)) \
-                if rows is None else linear(normed, rows, self.use_kernels)
+            rows = vocab.head_weight(w)  # None only for a head the kernels cannot read (w None)
+            return vocab.restrict(head(normed)) if rows is None else linear(normed, rows, self.use_kernels)
         return head(normed) if w is None else linear(normed, w, self.use_kernels)
