@@ -211,3 +211,28 @@ def test_a_head_the_kernels_cannot_read_gives_the_same_draft_logits():
     want = model.mtp_logits(0, h)[:, [5, 1, 250]]
     model.lm_head.register_forward_hook(lambda module, args, out: out)  # the fast path then calls the module
     torch.testing.assert_close(vocab.logits(FastDecode(model), 0, h), want)
+
+
+def test_mtp_speedup_benchmark_runs_with_draft_vocabularies(checkpoint, tmp_path, monkeypatch, capsys):
+    """benchmarks/mtp_speedup.py end to end on the tiny checkpoint (it used to stop at loading the tokenizer)."""
+    import importlib.util
+
+    folder, _ = checkpoint
+    if not (folder / dv.FILE).exists():
+        dv.write(folder, list(range(300)), torch.ones(300, dtype=torch.int64), "test")
+    (tmp_path / "prompts.txt").write_text("the cat sat\nhello world\n")
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "mtp_speedup.py"
+    spec = importlib.util.spec_from_file_location("mtp_speedup", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(sys, "argv", ["mtp_speedup", "--model", str(folder), "--prompt-file",
+                                      str(tmp_path / "prompts.txt"), "--prompts", "2", "--new-tokens", "6",
+                                      "--draft-vocab", "16,64", "--json"])
+    threads = torch.get_num_threads()
+    try:
+        bench.main()
+    finally:
+        torch.set_num_threads(threads)
+    rows = json.loads(capsys.readouterr().out)["rows"]
+    assert [(r["temperature"], r["draft_vocab"]) for r in rows] == [(t, k) for t in (0.0, 0.7) for k in (None, 16, 64)]
+    assert all(r["greedy_outputs_identical"] for r in rows if r["temperature"] == 0)
