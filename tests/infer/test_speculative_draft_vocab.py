@@ -236,3 +236,28 @@ def test_mtp_speedup_benchmark_runs_with_draft_vocabularies(checkpoint, tmp_path
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert [(r["temperature"], r["draft_vocab"]) for r in rows] == [(t, k) for t in (0.0, 0.7) for k in (None, 16, 64)]
     assert all(r["greedy_outputs_identical"] for r in rows if r["temperature"] == 0)
+
+
+def test_verify_computes_target_rows_only_when_it_reads_them():
+    """A function for p gives verify's result for the stacked rows, same random stream, and after a
+    rejection the row after the draft is never made (it costs a vocabulary sort with top-p)."""
+    torch.manual_seed(0)
+    params = SamplingParams(1.0, top_p=0.9)
+    logits = torch.randn(2, 50) * 2
+    full = probabilities(logits, params)
+    asked = []
+
+    def target(i):
+        asked.append(i)
+        return probabilities(logits[i : i + 1], params)[0]
+
+    rejected = 0
+    for seed in range(200):
+        q = probabilities(torch.randn(1, 50) * 2, params)
+        draft = int(torch.multinomial(q[0], 1, generator=torch.Generator().manual_seed(seed)))
+        asked.clear()
+        lazy = verify(target, q, [draft], torch.Generator().manual_seed(seed))
+        assert lazy == verify(full, q, [draft], torch.Generator().manual_seed(seed))
+        assert asked == ([0] if lazy[1] == 0 else [0, 1])
+        rejected += lazy[1] == 0
+    assert 0 < rejected < 200

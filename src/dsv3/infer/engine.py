@@ -435,8 +435,9 @@ class Batch:
         finite_logits(logits, row)
         if row.params.greedy:
             new, accepted = greedy_verify(logits, row.draft if verifying else None)
-        elif verifying:
-            new, accepted = verify(probabilities(logits, row.params), row.draft_q[None], [row.draft], row.gen)
+        elif verifying:  # each target row's distribution made only when verify reads it (none after a rejection)
+            target = lambda i: probabilities(logits[i : i + 1], row.params)[0]  # noqa: E731
+            new, accepted = verify(target, row.draft_q[None], [row.draft], row.gen)
         else:
             new, accepted = [draw(probabilities(logits[0], row.params), row.gen)], 0
         if verifying:
