@@ -18,6 +18,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("dsv3.infer.cli:generate_app", "Generate text from a checkpoint (latent-cache decode, MTP)."),
     "chat": ("dsv3.infer.cli:chat_app", "Chat with a checkpoint in the terminal."),
     "serve": ("dsv3.infer.cli:serve_app", "Serve a checkpoint over an OpenAI-compatible HTTP API."),
+    "draft-vocab": ("dsv3.infer.draft_vocab_cli:app", "Rank a checkpoint's tokens by frequency for --draft-vocab."),
     "convert": ("dsv3.checkpoint_cli:app", "Convert a DeepSeek-format checkpoint between FP8 and BF16."),
     "analyze": ("dsv3.analysis.cli:analyze_app", "Memory, FLOPs and speed bounds of any model on any hardware."),
     "paper": ("dsv3.analysis.cli:paper_app", "The paper's tables side by side with our numbers."),

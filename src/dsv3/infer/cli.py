@@ -16,7 +16,7 @@ from pathlib import Path
 import typer
 
 from dsv3.errors import DSV3Error
-from dsv3.infer.options import CACHE_DTYPE, DTYPE, SPECULATIVE, THREADS, WEIGHTS
+from dsv3.infer.options import CACHE_DTYPE, DRAFT_VOCAB, DTYPE, SPECULATIVE, THREADS, WEIGHTS
 from dsv3.option_lists import parse_list
 
 generate_app = typer.Typer(add_completion=False, help="Generate text from a checkpoint (latent-cache decode, MTP).")
@@ -34,9 +34,11 @@ def at_least(value: int | float | None, low: int | float, flag: str) -> None:
 
 
 def build_engine(model_dir: str, dtype: str, weights: str, cache_dtype: str, speculative: str,
-                 ignore_eos: bool = False, tokenizer_needed_for: str | None = None, threads: int = 0):
+                 ignore_eos: bool = False, tokenizer_needed_for: str | None = None, threads: int = 0,
+                 draft_vocab: int = 0):
     """Model, tokenizer and engine from the shared command-line options. ``tokenizer_needed_for`` says
-    why a tokenizer is required (the error names it), or None when it is optional."""
+    why a tokenizer is required (the error names it), or None when it is optional. ``draft_vocab`` K > 0
+    drafts over the checkpoint's K most frequent tokens (``draft_vocab.json``)."""
     import torch
 
     at_least(threads, 0, "--threads")
@@ -48,13 +50,22 @@ def build_engine(model_dir: str, dtype: str, weights: str, cache_dtype: str, spe
 
     if speculative not in ("mtp", "none"):
         raise DSV3Error(f"--speculative must be mtp or none, got {speculative!r}")
+    at_least(draft_vocab, 0, "--draft-vocab")
+    if draft_vocab and speculative != "mtp":
+        raise DSV3Error("--draft-vocab restricts MTP drafts: it needs --speculative mtp")
     compute = parse_dtype(dtype, "--dtype", ("fp32", "bf16"))
     cache = parse_dtype(cache_dtype, "--cache-dtype", ("fp32", "bf16", "fp8"))
     folder = resolve_checkpoint(model_dir)
     tokenizer = load_tokenizer(folder, needed_for=tokenizer_needed_for)
     model = load_model(folder, compute, weights)
     eos = frozenset() if ignore_eos else eos_ids(model, tokenizer)
-    return Engine(model, tokenizer, speculative=speculative == "mtp", cache_dtype=cache, eos_token_ids=eos)
+    vocab = None
+    if draft_vocab:
+        from dsv3.infer.draft_vocab import load
+
+        vocab = load(folder, draft_vocab, model.config.vocab_size)
+    return Engine(model, tokenizer, speculative=speculative == "mtp", cache_dtype=cache, eos_token_ids=eos,
+                  draft_vocab=vocab)
 
 
 def sampling_from_flags(greedy: bool, temperature: float | None, top_p: float | None, top_k: int | None,
@@ -106,6 +117,7 @@ def generate(
     top_k: int | None = typer.Option(None, "--top-k", metavar="K", help="Sample from the K likeliest only."),
     seed: int | None = SEED,
     speculative: str = SPECULATIVE,
+    draft_vocab: int = DRAFT_VOCAB,
     stop: list[str] = typer.Option([], "--stop", metavar="TEXT", help="Stop string (repeatable)."),
     ignore_eos: bool = typer.Option(False, "--ignore-eos", metavar="", help="Do not stop at end-of-sequence."),
     dtype: str = DTYPE,
@@ -126,7 +138,7 @@ def generate(
     params = sampling_from_flags(greedy, temperature, top_p, top_k, seed)
     why = "--prompt" if prompt is not None else "--stop" if stop else None
     engine = build_engine(model, dtype, weights, cache_dtype, speculative, ignore_eos, tokenizer_needed_for=why,
-                          threads=threads)
+                          threads=threads, draft_vocab=draft_vocab)
     ids = parse_ids(prompt_ids, engine.model.config.vocab_size) if prompt_ids else encode(engine.tokenizer, prompt)
     if not ids:
         raise DSV3Error("the prompt encodes to no tokens")
@@ -149,7 +161,7 @@ def generate(
                "tokens_per_s": len(tokens) / elapsed, "prefill_s": stats.prefill_s,
                "decode_tokens_per_s": stats.tokens / stats.decode_s if stats.decode_s else None,
                "cache_bytes": stats.cache_bytes, "weight_bytes": resident_bytes(engine.model),
-               "speculative": speculative}
+               "speculative": speculative, "draft_vocab": draft_vocab or None}
         if error:
             out["error"] = error
         if engine.speculative:
@@ -195,6 +207,7 @@ def chat(
                                 help="Nucleus sampling mass, (0, 1] (default: 0.95)."),
     seed: int | None = SEED,
     speculative: str = SPECULATIVE,
+    draft_vocab: int = DRAFT_VOCAB,
     dtype: str = DTYPE,
     weights: str = WEIGHTS,
     threads: int = THREADS,
@@ -206,7 +219,8 @@ def chat(
 
     at_least(max_new_tokens, 1, "--max-new-tokens")
     params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
-    engine = build_engine(model, dtype, weights, "auto", speculative, tokenizer_needed_for="chat", threads=threads)
+    engine = build_engine(model, dtype, weights, "auto", speculative, tokenizer_needed_for="chat", threads=threads,
+                          draft_vocab=draft_vocab)
     console = Console(stderr=True)
     console.print(f"[bold]dsv3 chat[/bold] with {_model_name(model)}: /reset, /exit")
     base = [{"role": "system", "content": system}] if system else []
@@ -281,6 +295,7 @@ def serve(
     max_batch: int = typer.Option(8, "--max-batch", metavar="N", show_default=False,
                                   help="Most requests decoded together (default: 8)."),
     speculative: str = SPECULATIVE,
+    draft_vocab: int = DRAFT_VOCAB,
     dtype: str = DTYPE,
     weights: str = WEIGHTS,
     cache_dtype: str = CACHE_DTYPE,
@@ -325,7 +340,7 @@ def serve(
         from dsv3.infer.cluster.serve import GroupOptions, serve_group
 
         engine_args = dict(dtype=dtype, weights=weights, cache_dtype=cache_dtype, speculative=speculative,
-                           threads=threads)
+                           threads=threads, draft_vocab=draft_vocab)
         opts = GroupOptions(ep, prefill_ranks, dispatch, combine, redundant_experts, eplb_every, micro_batches)
         serve_group(opts, model, host, port, max_batch, engine_args, quiet)
         return
@@ -334,7 +349,8 @@ def serve(
         raise DSV3Error("--prefill-ranks, --dispatch, --combine, --redundant-experts, --eplb-every and "
                         "--micro-batches need --ep N (several processes)")
     folder = resolve_checkpoint(model)
-    engine = build_engine(str(folder), dtype, weights, cache_dtype, speculative, threads=threads)
+    engine = build_engine(str(folder), dtype, weights, cache_dtype, speculative, threads=threads,
+                          draft_vocab=draft_vocab)
     attach_prefix_cache(engine, prefix_cache_bytes, prefix_block_tokens, prefix_cache_dir)
     name = _model_name(model)
     app = create_app(engine, model_name=name, max_batch=max_batch, access_log=None if quiet else _log_line)
@@ -371,6 +387,8 @@ def _describe(engine) -> str:
     dtype = str(next(engine.model.parameters()).dtype).replace("torch.", "")
     context = f"context {engine.context}" if engine.context else "no context limit in config.json"
     spec = ", MTP speculation" if engine.speculative else ""
+    if engine.draft_vocab is not None:
+        spec += f" over a {engine.draft_vocab.k}-token draft vocabulary"
     cache = engine.prefix_cache
     prefix = f", prefix cache {fmt_bytes(cache.max_bytes)}" if cache is not None else ""
     return f"{fmt_count(params)} parameters, {dtype}, {engine.device}, {context}{spec}{prefix}"

@@ -31,7 +31,8 @@ import torch
 
 from dsv3.errors import DSV3Error
 from dsv3.infer.detok import TextStream
-from dsv3.infer.sampling import GREEDY, SamplingParams, draw, probabilities
+from dsv3.infer.draft_vocab import DraftVocab
+from dsv3.infer.sampling import GREEDY, SamplingParams, all_finite, draw, greedy_tokens, probabilities
 from dsv3.infer.speculative import verify
 from dsv3.model.decode import FastDecode
 from dsv3.model.mla import LatentCache
@@ -127,7 +128,7 @@ class Result:
 def finite_logits(logits: torch.Tensor, row: Row, what: str = "logits") -> torch.Tensor:
     """``logits`` unchanged, or RowError when any is NaN or infinite: sampling from them would emit a
     meaningless token (argmax of NaN is token 0) or crash the whole batch (multinomial)."""
-    if not bool(torch.isfinite(logits).all()):
+    if not all_finite(logits):
         raise RowError(f"the model produced non-finite {what} (NaN or inf) at position {row.next_pos}; "
                        "the checkpoint or the compute dtype is broken for this input")
     return logits
@@ -158,7 +159,7 @@ class Row:
         self.last = 0  # newest token: sampled, not yet in the cache
         self.next_pos = len(request.prompt_ids)  # its position
         self.draft: int | None = None
-        self.draft_q: torch.Tensor | None = None  # [V] distribution the draft was drawn from
+        self.draft_q: torch.Tensor | None = None  # [V] distribution the draft was drawn from (None when greedy)
         self.new: list[int] = []  # tokens the last step accepted (none when it failed)
 
     def commit(self, tokens: list[int], logprobs: list[TokenLogprob] | None = None) -> Event:
@@ -198,15 +199,22 @@ def context_limit(model: Transformer) -> int | None:
 
 
 class Engine:
-    """Generation over a :class:`Transformer`. ``speculative=True`` drafts with the first MTP layer.
+    """Generation over a :class:`Transformer`. ``speculative=True`` drafts with the first MTP layer;
+    ``draft_vocab`` (token ids, or a :class:`DraftVocab`) restricts its drafts to those tokens, so that its
+    head reads only their rows (``dsv3.infer.draft_vocab``; outputs unchanged, acceptance may drop).
     ``fast=False`` runs decode steps through the model's modules instead of ``FastDecode`` (same results;
     the readable reference path)."""
 
     def __init__(self, model: Transformer, tokenizer=None, speculative: bool = False,
                  cache_dtype: torch.dtype | None = None, eos_token_ids: frozenset[int] | None = None,
-                 fast: bool = True):
+                 fast: bool = True, draft_vocab: DraftVocab | torch.Tensor | list[int] | None = None):
         if speculative and not model.mtp_layers:
             raise DSV3Error("--speculative mtp needs a checkpoint with an MTP layer (num_nextn_predict_layers >= 1)")
+        if draft_vocab is not None and not speculative:
+            raise DSV3Error("--draft-vocab restricts MTP drafts: it needs --speculative mtp")
+        if draft_vocab is not None and not isinstance(draft_vocab, DraftVocab):
+            draft_vocab = DraftVocab(draft_vocab, model.config.vocab_size)
+        self.draft_vocab: DraftVocab | None = draft_vocab
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.speculative = speculative
@@ -264,10 +272,16 @@ class Engine:
         return [results[id(r)] for r in requests]
 
 
-def _pick(p: torch.Tensor, row: Row) -> int:
-    """A token from the distribution p [V]: its one token when greedy (what a draw from the one-hot p
-    gives, without a multinomial over the vocabulary: about 1 ms per row and step), else a draw."""
-    return int(p.argmax()) if row.params.greedy else draw(p, row.gen)
+def greedy_verify(logits: torch.Tensor, draft: int | None) -> tuple[list[int], int]:
+    """Greedy decoding of finite logits [T, V] (T = 2 when verifying ``draft``): (tokens, drafts accepted).
+
+    What ``verify`` gives for one-hot p and q, without building them: the draft is kept iff it is the
+    argmax of the first row, then the second row's argmax follows; else the first row's argmax replaces
+    it. Skipping the full-vocabulary one-hots, the residual and its multinomial saves about 1 ms a step."""
+    best = greedy_tokens(logits)
+    if draft is None:
+        return best[:1], 0
+    return ([draft, best[1]], 1) if draft == best[0] else (best[:1], 0)
 
 
 class _Poisoned(Exception):
@@ -392,7 +406,7 @@ class Batch:
                                      start_pos=0, mask=mask)
         logits = self.model.lm_head(h[:, -1]).cpu()  # [B, V]
         self._check_poison(logits)
-        events = [self._guarded(row, lambda row=row, b=b: self._sample(row, logits[b][None], None))
+        events = [self._guarded(row, lambda row=row, b=b: self._sample(row, logits[b][None], False))
                   for b, row in enumerate(self.rows)]
         self.cur = L
         if self.engine.speculative:
@@ -416,16 +430,19 @@ class Batch:
         except Exception as exc:
             return row.fail(f"generation failed for this request: {exc}")
 
-    def _sample(self, row: Row, logits: torch.Tensor, draft_p: torch.Tensor | None) -> Event:
-        """Pick and commit the row's next token(s) from its logits [T, V] (T = 2: verify its draft)."""
+    def _sample(self, row: Row, logits: torch.Tensor, verifying: bool) -> Event:
+        """Pick and commit the row's next token(s) from its logits [T, V] (T = 2, ``verifying``: check its draft)."""
         finite_logits(logits, row)
-        p = probabilities(logits, row.params)  # [T, V]
-        if draft_p is not None:
-            new, accepted = verify(p, draft_p[None], [row.draft], row.gen)
+        if row.params.greedy:
+            new, accepted = greedy_verify(logits, row.draft if verifying else None)
+        elif verifying:  # each target row's distribution made only when verify reads it (none after a rejection)
+            target = lambda i: probabilities(logits[i : i + 1], row.params)[0]  # noqa: E731
+            new, accepted = verify(target, row.draft_q[None], [row.draft], row.gen)
+        else:
+            new, accepted = [draw(probabilities(logits[0], row.params), row.gen)], 0
+        if verifying:
             self.stats.drafted += 1
             self.stats.accepted += accepted
-        else:
-            new = [_pick(p[0], row)]
         row.new = new
         n_top = row.request.logprobs
         return row.commit(new, token_logprobs(logits, new, n_top) if n_top is not None else None)
@@ -441,17 +458,14 @@ class Batch:
         self._ensure_capacity()
         B, T, start = len(self.rows), self.T, self.cur
         ids = torch.tensor([[r.last] + ([r.draft] if T == 2 else []) for r in self.rows], device=self.device)
-        positions = torch.tensor([r.next_pos for r in self.rows], device=self.device)[:, None] + torch.arange(
-            T, device=self.device
-        )  # [B, T]
+        positions = torch.tensor([[r.next_pos + t for t in range(T)] for r in self.rows], device=self.device)
         self.valid[:, start : start + T] = True
         h = self._hidden(ids, positions, start, self._mask(start, T))
         logits = self.engine.decoder.lm_head(h).cpu()  # [B, T, V]
         committed = []
         for b, row in enumerate(self.rows):
             row.new = []
-            events.append(self._guarded(row, lambda row=row, b=b: self._sample(
-                row, logits[b], row.draft_q if T == 2 else None)))
+            events.append(self._guarded(row, lambda row=row, b=b: self._sample(row, logits[b], T == 2)))
             committed.append(row.new)
             row.next_pos += len(row.new)
         counts = [len(new) for new in committed]
@@ -499,8 +513,10 @@ class Batch:
         n = next_ids.shape[1]
         h_mtp = self.engine.decoder.mtp_hidden(0, h, next_ids, positions, cache=self.cache, start_pos=start,
                                                mask=self._mask(start, n))
-        last = (torch.tensor(counts).clamp(min=1) - 1).to(h_mtp.device)
-        logits = self.engine.decoder.mtp_logits(0, h_mtp[torch.arange(len(counts), device=h_mtp.device), last]).cpu()
+        h_last = self._last_committed(h_mtp, counts)
+        vocab = self.engine.draft_vocab
+        logits = (self.engine.decoder.mtp_logits(0, h_last) if vocab is None
+                  else vocab.logits(self.engine.decoder, 0, h_last)).cpu()  # [B, V], or [B, K] over the draft vocab
         if start == 0:  # the prefill's draft: padding may have poisoned it too
             self._check_poison(logits)
         events = []
@@ -510,9 +526,27 @@ class Batch:
                 events += [failed] if failed is not None else []
         return events
 
+    @staticmethod
+    def _last_committed(h_mtp: torch.Tensor, counts: list[int]) -> torch.Tensor:
+        """Each row's MTP state [B, D] at its last committed slot (a row that committed nothing: its first):
+        a slice when every row committed as many (always at batch 1), else a gather."""
+        last = [max(c, 1) - 1 for c in counts]
+        if len(set(last)) == 1:
+            return h_mtp[:, last[0]]
+        return h_mtp[torch.arange(len(last), device=h_mtp.device), torch.tensor(last, device=h_mtp.device)]
+
     def _draw_draft(self, row: Row, logits: torch.Tensor) -> None:
-        row.draft_q = probabilities(finite_logits(logits, row, "MTP draft logits"), row.params)
-        row.draft = _pick(row.draft_q, row)
+        """The row's draft from the MTP logits [V] (or [K] over the draft vocabulary): the argmax when
+        greedy (``greedy_verify`` needs no q), else a draw from q, kept as a distribution over [V]."""
+        finite_logits(logits, row, "MTP draft logits")
+        vocab = self.engine.draft_vocab
+        if row.params.greedy:
+            j, row.draft_q = greedy_tokens(logits)[0], None
+        else:
+            q = probabilities(logits, row.params)
+            j = draw(q, row.gen)
+            row.draft_q = q if vocab is None else vocab.spread(q)
+        row.draft = j if vocab is None else vocab.token(j)
 
     def _cancel(self) -> list[Event]:
         gone = [b for b, r in enumerate(self.rows) if r.request.cancelled]

@@ -15,3 +15,6 @@ SPECULATIVE = typer.Option("none", "--speculative", metavar="NAME", show_default
 THREADS = typer.Option(0, "--threads", metavar="N", show_default=False,
                        help="torch CPU threads (default 0: torch's choice; 1 is often fastest for a small model "
                             "on a busy machine).")
+DRAFT_VOCAB = typer.Option(0, "--draft-vocab", metavar="K", show_default=False,
+                           help="With --speculative mtp: draft over the K most frequent tokens only (ranked in "
+                                "MODEL/draft_vocab.json by dsv3 draft-vocab); 0: the whole vocabulary (default).")

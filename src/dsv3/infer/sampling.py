@@ -77,6 +77,22 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
     return kept / kept.sum(-1, keepdim=True)
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int]:
+    """The argmax of each row of finite logits [T, V] (first index on ties, as ``torch.argmax``).
+
+    Computed by NumPy: torch's CPU argmax over one row of a 16K vocabulary takes 0.15-0.25 ms, NumPy's
+    about a tenth of that, and a speculative step takes three (two verify rows, one draft)."""
+    rows = logits.detach().reshape(-1, logits.shape[-1])
+    return rows.float().cpu().numpy().argmax(-1).tolist()
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """Whether no element of x is NaN or infinite. A finite sum proves it (NaN and inf propagate through
+    it) in one pass without a bool tensor, about 7x faster than ``isfinite(x).all()``; only when the sum
+    is not finite (a bad value, or a sum past the fp32 range) is each element checked."""
+    return math.isfinite(float(x.sum(dtype=torch.float32))) or bool(torch.isfinite(x).all())
+
+
 def draw(probs: torch.Tensor, gen: torch.Generator) -> int:
     """One token id from a distribution probs [V]."""
     return int(torch.multinomial(probs, 1, generator=gen))

@@ -9,19 +9,26 @@ rule reduces to "keep the draft iff it is the argmax", so greedy output equals p
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dsv3.infer.sampling import draw, uniform
 
 
-def verify(p: torch.Tensor, q: torch.Tensor, drafts: list[int], gen: torch.Generator) -> tuple[list[int], int]:
-    """p: target distributions [k + 1, V] at the last token and after each draft; q: draft
-    distributions [k, V]; drafts: k token ids. Returns (tokens to emit, number of drafts accepted)."""
+def verify(p: torch.Tensor | Callable[[int], torch.Tensor], q: torch.Tensor, drafts: list[int],
+           gen: torch.Generator) -> tuple[list[int], int]:
+    """p: target distributions [k + 1, V] at the last token and after each draft, or a function giving
+    row i [V] (so that rows after a rejection are never computed: with top-p each costs a sort of the
+    vocabulary); q: draft distributions [k, V]; drafts: k token ids. Returns (tokens to emit, number of
+    drafts accepted)."""
+    row = p if callable(p) else p.__getitem__
     for i, d in enumerate(drafts):
-        if uniform(gen) * float(q[i, d]) < float(p[i, d]):
+        p_i = row(i)
+        if uniform(gen) * float(q[i, d]) < float(p_i[d]):
             continue
-        return drafts[:i] + [draw(residual(p[i], q[i]), gen)], i
-    return drafts + [draw(p[len(drafts)], gen)], len(drafts)
+        return drafts[:i] + [draw(residual(p_i, q[i]), gen)], i
+    return drafts + [draw(row(len(drafts)), gen)], len(drafts)
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:

@@ -372,8 +372,16 @@ class FastDecode:
         x = linear(torch.cat([self._norm(layer.enorm, emb), self._norm(layer.hnorm, h)], dim=-1), eh, self.use_kernels)
         return self._run(plan, x.contiguous(), step)
 
-    def mtp_logits(self, depth: int, h_mtp: torch.Tensor) -> torch.Tensor:
-        head = self.model._mtp_head(depth)
-        normed = self._norm(self.model.mtp_layers[depth].shared_head.norm, h_mtp)
+    def mtp_logits(self, depth: int, h_mtp: torch.Tensor, vocab=None) -> torch.Tensor:
+        """Transformer.mtp_logits; with ``vocab`` (a ``dsv3.infer.draft_vocab.DraftVocab``) the logits of its
+        K tokens only [..., K], from its gathered copy of the head's rows (the full head then those columns
+        when the head cannot be gathered)."""
+        # the layer by one index: ``Transformer.mtp_layers`` slices the ModuleList (about 0.1 ms a call)
+        shared = self.model.model.layers[self.model.config.num_hidden_layers + depth].shared_head
+        head = getattr(shared, "head", self.model.lm_head)  # Transformer._mtp_head
+        normed = self._norm(shared.norm, h_mtp)
         w = self.head if head is self.model.lm_head else weight_of(head)
+        if vocab is not None:
+            rows = vocab.head_weight(w)  # None only for a head the kernels cannot read (w None)
+            return vocab.restrict(head(normed)) if rows is None else linear(normed, rows, self.use_kernels)
         return head(normed) if w is None else linear(normed, w, self.use_kernels)
