@@ -366,14 +366,16 @@ def mtp_section(folder, cfg, args, bandwidth) -> dict:
             "byte_bound": {a: mtp_byte_bound(model, a) for a in (0.7, 0.8, 0.9)}}
 
 
-def mtp_byte_bound(model: Transformer, acceptance: float) -> dict:
+def mtp_byte_bound(model: Transformer, acceptance: float, draft_vocab: int | None = None) -> dict:
     """What the weights a speculative step reads allow: its bytes over a plain step's, and the wall-clock
     speedup (1 + a) / that ratio if both steps ran at the same bandwidth. A speculative step is a 2-token
     verify (more routed experts touched) plus the MTP layer over the 1 or 2 committed tokens and the
-    shared head a second time; at batch 1 the head (vocab x hidden) is read twice per step."""
+    shared head a second time (vocab x hidden), or only ``draft_vocab`` K of its rows (``--draft-vocab``)."""
     plain = weight_bytes_per_token(model)
+    head = model.lm_head.weight.nbytes
+    saved = 0 if draft_vocab is None else head * (1 - draft_vocab / model.config.vocab_size)
     mtp = (1 - acceptance) * weight_bytes_per_token(model, 1, mtp=True) + acceptance * weight_bytes_per_token(
-        model, 2, mtp=True)
+        model, 2, mtp=True) - saved
     ratio = (weight_bytes_per_token(model, 2) + mtp) / plain
     return {"step_bytes_ratio": ratio, "speedup": (1 + acceptance) / ratio}
 

@@ -26,10 +26,12 @@ from pathlib import Path
 
 import torch
 
+from dsv3.errors import DSV3Error
 from dsv3.infer.draft_vocab import load as load_draft_vocab
 from dsv3.infer.engine import Engine, Request
 from dsv3.infer.loading import load_model, load_tokenizer
 from dsv3.infer.sampling import SamplingParams
+from dsv3.option_lists import parse_list
 from dsv3.run_dir import resolve_checkpoint
 
 
@@ -74,6 +76,14 @@ def summary(runs: list[dict], plain_tps: float, temp: float, prompts: int, new_t
 
 
 def main() -> None:
+    try:
+        measure()
+    except DSV3Error as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+
+def measure() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", required=True)
     ap.add_argument("--prompts", type=int, default=8)
@@ -96,13 +106,13 @@ def main() -> None:
     else:
         prompts = stdlib_prompts(tokenizer, args.prompts, args.prompt_tokens, args.seed)
     plain = Engine(model, tokenizer, speculative=False, eos_token_ids=frozenset())
-    ks = [int(k) for k in args.draft_vocab.split(",") if k.strip()]
+    ks = parse_list(args.draft_vocab, "--draft-vocab", int) if args.draft_vocab.strip() else []
     spec = {None: Engine(model, tokenizer, speculative=True, eos_token_ids=frozenset())}
     for k in ks:
         vocab = load_draft_vocab(folder, k, model.config.vocab_size)
         spec[k] = Engine(model, tokenizer, speculative=True, eos_token_ids=frozenset(), draft_vocab=vocab)
     rows = []
-    for temp in (float(t) for t in args.temperatures.split(",")):
+    for temp in parse_list(args.temperatures, "--temperatures", float):
         agg = {"plain": [], **{k: [] for k in spec}}
         same = dict.fromkeys(spec, True)
         for i, prompt in enumerate(prompts):

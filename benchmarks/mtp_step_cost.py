@@ -29,23 +29,11 @@ from dsv3.infer.draft_vocab import load as load_draft_vocab
 from dsv3.infer.engine import Engine, Request
 from dsv3.infer.loading import load_model
 from dsv3.model import Transformer
+from dsv3.option_lists import parse_list
 from dsv3.run_dir import resolve_checkpoint
 
 sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent))
-from decode_speed import weight_bytes_per_token  # noqa: E402
-
-
-def mtp_byte_bound(model: Transformer, acceptance: float, draft_vocab: int | None = None) -> dict:
-    """decode_speed.mtp_byte_bound with the MTP draft's head restricted to ``draft_vocab`` K rows (its gathered
-    K x hidden copy): a speculative step reads the 2-token verify, the MTP layer over 1 or 2 tokens and K/V
-    of the shared head; the ratio to a plain step's bytes and the speed-up (1 + a) / ratio it allows."""
-    plain = weight_bytes_per_token(model)
-    head = model.lm_head.weight.nbytes
-    saved = 0 if draft_vocab is None else head * (1 - draft_vocab / model.config.vocab_size)
-    mtp = (1 - acceptance) * weight_bytes_per_token(model, 1, mtp=True) + acceptance * weight_bytes_per_token(
-        model, 2, mtp=True) - saved
-    ratio = (weight_bytes_per_token(model, 2) + mtp) / plain
-    return {"step_bytes_ratio": ratio, "speedup": (1 + acceptance) / ratio}
+from decode_speed import mtp_byte_bound  # noqa: E402
 
 
 def baseline_engine_class(path: str):
@@ -81,7 +69,7 @@ def main() -> None:
         torch.manual_seed(0)
         model = Transformer(preset(args.preset)).to(dtype or torch.bfloat16).eval()
     V = model.config.vocab_size
-    ks = [int(k) for k in args.draft_vocab.split(",") if k.strip()]
+    ks = parse_list(args.draft_vocab, "--draft-vocab", int)
     eos = frozenset()
     variants = {"plain": (Engine(model, eos_token_ids=eos), Request), "mtp": (Engine(
         model, eos_token_ids=eos, speculative=True), Request)}
