@@ -213,7 +213,7 @@ def read_bandwidth(x: torch.Tensor, threads: int) -> float:
 
 
 def run(cases: list[Case], kinds: list[str], threads: list[int], rows: list[int], repeats: int, footprint: int,
-        base: ctypes.CDLL | None) -> dict:
+        base: ctypes.CDLL | None, with_torch: bool = True) -> dict:
     lib = dk._load()[0]
     if lib is None:
         raise DSV3Error(f"the C kernels do not run here: {dk.kernel_status()}")
@@ -225,7 +225,9 @@ def run(cases: list[Case], kinds: list[str], threads: list[int], rows: list[int]
             for kind in kinds:
                 for m in rows:
                     runner = Runner(case, kind, m, footprint)
-                    variants = {"kernel": lambda t, r=runner: r.kernel(lib, t), "torch": runner.torch}
+                    variants = {"kernel": lambda t, r=runner: r.kernel(lib, t)}
+                    if with_torch:
+                        variants["torch"] = runner.torch
                     if base is not None:
                         variants["baseline"] = lambda t, r=runner: r.kernel(base, t)
                     for fn in variants.values():  # warm-up: page in every copy, build nothing lazily
@@ -251,7 +253,7 @@ def run(cases: list[Case], kinds: list[str], threads: list[int], rows: list[int]
     for row in results:
         row["kernel_fraction_of_bw"] = row["kernel_gbs"] / bandwidth[row["threads"]]
     return {"bandwidth_gbs": {str(t): b for t, b in bandwidth.items()}, "results": results,
-            "footprint_mb": footprint / 2**20, "repeats": repeats, "baseline": base is not None}
+            "footprint_mb": footprint / 2**20, "repeats": repeats, "baseline": base is not None, "torch": with_torch}
 
 
 def print_table(report: dict) -> None:
@@ -261,13 +263,15 @@ def print_table(report: dict) -> None:
     base = report["baseline"]
     head = f"{'matrix':<7}{'shape':>13} {'kind':<5}{'M':>3}{'thr':>4} {'kernel':>7} {'of bw':>6}"
     head += f" {'base':>6} {'x':>5}" if base else ""
-    print(head + f" {'torch':>6} {'x':>5}")
+    print(head + (f" {'torch':>6} {'x':>5}" if report["torch"] else ""))
     for r in report["results"]:
         line = (f"{r['matrix']:<7}{r['shape']:>13} {r['kind']:<5}{r['rows']:>3}{r['threads']:>4} "
                 f"{r['kernel_gbs']:>7.1f} {r['kernel_fraction_of_bw']:>6.2f}")
         if base:
             line += f" {r['baseline_gbs']:>6.1f} {r['kernel_gbs'] / r['baseline_gbs']:>5.2f}"
-        print(line + f" {r['torch_gbs']:>6.1f} {r['kernel_gbs'] / r['torch_gbs']:>5.2f}")
+        if report["torch"]:
+            line += f" {r['torch_gbs']:>6.1f} {r['kernel_gbs'] / r['torch_gbs']:>5.2f}"
+        print(line)
 
 
 def main() -> None:
@@ -280,6 +284,7 @@ def main() -> None:
     ap.add_argument("--footprint-mb", type=int, default=96, help="the copies of each matrix, together")
     ap.add_argument("--baseline", help="another decode_kernels.c or its .so, timed beside this tree's")
     ap.add_argument("--baseline-rev", help="a git revision whose decode_kernels.c is the baseline")
+    ap.add_argument("--no-torch", action="store_true", help="leave out torch's F.linear (slow at many rows)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args()
     try:
@@ -300,7 +305,8 @@ def main() -> None:
             raise DSV3Error("--repeats and --footprint-mb must be >= 1")
         with tempfile.TemporaryDirectory() as work:
             base = baseline_library(args.baseline, args.baseline_rev, Path(work))
-            report = run(cases, kinds, threads, rows, args.repeats, args.footprint_mb * 2**20, base)
+            report = run(cases, kinds, threads, rows, args.repeats, args.footprint_mb * 2**20, base,
+                         not args.no_torch)
     except DSV3Error as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
