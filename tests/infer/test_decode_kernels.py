@@ -1,9 +1,9 @@
 """The GEMV core of the decode kernels (decode_kernels.c: dsv3_linear, dsv3_swiglu_experts) on the shapes
 that exercise its edges: K not a multiple of 8, 16 or 128 (the vector loops' tails), N not a multiple of
 the 4-row tile (a partial last tile), FP8 128x128 blocks cut at N and K, 1 to 64 activation rows (one
-activation row per tile, two, and the converted-panel path from three on), bf16 activations and outputs,
-several threads, and swiglu's accumulate flag. Each is compared, element by element, with a float64
-reference on the same (dequantized) weights."""
+activation row per tile, micro-tiles of two and three rows, the converted panel from 24 on), bf16
+activations and outputs, several threads, and swiglu's accumulate flag. Each is compared, element by
+element, with a float64 reference on the same (dequantized) weights."""
 
 import json
 import subprocess

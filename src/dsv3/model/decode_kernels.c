@@ -74,6 +74,12 @@ static void store(void *out, int okind, const float *y, int64_t n, int accumulat
  * FP8 block scales are folded into a copy of the activations (one multiply per activation per 128 weight
  * rows), so the inner loop is the same for every weight kind: load, convert, FMA.
  *
+ * Several activation rows (batched decode, MTP verification, short prefills) must read each weight once and
+ * use it for every row from registers: with AVX2's 2 FMAs per cycle, 16 rows need 16 FMAs per weight, so from
+ * about 3 rows (fp32) or 5 (bf16) on the FMA units, not memory, set the pace. The micro-tile (tilec) is the
+ * tile's 4 weight rows by 3 activation rows: 12 accumulators, 3 activation vectors and one converted weight
+ * in the 16 registers, 7 loads per 12 FMAs.
+ *
  * FP8 conversion without F16C (whose vcvtph2ps is one per two cycles on AMD Zen 3: 4 weights per cycle at
  * best): an e4m3 byte sign-extended to 32 bits, shifted left by 20 and masked to sign, 4 exponent and 3
  * mantissa bits is the fp32 number e4m3 value * 2^-120 exactly (e4m3 subnormals become fp32 subnormals, so
