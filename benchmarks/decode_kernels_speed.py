@@ -8,7 +8,7 @@ dequantized per call, which is what runs without the kernels). ``--baseline`` ad
 kernels (an older ``decode_kernels.c`` or its ``.so``, or ``--baseline-rev REV`` for the file at a git
 revision) for a before/after comparison in one run.
 
-``--steps`` times whole decode steps instead (the engine's fast path on a random ``small`` model, batch 1 and
+``--steps`` times whole decode steps instead (the engine's fast path on a random ``--preset`` model, batch 1 and
 ``--batch`` rows at context ``--context``, fp32 and bf16 weights): output tokens/s at batch 16 over batch 1,
 for this tree's kernels and, with a baseline, for the baseline library, the two swapped in alternating rounds
 (the same prefilled batches decode under both).
@@ -287,14 +287,14 @@ def decode_rounds(batches: dict, libs: dict, steps: int, repeats: int) -> dict:
 
 
 def run_steps(kinds: list[str], threads: int, batch: int, context: int, steps: int, repeats: int,
-              base: ctypes.CDLL | None) -> dict:
+              base: ctypes.CDLL | None, shape: str = "small") -> dict:
     """Decode steps at batch 1 and ``batch`` (see the module docstring), per weight kind."""
     lib = dk._load()[0]
     if lib is None:
         raise DSV3Error(f"the C kernels do not run here: {dk.kernel_status()}")
     libs = {"kernel": lib} | ({"baseline": base} if base is not None else {})
     torch.set_num_threads(threads)
-    cfg = preset("small").replace(max_position_embeddings=context + steps * (repeats + 1) * len(libs) + 8)
+    cfg = preset(shape).replace(max_position_embeddings=context + steps * (repeats + 1) * len(libs) + 8)
     rows = []
     for kind in kinds:
         torch.manual_seed(0)
@@ -309,7 +309,7 @@ def run_steps(kinds: list[str], threads: int, batch: int, context: int, steps: i
                 batches[b] = engine.start([Request(p, steps * (repeats + 1) * len(libs) + 2, ignore_eos=True)
                                            for p in prompts])
         secs = decode_rounds(batches, libs, steps, repeats)
-        row = {"kind": kind, "threads": threads, "context": context, "batch": batch}
+        row = {"kind": kind, "preset": shape, "threads": threads, "context": context, "batch": batch}
         for name in libs:
             row[f"{name}_ms_batch1"] = secs[name, 1] * 1e3
             row[f"{name}_ms_batch{batch}"] = secs[name, batch] * 1e3
@@ -320,11 +320,11 @@ def run_steps(kinds: list[str], threads: int, batch: int, context: int, steps: i
 
 
 def print_steps(report: dict) -> None:
-    print("decode steps (engine fast path, small model): ms per step and output tokens/s at batch B over batch 1")
+    print("decode steps (engine fast path, random weights): ms per step and output tokens/s at batch B over batch 1")
     for r in report["steps"]:
         b = r["batch"]
         for name in ("kernel", "baseline") if report["baseline"] else ("kernel",):
-            print(f"{r['kind']:<5} {name:<8} context {r['context']} threads {r['threads']}: batch 1 "
+            print(f"{r['preset']} {r['kind']:<5} {name:<8} context {r['context']} threads {r['threads']}: batch 1 "
                   f"{r[f'{name}_ms_batch1']:.2f} ms, batch {b} {r[f'{name}_ms_batch{b}']:.2f} ms, "
                   f"batch {b} / batch 1 {r[f'{name}_batch_over_1']:.2f}x")
 
@@ -361,6 +361,7 @@ def main() -> None:
     ap.add_argument("--steps", action="store_true", help="time whole decode steps at batch 1 and --batch instead")
     ap.add_argument("--batch", type=int, default=16, help="--steps: the batch compared with batch 1")
     ap.add_argument("--context", type=int, default=1024, help="--steps: the prompt length")
+    ap.add_argument("--preset", default="small", help="--steps: the model's shape (random weights)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args()
     try:
@@ -379,12 +380,14 @@ def main() -> None:
             cases = [c for c in cases if c.name in wanted]
         if args.repeats < 1 or args.footprint_mb < 1:
             raise DSV3Error("--repeats and --footprint-mb must be >= 1")
+        if args.steps:
+            preset(args.preset)  # an unknown name ends here, with the known ones
         if args.steps and (args.batch < 2 or args.context < 1 or any(k == "fp8" for k in kinds)):
             raise DSV3Error("--steps needs --batch >= 2, --context >= 1 and --kinds among fp32,bf16")
         with tempfile.TemporaryDirectory() as work:
             base = baseline_library(args.baseline, args.baseline_rev, Path(work))
             if args.steps:
-                report = run_steps(kinds, max(threads), args.batch, args.context, 8, args.repeats, base)
+                report = run_steps(kinds, max(threads), args.batch, args.context, 8, args.repeats, base, args.preset)
                 print(json.dumps(report)) if args.json else print_steps(report)
                 return
             report = run(cases, kinds, threads, rows, args.repeats, args.footprint_mb * 2**20, base,
