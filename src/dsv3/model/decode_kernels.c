@@ -278,8 +278,9 @@ static int group_rows(int64_t rem) { return rem < 3 ? (int)rem : 3; }
 /* y[m, n] = sum_k W[n, k] x[m, k] for all m < M and the rows n of tiles [t0, t1) (tile t: rows t * NR to
  * t * NR + NR - 1, cut at N); x [M, K] contiguous, y row stride ldy. Reads each weight from memory once.
  * A partial last tile repeats its last row (computed, not stored), so every tile runs the same code.
- * Activation rows go through the tile in micro-tiles of 2 or 3 (tilec; one row: tile1), and bf16/FP8 weights
- * are converted once per tile into an fp32 panel (exact) when more than one micro-tile reads them. With many
+ * Activation rows go through the tile in micro-tiles of 2 or 3 (tilec; one row: tile1). From PANEL_MIN_ROWS rows
+ * on, bf16/FP8 weights are converted once per tile into an fp32 panel (exact); below that, converting in
+ * registers once per micro-tile measured as fast as storing and reloading a panel. With many
  * rows a tile is compute work long after its bytes arrived, so the prefetch of the next tile is spread over
  * all its passes (not issued in one burst, which leaves memory idle for the rest of the tile). */
 static void gemv_tiles(int kind, const void *w, const float *scale, int64_t N, int64_t K, const float *x, int64_t M,
