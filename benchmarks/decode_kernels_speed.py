@@ -8,6 +8,13 @@ dequantized per call, which is what runs without the kernels). ``--baseline`` ad
 kernels (an older ``decode_kernels.c`` or its ``.so``, or ``--baseline-rev REV`` for the file at a git
 revision) for a before/after comparison in one run.
 
+``--steps`` times whole decode steps instead (the engine's fast path on a random ``--preset`` model, batch 1 and
+``--batch`` rows at context ``--context``, fp32 and bf16 weights): output tokens/s at batch 16 over batch 1,
+for this tree's kernels and, with a baseline, for the baseline library, the two swapped in alternating rounds
+(the same prefilled batches decode under both).
+
+    .venv/bin/python benchmarks/decode_kernels_speed.py --steps --baseline-rev main --kinds fp32,bf16
+
     .venv/bin/python benchmarks/decode_kernels_speed.py                      # the table
     .venv/bin/python benchmarks/decode_kernels_speed.py --baseline-rev main --rows 1,4,16 --json
 
@@ -37,6 +44,8 @@ import torch.nn.functional as F
 
 from dsv3.config import preset
 from dsv3.errors import DSV3Error
+from dsv3.infer.engine import Engine, Request
+from dsv3.model import Transformer
 from dsv3.model import decode_kernels as dk
 from dsv3.precision.fp8 import dequantize_weight_blocks, quantize_weight_blocks
 from serve_scaling import parse_ints  # the benchmarks folder is the script's sys.path[0]
@@ -213,7 +222,7 @@ def read_bandwidth(x: torch.Tensor, threads: int) -> float:
 
 
 def run(cases: list[Case], kinds: list[str], threads: list[int], rows: list[int], repeats: int, footprint: int,
-        base: ctypes.CDLL | None) -> dict:
+        base: ctypes.CDLL | None, with_torch: bool = True) -> dict:
     lib = dk._load()[0]
     if lib is None:
         raise DSV3Error(f"the C kernels do not run here: {dk.kernel_status()}")
@@ -225,7 +234,9 @@ def run(cases: list[Case], kinds: list[str], threads: list[int], rows: list[int]
             for kind in kinds:
                 for m in rows:
                     runner = Runner(case, kind, m, footprint)
-                    variants = {"kernel": lambda t, r=runner: r.kernel(lib, t), "torch": runner.torch}
+                    variants = {"kernel": lambda t, r=runner: r.kernel(lib, t)}
+                    if with_torch:
+                        variants["torch"] = runner.torch
                     if base is not None:
                         variants["baseline"] = lambda t, r=runner: r.kernel(base, t)
                     for fn in variants.values():  # warm-up: page in every copy, build nothing lazily
@@ -251,7 +262,71 @@ def run(cases: list[Case], kinds: list[str], threads: list[int], rows: list[int]
     for row in results:
         row["kernel_fraction_of_bw"] = row["kernel_gbs"] / bandwidth[row["threads"]]
     return {"bandwidth_gbs": {str(t): b for t, b in bandwidth.items()}, "results": results,
-            "footprint_mb": footprint / 2**20, "repeats": repeats, "baseline": base is not None}
+            "footprint_mb": footprint / 2**20, "repeats": repeats, "baseline": base is not None, "torch": with_torch}
+
+
+def decode_rounds(batches: dict, libs: dict, steps: int, repeats: int) -> dict:
+    """Median seconds per step of every (library, batch) pair, the libraries swapped into the kernels' loader
+    in alternating rounds (one warm-up round first)."""
+    times = {(name, b): [] for name in libs for b in batches}
+    load = dk._load
+    try:
+        with torch.inference_mode():
+            for rep in range(repeats + 1):
+                for name, lib in libs.items():
+                    dk._load = lambda lib=lib: (lib, "ok")
+                    for b, batch in batches.items():
+                        t0 = time.perf_counter()
+                        for _ in range(steps):
+                            batch.step()
+                        if rep:
+                            times[name, b].append((time.perf_counter() - t0) / steps)
+    finally:
+        dk._load = load
+    return {key: statistics.median(ts) for key, ts in times.items()}
+
+
+def run_steps(kinds: list[str], threads: int, batch: int, context: int, steps: int, repeats: int,
+              base: ctypes.CDLL | None, shape: str = "small") -> dict:
+    """Decode steps at batch 1 and ``batch`` (see the module docstring), per weight kind."""
+    lib = dk._load()[0]
+    if lib is None:
+        raise DSV3Error(f"the C kernels do not run here: {dk.kernel_status()}")
+    libs = {"kernel": lib} | ({"baseline": base} if base is not None else {})
+    torch.set_num_threads(threads)
+    cfg = preset(shape).replace(max_position_embeddings=context + steps * (repeats + 1) * len(libs) + 8)
+    rows = []
+    for kind in kinds:
+        torch.manual_seed(0)
+        model = Transformer(cfg).to(ACT[kind]).eval()
+        engine = Engine(model, eos_token_ids=frozenset(), fast=True)
+        gen = torch.Generator().manual_seed(context)
+        batches = {}
+        with torch.inference_mode():
+            for b in (1, batch):
+                log(f"{kind}: prefill {b} x {context} tokens")
+                prompts = [torch.randint(1, cfg.vocab_size, (context,), generator=gen).tolist() for _ in range(b)]
+                batches[b] = engine.start([Request(p, steps * (repeats + 1) * len(libs) + 2, ignore_eos=True)
+                                           for p in prompts])
+        secs = decode_rounds(batches, libs, steps, repeats)
+        row = {"kind": kind, "preset": shape, "threads": threads, "context": context, "batch": batch}
+        for name in libs:
+            row[f"{name}_ms_batch1"] = secs[name, 1] * 1e3
+            row[f"{name}_ms_batch{batch}"] = secs[name, batch] * 1e3
+            row[f"{name}_batch_over_1"] = batch * secs[name, 1] / secs[name, batch]
+        log(f"{kind}: batch {batch} / batch 1 = " + ", ".join(f"{n} {row[f'{n}_batch_over_1']:.2f}x" for n in libs))
+        rows.append(row)
+    return {"steps": rows, "repeats": repeats, "baseline": base is not None}
+
+
+def print_steps(report: dict) -> None:
+    print("decode steps (engine fast path, random weights): ms per step and output tokens/s at batch B over batch 1")
+    for r in report["steps"]:
+        b = r["batch"]
+        for name in ("kernel", "baseline") if report["baseline"] else ("kernel",):
+            print(f"{r['preset']} {r['kind']:<5} {name:<8} context {r['context']} threads {r['threads']}: batch 1 "
+                  f"{r[f'{name}_ms_batch1']:.2f} ms, batch {b} {r[f'{name}_ms_batch{b}']:.2f} ms, "
+                  f"batch {b} / batch 1 {r[f'{name}_batch_over_1']:.2f}x")
 
 
 def print_table(report: dict) -> None:
@@ -261,13 +336,15 @@ def print_table(report: dict) -> None:
     base = report["baseline"]
     head = f"{'matrix':<7}{'shape':>13} {'kind':<5}{'M':>3}{'thr':>4} {'kernel':>7} {'of bw':>6}"
     head += f" {'base':>6} {'x':>5}" if base else ""
-    print(head + f" {'torch':>6} {'x':>5}")
+    print(head + (f" {'torch':>6} {'x':>5}" if report["torch"] else ""))
     for r in report["results"]:
         line = (f"{r['matrix']:<7}{r['shape']:>13} {r['kind']:<5}{r['rows']:>3}{r['threads']:>4} "
                 f"{r['kernel_gbs']:>7.1f} {r['kernel_fraction_of_bw']:>6.2f}")
         if base:
             line += f" {r['baseline_gbs']:>6.1f} {r['kernel_gbs'] / r['baseline_gbs']:>5.2f}"
-        print(line + f" {r['torch_gbs']:>6.1f} {r['kernel_gbs'] / r['torch_gbs']:>5.2f}")
+        if report["torch"]:
+            line += f" {r['torch_gbs']:>6.1f} {r['kernel_gbs'] / r['torch_gbs']:>5.2f}"
+        print(line)
 
 
 def main() -> None:
@@ -280,6 +357,11 @@ def main() -> None:
     ap.add_argument("--footprint-mb", type=int, default=96, help="the copies of each matrix, together")
     ap.add_argument("--baseline", help="another decode_kernels.c or its .so, timed beside this tree's")
     ap.add_argument("--baseline-rev", help="a git revision whose decode_kernels.c is the baseline")
+    ap.add_argument("--no-torch", action="store_true", help="leave out torch's F.linear (slow at many rows)")
+    ap.add_argument("--steps", action="store_true", help="time whole decode steps at batch 1 and --batch instead")
+    ap.add_argument("--batch", type=int, default=16, help="--steps: the batch compared with batch 1")
+    ap.add_argument("--context", type=int, default=1024, help="--steps: the prompt length")
+    ap.add_argument("--preset", default="small", help="--steps: the model's shape (random weights)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args()
     try:
@@ -298,9 +380,18 @@ def main() -> None:
             cases = [c for c in cases if c.name in wanted]
         if args.repeats < 1 or args.footprint_mb < 1:
             raise DSV3Error("--repeats and --footprint-mb must be >= 1")
+        if args.steps:
+            preset(args.preset)  # an unknown name ends here, with the known ones
+        if args.steps and (args.batch < 2 or args.context < 1 or any(k == "fp8" for k in kinds)):
+            raise DSV3Error("--steps needs --batch >= 2, --context >= 1 and --kinds among fp32,bf16")
         with tempfile.TemporaryDirectory() as work:
             base = baseline_library(args.baseline, args.baseline_rev, Path(work))
-            report = run(cases, kinds, threads, rows, args.repeats, args.footprint_mb * 2**20, base)
+            if args.steps:
+                report = run_steps(kinds, max(threads), args.batch, args.context, 8, args.repeats, base, args.preset)
+                print(json.dumps(report)) if args.json else print_steps(report)
+                return
+            report = run(cases, kinds, threads, rows, args.repeats, args.footprint_mb * 2**20, base,
+                         not args.no_torch)
     except DSV3Error as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

@@ -1,9 +1,9 @@
 """The GEMV core of the decode kernels (decode_kernels.c: dsv3_linear, dsv3_swiglu_experts) on the shapes
 that exercise its edges: K not a multiple of 8, 16 or 128 (the vector loops' tails), N not a multiple of
 the 4-row tile (a partial last tile), FP8 128x128 blocks cut at N and K, 1 to 64 activation rows (one
-activation row per tile, two, and the converted-panel path from three on), bf16 activations and outputs,
-several threads, and swiglu's accumulate flag. Each is compared, element by element, with a float64
-reference on the same (dequantized) weights."""
+activation row per tile, micro-tiles of two and three rows, the converted panel from 24 on), bf16
+activations and outputs, several threads, and swiglu's accumulate flag. Each is compared, element by
+element, with a float64 reference on the same (dequantized) weights."""
 
 import json
 import subprocess
@@ -187,3 +187,21 @@ def test_speed_benchmark_reports_every_figure_as_json_and_refuses_bad_flags():
     bad = subprocess.run([sys.executable, str(BENCH), "--kinds", "fp4"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip().splitlines() == ["error: --kinds must list some of fp32,bf16,fp8, got 'fp4'"]
+
+
+def test_speed_benchmark_times_whole_decode_steps_at_batch_1_and_b():
+    """--steps: one JSON object with the batch-1 and batch-B step times and their tokens/s ratio; --steps with
+    FP8 weights is refused with one error line."""
+    flags = ["--steps", "--preset", "nano", "--kinds", "bf16", "--threads", "1", "--batch", "2", "--context", "16",
+             "--repeats", "1", "--json"]
+    done = subprocess.run([sys.executable, str(BENCH), *flags], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    (row,) = json.loads(done.stdout)["steps"]
+    assert (row["preset"], row["kind"], row["batch"], row["context"]) == ("nano", "bf16", 2, 16)
+    assert row["kernel_ms_batch1"] > 0 and row["kernel_ms_batch2"] > 0
+    assert row["kernel_batch_over_1"] == pytest.approx(2 * row["kernel_ms_batch1"] / row["kernel_ms_batch2"])
+    bad = subprocess.run([sys.executable, str(BENCH), "--steps", "--kinds", "fp8"], capture_output=True, text=True,
+                         timeout=300)
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().splitlines() == ["error: --steps needs --batch >= 2, --context >= 1 and --kinds among "
+                                               "fp32,bf16"]

@@ -74,6 +74,12 @@ static void store(void *out, int okind, const float *y, int64_t n, int accumulat
  * FP8 block scales are folded into a copy of the activations (one multiply per activation per 128 weight
  * rows), so the inner loop is the same for every weight kind: load, convert, FMA.
  *
+ * Several activation rows (batched decode, MTP verification, short prefills) must read each weight once and
+ * use it for every row from registers: with AVX2's 2 FMAs per cycle, 16 rows need 16 FMAs per weight, so from
+ * about 3 rows (fp32) or 5 (bf16) on the FMA units, not memory, set the pace. The micro-tile (tilec) is the
+ * tile's 4 weight rows by 3 activation rows: 12 accumulators, 3 activation vectors and one converted weight
+ * in the 16 registers, 7 loads per 12 FMAs.
+ *
  * FP8 conversion without F16C (whose vcvtph2ps is one per two cycles on AMD Zen 3: 4 weights per cycle at
  * best): an e4m3 byte sign-extended to 32 bits, shifted left by 20 and masked to sign, 4 exponent and 3
  * mantissa bits is the fp32 number e4m3 value * 2^-120 exactly (e4m3 subnormals become fp32 subnormals, so
@@ -81,7 +87,7 @@ static void store(void *out, int okind, const float *y, int64_t n, int accumulat
  * and the sums the remaining 2^56: powers of two, so no rounding beyond the scale multiply; a product only
  * loses precision below 2^-70 of the true value's scale, far below fp32's resolution of the sum. */
 #define NR 4
-#define PANEL_MIN_ROWS 9 /* from this many activation rows on, a tile's bf16/FP8 weights are converted once */
+#define PANEL_MIN_ROWS 24 /* from this many activation rows on, a tile's bf16/FP8 weights are converted once */
 #define PF_BYTES 4096    /* how far ahead of the tile being read the prefetches run */
 #define FP8_X_SHIFT 0x1p56f   /* on the activations, with the scale (which the caller multiplied by 256) */
 #define FP8_Y_SHIFT 0x1p56f   /* on the sums: 2^-120 * 2^8 * 2^56 * 2^56 = 1 */
@@ -165,102 +171,68 @@ static inline __attribute__((always_inline)) void tile1(int kind, const void *co
     tail(kind, rows, k, K, x, res);
 }
 
-/* Two weight rows p, q against two activation rows x, y (8 chains): s[0..3] = the a + b vectors of
- * (p, x), (q, x), (p, y), (q, y). */
-static inline __attribute__((always_inline)) void pair2(int kind, const void *p, const void *q, int64_t K,
-                                                        const float *x, const float *y, const char *pf, __m256 *s) {
-    const int es = kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1;
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0, p0, p1, q0, q1;
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        if (pf) prefetch(pf + k * NR * es, 8 * NR * es);
-        const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
-        const __m256 y0 = _mm256_loadu_ps(y + k), y1 = _mm256_loadu_ps(y + k + 8);
-        wload16(kind, p, k, &p0, &p1), wload16(kind, q, k, &q0, &q1);
-        a0 = _mm256_fmadd_ps(p0, x0, a0), b0 = _mm256_fmadd_ps(p1, x1, b0);
-        a1 = _mm256_fmadd_ps(q0, x0, a1), b1 = _mm256_fmadd_ps(q1, x1, b1);
-        a2 = _mm256_fmadd_ps(p0, y0, a2), b2 = _mm256_fmadd_ps(p1, y1, b2);
-        a3 = _mm256_fmadd_ps(q0, y0, a3), b3 = _mm256_fmadd_ps(q1, y1, b3);
+/* One half of tilec: for j = 0, 1, ..., the 8 columns at off + 16j of the NR rows against C (2 or 3) activation
+ * rows, each converted weight used C times and each activation vector NR times, into acc[r + NR * i] (weight
+ * row r, activation row i); with last, also the 8 columns at off + 16j past the last whole 16-step. */
+static inline __attribute__((always_inline)) void halfc(int kind, int C, const void *const *rows, int64_t K,
+                                                        int64_t off, int last, const float *x, int64_t ldx,
+                                                        const char *pf, int pfs, __m256 *acc) {
+    const void *r0 = rows[0], *r1 = rows[1], *r2 = rows[2], *r3 = rows[3];
+    const float *y = x + ldx, *z = x + 2 * ldx; /* z: read only when C == 3 */
+    /* named accumulators, not an array: GCC keeps arrays indexed in loops on the stack */
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
+    __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0, w;
+    const int64_t end = K / 16 * 16 + (last && K % 16 >= 8 ? 16 : 0);
+    for (int64_t k = off; k < end; k += 16) {
+        if (pf) prefetch(pf + (k >> 4) * pfs, pfs);
+        const __m256 xv = _mm256_loadu_ps(x + k), yv = _mm256_loadu_ps(y + k);
+        const __m256 zv = C == 3 ? _mm256_loadu_ps(z + k) : xv;
+        w = wload8(kind, r0, k), a0 = _mm256_fmadd_ps(w, xv, a0), b0 = _mm256_fmadd_ps(w, yv, b0);
+        if (C == 3) c0 = _mm256_fmadd_ps(w, zv, c0);
+        w = wload8(kind, r1, k), a1 = _mm256_fmadd_ps(w, xv, a1), b1 = _mm256_fmadd_ps(w, yv, b1);
+        if (C == 3) c1 = _mm256_fmadd_ps(w, zv, c1);
+        w = wload8(kind, r2, k), a2 = _mm256_fmadd_ps(w, xv, a2), b2 = _mm256_fmadd_ps(w, yv, b2);
+        if (C == 3) c2 = _mm256_fmadd_ps(w, zv, c2);
+        w = wload8(kind, r3, k), a3 = _mm256_fmadd_ps(w, xv, a3), b3 = _mm256_fmadd_ps(w, yv, b3);
+        if (C == 3) c3 = _mm256_fmadd_ps(w, zv, c3);
     }
-    if (k + 8 <= K) {
-        const __m256 x0 = _mm256_loadu_ps(x + k), y0 = _mm256_loadu_ps(y + k);
-        p0 = wload8(kind, p, k), q0 = wload8(kind, q, k);
-        a0 = _mm256_fmadd_ps(p0, x0, a0), a1 = _mm256_fmadd_ps(q0, x0, a1);
-        a2 = _mm256_fmadd_ps(p0, y0, a2), a3 = _mm256_fmadd_ps(q0, y0, a3);
-    }
-    s[0] = _mm256_add_ps(a0, b0), s[1] = _mm256_add_ps(a1, b1), s[2] = _mm256_add_ps(a2, b2);
-    s[3] = _mm256_add_ps(a3, b3);
+    acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3, acc[4] = b0, acc[5] = b1, acc[6] = b2, acc[7] = b3;
+    acc[8] = c0, acc[9] = c1, acc[10] = c2, acc[11] = c3;
 }
 
-/* res[i * NR + r] = sum_k rows[r][k] * x[i * ldx + k], i < 2, r < NR: the tile as two pairs of weight
- * rows, each converted weight used for both activation rows. */
-static inline __attribute__((always_inline)) void tile2(int kind, const void *const *rows, int64_t K,
-                                                        const float *x, int64_t ldx, float *res, const char *pf) {
-    const float *y = x + ldx;
-    const int es = kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1;
-    __m256 s[8];
-    pair2(kind, rows[0], rows[1], K, x, y, pf, s);
-    pair2(kind, rows[2], rows[3], K, x, y, pf ? pf + 8 * NR * es : NULL, s + 4); /* the other half of each step */
-    _mm_storeu_ps(res, hsum4(s[0], s[1], s[4], s[5]));
-    _mm_storeu_ps(res + NR, hsum4(s[2], s[3], s[6], s[7]));
+/* res[i * NR + r] = sum_k rows[r][k] * x[i * ldx + k], i < C (2 or 3), r < NR, in the 1-row order: the chains a
+ * (columns 16j..16j+7 and a last group of 8) and b (16j+8..16j+15) of every (weight row, activation row) are
+ * independent, so they run as two passes over the tile (the second from L1), each holding 4C accumulators,
+ * the C activation vectors and one converted weight vector in AVX2's 16 registers: 4 + C loads per 4C FMAs.
+ * Each pass prefetches pfs bytes per 16 columns: the first from pf, the second from pf + slice (see gemv_tiles). */
+static inline __attribute__((always_inline)) void tilec(int kind, int C, const void *const *rows, int64_t K,
+                                                        const float *x, int64_t ldx, float *res, const char *pf,
+                                                        int64_t slice, int pfs) {
+    __m256 a[12], b[12];
+    halfc(kind, C, rows, K, 0, 1, x, ldx, pf, pfs, a);
+    halfc(kind, C, rows, K, 8, 0, x, ldx, pf ? pf + slice : NULL, pfs, b);
     const int64_t k = K / 8 * 8;
-    tail(kind, rows, k, K, x, res);
-    tail(kind, rows, k, K, y, res + NR);
-}
-
-/* res[i] = sum_k row[k] * x[i * ldx + k] for i < MB (1 to 4): one weight row against up to four activation
- * rows (2 * MB chains), each converted weight used MB times; for three or more activation rows. */
-static inline __attribute__((always_inline)) void rowdot(int kind, int MB, const void *row, int64_t K,
-                                                         const float *x, int64_t ldx, float *res, const char *pf) {
-    const int es = kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1;
-    __m256 a[4], b[4], w0, w1;
-    for (int i = 0; i < 4; i++) a[i] = b[i] = _mm256_setzero_ps();
-    int64_t k = 0;
-    for (; k + 16 <= K; k += 16) {
-        if (pf) prefetch(pf + k * es, 16 * es);
-        wload16(kind, row, k, &w0, &w1);
-        for (int i = 0; i < MB; i++) {
-            a[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * ldx + k), a[i]);
-            b[i] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x + i * ldx + k + 8), b[i]);
-        }
-    }
-    if (k + 8 <= K) {
-        w0 = wload8(kind, row, k);
-        for (int i = 0; i < MB; i++) a[i] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x + i * ldx + k), a[i]);
-        k += 8;
-    }
-    float r4[4];
-    _mm_storeu_ps(r4, hsum4(_mm256_add_ps(a[0], b[0]), _mm256_add_ps(a[1], b[1]), _mm256_add_ps(a[2], b[2]),
-                            _mm256_add_ps(a[3], b[3])));
-    for (int i = 0; i < MB; i++) {
-        res[i] = r4[i];
-        for (int64_t kk = k; kk < K; kk++) res[i] += wload1(kind, row, kk) * x[i * ldx + kk];
+    for (int i = 0; i < C; i++) {
+        __m256 *ai = a + NR * i, *bi = b + NR * i;
+        _mm_storeu_ps(res + i * NR, hsum4(_mm256_add_ps(ai[0], bi[0]), _mm256_add_ps(ai[1], bi[1]),
+                                          _mm256_add_ps(ai[2], bi[2]), _mm256_add_ps(ai[3], bi[3])));
+        tail(kind, rows, k, K, x + i * ldx, res + i * NR);
     }
 }
 
-/* tile1, tile2 or rowdot with the weight kind and row count as constants. */
+/* tile1 or tilec with the weight kind and activation row count (1 to 3) as constants. */
 static void run_tile(int kind, int mb, const void *const *rows, int64_t K, const float *x, int64_t ldx, float *res,
-                     const char *pf) {
-#define TILE_CASES(KIND) mb == 1 ? tile1(KIND, rows, K, x, res, pf) : tile2(KIND, rows, K, x, ldx, res, pf)
-    if (kind == W_F32) TILE_CASES(W_F32);
-    else if (kind == W_BF16) TILE_CASES(W_BF16);
-    else TILE_CASES(W_FP8);
-#undef TILE_CASES
-}
-
-static void run_rowdot(int kind, int mb, const void *row, int64_t K, const float *x, int64_t ldx, float *res,
-                       const char *pf) {
-#define ROW_CASES(KIND)                                                                                   \
+                     const char *pf, int64_t slice, int pfs) {
+#define TILE_CASES(KIND)                                                                                  \
     switch (mb) {                                                                                        \
-        case 1: rowdot(KIND, 1, row, K, x, ldx, res, pf); break;                                        \
-        case 2: rowdot(KIND, 2, row, K, x, ldx, res, pf); break;                                        \
-        case 3: rowdot(KIND, 3, row, K, x, ldx, res, pf); break;                                        \
-        default: rowdot(KIND, 4, row, K, x, ldx, res, pf); break;                                       \
+        case 1: tile1(KIND, rows, K, x, res, pf); break;                                                \
+        case 2: tilec(KIND, 2, rows, K, x, ldx, res, pf, slice, pfs); break;                            \
+        default: tilec(KIND, 3, rows, K, x, ldx, res, pf, slice, pfs); break;                           \
     }
-    if (kind == W_F32) { ROW_CASES(W_F32) }
-    else if (kind == W_BF16) { ROW_CASES(W_BF16) }
-    else { ROW_CASES(W_FP8) }
-#undef ROW_CASES
+    if (kind == W_F32) { TILE_CASES(W_F32) }
+    else if (kind == W_BF16) { TILE_CASES(W_BF16) }
+    else { TILE_CASES(W_FP8) }
+#undef TILE_CASES
 }
 
 /* The NR rows of a tile as fp32 in panel [NR, K] (FP8: value * 2^-120), for many activation rows to share;
@@ -271,12 +243,12 @@ static void to_panel(int kind, const void *const *rows, int64_t K, float *panel,
         int64_t k = 0;
         if (kind == W_BF16)
             for (; k + 8 <= K; k += 8) {
-                prefetch(pf + (r * K + k) * es, 8 * 2);
+                if (pf) prefetch(pf + (r * K + k) * es, 8 * 2);
                 _mm256_storeu_ps(panel + r * K + k, wload8(W_BF16, rows[r], k));
             }
         else
             for (; k + 8 <= K; k += 8) {
-                prefetch(pf + (r * K + k) * es, 8);
+                if (pf) prefetch(pf + (r * K + k) * es, 8);
                 _mm256_storeu_ps(panel + r * K + k, wload8(W_FP8, rows[r], k));
             }
         for (; k < K; k++) panel[r * K + k] = wload1(kind, rows[r], k);
@@ -299,9 +271,18 @@ static size_t scratch_floats(int kind, int64_t M, int64_t K) {
     return (size_t)((kind == W_FP8 ? M * K : 0) + (M >= PANEL_MIN_ROWS && kind != W_F32 ? NR * K : 0) + 1);
 }
 
+/* How many of the rem activation rows left the next micro-tile takes: 3, or the 1 or 2 left at the end (tile1,
+ * the 1-row kernel, keeps 8 chains in flight and reads the tile once: as fast as a 2 + 2 split). */
+static int group_rows(int64_t rem) { return rem < 3 ? (int)rem : 3; }
+
 /* y[m, n] = sum_k W[n, k] x[m, k] for all m < M and the rows n of tiles [t0, t1) (tile t: rows t * NR to
  * t * NR + NR - 1, cut at N); x [M, K] contiguous, y row stride ldy. Reads each weight from memory once.
- * A partial last tile repeats its last row (computed, not stored), so every tile runs the same code. */
+ * A partial last tile repeats its last row (computed, not stored), so every tile runs the same code.
+ * Activation rows go through the tile in micro-tiles of 2 or 3 (tilec; one row: tile1). From PANEL_MIN_ROWS rows
+ * on, bf16/FP8 weights are converted once per tile into an fp32 panel (exact); below that, converting in
+ * registers once per micro-tile measured as fast as storing and reloading a panel. With many
+ * rows a tile is compute work long after its bytes arrived, so the prefetch of the next tile is spread over
+ * all its passes (not issued in one burst, which leaves memory idle for the rest of the tile). */
 static void gemv_tiles(int kind, const void *w, const float *scale, int64_t N, int64_t K, const float *x, int64_t M,
                        float *y, int64_t ldy, int64_t t0, int64_t t1, float *scratch) {
     if (M <= 0) return;
@@ -309,6 +290,10 @@ static void gemv_tiles(int kind, const void *w, const float *scale, int64_t N, i
     const int64_t kblocks = (K + FP8_BLOCK - 1) / FP8_BLOCK;
     const int panel = M >= PANEL_MIN_ROWS && kind != W_F32;
     const size_t tile_bytes = NR * row_bytes, ahead = tile_bytes > PF_BYTES ? tile_bytes : PF_BYTES;
+    int64_t groups = 0; /* micro-tiles per tile; each of tilec's two passes prefetches 1 / (2 groups) of a tile */
+    for (int64_t m0 = 0; m0 < M; m0 += group_rows(M - m0)) groups++;
+    const int64_t slice = (int64_t)(tile_bytes + 2 * groups - 1) / (2 * groups), steps = K / 16 > 0 ? K / 16 : 1;
+    const int pfs = (int)((slice + steps - 1) / steps);
     const float y_shift = kind == W_FP8 ? FP8_Y_SHIFT : 1.0f;
     const unsigned int csr = _mm_getcsr();
     if (kind == W_FP8) _mm_setcsr(csr & ~0x0040u); /* DAZ off: subnormal e4m3 weights are fp32 subnormals */
@@ -329,24 +314,17 @@ static void gemv_tiles(int kind, const void *w, const float *scale, int64_t N, i
             xa = xs;
         }
         if (panel) {
-            to_panel(kind, rows, K, pan, pf);
-            pf = NULL;
+            to_panel(kind, rows, K, pan, NULL);
             for (int r = 0; r < NR; r++) rows[r] = pan + r * K;
         }
-        float res[2 * NR];
-        if (M <= 2) {
-            run_tile(kind, (int)M, rows, K, xa, K, res, pf);
-            for (int i = 0; i < M; i++)
-                for (int r = 0; r < nr; r++) y[i * ldy + n + r] = res[i * NR + r] * y_shift;
-            continue;
+        for (int64_t m0 = 0, g = 0; m0 < M; g++) {
+            const int mb = group_rows(M - m0);
+            float res[3 * NR];
+            run_tile(panel ? W_F32 : kind, mb, rows, K, xa + m0 * K, K, res, pf + 2 * g * slice, slice, pfs);
+            for (int i = 0; i < mb; i++)
+                for (int r = 0; r < nr; r++) y[(m0 + i) * ldy + n + r] = res[i * NR + r] * y_shift;
+            m0 += mb;
         }
-        for (int r = 0; r < nr; r++) /* one weight row at a time against four activation rows at a time */
-            for (int64_t m0 = 0; m0 < M; m0 += 4) {
-                const int mb = M - m0 < 4 ? (int)(M - m0) : 4;
-                run_rowdot(panel ? W_F32 : kind, mb, rows[r], K, xa + m0 * K, K, res,
-                           m0 || !pf ? NULL : pf + r * row_bytes);
-                for (int i = 0; i < mb; i++) y[(m0 + i) * ldy + n + r] = res[i] * y_shift;
-            }
     }
     _mm_setcsr(csr);
 }
