@@ -591,49 +591,58 @@ static float blk_dot(const float *a, const float *b, int64_t n) {
 #define ATT_GROUP 8   /* queries per task while the tasks still cover the threads: the cache read once for 8 */
 #define ATT_TILE 32   /* keys scored, then summed into the outputs while they are still in L1 */
 
-/* Adds the products of ATT_QUERIES fp32 queries q [ATT_QUERIES, n] (row stride ldq) with two cached rows
- * k0, k1 of n values: columns [0, n / 8 * 8) into acc[i][u] (one 8-wide chain per query and row), the rest
- * into tail[i][u]. Each loaded query vector serves both rows and each loaded row four queries (6 loads per
- * 8 FMAs: the scores are bound by the FMA units, not by loads). KIND is a constant after inlining. */
-static inline __attribute__((always_inline)) void att_dots2(int kind, const float *q, int64_t ldq, const void *k0,
-                                                            const void *k1, int64_t n, __m256 acc[ATT_QUERIES][2],
-                                                            float tail[ATT_QUERIES][2]) {
-    int64_t k = 0;
-    for (; k + 8 <= n; k += 8) {
-        const __m256 v0 = blk_load8(k0, kind, k), v1 = blk_load8(k1, kind, k);
+#ifndef ATT_KEYS
+#define ATT_KEYS 3 /* keys per score micro-kernel: 4 x 3 accumulators, 3 rows and a query vector in registers */
+#endif
+
+/* Adds the products of ATT_QUERIES fp32 queries q [ATT_QUERIES, n] (row stride ldq) with ATT_KEYS cached
+ * rows k[u] of n values: columns [0, n / 8 * 8) into acc[i][u] (one 8-wide chain per query and row), the
+ * rest into tail[i][u]. Each loaded query vector serves every row and each loaded row four queries (7 loads
+ * per 12 FMAs: bound by the FMA units, not by loads). KIND is a constant after inlining. */
+static inline __attribute__((always_inline)) void att_dots(int kind, const float *q, int64_t ldq,
+                                                           const char *const *k, int64_t n,
+                                                           __m256 acc[ATT_QUERIES][ATT_KEYS],
+                                                           float tail[ATT_QUERIES][ATT_KEYS]) {
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8) {
+        __m256 v[ATT_KEYS];
+        for (int u = 0; u < ATT_KEYS; u++) v[u] = blk_load8(k[u], kind, c);
         for (int i = 0; i < ATT_QUERIES; i++) {
-            __m256 qi = _mm256_loadu_ps(q + i * ldq + k);
-            __asm__("" : "+x"(qi)); /* one load per query vector: keeps the compiler from folding it into both FMAs */
-            acc[i][0] = _mm256_fmadd_ps(qi, v0, acc[i][0]);
-            acc[i][1] = _mm256_fmadd_ps(qi, v1, acc[i][1]);
+            __m256 qi = _mm256_loadu_ps(q + i * ldq + c);
+            __asm__("" : "+x"(qi)); /* one load per query vector: keeps the compiler from folding it into each FMA */
+            for (int u = 0; u < ATT_KEYS; u++) acc[i][u] = _mm256_fmadd_ps(qi, v[u], acc[i][u]);
         }
     }
-    for (; k < n; k++) {
-        const float v0 = blk_load(k0, kind, k), v1 = blk_load(k1, kind, k);
-        for (int i = 0; i < ATT_QUERIES; i++) tail[i][0] += q[i * ldq + k] * v0, tail[i][1] += q[i * ldq + k] * v1;
-    }
+    for (; c < n; c++)
+        for (int u = 0; u < ATT_KEYS; u++) {
+            const float x = blk_load(k[u], kind, c);
+            for (int i = 0; i < ATT_QUERIES; i++) tail[i][u] += q[i * ldq + c] * x;
+        }
 }
 
-/* sc[i * ATT_TILE + j] = q_lat[i] . kv_j + q_pe[i] . pe_j for ATT_QUERIES queries and n keys, two keys at a
- * time (an odd last key is paired with itself). A score's summation order is fixed (its chain over kv then
- * pe, reduced, plus the scalar tails), whatever the other queries and keys of the call. */
+/* sc[i * ATT_TILE + j] = q_lat[i] . kv_j + q_pe[i] . pe_j for ATT_QUERIES queries and n keys, ATT_KEYS keys
+ * at a time (the last keys repeated to fill a pass). A score's summation order is fixed (its chain over kv
+ * then pe, reduced, plus the scalar tails), whatever the other queries and keys of the call. */
 static inline __attribute__((always_inline)) void att_tile_scores(int kind, const float *q_lat, const float *q_pe,
                                                                   int64_t r, int64_t p, const char *kv,
                                                                   size_t kv_row, const char *pe, size_t pe_row,
                                                                   int64_t n, float *sc) {
-    for (int64_t j = 0; j < n; j += 2) {
-        const int64_t j1 = j + 1 < n ? j + 1 : j;
-        __m256 acc[ATT_QUERIES][2];
-        float tail[ATT_QUERIES][2] = {{0.0f}};
-        for (int i = 0; i < ATT_QUERIES; i++) acc[i][0] = acc[i][1] = _mm256_setzero_ps();
-        att_dots2(kind, q_lat, r, kv + j * kv_row, kv + j1 * kv_row, r, acc, tail);
-        att_dots2(kind, q_pe, p, pe + j * pe_row, pe + j1 * pe_row, p, acc, tail);
-        float d0[ATT_QUERIES], d1[ATT_QUERIES];
-        _mm_storeu_ps(d0, hsum4(acc[0][0], acc[1][0], acc[2][0], acc[3][0]));
-        _mm_storeu_ps(d1, hsum4(acc[0][1], acc[1][1], acc[2][1], acc[3][1]));
-        for (int i = 0; i < ATT_QUERIES; i++) {
-            sc[i * ATT_TILE + j] = d0[i] + tail[i][0];
-            if (j1 != j) sc[i * ATT_TILE + j1] = d1[i] + tail[i][1];
+    for (int64_t j = 0; j < n; j += ATT_KEYS) {
+        const char *kr[ATT_KEYS], *pr[ATT_KEYS];
+        for (int u = 0; u < ATT_KEYS; u++) {
+            const int64_t ju = j + u < n ? j + u : n - 1;
+            kr[u] = kv + ju * kv_row, pr[u] = pe + ju * pe_row;
+        }
+        __m256 acc[ATT_QUERIES][ATT_KEYS];
+        float tail[ATT_QUERIES][ATT_KEYS] = {{0.0f}};
+        for (int i = 0; i < ATT_QUERIES; i++)
+            for (int u = 0; u < ATT_KEYS; u++) acc[i][u] = _mm256_setzero_ps();
+        att_dots(kind, q_lat, r, kr, r, acc, tail);
+        att_dots(kind, q_pe, p, pr, p, acc, tail);
+        for (int u = 0; u < ATT_KEYS && j + u < n; u++) {
+            float d[ATT_QUERIES];
+            _mm_storeu_ps(d, hsum4(acc[0][u], acc[1][u], acc[2][u], acc[3][u]));
+            for (int i = 0; i < ATT_QUERIES; i++) sc[i * ATT_TILE + j + u] = d[i] + tail[i][u];
         }
     }
 }
@@ -765,15 +774,16 @@ static inline __attribute__((always_inline)) void att_task(int kind, const AttAr
                 att_prefetch_row(kv_t + (ATT_PF * ATT_TILE + j) * kv_row, (size_t)r * es);
                 att_prefetch_row(pe_t + (ATT_PF * ATT_TILE + j) * pe_row, (size_t)p * es);
             }
-        if (kind != A_F32) { /* the tile converted to fp32 once, for every query group's two passes */
+        const int convert = kind != A_F32 && quads > 1; /* the tile converted to fp32 once for the groups */
+        if (convert) {
             att_convert(kv_t, kv_row, n, r, tile);
             att_convert(pe_t, pe_row, n, p, tile + ATT_TILE * r);
         }
         for (int64_t g = 0; g < quads; g++) {
             const int64_t i0 = g * ATT_QUERIES;
             float *scg = sc + i0 * ATT_TILE;
-            if (kind == A_F32)
-                att_tile_scores(A_F32, q_lat + i0 * r, q_pe + i0 * p, r, p, kv_t, kv_row, pe_t, pe_row, n, scg);
+            if (!convert)
+                att_tile_scores(kind, q_lat + i0 * r, q_pe + i0 * p, r, p, kv_t, kv_row, pe_t, pe_row, n, scg);
             else
                 att_tile_scores(A_F32, q_lat + i0 * r, q_pe + i0 * p, r, p, (const char *)tile, (size_t)r * 4,
                                 (const char *)(tile + ATT_TILE * r), (size_t)p * 4, n, scg);
@@ -787,7 +797,7 @@ static inline __attribute__((always_inline)) void att_task(int kind, const AttAr
                     for (int64_t j = 0; j < n; j++) si[j] += bias_row[i][s0 + j];
                 att_softmax_tile(si, n, mx + i, sum + i, o_lat + i * r, r);
             }
-            if (kind == A_F32) att_values(A_F32, o_lat + i0 * r, scg, kv_t, kv_row, n, r);
+            if (!convert) att_values(kind, o_lat + i0 * r, scg, kv_t, kv_row, n, r);
             else att_values(A_F32, o_lat + i0 * r, scg, (const char *)tile, (size_t)r * 4, n, r);
         }
     }
