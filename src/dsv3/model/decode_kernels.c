@@ -573,17 +573,17 @@ static inline __m256 blk_load8(const void *a, int kind, int64_t off) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* sum_k a[k] * b[k] over n fp32 values. */
-static float blk_dot(const float *a, const float *b, int64_t n) {
+/* sum_k a[off + k] * b[k] over n values: a fp32 or bf16 (kind, read exactly as fp32), b fp32. */
+static float blk_dot(const void *a, int kind, int64_t off, const float *b, int64_t n) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 16 <= n; k += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), s1);
+        s0 = _mm256_fmadd_ps(blk_load8(a, kind, off + k), _mm256_loadu_ps(b + k), s0);
+        s1 = _mm256_fmadd_ps(blk_load8(a, kind, off + k + 8), _mm256_loadu_ps(b + k + 8), s1);
     }
-    for (; k + 8 <= n; k += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), s0);
+    for (; k + 8 <= n; k += 8) s0 = _mm256_fmadd_ps(blk_load8(a, kind, off + k), _mm256_loadu_ps(b + k), s0);
     float tail = 0.0f;
-    for (; k < n; k++) tail += a[k] * b[k];
+    for (; k < n; k++) tail += blk_load(a, kind, off + k) * b[k];
     return hsum(_mm256_add_ps(s0, s1)) + tail;
 }
 
@@ -706,8 +706,9 @@ static void att_softmax_tile(float *sc, int64_t n, float *m, float *l, float *o,
 
 typedef struct { /* dsv3_mla_decode's arguments, for its tasks */
     const void *q, *kv, *pe;
-    const float *cos, *sin, *w_uk, *w_uv, *bias;
-    int64_t akind, rot_bstride, uk_hstride, uk_rstride, uv_hstride, uv_rstride, T, H, S, nope, p, r, v;
+    const float *cos, *sin, *bias;
+    const void *w_uk, *w_uv; /* fp32 or bf16 (wkind) */
+    int64_t wkind, akind, rot_bstride, uk_hstride, uk_rstride, uv_hstride, uv_rstride, T, H, S, nope, p, r, v;
     int64_t kv_bstride, kv_sstride, pe_bstride, pe_sstride, bias_bstride;
     float scale;
     void *out;
@@ -719,8 +720,11 @@ static void att_query(const AttArgs *a, int64_t b, int64_t m, float *q_lat, floa
     const int ak = (int)a->akind;
     for (int64_t j = 0; j < a->nope; j++) {
         const float qj = blk_load(a->q, ak, base + j) * a->scale;
-        const float *row = a->w_uk + h * a->uk_hstride + j * a->uk_rstride;
-        for (int64_t k = 0; k < r; k++) q_lat[k] += qj * row[k];
+        const int64_t row = h * a->uk_hstride + j * a->uk_rstride;
+        if (a->wkind == A_F32)
+            for (int64_t k = 0; k < r; k++) q_lat[k] += qj * ((const float *)a->w_uk + row)[k];
+        else
+            for (int64_t k = 0; k < r; k++) q_lat[k] += qj * bf16_to_f32(((const uint16_t *)a->w_uk + row)[k]);
     }
     const float *c = a->cos + a->rot_bstride * b + t * (p / 2), *s = a->sin + a->rot_bstride * b + t * (p / 2);
     for (int64_t j = 0; j < p / 2; j++) {
@@ -808,7 +812,7 @@ static inline __attribute__((always_inline)) void att_task(int kind, const AttAr
         for (int64_t k = 0; k < r; k++) o[k] *= inv;
         for (int64_t c = 0; c < a->v; c++)
             blk_store(a->out, (int)a->akind, ((b * a->T + t) * a->H + h) * a->v + c,
-                      blk_dot(a->w_uv + h * a->uv_hstride + c * a->uv_rstride, o, r));
+                      blk_dot(a->w_uv, (int)a->wkind, h * a->uv_hstride + c * a->uv_rstride, o, r));
     }
 }
 
@@ -816,7 +820,8 @@ static inline __attribute__((always_inline)) void att_task(int kind, const AttAr
  * B rows x T tokens x H heads (query m = t * H + h): q [B, T, H, nope + rope] (activation dtype) ->
  * q_lat = W_UK[h]^T q_nope, q_pe roped by cos/sin [B or 1, T, rope/2] (interleaved pairs), attention over
  * the latent cache (softmax of scale * (q_lat . kv + q_pe . pe) + bias), then out[b, t, h * v:(h + 1) * v] = W_UV[h] o_lat.
- * W_UK[h] is [nope, r] and W_UV[h] is [v, r], fp32, at w + h * hstride, rows ``rstride`` apart.
+ * W_UK[h] is [nope, r] and W_UV[h] is [v, r], fp32 or bf16 (wkind: kv_b_proj's own bf16 weights are read
+ * in place, converted exactly), at w + h * hstride elements, rows ``rstride`` apart.
  * out [B, T, H * v] in the activation dtype. Returns 0.
  *
  * The attention is compute-bound (at context 2048 a layer's 8 queries take 2048 x (160 + 128) FMAs each,
@@ -827,12 +832,12 @@ static inline __attribute__((always_inline)) void att_task(int kind, const AttAr
  * into the outputs while still in L1. A query's arithmetic is the same in every grouping, so the result
  * does not depend on the thread count. */
 int dsv3_mla_decode(const void *q, int akind, const float *cos, const float *sin, int64_t rot_bstride,
-                    const float *w_uk, int64_t uk_hstride, int64_t uk_rstride, const float *w_uv, int64_t uv_hstride,
-                    int64_t uv_rstride, const void *kv, const void *pe, int ckind, int64_t B, int64_t T, int64_t H,
+                    const void *w_uk, int64_t uk_hstride, int64_t uk_rstride, const void *w_uv, int64_t uv_hstride,
+                    int64_t uv_rstride, int wkind, const void *kv, const void *pe, int ckind, int64_t B, int64_t T, int64_t H,
                     int64_t S, int64_t nope, int64_t p, int64_t r, int64_t v, int64_t kv_bstride, int64_t kv_sstride,
                     int64_t pe_bstride, int64_t pe_sstride, const float *bias, int64_t bias_bstride, float scale,
                     void *out, int nthreads) {
-    const AttArgs a = {q, kv, pe, cos, sin, w_uk, w_uv, bias, akind, rot_bstride, uk_hstride, uk_rstride,
+    const AttArgs a = {q, kv, pe, cos, sin, bias, w_uk, w_uv, wkind, akind, rot_bstride, uk_hstride, uk_rstride,
                        uv_hstride, uv_rstride, T, H, S, nope, p, r, v, kv_bstride, kv_sstride, pe_bstride,
                        pe_sstride, bias_bstride, scale, out};
     const int64_t M = T * H;
@@ -880,7 +885,7 @@ typedef struct { /* one block's weights and constants (made once per plan) */
     const void *input_norm, *post_norm, *q_norm, *kv_norm; /* in the activation dtype */
     float input_eps, post_eps, q_eps, kv_eps;
     BlkLinear q_a, q_b, kv_a, o; /* q_a.w NULL: no query compression and q_b is q_proj */
-    const float *w_uk, *w_uv;    /* fp32 W_UK [H, nope, r], W_UV [H, v, r] (strided) */
+    const void *w_uk, *w_uv;     /* W_UK [H, nope, r], W_UV [H, v, r] (strided), fp32 or bf16 (w_kind) */
     int64_t uk_hstride, uk_rstride, uv_hstride, uv_rstride;
     int64_t heads, nope, rope, v_dim, kv_rank;
     float softmax_scale;
@@ -888,6 +893,7 @@ typedef struct { /* one block's weights and constants (made once per plan) */
     int64_t softmax, n_group, topk_group, group_sum, topk, normalize;
     float route_scale;
     BlkExperts routed, shared; /* shared.gate NULL: no shared expert */
+    int64_t w_kind;            /* of w_uk and w_uv */
 } BlkDesc;
 
 typedef struct { /* one decode step, shared by all blocks */
@@ -1033,8 +1039,8 @@ int dsv3_decode_block(const BlkDesc *d, const BlkStep *s, void *x) {
     blk_write_latents(d, s, kv);
     PROF(PH_LATENT);
     dsv3_mla_decode(q, ak, s->cos, s->sin, s->rot_bstride, d->w_uk, d->uk_hstride, d->uk_rstride, d->w_uv,
-                    d->uv_hstride, d->uv_rstride, (const char *)s->kv + (size_t)(d->layer * s->kv_lstride) * ces,
-                    (const char *)s->pe + (size_t)(d->layer * s->pe_lstride) * ces, (int)s->ckind, s->rows, s->T,
+                    d->uv_hstride, d->uv_rstride, (int)d->w_kind,
+                    (const char *)s->kv + (size_t)(d->layer * s->kv_lstride) * ces, (const char *)s->pe + (size_t)(d->layer * s->pe_lstride) * ces, (int)s->ckind, s->rows, s->T,
                     H, S, d->nope, d->rope, d->kv_rank, d->v_dim, s->kv_bstride, s->kv_sstride, s->pe_bstride,
                     s->pe_sstride, s->bias, s->bias_bstride, d->softmax_scale, att, nt);
     PROF(PH_ATT);
