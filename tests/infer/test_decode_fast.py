@@ -408,3 +408,47 @@ def test_a_cache_without_the_mtp_layer(model):
             with pytest.raises(IndexError):
                 decoder.mtp_hidden(0, h, ids, positions, cache=cache, start_pos=len(prompt))
     assert torch.allclose(logits[0], logits[1], atol=1e-5, rtol=1e-5)
+
+
+@needs_kernels
+@pytest.mark.parametrize("B, T", [(1, 1), (1, 2), (3, 2)])
+def test_mla_decode_is_the_same_at_every_thread_count(B, T):
+    """The attention kernel groups 8 queries per task at one thread and 4 when that keeps a second thread
+    busy; a query's arithmetic is the same in either grouping, so the outputs are equal bit for bit."""
+    H, nope, r, p, v, S = 8, 16, 40, 8, 12, 150
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(B, T, H, nope + p, generator=g)
+    angles = torch.rand(B, T, p // 2, generator=g)
+    w = torch.randn(H, nope + v, r, generator=g)
+    kv, pe = torch.randn(B, S, r, generator=g).bfloat16(), torch.randn(B, S, p, generator=g).bfloat16()
+    args = (q, angles.cos(), angles.sin(), w[:, :nope], w[:, nope:], kv, pe, None, 0.3)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            outs.append(dk.mla_decode(*args))
+    finally:
+        torch.set_num_threads(before)
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert close(outs[0], dk.mla_decode_reference(*args), torch.float32)
+
+
+@needs_kernels
+def test_mla_decode_reads_bf16_absorbed_weights_exactly():
+    """W_UK/W_UV in bf16 (kv_b_proj's own weight, read in place) give the numbers of their fp32 copy, bit
+    for bit; a bf16 model's plan keeps views of the weight, not a copy."""
+    B, T, H, nope, r, p, v, S = 1, 2, 8, 16, 40, 8, 12, 70
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(B, T, H, nope + p, generator=g).bfloat16()
+    angles = torch.rand(B, T, p // 2, generator=g)
+    w = torch.randn(H, nope + v, r, generator=g).bfloat16()
+    kv, pe = torch.randn(B, S, r, generator=g).bfloat16(), torch.randn(B, S, p, generator=g).bfloat16()
+    args = lambda w: (q, angles.cos(), angles.sin(), w[:, :nope], w[:, nope:], kv, pe, None, 0.3)  # noqa: E731
+    assert torch.equal(dk.mla_decode(*args(w)), dk.mla_decode(*args(w.float())))
+    assert close(dk.mla_decode(*args(w)), dk.mla_decode_reference(*args(w)), torch.bfloat16)
+    model = tiny_model().to(torch.bfloat16)
+    plan = FastDecode(model).blocks[0].attn
+    kv_b = model.model.layers[0].self_attn.kv_b_proj.weight
+    assert plan.w_uk.dtype == torch.bfloat16
+    assert plan.w_uk.untyped_storage().data_ptr() == kv_b.untyped_storage().data_ptr()

@@ -70,8 +70,10 @@ def rotate(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
 class AttentionPlan:
     """One MLA layer's decode weights: the kernels' views of its projections and W_UK/W_UV per head.
 
-    The attention itself runs in fp32 whatever the model's dtype (the cache is read in its own dtype), so
-    W_UK/W_UV are fp32: views of an fp32 ``kv_b_proj``, else an fp32 copy of it (1-2% of the weights)."""
+    The attention itself runs in fp32 whatever the model's dtype (the cache is read in its own dtype).
+    W_UK/W_UV are views of ``kv_b_proj``'s own fp32 or bf16 weight, which the kernel reads in place (bf16
+    converted exactly, so the numbers are those of an fp32 copy at half the bytes per step); FP8 blocks
+    are dequantized once into a copy of the compute dtype, any other dtype into an fp32 copy."""
 
     def __init__(self, mla: MLA, dtype: torch.dtype):
         self.mla = mla
@@ -81,7 +83,8 @@ class AttentionPlan:
         kv_b = weight_of(mla.kv_b_proj)
         self.ok = None not in (*self.q, self.kv_a, self.o, kv_b) and not mla._forward_hooks
         if self.ok:  # kv_b_proj is used as per-head matrices, not as a GEMV
-            w = kv_b.dense().float().view(mla.n_heads, mla.nope + mla.v_dim, mla.kv_rank)
+            w = kv_b.dense()
+            w = (w if w.dtype in dk.A_KIND else w.float()).view(mla.n_heads, mla.nope + mla.v_dim, mla.kv_rank)
             self.w_uk, self.w_uv = w[:, : mla.nope], w[:, mla.nope :]  # [H, nope, r], [H, v, r]
 
     def __call__(self, x: torch.Tensor, rot: torch.Tensor, cos_sin, cache: LatentCache, start_pos: int,
@@ -238,8 +241,8 @@ class BlockKernel:
             q_eps=m.q_a_layernorm.eps if len(a.q) == 2 else 0.0,
             q_a=q_a, q_b=q_b, kv_a=linears[-2], o=linears[-1], w_uk=w_uk.data_ptr(), w_uv=w_uv.data_ptr(),
             uk_hstride=w_uk.stride(0), uk_rstride=w_uk.stride(1), uv_hstride=w_uv.stride(0),
-            uv_rstride=w_uv.stride(1), heads=m.n_heads, nope=m.nope, rope=m.rope, v_dim=m.v_dim,
-            kv_rank=m.kv_rank, softmax_scale=m.scale, routed=routed, shared=shared, **router[0])
+            uv_rstride=w_uv.stride(1), w_kind=dk.A_KIND[w_uk.dtype], heads=m.n_heads, nope=m.nope, rope=m.rope,
+            v_dim=m.v_dim, kv_rank=m.kv_rank, softmax_scale=m.scale, routed=routed, shared=shared, **router[0])
         return cls(desc, keep)
 
 

@@ -551,70 +551,93 @@ static inline __m256 blk_load8(const void *a, int kind, int64_t off) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
 
-/* sum_k a[k] * b[k] over n fp32 values. */
-static float blk_dot(const float *a, const float *b, int64_t n) {
+/* sum_k a[off + k] * b[k] over n values: a fp32 or bf16 (kind, read exactly as fp32), b fp32. */
+static float blk_dot(const void *a, int kind, int64_t off, const float *b, int64_t n) {
     __m256 s0 = _mm256_setzero_ps(), s1 = _mm256_setzero_ps();
     int64_t k = 0;
     for (; k + 16 <= n; k += 16) {
-        s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), s0);
-        s1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k + 8), _mm256_loadu_ps(b + k + 8), s1);
+        s0 = _mm256_fmadd_ps(blk_load8(a, kind, off + k), _mm256_loadu_ps(b + k), s0);
+        s1 = _mm256_fmadd_ps(blk_load8(a, kind, off + k + 8), _mm256_loadu_ps(b + k + 8), s1);
     }
-    for (; k + 8 <= n; k += 8) s0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + k), _mm256_loadu_ps(b + k), s0);
+    for (; k + 8 <= n; k += 8) s0 = _mm256_fmadd_ps(blk_load8(a, kind, off + k), _mm256_loadu_ps(b + k), s0);
     float tail = 0.0f;
-    for (; k < n; k++) tail += a[k] * b[k];
+    for (; k < n; k++) tail += blk_load(a, kind, off + k) * b[k];
     return hsum(_mm256_add_ps(s0, s1)) + tail;
 }
 
-#define ATT_QUERIES 4 /* queries per task: each cached row read serves four queries */
-#define ATT_TILE 64   /* keys scored, then summed into the outputs while they are still in cache */
+#define ATT_QUERIES 4 /* queries per micro-kernel: each cached row loaded serves four queries */
+#define ATT_GROUP 8   /* queries per task while the tasks still cover the threads: the cache read once for 8 */
+#define ATT_TILE 32   /* keys scored, then summed into the outputs while they are still in L1 */
 
-/* Adds to a[i] (two vectors per query, eight FMA chains in flight) and tail[i] the products of
- * ATT_QUERIES fp32 queries q [ATT_QUERIES, n] (row stride n) with one cached row of n values. */
-static inline __attribute__((always_inline)) void att_dots(const float *q, const void *row, int kind, int64_t n,
-                                                           __m256 a[ATT_QUERIES][2], float *tail) {
-    int64_t k = 0;
-    for (; k + 16 <= n; k += 16) {
-        const __m256 v0 = blk_load8(row, kind, k), v1 = blk_load8(row, kind, k + 8);
+#ifndef ATT_KEYS
+#define ATT_KEYS 3 /* keys per score micro-kernel: 4 x 3 accumulators, 3 rows and a query vector in registers */
+#endif
+
+/* Adds the products of ATT_QUERIES fp32 queries q [ATT_QUERIES, n] (row stride ldq) with ATT_KEYS cached
+ * rows k[u] of n values: columns [0, n / 8 * 8) into acc[i][u] (one 8-wide chain per query and row), the
+ * rest into tail[i][u]. Each loaded query vector serves every row and each loaded row four queries (7 loads
+ * per 12 FMAs: bound by the FMA units, not by loads). KIND is a constant after inlining. */
+static inline __attribute__((always_inline)) void att_dots(int kind, const float *q, int64_t ldq,
+                                                           const char *const *k, int64_t n,
+                                                           __m256 acc[ATT_QUERIES][ATT_KEYS],
+                                                           float tail[ATT_QUERIES][ATT_KEYS]) {
+    int64_t c = 0;
+    for (; c + 8 <= n; c += 8) {
+        __m256 v[ATT_KEYS];
+        for (int u = 0; u < ATT_KEYS; u++) v[u] = blk_load8(k[u], kind, c);
         for (int i = 0; i < ATT_QUERIES; i++) {
-            a[i][0] = _mm256_fmadd_ps(v0, _mm256_loadu_ps(q + i * n + k), a[i][0]);
-            a[i][1] = _mm256_fmadd_ps(v1, _mm256_loadu_ps(q + i * n + k + 8), a[i][1]);
+            __m256 qi = _mm256_loadu_ps(q + i * ldq + c);
+            __asm__("" : "+x"(qi)); /* one load per query vector: keeps the compiler from folding it into each FMA */
+            for (int u = 0; u < ATT_KEYS; u++) acc[i][u] = _mm256_fmadd_ps(qi, v[u], acc[i][u]);
         }
     }
-    for (; k + 8 <= n; k += 8) {
-        const __m256 v0 = blk_load8(row, kind, k);
-        for (int i = 0; i < ATT_QUERIES; i++) a[i][0] = _mm256_fmadd_ps(v0, _mm256_loadu_ps(q + i * n + k), a[i][0]);
-    }
-    for (; k < n; k++) {
-        const float v = blk_load(row, kind, k);
-        for (int i = 0; i < ATT_QUERIES; i++) tail[i] += v * q[i * n + k];
+    for (; c < n; c++)
+        for (int u = 0; u < ATT_KEYS; u++) {
+            const float x = blk_load(k[u], kind, c);
+            for (int i = 0; i < ATT_QUERIES; i++) tail[i][u] += q[i * ldq + c] * x;
+        }
+}
+
+/* sc[i * ATT_TILE + j] = q_lat[i] . kv_j + q_pe[i] . pe_j for ATT_QUERIES queries and n keys, ATT_KEYS keys
+ * at a time (the last keys repeated to fill a pass). A score's summation order is fixed (its chain over kv
+ * then pe, reduced, plus the scalar tails), whatever the other queries and keys of the call. */
+static inline __attribute__((always_inline)) void att_tile_scores(int kind, const float *q_lat, const float *q_pe,
+                                                                  int64_t r, int64_t p, const char *kv,
+                                                                  size_t kv_row, const char *pe, size_t pe_row,
+                                                                  int64_t n, float *sc) {
+    for (int64_t j = 0; j < n; j += ATT_KEYS) {
+        const char *kr[ATT_KEYS], *pr[ATT_KEYS];
+        for (int u = 0; u < ATT_KEYS; u++) {
+            const int64_t ju = j + u < n ? j + u : n - 1;
+            kr[u] = kv + ju * kv_row, pr[u] = pe + ju * pe_row;
+        }
+        __m256 acc[ATT_QUERIES][ATT_KEYS];
+        float tail[ATT_QUERIES][ATT_KEYS] = {{0.0f}};
+        for (int i = 0; i < ATT_QUERIES; i++)
+            for (int u = 0; u < ATT_KEYS; u++) acc[i][u] = _mm256_setzero_ps();
+        att_dots(kind, q_lat, r, kr, r, acc, tail);
+        att_dots(kind, q_pe, p, pr, p, acc, tail);
+        for (int u = 0; u < ATT_KEYS && j + u < n; u++) {
+            float d[ATT_QUERIES];
+            _mm_storeu_ps(d, hsum4(acc[0][u], acc[1][u], acc[2][u], acc[3][u]));
+            for (int i = 0; i < ATT_QUERIES; i++) sc[i * ATT_TILE + j + u] = d[i] + tail[i][u];
+        }
     }
 }
 
-/* The ATT_QUERIES scores q_lat . kv_row + q_pe . pe_row into d. */
-static inline void att_scores(const float *q_lat, const float *q_pe, const void *kv_row, const void *pe_row,
-                              int kind, int64_t r, int64_t p, float *d) {
-    __m256 a[ATT_QUERIES][2];
-    float tail[ATT_QUERIES] = {0};
-    for (int i = 0; i < ATT_QUERIES; i++) a[i][0] = a[i][1] = _mm256_setzero_ps();
-    att_dots(q_lat, kv_row, kind, r, a, tail);
-    att_dots(q_pe, pe_row, kind, p, a, tail);
-    _mm_storeu_ps(d, _mm_add_ps(_mm_loadu_ps(tail), hsum4(_mm256_add_ps(a[0][0], a[0][1]), _mm256_add_ps(a[1][0], a[1][1]),
-                                                              _mm256_add_ps(a[2][0], a[2][1]), _mm256_add_ps(a[3][0], a[3][1]))));
-}
-
-/* o[i] += sum_j p[i][j] * row_j for ATT_QUERIES queries over n keys (rows ``stride`` elements apart);
- * o [ATT_QUERIES, r] fp32, p [ATT_QUERIES, ATT_TILE]. */
-static void att_values(float *o, const float *p, const void *rows, int kind, int64_t stride, int64_t n, int64_t r) {
-    const size_t es = kind == A_F32 ? 4 : 2;
+/* o[i] += sum_j p[i][j] * row_j for ATT_QUERIES queries over n keys (rows ``row`` bytes apart);
+ * o [ATT_QUERIES, r] fp32, p [ATT_QUERIES, ATT_TILE]. KIND is a constant after inlining. */
+static inline __attribute__((always_inline)) void att_values(int kind, float *o, const float *p, const char *rows,
+                                                             size_t row, int64_t n, int64_t r) {
     int64_t k = 0;
     for (; k + 16 <= r; k += 16) {
         __m256 a[ATT_QUERIES][2];
         for (int i = 0; i < ATT_QUERIES; i++) a[i][0] = _mm256_loadu_ps(o + i * r + k), a[i][1] = _mm256_loadu_ps(o + i * r + k + 8);
         for (int64_t j = 0; j < n; j++) {
-            const void *row = (const char *)rows + (size_t)(j * stride) * es;
-            const __m256 v0 = blk_load8(row, kind, k), v1 = blk_load8(row, kind, k + 8);
+            const char *rj = rows + j * row;
+            const __m256 v0 = blk_load8(rj, kind, k), v1 = blk_load8(rj, kind, k + 8);
             for (int i = 0; i < ATT_QUERIES; i++) {
-                const __m256 w = _mm256_set1_ps(p[i * ATT_TILE + j]);
+                const __m256 w = _mm256_broadcast_ss(p + i * ATT_TILE + j);
                 a[i][0] = _mm256_fmadd_ps(w, v0, a[i][0]);
                 a[i][1] = _mm256_fmadd_ps(w, v1, a[i][1]);
             }
@@ -623,7 +646,7 @@ static void att_values(float *o, const float *p, const void *rows, int kind, int
     }
     for (; k < r; k++)
         for (int64_t j = 0; j < n; j++) {
-            const float v = blk_load((const char *)rows + (size_t)(j * stride) * es, kind, k);
+            const float v = blk_load(rows + j * row, kind, k);
             for (int i = 0; i < ATT_QUERIES; i++) o[i * r + k] += p[i * ATT_TILE + j] * v;
         }
 }
@@ -656,72 +679,160 @@ static void att_softmax_tile(float *sc, int64_t n, float *m, float *l, float *o,
     *l += sum;
 }
 
+/* A task's scratch: its queries' q_lat, o_lat [ATT_GROUP, r] and q_pe [ATT_GROUP, p], then a tile as fp32. */
+#define ATT_FLOATS(r, p) (ATT_GROUP * (2 * (r) + (p)) + ATT_TILE * ((r) + (p)) + 1)
+
+typedef struct { /* dsv3_mla_decode's arguments, for its tasks */
+    const void *q, *kv, *pe;
+    const float *cos, *sin, *bias;
+    const void *w_uk, *w_uv; /* fp32 or bf16 (wkind) */
+    int64_t wkind, akind, rot_bstride, uk_hstride, uk_rstride, uv_hstride, uv_rstride, T, H, S, nope, p, r, v;
+    int64_t kv_bstride, kv_sstride, pe_bstride, pe_sstride, bias_bstride;
+    float scale;
+    void *out;
+} AttArgs;
+
+/* Query i of a task, m = m0 + i: q_lat[i] = W_UK[h]^T q_nope * scale, q_pe[i] = rope(q_pe) * scale. */
+static void att_query(const AttArgs *a, int64_t b, int64_t m, float *q_lat, float *q_pe) {
+    const int64_t t = m / a->H, h = m % a->H, p = a->p, r = a->r, base = ((b * a->T + t) * a->H + h) * (a->nope + p);
+    const int ak = (int)a->akind;
+    for (int64_t j = 0; j < a->nope; j++) {
+        const float qj = blk_load(a->q, ak, base + j) * a->scale;
+        const int64_t row = h * a->uk_hstride + j * a->uk_rstride;
+        if (a->wkind == A_F32)
+            for (int64_t k = 0; k < r; k++) q_lat[k] += qj * ((const float *)a->w_uk + row)[k];
+        else
+            for (int64_t k = 0; k < r; k++) q_lat[k] += qj * bf16_to_f32(((const uint16_t *)a->w_uk + row)[k]);
+    }
+    const float *c = a->cos + a->rot_bstride * b + t * (p / 2), *s = a->sin + a->rot_bstride * b + t * (p / 2);
+    for (int64_t j = 0; j < p / 2; j++) {
+        const float x0 = blk_load(a->q, ak, base + a->nope + 2 * j), x1 = blk_load(a->q, ak, base + a->nope + 2 * j + 1);
+        q_pe[2 * j] = (x0 * c[j] - x1 * s[j]) * a->scale;
+        q_pe[2 * j + 1] = (x0 * s[j] + x1 * c[j]) * a->scale;
+    }
+}
+
+#define ATT_PF 2 /* tiles ahead that a task prefetches its cache rows */
+
+/* Prefetch the cache lines of one cached row of ``bytes`` bytes. */
+static inline void att_prefetch_row(const char *row, size_t bytes) {
+    for (size_t b = 0; b < bytes; b += 64) _mm_prefetch(row + b, _MM_HINT_T0);
+    _mm_prefetch(row + bytes - 1, _MM_HINT_T0);
+}
+
+/* n bf16 rows of w values (``row`` bytes apart) as fp32 rows out [n, w]. */
+static void att_convert(const char *rows, size_t row, int64_t n, int64_t w, float *out) {
+    for (int64_t j = 0; j < n; j++) {
+        const char *rj = rows + j * row;
+        int64_t k = 0;
+        for (; k + 8 <= w; k += 8) _mm256_storeu_ps(out + j * w + k, blk_load8(rj, A_BF16, k));
+        for (; k < w; k++) out[j * w + k] = blk_load(rj, A_BF16, k);
+    }
+}
+
+/* One task: queries [m0, m0 + mb) of batch row b (mb <= ATT_GROUP), in groups of ATT_QUERIES, over the
+ * whole cache one tile at a time. buf: ATT_FLOATS(r, p) floats, the query part zeroed.
+ * KIND (the cache's dtype) is a constant after inlining. */
+static inline __attribute__((always_inline)) void att_task(int kind, const AttArgs *a, int64_t b, int64_t m0,
+                                                           int mb, float *buf) {
+    const int64_t r = a->r, p = a->p, S = a->S, quads = (mb + ATT_QUERIES - 1) / ATT_QUERIES;
+    float *q_lat = buf, *o_lat = buf + ATT_GROUP * r, *q_pe = buf + 2 * ATT_GROUP * r;
+    float *tile = q_pe + ATT_GROUP * p; /* a bf16 tile as fp32: [ATT_TILE, r] then [ATT_TILE, p] */
+    float sc[ATT_GROUP * ATT_TILE], mx[ATT_GROUP], sum[ATT_GROUP];
+    const float *bias_row[ATT_GROUP];
+    for (int i = 0; i < mb; i++) {
+        att_query(a, b, m0 + i, q_lat + i * r, q_pe + i * p);
+        bias_row[i] = a->bias ? a->bias + b * a->bias_bstride + ((m0 + i) / a->H) * S : NULL;
+        mx[i] = -INFINITY, sum[i] = 0.0f;
+    }
+    const size_t es = kind == A_F32 ? 4 : 2, kv_row = (size_t)a->kv_sstride * es, pe_row = (size_t)a->pe_sstride * es;
+    const char *kv_b = (const char *)a->kv + (size_t)(b * a->kv_bstride) * es;
+    const char *pe_b = (const char *)a->pe + (size_t)(b * a->pe_bstride) * es;
+    for (int64_t s0 = 0; s0 < S; s0 += ATT_TILE) {
+        const int64_t n = S - s0 < ATT_TILE ? S - s0 : ATT_TILE;
+        const char *kv_t = kv_b + s0 * kv_row, *pe_t = pe_b + s0 * pe_row;
+        if (s0 + ATT_PF * ATT_TILE < S) /* the cache streams from L3 or memory: fetch ahead of the work */
+            for (int64_t j = 0; j < ATT_TILE && s0 + ATT_PF * ATT_TILE + j < S; j++) {
+                att_prefetch_row(kv_t + (ATT_PF * ATT_TILE + j) * kv_row, (size_t)r * es);
+                att_prefetch_row(pe_t + (ATT_PF * ATT_TILE + j) * pe_row, (size_t)p * es);
+            }
+        const int convert = kind != A_F32 && quads > 1; /* the tile converted to fp32 once for the groups */
+        if (convert) {
+            att_convert(kv_t, kv_row, n, r, tile);
+            att_convert(pe_t, pe_row, n, p, tile + ATT_TILE * r);
+        }
+        for (int64_t g = 0; g < quads; g++) {
+            const int64_t i0 = g * ATT_QUERIES;
+            float *scg = sc + i0 * ATT_TILE;
+            if (!convert)
+                att_tile_scores(kind, q_lat + i0 * r, q_pe + i0 * p, r, p, kv_t, kv_row, pe_t, pe_row, n, scg);
+            else
+                att_tile_scores(A_F32, q_lat + i0 * r, q_pe + i0 * p, r, p, (const char *)tile, (size_t)r * 4,
+                                (const char *)(tile + ATT_TILE * r), (size_t)p * 4, n, scg);
+            for (int64_t i = i0; i < i0 + ATT_QUERIES; i++) {
+                float *si = sc + i * ATT_TILE;
+                if (i >= mb) { /* a padding query: weights 0 */
+                    memset(si, 0, (size_t)n * sizeof(float));
+                    continue;
+                }
+                if (bias_row[i])
+                    for (int64_t j = 0; j < n; j++) si[j] += bias_row[i][s0 + j];
+                att_softmax_tile(si, n, mx + i, sum + i, o_lat + i * r, r);
+            }
+            if (!convert) att_values(kind, o_lat + i0 * r, scg, kv_t, kv_row, n, r);
+            else att_values(A_F32, o_lat + i0 * r, scg, (const char *)tile, (size_t)r * 4, n, r);
+        }
+    }
+    for (int i = 0; i < mb; i++) { /* W_UV[h] o_lat / sum, into this head's slice of the output */
+        const int64_t m = m0 + i, t = m / a->H, h = m % a->H;
+        const float inv = 1.0f / sum[i];
+        float *o = o_lat + i * r;
+        for (int64_t k = 0; k < r; k++) o[k] *= inv;
+        for (int64_t c = 0; c < a->v; c++)
+            blk_store(a->out, (int)a->akind, ((b * a->T + t) * a->H + h) * a->v + c,
+                      blk_dot(a->w_uv, (int)a->wkind, h * a->uv_hstride + c * a->uv_rstride, o, r));
+    }
+}
+
 /* The absorbed MLA attention of a decode step from the query projection to the heads' outputs, for
  * B rows x T tokens x H heads (query m = t * H + h): q [B, T, H, nope + rope] (activation dtype) ->
  * q_lat = W_UK[h]^T q_nope, q_pe roped by cos/sin [B or 1, T, rope/2] (interleaved pairs), attention over
  * the latent cache (softmax of scale * (q_lat . kv + q_pe . pe) + bias), then out[b, t, h * v:(h + 1) * v] = W_UV[h] o_lat.
- * W_UK[h] is [nope, r] and W_UV[h] is [v, r], fp32, at w + h * hstride, rows ``rstride`` apart.
+ * W_UK[h] is [nope, r] and W_UV[h] is [v, r], fp32 or bf16 (wkind: kv_b_proj's own bf16 weights are read
+ * in place, converted exactly), at w + h * hstride elements, rows ``rstride`` apart.
  * out [B, T, H * v] in the activation dtype. Returns 0.
  *
- * Each task takes four queries of one batch row and reads the cache once, in tiles of ATT_TILE keys:
- * a tile's scores (one cached row read serves the four queries, the scale folded into the queries), their
- * exponentials against a running max (online softmax), then the tile's rows weighted into the outputs
- * while still in cache. */
+ * The attention is compute-bound (at context 2048 a layer's 8 queries take 2048 x (160 + 128) FMAs each,
+ * against 0.6 MB of cache), so it is organised for the FMA units: each task takes up to ATT_GROUP queries
+ * of one batch row (fewer, ATT_QUERIES, when that leaves a thread idle) and reads the cache once, in tiles
+ * of ATT_TILE keys: a tile's scores four queries by two keys at a time (the scale folded into the
+ * queries), their exponentials against a running max (online softmax), then the tile's rows weighted
+ * into the outputs while still in L1. A query's arithmetic is the same in every grouping, so the result
+ * does not depend on the thread count. */
 int dsv3_mla_decode(const void *q, int akind, const float *cos, const float *sin, int64_t rot_bstride,
-                    const float *w_uk, int64_t uk_hstride, int64_t uk_rstride, const float *w_uv, int64_t uv_hstride,
-                    int64_t uv_rstride, const void *kv, const void *pe, int ckind, int64_t B, int64_t T, int64_t H,
+                    const void *w_uk, int64_t uk_hstride, int64_t uk_rstride, const void *w_uv, int64_t uv_hstride,
+                    int64_t uv_rstride, int wkind, const void *kv, const void *pe, int ckind, int64_t B, int64_t T, int64_t H,
                     int64_t S, int64_t nope, int64_t p, int64_t r, int64_t v, int64_t kv_bstride, int64_t kv_sstride,
                     int64_t pe_bstride, int64_t pe_sstride, const float *bias, int64_t bias_bstride, float scale,
                     void *out, int nthreads) {
-    const int64_t M = T * H, mblocks = (M + ATT_QUERIES - 1) / ATT_QUERIES;
-    const size_t es = ckind == A_F32 ? 4 : 2;
-#pragma omp parallel for num_threads(nthreads) schedule(static)
-    for (int64_t task = 0; task < B * mblocks; task++) {
-        const int64_t b = task / mblocks, m0 = (task % mblocks) * ATT_QUERIES;
-        const int mb = M - m0 < ATT_QUERIES ? (int)(M - m0) : ATT_QUERIES;
-        float *q_lat = (float *)calloc((size_t)(ATT_QUERIES * r + 1), sizeof(float));
-        float *q_pe = (float *)calloc((size_t)(ATT_QUERIES * p + 1), sizeof(float));
-        float *o_lat = (float *)calloc((size_t)(ATT_QUERIES * r + 1), sizeof(float));
-        float sc[ATT_QUERIES * ATT_TILE], mx[ATT_QUERIES], sum[ATT_QUERIES];
-        const float *bias_row[ATT_QUERIES];
-        for (int i = 0; i < mb; i++) { /* the query: absorbed into the latent space, roped, times the scale */
-            const int64_t t = (m0 + i) / H, h = (m0 + i) % H, base = ((b * T + t) * H + h) * (nope + p);
-            for (int64_t j = 0; j < nope; j++) {
-                const float qj = blk_load(q, akind, base + j) * scale;
-                const float *row = w_uk + h * uk_hstride + j * uk_rstride;
-                for (int64_t k = 0; k < r; k++) q_lat[i * r + k] += qj * row[k];
-            }
-            const float *c = cos + rot_bstride * b + t * (p / 2), *s = sin + rot_bstride * b + t * (p / 2);
-            for (int64_t j = 0; j < p / 2; j++) {
-                const float x0 = blk_load(q, akind, base + nope + 2 * j), x1 = blk_load(q, akind, base + nope + 2 * j + 1);
-                q_pe[i * p + 2 * j] = (x0 * c[j] - x1 * s[j]) * scale;
-                q_pe[i * p + 2 * j + 1] = (x0 * s[j] + x1 * c[j]) * scale;
-            }
-            bias_row[i] = bias ? bias + b * bias_bstride + t * S : NULL;
-            mx[i] = -INFINITY, sum[i] = 0.0f;
+    const AttArgs a = {q, kv, pe, cos, sin, bias, w_uk, w_uv, wkind, akind, rot_bstride, uk_hstride, uk_rstride,
+                       uv_hstride, uv_rstride, T, H, S, nope, p, r, v, kv_bstride, kv_sstride, pe_bstride,
+                       pe_sstride, bias_bstride, scale, out};
+    const int64_t M = T * H;
+    const int64_t group = B * ((M + ATT_GROUP - 1) / ATT_GROUP) >= nthreads ? ATT_GROUP : ATT_QUERIES;
+    const int64_t mblocks = (M + group - 1) / group;
+#pragma omp parallel num_threads(nthreads)
+    {
+        float *buf = (float *)malloc((size_t)ATT_FLOATS(r, p) * sizeof(float));
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < B * mblocks; task++) {
+            const int64_t b = task / mblocks, m0 = (task % mblocks) * group;
+            const int mb = M - m0 < group ? (int)(M - m0) : (int)group;
+            memset(buf, 0, (size_t)(ATT_GROUP * (2 * r + p)) * sizeof(float));
+            if (ckind == A_F32) att_task(A_F32, &a, b, m0, mb, buf);
+            else att_task(A_BF16, &a, b, m0, mb, buf);
         }
-        const char *kv_b = (const char *)kv + (size_t)(b * kv_bstride) * es;
-        const char *pe_b = (const char *)pe + (size_t)(b * pe_bstride) * es;
-        for (int64_t s0 = 0; s0 < S; s0 += ATT_TILE) {
-            const int64_t n = S - s0 < ATT_TILE ? S - s0 : ATT_TILE;
-            for (int64_t j = 0; j < n; j++) {
-                float d[ATT_QUERIES];
-                att_scores(q_lat, q_pe, kv_b + (size_t)((s0 + j) * kv_sstride) * es,
-                           pe_b + (size_t)((s0 + j) * pe_sstride) * es, ckind, r, p, d);
-                for (int i = 0; i < ATT_QUERIES; i++)
-                    sc[i * ATT_TILE + j] = i < mb ? d[i] + (bias_row[i] ? bias_row[i][s0 + j] : 0.0f) : 0.0f;
-            }
-            for (int i = 0; i < mb; i++) att_softmax_tile(sc + i * ATT_TILE, n, mx + i, sum + i, o_lat + i * r, r);
-            att_values(o_lat, sc, kv_b + (size_t)(s0 * kv_sstride) * es, ckind, kv_sstride, n, r);
-        }
-        for (int i = 0; i < mb; i++) { /* W_UV[h] o_lat / sum, into this head's slice of the output */
-            const int64_t t = (m0 + i) / H, h = (m0 + i) % H;
-            const float inv = 1.0f / sum[i];
-            for (int64_t k = 0; k < r; k++) o_lat[i * r + k] *= inv;
-            for (int64_t c = 0; c < v; c++)
-                blk_store(out, akind, ((b * T + t) * H + h) * v + c, blk_dot(w_uv + h * uv_hstride + c * uv_rstride, o_lat + i * r, r));
-        }
-        free(q_lat), free(q_pe), free(o_lat);
+        free(buf);
     }
     return 0;
 }
@@ -752,7 +863,7 @@ typedef struct { /* one block's weights and constants (made once per plan) */
     const void *input_norm, *post_norm, *q_norm, *kv_norm; /* in the activation dtype */
     float input_eps, post_eps, q_eps, kv_eps;
     BlkLinear q_a, q_b, kv_a, o; /* q_a.w NULL: no query compression and q_b is q_proj */
-    const float *w_uk, *w_uv;    /* fp32 W_UK [H, nope, r], W_UV [H, v, r] (strided) */
+    const void *w_uk, *w_uv;     /* W_UK [H, nope, r], W_UV [H, v, r] (strided), fp32 or bf16 (w_kind) */
     int64_t uk_hstride, uk_rstride, uv_hstride, uv_rstride;
     int64_t heads, nope, rope, v_dim, kv_rank;
     float softmax_scale;
@@ -760,6 +871,7 @@ typedef struct { /* one block's weights and constants (made once per plan) */
     int64_t softmax, n_group, topk_group, group_sum, topk, normalize;
     float route_scale;
     BlkExperts routed, shared; /* shared.gate NULL: no shared expert */
+    int64_t w_kind;            /* of w_uk and w_uv */
 } BlkDesc;
 
 typedef struct { /* one decode step, shared by all blocks */
@@ -771,6 +883,27 @@ typedef struct { /* one decode step, shared by all blocks */
     const float *bias; /* additive mask [rows or 1, T, start + T], or NULL */
     int64_t bias_bstride, nthreads;
 } BlkStep;
+
+#ifdef DSV3_BLOCK_PROFILE /* per-phase wall time of the block kernel (a profiling build only) */
+#include <time.h>
+enum { PH_NORM, PH_Q, PH_KV, PH_LATENT, PH_ATT, PH_O, PH_ROUTE, PH_ROUTED, PH_SHARED, PH_N };
+static double blk_prof[PH_N], prof_t;
+static double blk_now(void) {
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+#define PROF_START (prof_t = blk_now())
+#define PROF(ph) do { const double prof_u = blk_now(); blk_prof[ph] += prof_u - prof_t; prof_t = prof_u; } while (0)
+int dsv3_block_profile(double *out, int reset) {
+    for (int i = 0; i < PH_N; i++) out[i] = blk_prof[i];
+    if (reset) memset(blk_prof, 0, sizeof(blk_prof));
+    return PH_N;
+}
+#else
+#define PROF_START ((void)0)
+#define PROF(ph)
+#endif
 
 /* RMSNorm.forward for M rows of n values, x rows ``ldx`` apart: w * (x / rms(x)).to(dtype), normalised in
  * fp32, in the activation dtype (as decode.rms_norm). out may be x. */
@@ -840,7 +973,9 @@ static void blk_feed_forward(const BlkDesc *d, const BlkStep *s, const void *h, 
         float *gates = (float *)malloc((size_t)(M * k + 1) * sizeof(float));
         dsv3_route(d->router, d->router_bias, d->routed.n_experts, d->dim, h, ak, M, (int)d->softmax, d->n_group,
                    d->topk_group, (int)d->group_sum, k, (int)d->normalize, d->route_scale, idx, gates, nt);
+        PROF(PH_ROUTE);
         blk_experts(&d->routed, h, ak, M, idx, gates, k, y, 0, nt);
+        PROF(PH_ROUTED);
         free(idx), free(gates);
         have = 1;
     }
@@ -850,6 +985,7 @@ static void blk_feed_forward(const BlkDesc *d, const BlkStep *s, const void *h, 
         for (int64_t m = 0; m < M; m++) one[m] = 1.0f;
         blk_experts(&d->shared, h, ak, M, zero, one, 1, y, have, nt);
         free(zero), free(one);
+        PROF(PH_SHARED);
     }
 }
 
@@ -863,7 +999,9 @@ int dsv3_decode_block(const BlkDesc *d, const BlkStep *s, void *x) {
     char *h = (char *)malloc((size_t)(M * D + 1) * es), *y = (char *)malloc((size_t)(M * D + 1) * es);
     char *q = (char *)malloc((size_t)(M * d->q_b.n + 1) * es), *kv = (char *)malloc((size_t)(M * width + 1) * es);
     char *att = (char *)malloc((size_t)(M * H * d->v_dim + 1) * es);
+    PROF_START;
     blk_rms_norm(x, D, d->input_norm, d->input_eps, ak, M, D, h, D);
+    PROF(PH_NORM);
     if (d->q_a.w) {
         char *qa = (char *)malloc((size_t)(M * d->q_a.n + 1) * es);
         blk_linear(&d->q_a, h, ak, M, qa, nt);
@@ -873,18 +1011,25 @@ int dsv3_decode_block(const BlkDesc *d, const BlkStep *s, void *x) {
     } else {
         blk_linear(&d->q_b, h, ak, M, q, nt);
     }
+    PROF(PH_Q);
     blk_linear(&d->kv_a, h, ak, M, kv, nt);
+    PROF(PH_KV);
     blk_write_latents(d, s, kv);
+    PROF(PH_LATENT);
     dsv3_mla_decode(q, ak, s->cos, s->sin, s->rot_bstride, d->w_uk, d->uk_hstride, d->uk_rstride, d->w_uv,
-                    d->uv_hstride, d->uv_rstride, (const char *)s->kv + (size_t)(d->layer * s->kv_lstride) * ces,
-                    (const char *)s->pe + (size_t)(d->layer * s->pe_lstride) * ces, (int)s->ckind, s->rows, s->T,
+                    d->uv_hstride, d->uv_rstride, (int)d->w_kind,
+                    (const char *)s->kv + (size_t)(d->layer * s->kv_lstride) * ces, (const char *)s->pe + (size_t)(d->layer * s->pe_lstride) * ces, (int)s->ckind, s->rows, s->T,
                     H, S, d->nope, d->rope, d->kv_rank, d->v_dim, s->kv_bstride, s->kv_sstride, s->pe_bstride,
                     s->pe_sstride, s->bias, s->bias_bstride, d->softmax_scale, att, nt);
+    PROF(PH_ATT);
     blk_linear(&d->o, att, ak, M, y, nt);
+    PROF(PH_O);
     blk_add(x, y, ak, M * D);
     blk_rms_norm(x, D, d->post_norm, d->post_eps, ak, M, D, h, D);
+    PROF(PH_NORM);
     blk_feed_forward(d, s, h, M, y);
     blk_add(x, y, ak, M * D);
+    PROF(PH_NORM);
     free(h), free(y), free(q), free(kv), free(att);
     return 0;
 }

@@ -82,7 +82,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.dsv3_swiglu_experts.argtypes = [p, p, p, p, p, p, i32, i64, i64, i64, p, i32, i64, p, p, i64, p, i32,
                                         i32, i32]
     lib.dsv3_route.argtypes = [p, p, i64, i64, p, i32, i64, i32, i64, i64, i32, i64, i32, ctypes.c_float, p, p, i32]
-    lib.dsv3_mla_decode.argtypes = [p, i32, p, p, i64, p, i64, i64, p, i64, i64, p, p, i32] + [i64] * 12 + [
+    lib.dsv3_mla_decode.argtypes = [p, i32, p, p, i64, p, i64, i64, p, i64, i64, i32, p, p, i32] + [i64] * 12 + [
         p, i64, ctypes.c_float, p, i32]
     for fn in (lib.dsv3_linear, lib.dsv3_swiglu_experts, lib.dsv3_route, lib.dsv3_mla_decode):
         fn.restype = i32
@@ -266,14 +266,15 @@ def mla_decode(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_uk: torc
     """The absorbed MLA attention of a decode step, from the query projection to the heads' outputs.
 
     q [B, T, H, nope + rope] (x's dtype); cos/sin [B|1, T, rope/2] fp32; W_UK [H, nope, r] and
-    W_UV [H, v, r] fp32; kv [B, S, r], pe [B, S, rope] the cache's rows; bias [B|1, T, S] or None.
+    W_UV [H, v, r] of one dtype, fp32 or bf16 (computed in fp32: bf16 weights are read in place, converted
+    exactly); kv [B, S, r], pe [B, S, rope] the cache's rows; bias [B|1, T, S] or None.
     Returns [B, T, H * v] in q's dtype. One kernel call: absorb W_UK into the query, rope q_pe, attend
     over the latent cache, apply W_UV."""
     lib = _load()[0] if use_kernel else None
     tensors = (q, cos, sin, w_uk, w_uv, kv, pe) + (() if bias is None else (bias,))
     if (lib is None or q.dtype not in A_KIND or kv.dtype not in A_KIND or pe.dtype != kv.dtype
-            or any(t.device.type != "cpu" for t in tensors) or w_uk.dtype != torch.float32
-            or w_uv.dtype != torch.float32 or any(t.stride(-1) != 1 for t in (kv, pe, w_uk, w_uv))):
+            or any(t.device.type != "cpu" for t in tensors) or w_uk.dtype not in A_KIND
+            or w_uv.dtype != w_uk.dtype or any(t.stride(-1) != 1 for t in (kv, pe, w_uk, w_uv))):
         return mla_decode_reference(q, cos, sin, w_uk, w_uv, kv, pe, bias, scale)
     B, T, H, _ = q.shape
     nope, r, v, p = w_uk.shape[1], w_uk.shape[2], w_uv.shape[1], pe.shape[-1]
@@ -283,9 +284,9 @@ def mla_decode(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_uk: torc
     out = q.new_empty(B, T, H * v)
     lib.dsv3_mla_decode(q.data_ptr(), A_KIND[q.dtype], cos.data_ptr(), sin.data_ptr(),
                         0 if cos.shape[0] == 1 else cos.stride(0), w_uk.data_ptr(), w_uk.stride(0), w_uk.stride(1),
-                        w_uv.data_ptr(), w_uv.stride(0), w_uv.stride(1), kv.data_ptr(), pe.data_ptr(),
-                        A_KIND[kv.dtype], B, T, H, kv.shape[1], nope, p, r, v, kv.stride(0), kv.stride(1),
-                        pe.stride(0), pe.stride(1), _ptr(bias),
+                        w_uv.data_ptr(), w_uv.stride(0), w_uv.stride(1), A_KIND[w_uk.dtype], kv.data_ptr(),
+                        pe.data_ptr(), A_KIND[kv.dtype], B, T, H, kv.shape[1], nope, p, r, v, kv.stride(0),
+                        kv.stride(1), pe.stride(0), pe.stride(1), _ptr(bias),
                         0 if bias is None or bias.shape[0] == 1 else bias.stride(0), scale, out.data_ptr(),
                         torch.get_num_threads())
     return out
@@ -300,10 +301,10 @@ def mla_decode_reference(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     B, T, H, _ = q.shape
     nope, r = w_uk.shape[1], w_uk.shape[2]
     q_nope, q_pe = q.float().split([nope, q.shape[-1] - nope], dim=-1)
-    q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk).reshape(B, T * H, r)
+    q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk.float()).reshape(B, T * H, r)
     q_pe = apply_rope(q_pe, cos, sin).reshape(B, T * H, -1)
     o_lat = latent_attention_reference(q_lat, q_pe, kv, pe, bias, scale, H).view(B, T, H, r)
-    return torch.einsum("bthr,hvr->bthv", o_lat, w_uv).reshape(B, T, -1).to(q.dtype)
+    return torch.einsum("bthr,hvr->bthv", o_lat, w_uv.float()).reshape(B, T, -1).to(q.dtype)
 
 
 # ---- a whole block's decode step in one call ------------------------------------------------------------
@@ -336,7 +337,7 @@ class BlockDesc(ctypes.Structure):
                 ("router", _p), ("router_bias", _p),
                 ("softmax", _i64), ("n_group", _i64), ("topk_group", _i64), ("group_sum", _i64), ("topk", _i64),
                 ("normalize", _i64), ("route_scale", _f32),
-                ("routed", BlockExperts), ("shared", BlockExperts)]
+                ("routed", BlockExperts), ("shared", BlockExperts), ("w_kind", _i64)]
 
 
 class BlockStep(ctypes.Structure):

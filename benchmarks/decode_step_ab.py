@@ -1,0 +1,236 @@
+"""Batch-1 decode steps of dsv3's fast path at a git revision and in this tree, interleaved in one run.
+
+    .venv/bin/python benchmarks/decode_step_ab.py --baseline-rev 6d8d4ab --json > decode_step_ab.json
+
+For each weight dtype, thread count and context, two worker processes build the ``small`` preset shape
+with random weights (as ``decode_speed.py`` measures it; the same seed, so the same model), prefill the
+same prompt once and then wait: one runs the revision's ``src`` (exported with ``git archive``: its
+Python and its C kernels), the other this tree's. The parent has them decode ``--steps`` steps in turn,
+``--rounds`` times, so that machine load hits both alike; each figure is the median over the rounds of
+the mean time per step, with its roofline fraction computed as ``decode_speed.py`` does (the bytes a
+step reads over the best read bandwidth measured in the run, divided by the time per step).
+``--phases`` builds each side's kernels with ``-DDSV3_BLOCK_PROFILE`` and adds the median time per step
+of each phase of ``dsv3_decode_block`` (norms, query and key/value projections, cache write, attention,
+output projection, router, routed and shared experts), for a side whose kernels have the timers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).parent))
+from decode_speed import add_roofline, cache_bytes_per_token, figure, read_bandwidth, weight_bytes_per_token  # noqa: E402
+from dsv3.config import preset  # noqa: E402
+from dsv3.errors import DSV3Error  # noqa: E402
+from dsv3.model import Transformer  # noqa: E402
+from serve_scaling import parse_ints  # noqa: E402
+
+PHASES = ("norm", "q", "kv", "latent", "attention", "o", "route", "routed", "shared")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+REPO = Path(__file__).resolve().parent.parent
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def small_model(dtype: str) -> Transformer:
+    torch.manual_seed(0)
+    return Transformer(preset("small")).to(DTYPES[dtype]).eval()
+
+
+# ---- the worker: one side, one configuration -------------------------------------------------------------
+
+
+def profiling_kernels() -> object | None:
+    """This side's kernels built with the phase timers (and used from now on), or None when its source
+    has no timers."""
+    import dsv3.model.decode_kernels as dk
+
+    if "DSV3_BLOCK_PROFILE" not in dk.SOURCE.read_text():
+        return None
+    target = Path(tempfile.mkdtemp()) / "profile.so"
+    subprocess.run(["cc", *dk.FLAGS, "-DDSV3_BLOCK_PROFILE", str(dk.SOURCE), "-o", str(target), "-lm"], check=True,
+                   capture_output=True)
+    lib = dk._declare(ctypes.CDLL(str(target)))
+    dk._load = lambda: (lib, "ok")
+    return lib
+
+
+def worker(dtype: str, threads: int, ctx: int, phases: bool) -> None:
+    """Prefill, then answer each line "N" on stdin with the seconds N decode steps took (and the block
+    kernel's phase seconds), as one JSON line; end at "quit"."""
+    from dsv3.infer.engine import Engine, Request
+
+    torch.set_num_threads(threads)
+    lib = profiling_kernels() if phases else None
+    model = small_model(dtype)
+    engine = Engine(model, eos_token_ids=frozenset(), fast=True)
+    prompt = torch.randint(0, model.config.vocab_size, (ctx,), generator=torch.Generator().manual_seed(ctx)).tolist()
+    clock = (ctypes.c_double * 16)()
+    with torch.inference_mode():
+        batch = engine.start([Request(prompt, 1_000_000)])
+        for _ in range(5):  # warm-up: the first steps after prefill are slower
+            batch.step()
+        print(json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            if line.strip() == "quit":
+                return
+            steps = int(line)
+            if lib is not None:
+                lib.dsv3_block_profile(clock, 1)
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                batch.step()
+            answer = {"seconds": (time.perf_counter() - t0) / steps}
+            if lib is not None:
+                lib.dsv3_block_profile(clock, 1)
+                answer["phases"] = [clock[i] / steps for i in range(len(PHASES))]
+            print(json.dumps(answer), flush=True)
+
+
+# ---- the parent ------------------------------------------------------------------------------------------
+
+
+class Side:
+    """A worker process running one source tree (``src``) for one configuration."""
+
+    def __init__(self, src: Path, dtype: str, threads: int, ctx: int, phases: bool):
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
+        cmd = [sys.executable, __file__, "--worker", dtype, str(threads), str(ctx)] + (["--phases"] if phases else [])
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self.answer()  # ready
+
+    def answer(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise DSV3Error(f"a benchmark worker exited (status {self.proc.wait()})")
+        return json.loads(line)
+
+    def run(self, steps: int) -> dict:
+        self.proc.stdin.write(f"{steps}\n")
+        self.proc.stdin.flush()
+        return self.answer()
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+def measure(sources: dict[str, Path], dtype: str, threads: int, ctx: int, args) -> dict[str, dict]:
+    """Median seconds per step (and phase medians) of each side, the sides taking turns."""
+    sides = {name: Side(src, dtype, threads, ctx, args.phases) for name, src in sources.items()}
+    try:
+        answers = {name: [] for name in sides}
+        for _ in range(args.rounds):
+            for name, side in sides.items():
+                answers[name].append(side.run(args.steps))
+    finally:
+        for side in sides.values():
+            side.close()
+    out = {}
+    for name, runs in answers.items():
+        out[name] = {"seconds": statistics.median(r["seconds"] for r in runs)}
+        if all("phases" in r for r in runs):
+            columns = zip(*(r["phases"] for r in runs), strict=True)
+            out[name]["phases_ms"] = {p: 1000 * statistics.median(c) for p, c in zip(PHASES, columns, strict=True)}
+    return out
+
+
+def export(rev: str, folder: Path) -> Path:
+    """The ``src`` folder of git revision ``rev``, written under ``folder``."""
+    archive = subprocess.run(["git", "archive", rev, "src"], cwd=REPO, capture_output=True, check=False)
+    if archive.returncode != 0:
+        raise DSV3Error(f"--baseline-rev {rev}: {archive.stderr.decode().strip()}")
+    subprocess.run(["tar", "-x", "-C", str(folder)], input=archive.stdout, check=True)
+    return folder / "src"
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--worker":
+        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), "--phases" in sys.argv)
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--baseline-rev", default="HEAD", help="git revision whose src is the baseline")
+    ap.add_argument("--contexts", default="256,2048,4096")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--dtypes", default="fp32,bf16")
+    ap.add_argument("--steps", type=int, default=4, help="timed steps per round and side")
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--phases", action="store_true", help="time dsv3_decode_block's phases (profiling builds)")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    dtypes = args.dtypes.split(",")
+    try:
+        contexts, threads = parse_ints(args.contexts, "--contexts"), parse_ints(args.threads, "--threads")
+        if any(d not in DTYPES for d in dtypes):
+            raise DSV3Error(f"--dtypes: each one of {', '.join(DTYPES)}, got {args.dtypes!r}")
+        if args.steps < 1 or args.rounds < 1:
+            raise DSV3Error("--steps and --rounds must be >= 1")
+        with tempfile.TemporaryDirectory() as tmp:
+            sources = {f"baseline ({args.baseline_rev})": export(args.baseline_rev, Path(tmp)),
+                       "this tree": REPO / "src"}
+            result = run(sources, dtypes, threads, contexts, args)
+    except DSV3Error as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    print(json.dumps(result, indent=1) if args.json else report(result, list(sources)))
+
+
+def run(sources: dict[str, Path], dtypes: list[str], threads: list[int], contexts: list[int], args) -> dict:
+    bandwidth = {t: read_bandwidth(t) for t in threads}
+    rows = []
+    for dtype in dtypes:
+        model = small_model(dtype)
+        weights = weight_bytes_per_token(model)
+        for t in threads:
+            for ctx in contexts:
+                log(f"{dtype}, {t} thread(s), context {ctx}")
+                result = measure(sources, dtype, t, ctx, args)
+                bandwidth[t] = max(bandwidth[t], read_bandwidth(t, 128, 3))
+                row = {"dtype": dtype, "threads": t, "context": ctx}
+                for name, r in result.items():  # the engine's cache takes the model's dtype
+                    row[name] = figure(r["seconds"], weights,
+                                       cache_bytes_per_token(model.config, ctx, DTYPES[dtype].itemsize), t)
+                    if "phases_ms" in r:
+                        row[name]["phases_ms"] = r["phases_ms"]
+                rows.append(row)
+    add_roofline(rows, bandwidth)
+    names = list(sources)
+    for row in rows:
+        row["time_ratio"] = row[names[1]]["ms_per_step"] / row[names[0]]["ms_per_step"]
+    return {"baseline_rev": args.baseline_rev, "read_bandwidth_gb_s": {t: b / 1e9 for t, b in bandwidth.items()},
+            "steps": args.steps, "rounds": args.rounds, "rows": rows}
+
+
+def report(result: dict, names: list[str]) -> str:
+    lines = [f"read bandwidth (GB/s): {result['read_bandwidth_gb_s']}",
+             "dtype threads context | " + " | ".join(f"{n}: ms/step tokens/s (roofline)" for n in names)
+             + " | time ratio (this tree / baseline)"]
+    for row in result["rows"]:
+        cells = [f"{row[n]['ms_per_step']:.2f} {row[n]['tokens_per_s']:.1f} ({row[n]['roofline_fraction']:.2f})"
+                 for n in names]
+        lines.append(f"{row['dtype']} {row['threads']} {row['context']} | " + " | ".join(cells)
+                     + f" | {row['time_ratio']:.3f}")
+        for n in names:
+            if "phases_ms" in row[n]:
+                lines.append(f"    {n} phases (ms/step): "
+                             + " ".join(f"{p}={v:.3f}" for p, v in row[n]["phases_ms"].items()))
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    main()
