@@ -6,14 +6,8 @@ expert as ``dsv3_swiglu_experts`` runs them) in fp32, bf16 and FP8 (e4m3, 128x12
 the same run (torch ``x.sum()`` over 256 MB), and torch's ``F.linear`` on the same weights beside it (FP8:
 dequantized per call, which is what runs without the kernels). ``--baseline`` adds another build of the
 kernels (an older ``decode_kernels.c`` or its ``.so``, or ``--baseline-rev REV`` for the file at a git
-revision) for a before/after comparison in one run.
-
-``--steps`` times whole decode steps instead (the engine's fast path on a random ``--preset`` model, batch 1 and
-``--batch`` rows at context ``--context``, fp32 and bf16 weights): output tokens/s at batch 16 over batch 1,
-for this tree's kernels and, with a baseline, for the baseline library, the two swapped in alternating rounds
-(the same prefilled batches decode under both).
-
-    .venv/bin/python benchmarks/decode_kernels_speed.py --steps --baseline-rev main --kinds fp32,bf16
+revision) for a before/after comparison in one run (whole decode steps before and after a change:
+``benchmarks/decode_step_ab.py``).
 
     .venv/bin/python benchmarks/decode_kernels_speed.py                      # the table
     .venv/bin/python benchmarks/decode_kernels_speed.py --baseline-rev main --rows 1,4,16 --json
@@ -44,8 +38,6 @@ import torch.nn.functional as F
 
 from dsv3.config import preset
 from dsv3.errors import DSV3Error
-from dsv3.infer.engine import Engine, Request
-from dsv3.model import Transformer
 from dsv3.model import decode_kernels as dk
 from dsv3.precision.fp8 import dequantize_weight_blocks, quantize_weight_blocks
 from serve_scaling import parse_ints  # the benchmarks folder is the script's sys.path[0]
@@ -265,70 +257,6 @@ def run(cases: list[Case], kinds: list[str], threads: list[int], rows: list[int]
             "footprint_mb": footprint / 2**20, "repeats": repeats, "baseline": base is not None, "torch": with_torch}
 
 
-def decode_rounds(batches: dict, libs: dict, steps: int, repeats: int) -> dict:
-    """Median seconds per step of every (library, batch) pair, the libraries swapped into the kernels' loader
-    in alternating rounds (one warm-up round first)."""
-    times = {(name, b): [] for name in libs for b in batches}
-    load = dk._load
-    try:
-        with torch.inference_mode():
-            for rep in range(repeats + 1):
-                for name, lib in libs.items():
-                    dk._load = lambda lib=lib: (lib, "ok")
-                    for b, batch in batches.items():
-                        t0 = time.perf_counter()
-                        for _ in range(steps):
-                            batch.step()
-                        if rep:
-                            times[name, b].append((time.perf_counter() - t0) / steps)
-    finally:
-        dk._load = load
-    return {key: statistics.median(ts) for key, ts in times.items()}
-
-
-def run_steps(kinds: list[str], threads: int, batch: int, context: int, steps: int, repeats: int,
-              base: ctypes.CDLL | None, shape: str = "small") -> dict:
-    """Decode steps at batch 1 and ``batch`` (see the module docstring), per weight kind."""
-    lib = dk._load()[0]
-    if lib is None:
-        raise DSV3Error(f"the C kernels do not run here: {dk.kernel_status()}")
-    libs = {"kernel": lib} | ({"baseline": base} if base is not None else {})
-    torch.set_num_threads(threads)
-    cfg = preset(shape).replace(max_position_embeddings=context + steps * (repeats + 1) * len(libs) + 8)
-    rows = []
-    for kind in kinds:
-        torch.manual_seed(0)
-        model = Transformer(cfg).to(ACT[kind]).eval()
-        engine = Engine(model, eos_token_ids=frozenset(), fast=True)
-        gen = torch.Generator().manual_seed(context)
-        batches = {}
-        with torch.inference_mode():
-            for b in (1, batch):
-                log(f"{kind}: prefill {b} x {context} tokens")
-                prompts = [torch.randint(1, cfg.vocab_size, (context,), generator=gen).tolist() for _ in range(b)]
-                batches[b] = engine.start([Request(p, steps * (repeats + 1) * len(libs) + 2, ignore_eos=True)
-                                           for p in prompts])
-        secs = decode_rounds(batches, libs, steps, repeats)
-        row = {"kind": kind, "preset": shape, "threads": threads, "context": context, "batch": batch}
-        for name in libs:
-            row[f"{name}_ms_batch1"] = secs[name, 1] * 1e3
-            row[f"{name}_ms_batch{batch}"] = secs[name, batch] * 1e3
-            row[f"{name}_batch_over_1"] = batch * secs[name, 1] / secs[name, batch]
-        log(f"{kind}: batch {batch} / batch 1 = " + ", ".join(f"{n} {row[f'{n}_batch_over_1']:.2f}x" for n in libs))
-        rows.append(row)
-    return {"steps": rows, "repeats": repeats, "baseline": base is not None}
-
-
-def print_steps(report: dict) -> None:
-    print("decode steps (engine fast path, random weights): ms per step and output tokens/s at batch B over batch 1")
-    for r in report["steps"]:
-        b = r["batch"]
-        for name in ("kernel", "baseline") if report["baseline"] else ("kernel",):
-            print(f"{r['preset']} {r['kind']:<5} {name:<8} context {r['context']} threads {r['threads']}: batch 1 "
-                  f"{r[f'{name}_ms_batch1']:.2f} ms, batch {b} {r[f'{name}_ms_batch{b}']:.2f} ms, "
-                  f"batch {b} / batch 1 {r[f'{name}_batch_over_1']:.2f}x")
-
-
 def print_table(report: dict) -> None:
     bws = ", ".join(f"{t} thread{'s' if t != '1' else ''} {b:.1f} GB/s" for t, b in report["bandwidth_gbs"].items())
     print(f"read bandwidth (torch x.sum(), 256 MB): {bws}")
@@ -358,10 +286,6 @@ def main() -> None:
     ap.add_argument("--baseline", help="another decode_kernels.c or its .so, timed beside this tree's")
     ap.add_argument("--baseline-rev", help="a git revision whose decode_kernels.c is the baseline")
     ap.add_argument("--no-torch", action="store_true", help="leave out torch's F.linear (slow at many rows)")
-    ap.add_argument("--steps", action="store_true", help="time whole decode steps at batch 1 and --batch instead")
-    ap.add_argument("--batch", type=int, default=16, help="--steps: the batch compared with batch 1")
-    ap.add_argument("--context", type=int, default=1024, help="--steps: the prompt length")
-    ap.add_argument("--preset", default="small", help="--steps: the model's shape (random weights)")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args()
     try:
@@ -380,16 +304,8 @@ def main() -> None:
             cases = [c for c in cases if c.name in wanted]
         if args.repeats < 1 or args.footprint_mb < 1:
             raise DSV3Error("--repeats and --footprint-mb must be >= 1")
-        if args.steps:
-            preset(args.preset)  # an unknown name ends here, with the known ones
-        if args.steps and (args.batch < 2 or args.context < 1 or any(k == "fp8" for k in kinds)):
-            raise DSV3Error("--steps needs --batch >= 2, --context >= 1 and --kinds among fp32,bf16")
         with tempfile.TemporaryDirectory() as work:
             base = baseline_library(args.baseline, args.baseline_rev, Path(work))
-            if args.steps:
-                report = run_steps(kinds, max(threads), args.batch, args.context, 8, args.repeats, base, args.preset)
-                print(json.dumps(report)) if args.json else print_steps(report)
-                return
             report = run(cases, kinds, threads, rows, args.repeats, args.footprint_mb * 2**20, base,
                          not args.no_torch)
     except DSV3Error as err:

@@ -1,14 +1,17 @@
-"""Batch-1 decode steps of dsv3's fast path at a git revision and in this tree, interleaved in one run.
+"""Decode steps of dsv3's fast path at a git revision and in this tree, interleaved in one run.
 
     .venv/bin/python benchmarks/decode_step_ab.py --baseline-rev 6d8d4ab --json > decode_step_ab.json
+    .venv/bin/python benchmarks/decode_step_ab.py --baseline-rev 6d8d4ab --batches 1,16 --contexts 1024 --threads 1
 
-For each weight dtype, thread count and context, two worker processes build the ``small`` preset shape
-with random weights (as ``decode_speed.py`` measures it; the same seed, so the same model), prefill the
-same prompt once and then wait: one runs the revision's ``src`` (exported with ``git archive``: its
-Python and its C kernels), the other this tree's. The parent has them decode ``--steps`` steps in turn,
-``--rounds`` times, so that machine load hits both alike; each figure is the median over the rounds of
-the mean time per step, with its roofline fraction computed as ``decode_speed.py`` does (the bytes a
-step reads over the best read bandwidth measured in the run, divided by the time per step).
+For each weight dtype, thread count, batch size and context, two worker processes build the ``--preset`` shape
+(``small`` by default) with random weights (as ``decode_speed.py`` measures it; the same seed, so the same
+model), prefill the same prompts (one per row of the batch) once and then wait: one runs the revision's
+``src`` (exported with ``git archive``: its Python and its C kernels), the other this tree's. The parent has
+them decode ``--steps`` steps in turn, ``--rounds`` times, so that machine load hits both alike; each figure
+is the median over the rounds of the mean time per step, with its roofline fraction computed as
+``decode_speed.py`` does (the bytes a step reads over the best read bandwidth measured in the run, divided by
+the time per step).
+
 ``--phases`` builds each side's kernels with ``-DDSV3_BLOCK_PROFILE`` and adds the median time per step
 of each phase of ``dsv3_decode_block`` (norms, query and key/value projections, cache write, attention,
 output projection, router, routed and shared experts), for a side whose kernels have the timers.
@@ -34,6 +37,7 @@ from decode_speed import add_roofline, cache_bytes_per_token, figure, read_bandw
 from dsv3.config import preset  # noqa: E402
 from dsv3.errors import DSV3Error  # noqa: E402
 from dsv3.model import Transformer  # noqa: E402
+from dsv3.option_lists import parse_list  # noqa: E402
 from serve_scaling import parse_ints  # noqa: E402
 
 PHASES = ("norm", "q", "kv", "latent", "attention", "o", "route", "routed", "shared")
@@ -45,9 +49,9 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def small_model(dtype: str) -> Transformer:
+def random_model(shape: str, dtype: str) -> Transformer:
     torch.manual_seed(0)
-    return Transformer(preset("small")).to(DTYPES[dtype]).eval()
+    return Transformer(preset(shape)).to(DTYPES[dtype]).eval()
 
 
 # ---- the worker: one side, one configuration -------------------------------------------------------------
@@ -68,19 +72,20 @@ def profiling_kernels() -> object | None:
     return lib
 
 
-def worker(dtype: str, threads: int, ctx: int, phases: bool) -> None:
+def worker(shape: str, dtype: str, threads: int, ctx: int, rows: int, phases: bool) -> None:
     """Prefill, then answer each line "N" on stdin with the seconds N decode steps took (and the block
     kernel's phase seconds), as one JSON line; end at "quit"."""
     from dsv3.infer.engine import Engine, Request
 
     torch.set_num_threads(threads)
     lib = profiling_kernels() if phases else None
-    model = small_model(dtype)
+    model = random_model(shape, dtype)
     engine = Engine(model, eos_token_ids=frozenset(), fast=True)
-    prompt = torch.randint(0, model.config.vocab_size, (ctx,), generator=torch.Generator().manual_seed(ctx)).tolist()
+    gen = torch.Generator().manual_seed(ctx)
+    prompts = [torch.randint(0, model.config.vocab_size, (ctx,), generator=gen).tolist() for _ in range(rows)]
     clock = (ctypes.c_double * 16)()
     with torch.inference_mode():
-        batch = engine.start([Request(prompt, 1_000_000)])
+        batch = engine.start([Request(p, 1_000_000) for p in prompts])
         for _ in range(5):  # warm-up: the first steps after prefill are slower
             batch.step()
         print(json.dumps({"ready": True}), flush=True)
@@ -106,9 +111,10 @@ def worker(dtype: str, threads: int, ctx: int, phases: bool) -> None:
 class Side:
     """A worker process running one source tree (``src``) for one configuration."""
 
-    def __init__(self, src: Path, dtype: str, threads: int, ctx: int, phases: bool):
+    def __init__(self, src: Path, shape: str, dtype: str, threads: int, ctx: int, rows: int, phases: bool):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
-        cmd = [sys.executable, __file__, "--worker", dtype, str(threads), str(ctx)] + (["--phases"] if phases else [])
+        cmd = [sys.executable, __file__, "--worker", shape, dtype, str(threads), str(ctx), str(rows)]
+        cmd += ["--phases"] if phases else []
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.answer()  # ready
 
@@ -130,9 +136,9 @@ class Side:
             self.proc.wait(timeout=60)
 
 
-def measure(sources: dict[str, Path], dtype: str, threads: int, ctx: int, args) -> dict[str, dict]:
+def measure(sources: dict[str, Path], dtype: str, threads: int, ctx: int, rows: int, args) -> dict[str, dict]:
     """Median seconds per step (and phase medians) of each side, the sides taking turns."""
-    sides = {name: Side(src, dtype, threads, ctx, args.phases) for name, src in sources.items()}
+    sides = {name: Side(src, args.preset, dtype, threads, ctx, rows, args.phases) for name, src in sources.items()}
     try:
         answers = {name: [] for name in sides}
         for _ in range(args.rounds):
@@ -161,53 +167,58 @@ def export(rev: str, folder: Path) -> Path:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), "--phases" in sys.argv)
+        worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), "--phases" in sys.argv)
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline-rev", default="HEAD", help="git revision whose src is the baseline")
+    ap.add_argument("--preset", default="small", help="the model's shape (random weights)")
     ap.add_argument("--contexts", default="256,2048,4096")
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--batches", default="1", help="rows per decode step (each its own prompt)")
     ap.add_argument("--dtypes", default="fp32,bf16")
     ap.add_argument("--steps", type=int, default=4, help="timed steps per round and side")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--phases", action="store_true", help="time dsv3_decode_block's phases (profiling builds)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    dtypes = args.dtypes.split(",")
     try:
         contexts, threads = parse_ints(args.contexts, "--contexts"), parse_ints(args.threads, "--threads")
+        batches, dtypes = parse_ints(args.batches, "--batches"), parse_list(args.dtypes, "--dtypes")
         if any(d not in DTYPES for d in dtypes):
             raise DSV3Error(f"--dtypes: each one of {', '.join(DTYPES)}, got {args.dtypes!r}")
+        preset(args.preset)  # an unknown name ends here, naming the known ones
         if args.steps < 1 or args.rounds < 1:
             raise DSV3Error("--steps and --rounds must be >= 1")
         with tempfile.TemporaryDirectory() as tmp:
             sources = {f"baseline ({args.baseline_rev})": export(args.baseline_rev, Path(tmp)),
                        "this tree": REPO / "src"}
-            result = run(sources, dtypes, threads, contexts, args)
+            result = run(sources, dtypes, threads, batches, contexts, args)
     except DSV3Error as exc:
         print(f"error: {exc}", file=sys.stderr)
         sys.exit(2)
     print(json.dumps(result, indent=1) if args.json else report(result, list(sources)))
 
 
-def run(sources: dict[str, Path], dtypes: list[str], threads: list[int], contexts: list[int], args) -> dict:
+def run(sources: dict[str, Path], dtypes: list[str], threads: list[int], batches: list[int], contexts: list[int],
+        args) -> dict:
     bandwidth = {t: read_bandwidth(t) for t in threads}
     rows = []
     for dtype in dtypes:
-        model = small_model(dtype)
-        weights = weight_bytes_per_token(model)
+        model = random_model(args.preset, dtype)
         for t in threads:
-            for ctx in contexts:
-                log(f"{dtype}, {t} thread(s), context {ctx}")
-                result = measure(sources, dtype, t, ctx, args)
-                bandwidth[t] = max(bandwidth[t], read_bandwidth(t, 128, 3))
-                row = {"dtype": dtype, "threads": t, "context": ctx}
-                for name, r in result.items():  # the engine's cache takes the model's dtype
-                    row[name] = figure(r["seconds"], weights,
-                                       cache_bytes_per_token(model.config, ctx, DTYPES[dtype].itemsize), t)
-                    if "phases_ms" in r:
-                        row[name]["phases_ms"] = r["phases_ms"]
-                rows.append(row)
+            for b in batches:
+                weights = weight_bytes_per_token(model, b)
+                for ctx in contexts:
+                    log(f"{dtype}, {t} thread(s), batch {b}, context {ctx}")
+                    result = measure(sources, dtype, t, ctx, b, args)
+                    bandwidth[t] = max(bandwidth[t], read_bandwidth(t, 128, 3))
+                    row = {"dtype": dtype, "threads": t, "batch": b, "context": ctx}
+                    for name, r in result.items():  # the engine's cache takes the model's dtype
+                        cache = cache_bytes_per_token(model.config, ctx, DTYPES[dtype].itemsize)
+                        row[name] = figure(r["seconds"], weights, cache, t, b)
+                        if "phases_ms" in r:
+                            row[name]["phases_ms"] = r["phases_ms"]
+                    rows.append(row)
     add_roofline(rows, bandwidth)
     names = list(sources)
     for row in rows:
@@ -218,12 +229,12 @@ def run(sources: dict[str, Path], dtypes: list[str], threads: list[int], context
 
 def report(result: dict, names: list[str]) -> str:
     lines = [f"read bandwidth (GB/s): {result['read_bandwidth_gb_s']}",
-             "dtype threads context | " + " | ".join(f"{n}: ms/step tokens/s (roofline)" for n in names)
+             "dtype threads batch context | " + " | ".join(f"{n}: ms/step tokens/s (roofline)" for n in names)
              + " | time ratio (this tree / baseline)"]
     for row in result["rows"]:
         cells = [f"{row[n]['ms_per_step']:.2f} {row[n]['tokens_per_s']:.1f} ({row[n]['roofline_fraction']:.2f})"
                  for n in names]
-        lines.append(f"{row['dtype']} {row['threads']} {row['context']} | " + " | ".join(cells)
+        lines.append(f"{row['dtype']} {row['threads']} {row['batch']} {row['context']} | " + " | ".join(cells)
                      + f" | {row['time_ratio']:.3f}")
         for n in names:
             if "phases_ms" in row[n]:

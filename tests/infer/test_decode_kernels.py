@@ -189,19 +189,20 @@ def test_speed_benchmark_reports_every_figure_as_json_and_refuses_bad_flags():
     assert bad.stderr.strip().splitlines() == ["error: --kinds must list some of fp32,bf16,fp8, got 'fp4'"]
 
 
-def test_speed_benchmark_times_whole_decode_steps_at_batch_1_and_b():
-    """--steps: one JSON object with the batch-1 and batch-B step times and their tokens/s ratio; --steps with
-    FP8 weights is refused with one error line."""
-    flags = ["--steps", "--preset", "nano", "--kinds", "bf16", "--threads", "1", "--batch", "2", "--context", "16",
-             "--repeats", "1", "--json"]
-    done = subprocess.run([sys.executable, str(BENCH), *flags], capture_output=True, text=True, timeout=300)
+def test_step_benchmark_times_both_sides_at_each_batch_size():
+    """decode_step_ab: one row per (dtype, threads, batch, context) with both sides' step times and roofline
+    fractions; a bad --dtypes ends with one error line and status 2."""
+    bench = Path(__file__).parents[2] / "benchmarks" / "decode_step_ab.py"
+    flags = ["--baseline-rev", "HEAD", "--preset", "nano", "--dtypes", "bf16", "--threads", "1", "--batches", "1,2",
+             "--contexts", "16", "--steps", "1", "--rounds", "1", "--json"]
+    done = subprocess.run([sys.executable, str(bench), *flags], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
-    (row,) = json.loads(done.stdout)["steps"]
-    assert (row["preset"], row["kind"], row["batch"], row["context"]) == ("nano", "bf16", 2, 16)
-    assert row["kernel_ms_batch1"] > 0 and row["kernel_ms_batch2"] > 0
-    assert row["kernel_batch_over_1"] == pytest.approx(2 * row["kernel_ms_batch1"] / row["kernel_ms_batch2"])
-    bad = subprocess.run([sys.executable, str(BENCH), "--steps", "--kinds", "fp8"], capture_output=True, text=True,
-                         timeout=300)
+    rows = json.loads(done.stdout)["rows"]
+    assert [(r["dtype"], r["batch"], r["context"]) for r in rows] == [("bf16", 1, 16), ("bf16", 2, 16)]
+    for r in rows:
+        for side in ("baseline (HEAD)", "this tree"):
+            assert r[side]["ms_per_step"] > 0 and 0 < r[side]["roofline_fraction"]
+            assert r[side]["tokens_per_s"] == pytest.approx(1000 * r["batch"] / r[side]["ms_per_step"])
+    bad = subprocess.run([sys.executable, str(bench), "--dtypes", "fp8"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stdout == ""
-    assert bad.stderr.strip().splitlines() == ["error: --steps needs --batch >= 2, --context >= 1 and --kinds among "
-                                               "fp32,bf16"]
+    assert bad.stderr.strip().splitlines() == ["error: --dtypes: each one of fp32, bf16, got 'fp8'"]
