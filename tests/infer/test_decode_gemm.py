@@ -53,41 +53,6 @@ def test_bf16_activations_and_outputs_keep_the_single_row_bits(kind):
         assert torch.equal(dk.linear(x[:rows], w), alone[:rows])
 
 
-@pytest.mark.parametrize("rows", [3, 4, 7, 16, 64])
-def test_fp8_subnormal_codes_are_exact_in_the_many_row_kernel(rows):
-    """All finite e4m3 codes (subnormals included), picked out by one-hot activations in a 16-step, an
-    8-step and the scalar tail, with the process flushing denormals: the exact dequantized values."""
-    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
-    finite = codes[torch.isfinite(codes.float())]
-    K = 203
-    w = dk.Weight(finite[:, None].expand(-1, K).contiguous(), torch.full((2, 2), 0.25), torch.float32)
-    if not torch.set_flush_denormal(True):
-        pytest.skip("this CPU cannot flush denormals")
-    try:
-        for col in (5, 130, 195, 201):
-            x = torch.zeros(rows, K)
-            x[:, col] = 1.0
-            assert torch.equal(dk.linear(x, w), (finite.float() * 0.25).expand(rows, -1))
-    finally:
-        torch.set_flush_denormal(False)
-
-
-@pytest.mark.parametrize("kind", KINDS)
-def test_many_rows_are_the_same_at_every_thread_count(kind):
-    w = weight(kind, 301, 264)
-    x = torch.randn(16, 264, generator=torch.Generator().manual_seed(3))
-    before = torch.get_num_threads()
-    try:
-        outs = []
-        for threads in (1, 2, 3):
-            torch.set_num_threads(threads)
-            outs.append(dk.linear(x, w))
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    assert torch.equal(outs[0], rows_alone(x, w))
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_routed_experts_give_each_row_its_single_row_bits(kind):
     """dsv3_swiglu_experts with 16 rows sharing 5 experts (so an expert sees 1 to many rows): each row's

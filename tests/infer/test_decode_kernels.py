@@ -78,12 +78,13 @@ def test_linear_batched_leading_dims_and_64_rows_in_one_call():
     assert torch.equal(got, one_by_one)  # a row's sum does not depend on the rows beside it
 
 
+@pytest.mark.parametrize("rows", [3, 16])
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "fp8"])
-def test_linear_is_the_same_at_every_thread_count(kind):
+def test_linear_is_the_same_at_every_thread_count(kind, rows):
     """Threads split the weight rows; every output is computed by one thread with the same code, so the
     result is bit-for-bit the same at 1, 2 and 3 threads (and over the parallel threshold)."""
     w = make_weight(kind, 301, 260)
-    x = torch.randn(3, 260)
+    x = torch.randn(rows, 260)
     before = torch.get_num_threads()
     try:
         outs = []
@@ -95,11 +96,12 @@ def test_linear_is_the_same_at_every_thread_count(kind):
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
 
 
-@pytest.mark.parametrize("rows", [1, 2, 5])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 64])
 def test_fp8_reads_every_e4m3_code_exactly_even_with_denormals_flushed(rows):
-    """All 254 finite e4m3 codes, each picked out by a one-hot activation (in a vector step and in the
-    scalar tail): the kernel's conversion is the dequantization bit for bit, subnormals included, also
-    when the process flushes denormals (the kernel turns DAZ off while it runs, and restores it)."""
+    """All 254 finite e4m3 codes, each picked out by a one-hot activation (in a 16-step, an 8-step and the
+    scalar tail; single-row and many-row kernels): the kernel's conversion is the dequantization bit for
+    bit, subnormals included, also when the process flushes denormals (the kernel turns DAZ off while it
+    runs, and restores it)."""
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     finite = codes[torch.isfinite(codes.float())]
     K = 203
@@ -107,7 +109,7 @@ def test_fp8_reads_every_e4m3_code_exactly_even_with_denormals_flushed(rows):
     if not torch.set_flush_denormal(True):
         pytest.skip("this CPU cannot flush denormals")
     try:
-        for col in (5, 130, 201):
+        for col in (5, 130, 195, 201):
             x = torch.zeros(rows, K)
             x[:, col] = 1.0
             got = dk.linear(x, w)
