@@ -32,13 +32,12 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-from decode_speed import add_roofline, cache_bytes_per_token, figure, read_bandwidth, weight_bytes_per_token  # noqa: E402
-from dsv3.config import preset  # noqa: E402
-from dsv3.errors import DSV3Error  # noqa: E402
-from dsv3.model import Transformer  # noqa: E402
-from dsv3.option_lists import parse_list  # noqa: E402
-from serve_scaling import parse_ints  # noqa: E402
+from dsv3.config import preset
+from dsv3.errors import DSV3Error
+from dsv3.model import Transformer
+
+# The parent's helpers (decode_speed's roofline, the list parsers) are imported in main(), not here: a worker
+# runs this file against an older revision's src, which may lack what they import.
 
 PHASES = ("norm", "q", "kv", "latent", "attention", "o", "route", "routed", "shared")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -169,6 +168,10 @@ def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), "--phases" in sys.argv)
         return
+    sys.path.insert(0, str(Path(__file__).parent))
+    from dsv3.option_lists import parse_list
+    from serve_scaling import parse_ints
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline-rev", default="HEAD", help="git revision whose src is the baseline")
     ap.add_argument("--preset", default="small", help="the model's shape (random weights)")
@@ -201,6 +204,8 @@ def main() -> None:
 
 def run(sources: dict[str, Path], dtypes: list[str], threads: list[int], batches: list[int], contexts: list[int],
         args) -> dict:
+    from decode_speed import add_roofline, cache_bytes_per_token, figure, read_bandwidth, weight_bytes_per_token
+
     bandwidth = {t: read_bandwidth(t) for t in threads}
     rows = []
     for dtype in dtypes:
