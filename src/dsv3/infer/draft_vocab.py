@@ -18,14 +18,13 @@ chat, serve) then drafts over the first K of them.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Iterable
 from pathlib import Path
 
 import torch
 
 from dsv3.errors import DSV3Error
-from dsv3.io import require_regular_file
+from dsv3.io import atomic_write_text, require_regular_file
 
 FILE = "draft_vocab.json"
 FORMAT = "dsv3-draft-vocab"
@@ -66,18 +65,14 @@ def coverage(counts: torch.Tensor, ids: list[int], k: int) -> float:
 
 
 def write(folder: str | Path, ids: list[int], counts: torch.Tensor, corpus: str) -> Path:
-    """Write ``folder/draft_vocab.json`` atomically (a temporary file renamed over it: an interrupted run
-    never leaves half a file that a later ``--draft-vocab`` would read)."""
+    """Write ``folder/draft_vocab.json`` atomically (an interrupted run never leaves half a file that a later
+    ``--draft-vocab`` would read)."""
     path = Path(folder) / FILE
     doc = {"format": FORMAT, "vocab_size": len(ids), "corpus": corpus, "tokens_counted": int(counts.sum()),
            "ids": ids, "counts": counts[ids].tolist()}
-    tmp = path.with_name(f".{FILE}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "w") as f:
-            json.dump(doc, f, separators=(",", ":"))
-        os.replace(tmp, path)
+        atomic_write_text(path, json.dumps(doc, separators=(",", ":")))
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise DSV3Error(f"cannot write {path}: {exc.strerror or exc}") from None
     return path
 
