@@ -92,10 +92,10 @@ def build_library(source: Path, out_dir: Path) -> ctypes.CDLL:
     """Compile a decode_kernels.c with the flags decode_kernels.py uses, and load it (with -mf16c too: earlier
     versions of the file converted FP8 through F16C)."""
     target = out_dir / f"{source.stem}-{abs(hash(source.read_bytes())):x}.so"
-    done = subprocess.run(["cc", *dk.FLAGS, "-mf16c", str(source), "-o", str(target), "-lm"], capture_output=True,
-                          text=True)
-    if done.returncode != 0:
-        raise DSV3Error(f"cannot compile {source}: {last_line(done.stderr)}")
+    try:
+        dk._build(target, source, ("-mf16c",))
+    except (RuntimeError, subprocess.TimeoutExpired) as exc:
+        raise DSV3Error(f"cannot compile {source}: {last_line(str(exc))}") from None
     return dk._declare(ctypes.CDLL(str(target)))
 
 

@@ -64,8 +64,7 @@ def profiling_kernels() -> object | None:
     if "DSV3_BLOCK_PROFILE" not in dk.SOURCE.read_text():
         return None
     target = Path(tempfile.mkdtemp()) / "profile.so"
-    subprocess.run(["cc", *dk.FLAGS, "-DDSV3_BLOCK_PROFILE", str(dk.SOURCE), "-o", str(target), "-lm"], check=True,
-                   capture_output=True)
+    dk._build(target, extra_flags=("-DDSV3_BLOCK_PROFILE",))
     lib = dk._declare(ctypes.CDLL(str(target)))
     dk._load = lambda: (lib, "ok")
     return lib

@@ -56,9 +56,10 @@ def _cpu_supported() -> str | None:
     return f"the CPU lacks {', '.join(missing)}" if missing else None
 
 
-def _build(target: Path) -> None:
-    """Compile SOURCE into ``target`` atomically (a concurrent build or a killed one never leaves a
-    half-written library under the final name)."""
+def _build(target: Path, source: Path = SOURCE, extra_flags: tuple[str, ...] = ()) -> None:
+    """Compile ``source`` (this package's kernels) into ``target`` atomically (a concurrent build or a killed
+    one never leaves a half-written library under the final name). ``extra_flags``: benchmarks build
+    profiling variants (``-DDSV3_BLOCK_PROFILE``) or older sources."""
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:
         raise RuntimeError("no C compiler (cc or gcc) on PATH")
@@ -66,8 +67,8 @@ def _build(target: Path) -> None:
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        done = subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp, "-lm"], capture_output=True, text=True,
-                              timeout=300)
+        done = subprocess.run([cc, *FLAGS, *extra_flags, str(source), "-o", tmp, "-lm"], capture_output=True,
+                              text=True, timeout=300)
         if done.returncode != 0:
             raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
         os.replace(tmp, target)
