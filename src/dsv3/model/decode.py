@@ -112,7 +112,7 @@ class FeedForwardPlan:
         self.mlp = mlp
         self.routed = self.shared = None
         if isinstance(mlp, MoE):
-            plain = (type(mlp.dispatcher) is LocalDispatcher and mlp.dispatcher.combine_format is None
+            plain = (LocalDispatcher.is_exact(mlp.dispatcher)
                      and not mlp._forward_hooks and not mlp.gate._forward_hooks)
             self.routed = _expert_weights(mlp.experts) if plain else None
             self.shared = _mlp_weights(mlp.shared_experts) if mlp.shared_experts is not None else None

@@ -85,6 +85,12 @@ class LocalDispatcher(TokenDispatcher):
         self.n_experts = n_experts
         self.combine_format = combine_format
 
+    @staticmethod
+    def is_exact(dispatcher: TokenDispatcher) -> bool:
+        """Whether ``dispatcher`` is a plain local one with an exact combine: what the decode fast paths
+        (``FastDecode``, ``StaticDecode``) can replace by computing the routed experts themselves."""
+        return type(dispatcher) is LocalDispatcher and dispatcher.combine_format is None
+
     def dispatch(self, x: torch.Tensor, routing: Routing) -> Steps:
         yield from ()  # no communication: never yields
         expert = routing.idx.flatten()  # pair p = (token p // K, its (p % K)-th choice)

@@ -40,8 +40,8 @@ def unsupported(model: Transformer) -> str | None:
         if hooked:
             return f"layer {i} has forward hooks, which a static step does not call"
         mlp = layer.mlp
-        if isinstance(mlp, MoE) and (type(mlp.experts) is not GroupedExperts or type(mlp.dispatcher)
-                                     is not LocalDispatcher or mlp.dispatcher.combine_format is not None):
+        if isinstance(mlp, MoE) and (type(mlp.experts) is not GroupedExperts
+                                     or not LocalDispatcher.is_exact(mlp.dispatcher)):
             return (f"layer {i}'s experts are {type(mlp.experts).__name__} behind {type(mlp.dispatcher).__name__}; "
                     "a static step needs plain GroupedExperts with the local dispatcher")
     return None
