@@ -14,7 +14,8 @@ revision) for a before/after comparison in one run (whole decode steps before an
 
 Every matrix is stacked in copies that together exceed the last-level cache (``--footprint-mb``) and the
 calls cycle through them, so weights come from memory as in a real decode step (which reads ~100 MB of
-weights per token), not from cache. Variants of one case alternate within every round (``--repeats``),
+weights per token), not from cache, and on huge pages as the engine keeps them (``dsv3.model.huge_pages``),
+like the read-bandwidth probe. Variants of one case alternate within every round (``--repeats``),
 so machine load hits them alike; each figure is the median over rounds. Activations: fp32 for fp32
 weights, bf16 for bf16 and FP8 weights (the decode path's dtypes).
 """
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from dsv3.config import preset
 from dsv3.errors import DSV3Error
 from dsv3.model import decode_kernels as dk
+from dsv3.model import huge_pages
 from dsv3.precision.fp8 import dequantize_weight_blocks, quantize_weight_blocks
 from serve_scaling import parse_ints  # the benchmarks folder is the script's sys.path[0]
 
@@ -130,8 +132,9 @@ def weight_stack(kind: str, copies: int, n: int, k: int, seed: int) -> dk.Weight
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) / math.sqrt(k)
     if kind == "fp8":
         q, s = quantize_weight_blocks(w)
-        return dk.Weight(q.expand(copies, n, k).contiguous(), s.expand(copies, *s.shape).contiguous(), torch.bfloat16)
-    return dk.Weight(w.to(ACT[kind]).expand(copies, n, k).contiguous())
+        return dk.Weight(huge_pages.clone(q.expand(copies, n, k)), s.expand(copies, *s.shape).contiguous(),
+                         torch.bfloat16)
+    return dk.Weight(huge_pages.clone(w.to(ACT[kind]).expand(copies, n, k)))
 
 
 def dense(w: dk.Weight, c: int) -> torch.Tensor:
@@ -218,7 +221,7 @@ def run(cases: list[Case], kinds: list[str], threads: list[int], rows: list[int]
     lib = dk._load()[0]
     if lib is None:
         raise DSV3Error(f"the C kernels do not run here: {dk.kernel_status()}")
-    big = torch.ones(256 * 2**20 // 4)
+    big = huge_pages.clone(torch.ones(256 * 2**20 // 4))
     bw: dict[int, list[float]] = {t: [] for t in threads}
     results = []
     with torch.inference_mode():

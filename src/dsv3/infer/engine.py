@@ -34,6 +34,7 @@ from dsv3.infer.detok import TextStream
 from dsv3.infer.draft_vocab import DraftVocab
 from dsv3.infer.sampling import GREEDY, SamplingParams, all_finite, draw, greedy_tokens, probabilities
 from dsv3.infer.speculative import verify
+from dsv3.model import huge_pages
 from dsv3.model.decode import FastDecode
 from dsv3.model.mla import LatentCache
 from dsv3.model.transformer import Transformer
@@ -203,7 +204,8 @@ class Engine:
     ``draft_vocab`` (token ids, or a :class:`DraftVocab`) restricts its drafts to those tokens, so that its
     head reads only their rows (``dsv3.infer.draft_vocab``; outputs unchanged, acceptance may drop).
     ``fast=False`` runs decode steps through the model's modules instead of ``FastDecode`` (same results;
-    the readable reference path)."""
+    the readable reference path). On a CPU the model's weights are moved onto huge pages first (in place,
+    values unchanged; ``dsv3.model.huge_pages``): decode steps stream them, and read them faster there."""
 
     def __init__(self, model: Transformer, tokenizer=None, speculative: bool = False,
                  cache_dtype: torch.dtype | None = None, eos_token_ids: frozenset[int] | None = None,
@@ -222,6 +224,7 @@ class Engine:
         self.device = model.inv_freq.device  # inputs go where the weights are; sampling stays on the CPU
         self.eos_ids = eos_token_ids if eos_token_ids is not None else model.config.eos_token_ids
         self.context = context_limit(model)
+        huge_pages.move_module(model)
         self.prefix_cache = None  # a dsv3.infer.prefix_cache.PrefixCache: prompts reuse cached latent blocks
         self.decoder: Transformer | FastDecode = FastDecode(model) if fast else model  # decode steps only
         # Dual micro-batch decode: with 2, a decode step of two rows or more runs as two halves of its rows
@@ -333,22 +336,26 @@ class Batch:
         self_slot = torch.arange(S)[None, :] == torch.arange(start, S)[:, None]  # [T, S]
         return (keys | self_slot[None]).to(self.device)
 
-    def _reshape(self, keep: list[int], shift: int, slots: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Rows ``keep`` of the cache moved ``shift`` slots right into ``slots`` slots: (kv, pe, valid)."""
-        n, cur = len(keep), self.cur
-        idx = torch.tensor(keep, dtype=torch.long)
-        kv = self.cache.kv.new_zeros(self.cache.kv.shape[0], n, slots, self.cache.kv.shape[-1])
-        pe = self.cache.pe.new_zeros(self.cache.pe.shape[0], n, slots, self.cache.pe.shape[-1])
-        valid = torch.zeros(n, slots, dtype=torch.bool)
-        on_device = idx.to(self.device)
-        kv[:, :, shift : shift + cur] = self.cache.kv[:, on_device, :cur]
-        pe[:, :, shift : shift + cur] = self.cache.pe[:, on_device, :cur]
-        valid[:, shift : shift + cur] = self.valid[idx, :cur]
-        return kv, pe, valid
+    def _reshape(self, keep: list[int], shift: int, slots: int) -> tuple[LatentCache, torch.Tensor]:
+        """Rows ``keep`` of the cache moved ``shift`` slots right into a new cache of ``slots`` slots:
+        (cache, valid)."""
+        return self._moved_into(self.model.new_cache(len(keep), slots, dtype=self.engine.cache_dtype),
+                                torch.zeros(len(keep), slots, dtype=torch.bool), 0, keep, shift)
 
-    def _set(self, kv: torch.Tensor, pe: torch.Tensor, valid: torch.Tensor, cur: int) -> None:
-        self.cache = self.model.new_cache(kv.shape[1], 0, dtype=self.engine.cache_dtype)
-        self.cache.kv, self.cache.pe, self.valid, self.cur = kv, pe, valid, cur
+    def _moved_into(self, cache: LatentCache, valid: torch.Tensor, row: int, keep: list[int],
+                    shift: int) -> tuple[LatentCache, torch.Tensor]:
+        """Rows ``keep`` of this batch's cache and ``valid`` copied to rows ``row``... of ``cache`` and
+        ``valid``, ``shift`` slots to the right; returns them."""
+        cur, rows = self.cur, slice(row, row + len(keep))
+        idx = torch.tensor(keep, dtype=torch.long)
+        on_device = idx.to(self.device)
+        cache.kv[:, rows, shift : shift + cur] = self.cache.kv[:, on_device, :cur]
+        cache.pe[:, rows, shift : shift + cur] = self.cache.pe[:, on_device, :cur]
+        valid[rows, shift : shift + cur] = self.valid[idx, :cur]
+        return cache, valid
+
+    def _set(self, cache: LatentCache, valid: torch.Tensor, cur: int) -> None:
+        self.cache, self.valid, self.cur = cache, valid, cur
         self.holes = bool((~valid[:, :cur]).any())
         self._record_cache()
 
@@ -378,10 +385,12 @@ class Batch:
         mine, theirs = list(range(len(self.rows))), list(range(len(other.rows)))
         slots = max(self._capacity_for(cur), other._capacity_for(cur), self.cache.max_len + cur - self.cur,
                     other.cache.max_len + cur - other.cur)
-        a = self._reshape(mine, cur - self.cur, slots)
-        b = other._reshape(theirs, cur - other.cur, slots)
-        merged = torch.cat([a[0], b[0]], 1), torch.cat([a[1], b[1]], 1), torch.cat([a[2], b[2]], 0)
-        self._set(*merged, cur)  # rows join only once the cache holds them (a failure leaves this batch whole)
+        n = len(mine) + len(theirs)
+        cache = self.model.new_cache(n, slots, dtype=self.engine.cache_dtype)
+        valid = torch.zeros(n, slots, dtype=torch.bool)
+        self._moved_into(cache, valid, 0, mine, cur - self.cur)
+        other._moved_into(cache, valid, len(mine), theirs, cur - other.cur)
+        self._set(cache, valid, cur)  # rows join only once the cache holds them (a failure leaves this batch whole)
         self.rows = self.rows + other.rows
         self.stats.prefill_s += other.stats.prefill_s
         self.stats.cache_bytes = max(self.stats.cache_bytes, other.stats.cache_bytes)

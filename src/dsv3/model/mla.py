@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from dsv3.config import ModelConfig
+from dsv3.model import huge_pages
 from dsv3.model.kernels import attention_core, causal_mask
 from dsv3.model.norm import RMSNorm
 from dsv3.model.rope import apply_rope
@@ -24,8 +25,11 @@ class LatentCache:
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, layers: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers if layers is None else layers
-        self.kv = torch.zeros(layers, batch_size, max_len, cfg.kv_lora_rank, dtype=dtype, device=device)
-        self.pe = torch.zeros(layers, batch_size, max_len, cfg.qk_rope_head_dim, dtype=dtype, device=device)
+        shapes = (layers, batch_size, max_len, cfg.kv_lora_rank), (layers, batch_size, max_len, cfg.qk_rope_head_dim)
+        if torch.device(device).type == "cpu":  # decode steps stream the cache: on huge pages when large
+            self.kv, self.pe = huge_pages.zeros_many(shapes, dtype)
+        else:
+            self.kv, self.pe = (torch.zeros(shape, dtype=dtype, device=device) for shape in shapes)
 
     @property
     def max_len(self) -> int:

@@ -125,7 +125,7 @@ def batch_from_cache(engine: Engine, row: Row, kv: torch.Tensor, pe: torch.Tenso
     full.pe[: pe.shape[0], 0, :n] = pe.to(full.pe.device)
     valid = torch.zeros(1, full.max_len, dtype=torch.bool)
     valid[:, :n] = True
-    batch._set(full.kv, full.pe, valid, n)
+    batch._set(full, valid, n)
     return batch
 
 
