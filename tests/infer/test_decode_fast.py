@@ -452,3 +452,22 @@ def test_mla_decode_reads_bf16_absorbed_weights_exactly():
     kv_b = model.model.layers[0].self_attn.kv_b_proj.weight
     assert plan.w_uk.dtype == torch.bfloat16
     assert plan.w_uk.untyped_storage().data_ptr() == kv_b.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("preset_name", ["nano", "small"])
+def test_rope_table_rows_equal_the_angles_of_each_position(preset_name):
+    """FastDecode looks a step's cos/sin up in a table made once; every row must be what model.angles gives
+    that position alone (bit for bit), for ragged positions, and past the table's size too."""
+    from dsv3.config import preset
+    from dsv3.model import Transformer
+    from dsv3.model.decode import RopeTable
+
+    model = Transformer(preset(preset_name))
+    table = RopeTable(model)
+    for p in range(0, 3000, 7):
+        got = table(torch.tensor([[p]]), 4096)
+        assert all(torch.equal(g, w) for g, w in zip(got, model.angles(torch.tensor([[p]])), strict=True))
+    ragged = torch.tensor([[5, 6], [2999, 3000], [0, 1]])
+    assert all(torch.equal(g, w) for g, w in zip(table(ragged, 16), model.angles(ragged), strict=True))
+    past = torch.tensor([[table.cos.shape[0] + 3]])
+    assert all(torch.equal(g, w) for g, w in zip(table(past, 16), model.angles(past), strict=True))

@@ -246,14 +246,35 @@ class BlockKernel:
         return cls(desc, keep)
 
 
+class RopeTable:
+    """cos and sin of every position up to the longest cache seen, made by ``model.angles`` once: a decode
+    step looks its rows up instead of computing them (seven PyTorch calls a step). Rows equal what
+    ``model.angles`` gives one position (elementwise math; ``tests/infer/test_decode_fast.py`` checks it)."""
+
+    def __init__(self, model: Transformer):
+        self.model = model
+        self.cos = self.sin = torch.empty(0)
+
+    def __call__(self, positions: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [*positions.shape, rope/2] (fp32, contiguous) for positions below ``size`` (larger ones
+        are computed directly)."""
+        if self.cos.shape[0] < size or self.cos.device != positions.device:
+            n = max(size, 2 * self.cos.shape[0])
+            self.cos, self.sin = self.model.angles(torch.arange(n, device=positions.device))
+        try:
+            return self.cos[positions], self.sin[positions]
+        except IndexError:  # a position past the cache (not one the engine makes)
+            return tuple(t.contiguous() for t in self.model.angles(positions))
+
+
 class Step:
     """What every block of one decode step shares: the RoPE rotation (as cos/sin, and as cos + i sin for
     the per-op path, made on first use), the additive mask bias, and the block kernel's step descriptor
     (None when this step cannot use it: too many rows, a cache of another kind, a full cache)."""
 
-    def __init__(self, model: Transformer, positions: torch.Tensor, T: int, start_pos: int,
+    def __init__(self, rope: RopeTable, positions: torch.Tensor, T: int, start_pos: int,
                  mask: torch.Tensor | None, cache: LatentCache, rows: int, dtype: torch.dtype, kernels: bool):
-        self.cos_sin = tuple(t.contiguous() for t in model.angles(positions))
+        self.cos_sin = rope(positions, cache.max_len)
         self.mask, self.start_pos, self.cache = mask, start_pos, cache
         self.bias = self._bias(positions.device, T, start_pos, mask)
         self._rot = None
@@ -306,6 +327,7 @@ class FastDecode:
         self.kernels = kernel_status() if use_kernels else "not asked for"  # builds them now, not mid-request
         self.blocks = [BlockPlan(layer, self.dtype) for layer in model.model.layers]
         self.head = weight_of(model.lm_head)
+        self.rope = RopeTable(model)
         self._eh: dict[int, tuple[nn.Module, Weight | None]] = {}
 
     def _usable(self, cache: LatentCache | None, start_pos: int, absorb: bool | None) -> bool:
@@ -316,7 +338,7 @@ class FastDecode:
         return self.blocks[i]
 
     def _step(self, positions: torch.Tensor, T: int, start_pos: int, mask, cache: LatentCache, rows: int) -> Step:
-        return Step(self.model, positions, T, start_pos, mask, cache, rows, self.dtype, self.block_kernel)
+        return Step(self.rope, positions, T, start_pos, mask, cache, rows, self.dtype, self.block_kernel)
 
     def _run(self, plan: BlockPlan, x: torch.Tensor, step: Step) -> torch.Tensor:
         """One block: the block kernel (in place on x), the per-op path, or the block's modules."""

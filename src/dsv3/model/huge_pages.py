@@ -3,8 +3,9 @@
 A batch-1 decode step reads every weight it touches once, about 100 MB on the ``small`` preset, so its
 speed is the memory's read speed. With 4 KB pages that read also pays a TLB miss every 4 KB, and in a
 virtual machine each miss is a two-level page walk; the hardware prefetchers stop at every page boundary
-too. On 2 MB pages the same kernels read 8-12% faster per decode step (``benchmarks/decode_step_ab.py
---huge-pages``) and ``x.sum()`` reads up to 30% faster (``benchmarks/decode_kernels_speed.py``).
+too. On this project's 2-core test machine (a VM) whole decode steps on 2 MB pages took 0.85-0.96x the
+time in most cells (``benchmarks/decode_step_ab.py --baseline-rev`` a revision from before this module)
+and ``x.sum()`` over 256 MB read up to 30% faster.
 
 Linux gives a mapping huge pages when it asks for them (``madvise(MADV_HUGEPAGE)``; the default
 ``transparent_hugepage`` mode on most distributions is ``madvise``) and is 2 MB aligned. PyTorch's CPU
