@@ -8,7 +8,7 @@ time in most cells (``benchmarks/decode_step_ab.py --baseline-rev`` a revision f
 and ``x.sum()`` over 256 MB read up to 30% faster.
 
 Linux gives a mapping huge pages when it asks for them (``madvise(MADV_HUGEPAGE)``; the default
-``transparent_hugepage`` mode on most distributions is ``madvise``) and is 2 MB aligned. PyTorch's CPU
+``transparent_hugepage`` mode on many distributions is ``madvise``) and is 2 MB aligned. PyTorch's CPU
 allocator does neither unless ``THP_MEM_ALLOC_ENABLE=1`` is set before its first allocation, and then only
 for tensors of 2 MB or more, while a layer's projections are mostly smaller. So the tensors here live in
 arenas: one anonymous mapping, aligned and advised, carved into one tensor per original (each its own
