@@ -60,7 +60,8 @@ def log(msg: str) -> None:
 
 def read_bandwidth(threads: int, mbytes: int = 256, repeats: int = 7) -> float:
     """Bytes/s of a streaming read with ``threads`` torch threads (best of ``repeats``), on huge pages where
-    the system gives them (as the engine's weights and cache are: it reads up to 30% faster there)."""
+    the system gives them, as the engine's weights and cache are (on the 2-core test host it reads 31-36%
+    faster there)."""
     torch.set_num_threads(threads)
     x = huge_pages.clone(torch.ones(mbytes * 2**20 // 4))
     best = float("inf")

@@ -344,8 +344,8 @@ class Batch:
 
     def _moved_into(self, cache: LatentCache, valid: torch.Tensor, row: int, keep: list[int],
                     shift: int) -> tuple[LatentCache, torch.Tensor]:
-        """Rows ``keep`` of this batch's cache and ``valid`` copied to rows ``row``... of ``cache`` and
-        ``valid``, ``shift`` slots to the right; returns them."""
+        """Copy rows ``keep`` of this batch's cache and ``valid`` into ``cache`` and ``valid`` from row ``row``
+        on, ``shift`` slots to the right; returns (cache, valid)."""
         cur, rows = self.cur, slice(row, row + len(keep))
         idx = torch.tensor(keep, dtype=torch.long)
         on_device = idx.to(self.device)
