@@ -112,7 +112,7 @@ def step_logits(model, decoder, prompt, steps=4, T=1, cache_dtype=None):
         pos = len(prompt)
         for s in range(steps):
             ids = torch.tensor([[(7 * s + 3 + t) % 300 for t in range(T)]])
-            out.append(decoder.lm_head(decoder.hidden_states(ids, cache=cache, start_pos=pos))[0])
+            out.append(decoder.hidden_and_logits(ids, cache=cache, start_pos=pos)[1][0])
             pos += T
     return torch.stack(out)
 
@@ -126,17 +126,23 @@ def model_in(precision: str):
     return to_fp8_weights(model) if precision.startswith("fp8") else model
 
 
-MODES = {"block kernel": {}, "per-op kernels": {"block_kernel": False}, "per-op torch": {"use_kernels": False}}
+MODES = {"step kernel": {}, "block kernel": {"step_kernel": False}, "per-op kernels": {"block_kernel": False},
+         "per-op torch": {"use_kernels": False}}
 
 
 def decoder_in(model, mode: str) -> FastDecode:
-    """FastDecode in one of its three modes; the block kernel mode really runs every block in one call."""
+    """FastDecode in one of its four modes; the kernel modes really run every block in one call (and the step
+    kernel mode, checked by ``ran_the_step_kernel``, the whole step)."""
     fast = FastDecode(model, **MODES[mode])
-    if mode == "block kernel" and dk.kernels_available():
+    if mode in ("step kernel", "block kernel") and dk.kernels_available():
         assert all(plan.kernel is not None for plan in fast.blocks)
     else:
         assert all(plan.kernel is None for plan in fast.blocks) or fast.block_kernel is False
     return fast
+
+
+def ran_the_step_kernel(fast: FastDecode) -> bool:
+    return fast._step_kernel is not None or not dk.kernels_available()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8", "fp8-fp32"])
@@ -149,8 +155,10 @@ def test_fast_decode_logits_equal_the_module_path(precision, T):
     scale = ref.abs().max()
     limit = 3e-2 if precision in ("bf16", "fp8") else 2e-6
     for mode in MODES:
-        got = step_logits(model, decoder_in(model, mode), PROMPTS[2], T=T).float()
+        fast = decoder_in(model, mode)
+        got = step_logits(model, fast, PROMPTS[2], T=T).float()
         assert (got - ref).abs().max() / scale < limit, mode
+        assert mode != "step kernel" or ran_the_step_kernel(fast)
 
 
 def same_roundings(block: torch.Tensor, per_op: torch.Tensor) -> bool:
@@ -168,6 +176,38 @@ def test_block_kernel_rounds_where_the_per_op_path_does(precision):
     model = model_in(precision)
     per_op = step_logits(model, decoder_in(model, "per-op kernels"), PROMPTS[2], T=2)
     assert same_roundings(step_logits(model, decoder_in(model, "block kernel"), PROMPTS[2], T=2), per_op)
+
+
+@needs_kernels
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("T", [1, 2])
+def test_step_kernel_equals_the_block_kernels_to_the_bit(precision, T):
+    """The whole step in one C call runs the block kernels, the final norm and the head in the same order
+    as the block kernel mode does from Python: the same numbers, to the bit, at batch 1 and in a ragged
+    batch (and the MTP layer, which runs its block kernel after either)."""
+    model = model_in(precision)
+    step, block = decoder_in(model, "step kernel"), decoder_in(model, "block kernel")
+    assert torch.equal(step_logits(model, step, PROMPTS[2], T=T), step_logits(model, block, PROMPTS[2], T=T))
+    for got, ref in zip(ragged_logits(model, step, PROMPTS, T=T), ragged_logits(model, block, PROMPTS, T=T),
+                        strict=True):
+        assert torch.equal(got, ref)
+    assert step._step_kernel is not None and block._step_kernel is None
+
+
+@needs_kernels
+def test_step_kernel_refuses_an_id_outside_the_vocabulary_before_writing():
+    """An id the embedding does not have: IndexError, as nn.Embedding raises, and the cache untouched."""
+    model = tiny_model()
+    fast = FastDecode(model)
+    cache = model.new_cache(2, 16)
+    with torch.inference_mode():
+        model(torch.tensor([PROMPTS[0], PROMPTS[0]]), cache=cache)
+        before = cache.kv.clone(), cache.pe.clone()
+        for bad in (model.config.vocab_size, -1):
+            with pytest.raises(IndexError):
+                fast.hidden_and_logits(torch.tensor([[3], [bad]]), cache=cache, start_pos=len(PROMPTS[0]))
+    assert torch.equal(cache.kv, before[0]) and torch.equal(cache.pe, before[1])
+    assert fast._step_kernel is not None
 
 
 def ragged_logits(model, decoder, prompts, steps: int = 3, T: int = 1):
@@ -194,8 +234,9 @@ def ragged_logits(model, decoder, prompts, steps: int = 3, T: int = 1):
             new = torch.tensor([[(11 * s + 5 * b + t + 1) % 300 for t in range(T)] for b in range(B)])
             positions = (L - pads)[:, None] + s * T + torch.arange(T)
             valid[:, start : start + T] = True
-            h = decoder.hidden_states(new, positions=positions, cache=cache, start_pos=start, mask=mask(start, T))
-            main.append(decoder.lm_head(h))
+            h, logits = decoder.hidden_and_logits(new, positions=positions, cache=cache, start_pos=start,
+                                                  mask=mask(start, T))
+            main.append(logits)
             h_mtp = decoder.mtp_hidden(0, h, (new + 7) % 300, positions, cache=cache, start_pos=start,
                                        mask=mask(start, T))
             mtp.append(decoder.mtp_logits(0, h_mtp))
@@ -246,10 +287,12 @@ def generate(engine, prompts, n=10):
     return [r.token_ids for r in engine.generate([Request(p, n) for p in prompts])]
 
 
-def count_block_calls(monkeypatch) -> list:
-    """Record every block kernel call (one per block per decode step)."""
-    calls, real = [], dk.decode_block
-    monkeypatch.setattr(dk, "decode_block", lambda *args: (calls.append(1), real(*args))[1])
+def count_kernel_calls(monkeypatch) -> dict[str, list]:
+    """Record the fast path's C calls from Python: "block" (one block) and "step" (a whole decode step)."""
+    calls = {"block": [], "step": []}
+    for kind, name in (("block", "decode_block"), ("step", "decode_step")):
+        real = getattr(dk, name)
+        monkeypatch.setattr(dk, name, lambda *args, real=real, kind=kind: (calls[kind].append(1), real(*args))[1])
     return calls
 
 
@@ -260,10 +303,11 @@ def test_fast_engine_greedy_tokens_equal_the_module_path(precision, speculative,
     ref_engine = Engine(model, speculative=speculative, fast=False)
     fast = Engine(model, speculative=speculative)
     assert isinstance(fast.decoder, FastDecode)
-    calls = count_block_calls(monkeypatch)
+    calls = count_kernel_calls(monkeypatch)
     for prompts in ([PROMPTS[0]], PROMPTS):  # batch 1, then a ragged batch (left padding, holes)
         assert generate(fast, prompts) == generate(ref_engine, prompts)
-    assert calls or not dk.kernels_available()  # the engine's decode steps ran the block kernel
+    assert calls["step"] or not dk.kernels_available()  # the engine's decode steps ran the step kernel
+    assert not speculative or calls["block"] or not dk.kernels_available()  # and the MTP layer its block kernel
 
 
 @needs_kernels
@@ -293,11 +337,12 @@ def test_a_hooked_layer_runs_through_its_module(model):
 
 
 def test_a_hook_set_after_the_engine_was_built_is_noticed(model, monkeypatch):
-    """The per-step check that a plan still fits its block sees a hook come and go: the hooked layer
-    runs its module (the other keeps its block kernel), then the block kernel again once it is removed."""
+    """The per-step check that the plans still fit the model sees a hook come and go: the hooked layer
+    runs its module (the other keeps its block kernel), then the step kernel runs again once it is removed."""
     engine, expected = Engine(model), generate(Engine(model, fast=False), [PROMPTS[0]], 6)
     seen = []
-    blocks = count_block_calls(monkeypatch)
+    calls = count_kernel_calls(monkeypatch)
+    blocks = calls["block"]
     handle = model.model.layers[1].self_attn.register_forward_hook(lambda *args: seen.append(1))
     try:
         assert generate(engine, [PROMPTS[0]], 6) == expected
@@ -305,9 +350,10 @@ def test_a_hook_set_after_the_engine_was_built_is_noticed(model, monkeypatch):
         handle.remove()
     assert len(seen) == 6  # prefill + 5 decode steps, all through the module
     assert len(blocks) == (5 if dk.kernels_available() else 0)  # layer 0 kept its block kernel
+    assert not calls["step"]
     blocks.clear()
     assert generate(engine, [PROMPTS[0]], 6) == expected
-    assert len(blocks) == (5 * model.config.num_hidden_layers if dk.kernels_available() else 0)
+    assert len(calls["step"]) == (5 if dk.kernels_available() else 0) and not blocks
 
 
 def test_with_the_kernels_disabled_fast_decode_runs_pytorch_ops(monkeypatch):
@@ -319,12 +365,12 @@ def test_with_the_kernels_disabled_fast_decode_runs_pytorch_ops(monkeypatch):
         fast = FastDecode(model)
         assert fast.kernels == "disabled by DSV3_DECODE_KERNELS=0"
         assert all(plan.kernel is None for plan in fast.blocks)
-        calls = count_block_calls(monkeypatch)
+        calls = count_kernel_calls(monkeypatch)
         ref = step_logits(model, model, PROMPTS[2], T=2)
         assert (step_logits(model, fast, PROMPTS[2], T=2) - ref).abs().max() / ref.abs().max() < 2e-6
         assert generate(Engine(model, speculative=True), PROMPTS) == generate(
             Engine(model, speculative=True, fast=False), PROMPTS)
-        assert not calls
+        assert calls == {"block": [], "step": []}
     finally:
         dk._load.cache_clear()
 

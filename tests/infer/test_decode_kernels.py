@@ -169,6 +169,25 @@ def test_swiglu_experts_on_edge_shapes(kind, act):
         torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 24, 16391])
+def test_argmax_scan_equals_torch_and_finds_every_non_finite_value(dtype, n):
+    """dsv3_argmax_rows (the engine's check and greedy pick): torch.argmax's first index on ties, and not
+    finite when one NaN or +-inf sits anywhere (in the vector loop or its tail, in any row)."""
+    g = torch.Generator().manual_seed(n)
+    x = torch.randint(-4, 4, (3, n), generator=g).to(dtype)  # many ties
+    x[1] = torch.randn(n, generator=g).to(dtype)
+    assert dk.argmax_rows(x) == (True, x.float().argmax(-1).tolist())
+    assert dk.argmax_rows(x, want_index=False) == (True, None)
+    for bad in (float("nan"), float("inf"), float("-inf")):
+        for row, col in ((0, 0), (2, n - 1), (1, n // 2)):
+            y = x.clone()
+            y[row, col] = bad
+            assert dk.argmax_rows(y) == (False, None)
+    if n > 1:
+        assert dk.argmax_rows(x.t()) is None  # not contiguous: the caller's fallback
+
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_kernels_speed.py"
 
 

@@ -33,7 +33,8 @@ PROMPTS = [[5, 17, 42, 99, 7, 250, 3], [11, 12], [200, 100, 50, 25, 12, 6, 3, 1,
 
 @pytest.mark.parametrize("fast", [False, True])
 def test_absorbed_decode_equals_expanded_path_token_for_token(model, monkeypatch, fast):
-    """Both decode paths: the modules' (MLA._absorbed) and FastDecode's (its block kernel, or AttentionPlan)."""
+    """Both decode paths: the modules' (MLA._absorbed) and FastDecode's (its step kernel, which runs every
+    block kernel, or AttentionPlan)."""
     calls = {"absorbed": 0}
     cls = AttentionPlan if fast else MLA
     original = cls.__call__ if fast else MLA._absorbed
@@ -43,14 +44,14 @@ def test_absorbed_decode_equals_expanded_path_token_for_token(model, monkeypatch
         return original(self, *args)
 
     monkeypatch.setattr(cls, "__call__" if fast else "_absorbed", counting)
-    if fast:  # with the C kernels a whole block is one block kernel call, in place of AttentionPlan's
-        block = dk.decode_block
+    if fast:  # with the C kernels a whole step is one call, every block's attention in it
+        step = dk.decode_step
 
-        def counting_block(*args):
-            calls["absorbed"] += 1
-            return block(*args)
+        def counting_step(*args):
+            calls["absorbed"] += model.config.num_hidden_layers
+            return step(*args)
 
-        monkeypatch.setattr(dk, "decode_block", counting_block)
+        monkeypatch.setattr(dk, "decode_step", counting_step)
     engine = Engine(model, fast=fast)
     batch = engine.start([Request(PROMPTS[0], 24)])
     tokens = list(batch.first_events[0].token_ids)

@@ -469,8 +469,8 @@ class Batch:
         ids = torch.tensor([[r.last] + ([r.draft] if T == 2 else []) for r in self.rows], device=self.device)
         positions = torch.tensor([[r.next_pos + t for t in range(T)] for r in self.rows], device=self.device)
         self.valid[:, start : start + T] = True
-        h = self._hidden(ids, positions, start, self._mask(start, T))
-        logits = self.engine.decoder.lm_head(h).cpu()  # [B, T, V]
+        h, logits = self._forward(ids, positions, start, self._mask(start, T))
+        logits = logits.cpu()  # [B, T, V]
         committed = []
         for b, row in enumerate(self.rows):
             row.new = []
@@ -494,19 +494,21 @@ class Batch:
         self.stats.decode_s += time.perf_counter() - t0
         return events
 
-    def _hidden(self, ids: torch.Tensor, positions: torch.Tensor, start: int, mask: torch.Tensor | None):
-        """The main model's hidden states [B, T, D] for a decode step: one forward, or (``micro_batches`` 2,
-        two rows or more) two forwards over halves of the rows, each on its rows' view of the cache, driven
-        together so that one half computes while the other's expert exchange is in flight."""
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, start: int, mask: torch.Tensor | None):
+        """The main model's hidden states [B, T, D] and logits [B, T, V] for a decode step: one forward, or
+        (``micro_batches`` 2, two rows or more) two forwards over halves of the rows, each on its rows' view
+        of the cache, driven together so that one half computes while the other's expert exchange is in
+        flight."""
         engine, B = self.engine, ids.shape[0]
         if engine.micro_batches == 1 or B < 2:
-            return engine.decoder.hidden_states(ids, positions=positions, cache=self.cache, start_pos=start,
-                                                mask=mask)
+            return engine.decoder.hidden_and_logits(ids, positions=positions, cache=self.cache, start_pos=start,
+                                                    mask=mask)
         source = engine.decoder if hasattr(engine.decoder, "hidden_steps") else self.model
         halves = [slice(0, (B + 1) // 2), slice((B + 1) // 2, B)]
         steps = [source.hidden_steps(ids[s], positions[s], self._rows(s), start, None if mask is None else mask[s])
                  for s in halves]
-        return torch.cat(engine.drive(steps), dim=0)
+        h = torch.cat(engine.drive(steps), dim=0)
+        return h, engine.decoder.lm_head(h)
 
     def _rows(self, rows: slice) -> LatentCache:
         """A view of the cache holding only ``rows``: what a micro-batch writes lands in the batch's cache."""

@@ -14,8 +14,12 @@ weight once plus a fixed cost per call; the module path makes about 4,000 PyTorc
   (``Router.forward``) so the same experts are chosen. About 30 PyTorch calls per block;
 * the block kernel (``BlockKernel``): the same computation, with the same roundings, as one C call per
   block (``dsv3_decode_block``), which reads a descriptor of the block's tensors made once per plan and
-  one of the step made once per step. What remains per step in Python is the embedding, the RoPE
-  angles, the final norm and the head: the fixed cost no longer grows with the number of layers.
+  one of the step made once per step: the fixed cost no longer grows with the number of layers;
+* the step kernel (``StepKernel``): the embedding, every block kernel, the final norm and the head as one
+  C call (``dsv3_decode_step``), so that the interpreter does not run between the weight streams (where
+  each of its calls is slow: the weights have just evicted its working set from the caches). What remains
+  in Python is the step's set-up (RoPE rows, descriptors, output tensors) and the checks that the model
+  is still the one the kernels were made for.
 
 A layer the kernels cannot run (forward hooks, an expert-parallel dispatcher or a simulated combine
 format, experts of another kind, linear layers of another kind) runs through its own module, so the
@@ -27,6 +31,7 @@ compare all of them).
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
@@ -34,7 +39,7 @@ from torch import nn
 
 from dsv3.model import decode_kernels as dk
 from dsv3.model.decode_kernels import ExpertWeights, Weight, kernel_status, linear, mla_decode, route, swiglu_experts
-from dsv3.model.dispatch import LocalDispatcher
+from dsv3.model.dispatch import LocalDispatcher, TokenDispatcher
 from dsv3.model.experts import GroupedExperts, ResidentFP8Experts
 from dsv3.model.mla import MLA, LatentCache
 from dsv3.model.moe import MLP, MoE
@@ -164,15 +169,36 @@ def _mlp_weights(mlp: MLP) -> ExpertWeights | None:
                                   w.dtype) for w in parts))
 
 
-def layout(block: Block) -> tuple:
-    """What a block's plan depends on besides tensor values: its submodules (a layer made expert-parallel
-    or quantized after the engine was built swaps them), the dispatcher's combine format, and whether any
-    hooks are set. Checked before every step, so it is kept to a few attribute reads (no module walk)."""
-    mla, mlp = block.self_attn, block.mlp
-    children = mlp._modules
-    hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (block, mla, mlp, *children.values()))
-    return (*mla._modules.values(), mlp, *children.values(),
-            getattr(children.get("dispatcher"), "combine_format", None), hooked)
+class Layout:
+    """What decode plans depend on besides tensor values: which modules a model (or a block) is made of
+    (a layer made expert-parallel or quantized after the engine was built swaps some), the dispatchers'
+    combine formats, and whether any module has a hook (a hooked block runs through its modules).
+    Checked before every step, so the check is a few C-level passes: each parent module's ``_modules``
+    against a snapshot of its values, and the truth of every hook dict (no module walk, no Python loop)."""
+
+    def __init__(self, modules: Iterable[nn.Module]):
+        modules = list(modules)
+        self.parents = [m._modules for m in modules if m._modules]
+        self.children = self._children()
+        self.hook_dicts = [d for m in modules for d in (m._forward_hooks, m._forward_pre_hooks)]
+        self.hooked = any(self.hook_dicts)
+        self.dispatchers = [m for m in modules if isinstance(m, TokenDispatcher)]
+        self.formats = self._formats()
+
+    def _children(self) -> list[tuple]:
+        return list(map(tuple, map(dict.values, self.parents)))
+
+    def _formats(self) -> list:
+        return list(map(_combine_format, self.dispatchers))
+
+    def holds(self) -> bool:
+        """Whether the modules are still as they were when this layout was taken."""
+        return (any(self.hook_dicts) == self.hooked and self._children() == self.children
+                and self._formats() == self.formats)
+
+
+def _combine_format(dispatcher: TokenDispatcher):
+    return getattr(dispatcher, "combine_format", None)
 
 
 class BlockPlan:
@@ -181,15 +207,15 @@ class BlockPlan:
 
     def __init__(self, block: Block, dtype: torch.dtype):
         self.block, self.dtype = block, dtype
-        self.layout = layout(block)
+        self.layout = Layout(block.modules())
         self.attn = AttentionPlan(block.self_attn, dtype)
         self.ffn = FeedForwardPlan(block.mlp)
-        self.ok = self.attn.ok and self.ffn.ok and not block._forward_hooks and not block._forward_pre_hooks
+        self.ok = self.attn.ok and self.ffn.ok and not self.layout.hooked
         self.kernel = BlockKernel.of(self)
 
     def current(self) -> BlockPlan:
         """This plan, or a new one when the block's modules changed since it was made."""
-        return self if layout(self.block) == self.layout else BlockPlan(self.block, self.dtype)
+        return self if self.layout.holds() else BlockPlan(self.block, self.dtype)
 
     def __call__(self, x, rot, cos_sin, cache, start_pos, bias, use_kernels):
         """The per-op path: x [B, T, D] -> the block's output."""
@@ -243,6 +269,35 @@ class BlockKernel:
             uk_hstride=w_uk.stride(0), uk_rstride=w_uk.stride(1), uv_hstride=w_uv.stride(0),
             uv_rstride=w_uv.stride(1), w_kind=dk.A_KIND[w_uk.dtype], heads=m.n_heads, nope=m.nope, rope=m.rope,
             v_dim=m.v_dim, kv_rank=m.kv_rank, softmax_scale=m.scale, routed=routed, shared=shared, **router[0])
+        return cls(desc, keep)
+
+
+class StepKernel:
+    """The whole decode step as one ``dsv3_decode_step`` call: the embedding, the block kernels of ``plans`` in
+    order, the final norm and the head, when every one of them can run in C."""
+
+    def __init__(self, desc: dk.StepDesc, keep: list):
+        self.desc, self.keep = desc, keep
+        self.address = ctypes.addressof(desc)
+        self.layers = 1 + max(k.layer for k in keep[0])  # cache layers a step's cache must have
+
+    @classmethod
+    def of(cls, plans: list[BlockPlan], model: Transformer, head: Weight | None,
+           dtype: torch.dtype) -> StepKernel | None:
+        """The step kernel of the model as it is now, or None when a part cannot run in C."""
+        embed, norm = model.model.embed_tokens, model.model.norm
+        w = embed.weight
+        linear_head = dk.block_linear(head) if head is not None else None
+        hooked = any(m._forward_hooks or m._forward_pre_hooks for m in (embed, norm, model.lm_head))
+        if (hooked or not plans or any(p.kernel is None for p in plans) or type(embed) is not nn.Embedding
+                or embed.max_norm is not None or w.dtype != dtype or not w.is_contiguous() or w.device.type != "cpu"
+                or not _norm_ok(norm, dtype) or linear_head is None):
+            return None
+        blocks = (ctypes.c_void_p * len(plans))(*(p.kernel.address for p in plans))
+        keep = [[p.kernel for p in plans], blocks, w.detach(), norm.weight.detach(), head.w, head.kernel_scale]
+        desc = dk.StepDesc(akind=dk.A_KIND[dtype], dim=w.shape[1], vocab=w.shape[0], n_blocks=len(plans),
+                           embed=w.data_ptr(), blocks=ctypes.addressof(blocks), norm=norm.weight.data_ptr(),
+                           norm_eps=norm.eps, head=linear_head)
         return cls(desc, keep)
 
 
@@ -316,19 +371,25 @@ class FastDecode:
     calls without a cache go to the model itself. The plans hold the model's own tensors, so build this
     after the model's final form (dtype, FP8 weights) is set.
 
-    Each block runs in one C call (``BlockKernel``) when it can, else through the per-op path
-    (``block_kernel=False`` forces that: the tests compare the two), else through its modules."""
+    ``hidden_and_logits`` runs the whole step in one C call (``StepKernel``) when every part can;
+    otherwise each block runs in one C call (``BlockKernel``) when it can, else through the per-op path,
+    else through its modules. ``step_kernel=False`` and ``block_kernel=False`` stop at the layer below
+    (the tests compare each layer with the one below it)."""
 
-    def __init__(self, model: Transformer, use_kernels: bool = True, block_kernel: bool = True):
+    def __init__(self, model: Transformer, use_kernels: bool = True, block_kernel: bool = True,
+                 step_kernel: bool = True):
         self.model = model
         self.use_kernels = use_kernels
         self.block_kernel = block_kernel and use_kernels
+        self.step_kernel = step_kernel and self.block_kernel
         self.dtype = model.model.embed_tokens.weight.dtype
         self.kernels = kernel_status() if use_kernels else "not asked for"  # builds them now, not mid-request
         self.blocks = [BlockPlan(layer, self.dtype) for layer in model.model.layers]
         self.head = weight_of(model.lm_head)
         self.rope = RopeTable(model)
         self._eh: dict[int, tuple[nn.Module, Weight | None]] = {}
+        self._step_kernel: StepKernel | None = None
+        self._layout: Layout | None = None  # of the whole model, when the step kernel was made
 
     def _usable(self, cache: LatentCache | None, start_pos: int, absorb: bool | None) -> bool:
         return cache is not None and start_pos > 0 and absorb in (None, True)
@@ -370,6 +431,37 @@ class FastDecode:
         for i in range(self.model.config.num_hidden_layers):
             x = self._run(self._plan(i), x, step)
         return self._norm(self.model.model.norm, x)
+
+    def hidden_and_logits(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
+                          cache: LatentCache | None = None, start_pos: int = 0, mask: torch.Tensor | None = None,
+                          absorb: bool | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Transformer.hidden_and_logits for a decode step: in one C call (``StepKernel``) when every part
+        can run there, else ``hidden_states`` then ``lm_head``."""
+        if self._usable(cache, start_pos, absorb) and input_ids.device.type == "cpu":
+            B, T = input_ids.shape
+            if positions is None:
+                positions = torch.arange(start_pos, start_pos + T, device=input_ids.device)[None]
+            step = self._step(positions, T, start_pos, mask, cache, B)
+            kernel = self._whole_step(step)
+            if kernel is not None:
+                h = torch.empty(B, T, kernel.desc.dim, dtype=self.dtype)
+                logits = torch.empty(B, T, kernel.desc.head.n, dtype=self.dtype)
+                dk.decode_step(kernel.address, step.address, input_ids.long().contiguous(), h, logits)
+                return h, logits
+        h = self.hidden_states(input_ids, positions, cache, start_pos, mask, absorb)
+        return h, self.lm_head(h)
+
+    def _whole_step(self, step: Step) -> StepKernel | None:
+        """The step kernel for the model as it is now, or None when this step or a part cannot use it. One
+        check of the whole model's layout per step; the blocks are planned again only when it changed."""
+        if step.kernel is None or not self.step_kernel:
+            return None
+        if self._layout is None or not self._layout.holds():
+            self._layout = Layout(self.model.modules())
+            plans = [self._plan(i) for i in range(self.model.config.num_hidden_layers)]
+            self._step_kernel = StepKernel.of(plans, self.model, self.head, self.dtype)
+        kernel = self._step_kernel
+        return kernel if kernel is not None and kernel.layers <= step.cache.kv.shape[0] else None
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         if self.head is None:

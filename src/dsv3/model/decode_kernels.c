@@ -1039,3 +1039,71 @@ int dsv3_rms_norm(const void *x, const void *w, float eps, int akind, int64_t M,
     blk_rms_norm(x, n, w, eps, akind, M, n, out, n);
     return 0;
 }
+
+/* ---- a whole decode step in one call ---- */
+
+typedef struct { /* the model around its blocks (made once per set of block plans) */
+    int64_t akind, dim, vocab, n_blocks;
+    const void *embed;            /* [vocab, dim] in the activation dtype */
+    const BlkDesc *const *blocks; /* n_blocks block descriptors, in order */
+    const void *norm;             /* the final norm's weight */
+    float norm_eps;
+    BlkLinear head; /* [N, dim]: logits [M, N] in the activation dtype */
+} StepDesc;
+
+/* The embedding of ids [rows * T], every block (dsv3_decode_block), the final norm into h [rows * T, dim] and
+ * the head into logits [rows * T, head.n]: what FastDecode runs per step as separate calls, in one, so that no
+ * interpreter work sits between the weight streams. Returns 0, or -1 (nothing computed, cache untouched) when
+ * an id is outside [0, vocab). */
+int dsv3_decode_step(const StepDesc *m, const BlkStep *s, const int64_t *ids, void *h, void *logits) {
+    const int ak = (int)m->akind;
+    const int64_t M = s->rows * s->T, D = m->dim;
+    const size_t row = (size_t)D * (ak == A_F32 ? 4 : 2);
+    for (int64_t i = 0; i < M; i++)
+        if (ids[i] < 0 || ids[i] >= m->vocab) return -1;
+    char *x = (char *)malloc((size_t)M * row + 1);
+    for (int64_t i = 0; i < M; i++) memcpy(x + (size_t)i * row, (const char *)m->embed + (size_t)ids[i] * row, row);
+    for (int64_t b = 0; b < m->n_blocks; b++) dsv3_decode_block(m->blocks[b], s, x);
+    blk_rms_norm(x, D, m->norm, m->norm_eps, ak, M, D, h, D);
+    blk_linear(&m->head, h, ak, M, logits, (int)s->nthreads);
+    free(x);
+    return 0;
+}
+
+/* ---- greedy decoding's scan of the logits ---- */
+
+/* For M rows of n values (fp32 or bf16, rows ld values apart): returns 1 when every value is finite, else 0;
+ * when idx is not NULL and all are finite, idx[m] = the first index of row m's largest value (torch.argmax's
+ * choice). One vector pass for the maximum and the finiteness (v - v is 0 only for finite v), then a scan
+ * for the first index holding the maximum: the engine's check and greedy pick in two passes over logits the
+ * head has just written (still in cache) instead of two PyTorch/NumPy calls. */
+int dsv3_argmax_rows(const void *x, int kind, int64_t M, int64_t n, int64_t ld, int64_t *idx) {
+    const __m256 zero = _mm256_setzero_ps();
+    for (int64_t m = 0; m < M; m++) {
+        const int64_t off = m * ld;
+        __m256 vmax = _mm256_set1_ps(-INFINITY), ok = _mm256_castsi256_ps(_mm256_set1_epi32(-1));
+        int64_t i = 0;
+        for (; i + 8 <= n; i += 8) {
+            const __m256 v = blk_load8(x, kind, off + i);
+            vmax = _mm256_max_ps(vmax, v);
+            ok = _mm256_and_ps(ok, _mm256_cmp_ps(_mm256_sub_ps(v, v), zero, _CMP_EQ_OQ));
+        }
+        if (_mm256_movemask_ps(ok) != 0xFF) return 0;
+        float lanes[8], best = -INFINITY;
+        _mm256_storeu_ps(lanes, vmax);
+        for (int l = 0; l < 8; l++) best = lanes[l] > best ? lanes[l] : best;
+        for (; i < n; i++) {
+            const float v = blk_load(x, kind, off + i);
+            if (!isfinite(v)) return 0;
+            best = v > best ? v : best;
+        }
+        if (!idx) continue;
+        idx[m] = 0;
+        for (i = 0; i < n; i++)
+            if (blk_load(x, kind, off + i) == best) {
+                idx[m] = i;
+                break;
+            }
+    }
+    return 1;
+}

@@ -85,7 +85,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.dsv3_route.argtypes = [p, p, i64, i64, p, i32, i64, i32, i64, i64, i32, i64, i32, ctypes.c_float, p, p, i32]
     lib.dsv3_mla_decode.argtypes = [p, i32, p, p, i64, p, i64, i64, p, i64, i64, i32, p, p, i32] + [i64] * 12 + [
         p, i64, ctypes.c_float, p, i32]
-    for fn in (lib.dsv3_linear, lib.dsv3_swiglu_experts, lib.dsv3_route, lib.dsv3_mla_decode):
+    lib.dsv3_argmax_rows.argtypes = [p, i32, i64, i64, i64, p]
+    for fn in (lib.dsv3_linear, lib.dsv3_swiglu_experts, lib.dsv3_route, lib.dsv3_mla_decode, lib.dsv3_argmax_rows):
         fn.restype = i32
     return lib
 
@@ -220,6 +221,21 @@ def swiglu_experts_reference(x: torch.Tensor, idx: torch.Tensor, gates: torch.Te
     return out
 
 
+def argmax_rows(x: torch.Tensor, want_index: bool = True) -> tuple[bool, list[int] | None] | None:
+    """(whether every value of x [..., n] is finite, the first index of the largest value of each row
+    (None when not finite or not asked for)) in one call, or None when the kernels cannot read x (then the
+    caller computes it with PyTorch or NumPy). For the engine's check and greedy pick of fresh logits; it
+    never starts a build of the kernels (a fast decoder built them already; a slow one does not wait)."""
+    lib = _load()[0] if _load.cache_info().currsize else None
+    if (lib is None or x.dtype not in A_KIND or x.device.type != "cpu" or x.dim() == 0 or x.numel() == 0
+            or not x.is_contiguous()):
+        return None
+    rows = x.numel() // x.shape[-1]
+    idx = (ctypes.c_int64 * rows)() if want_index else None
+    finite = bool(lib.dsv3_argmax_rows(x.data_ptr(), A_KIND[x.dtype], rows, x.shape[-1], x.shape[-1], idx))
+    return finite, list(idx) if finite and want_index else None
+
+
 def latent_attention_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pe: torch.Tensor,
                                bias: torch.Tensor | None, scale: float, heads: int) -> torch.Tensor:
     """Absorbed attention over the latent cache, in fp32: softmax(scale * (q_lat kv^T + q_pe pe^T) + bias) kv
@@ -348,17 +364,24 @@ class BlockStep(ctypes.Structure):
                 ("bias", _p), ("bias_bstride", _i64), ("nthreads", _i64)]
 
 
+class StepDesc(ctypes.Structure):
+    _fields_ = [("akind", _i64), ("dim", _i64), ("vocab", _i64), ("n_blocks", _i64), ("embed", _p), ("blocks", _p),
+                ("norm", _p), ("norm_eps", _f32), ("head", BlockLinear)]
+
+
 @functools.cache
 def _declare_block(lib: ctypes.CDLL) -> tuple:
-    block, norm = lib.dsv3_decode_block, lib.dsv3_rms_norm
+    block, norm, step = lib.dsv3_decode_block, lib.dsv3_rms_norm, lib.dsv3_decode_step
     block.argtypes = [_p, _p, _p]
     norm.argtypes = [_p, _p, _f32, ctypes.c_int, _i64, _i64, _p]
-    block.restype = norm.restype = ctypes.c_int
-    return block, norm
+    step.argtypes = [_p, _p, _p, _p, _p]
+    block.restype = norm.restype = step.restype = ctypes.c_int
+    return block, norm, step
 
 
 def _block_functions() -> tuple | None:
-    """(dsv3_decode_block, dsv3_rms_norm) with their argument types, or None without the C kernels."""
+    """(dsv3_decode_block, dsv3_rms_norm, dsv3_decode_step) with their argument types, or None without the C
+    kernels."""
     lib = _load()[0]
     return None if lib is None else _declare_block(lib)
 
@@ -420,6 +443,15 @@ def decode_block(desc: int, step: int, x: torch.Tensor) -> None:
     """Run one block on x [rows * T, dim] (contiguous, the block's activation dtype) in place; ``desc`` and
     ``step`` are the addresses of a BlockDesc and a BlockStep."""
     _block_functions()[0](desc, step, x.data_ptr())
+
+
+def decode_step(desc: int, step: int, ids: torch.Tensor, h: torch.Tensor, logits: torch.Tensor) -> None:
+    """Run a whole decode step: ids [rows, T] (int64, contiguous) -> the final-normed hidden states h
+    [rows, T, dim] and the head's logits [rows, T, N] (both contiguous, the activation dtype), written in
+    place; ``desc`` and ``step`` are the addresses of a StepDesc and a BlockStep. IndexError (and nothing
+    computed) for an id outside the embedding, as ``nn.Embedding`` raises."""
+    if _block_functions()[2](desc, step, ids.data_ptr(), h.data_ptr(), logits.data_ptr()) != 0:
+        raise IndexError("index out of range in self")
 
 
 def rms_norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -183,7 +183,13 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, **kwargs) -> torch.Tensor:
         """input_ids [B, T] -> logits [B, T, vocab]. kwargs: positions, cache, start_pos, mask, absorb."""
-        return self.lm_head(self.hidden_states(input_ids, **kwargs))
+        return self.hidden_and_logits(input_ids, **kwargs)[1]
+
+    def hidden_and_logits(self, input_ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(hidden_states, the head's logits of them): what a decode step needs (MTP drafts from the hidden
+        states). ``dsv3.model.decode.FastDecode`` computes the pair in one call."""
+        h = self.hidden_states(input_ids, **kwargs)
+        return h, self.lm_head(h)
 
     def mtp_hidden(self, depth: int, h: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor,
                    cache: LatentCache | None = None, start_pos: int = 0, mask=None, absorb=None) -> torch.Tensor:
