@@ -310,6 +310,21 @@ def test_fast_engine_greedy_tokens_equal_the_module_path(precision, speculative,
     assert not speculative or calls["block"] or not dk.kernels_available()  # and the MTP layer its block kernel
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_the_engines_scan_of_the_logits_picks_what_the_per_row_checks_pick(speculative, monkeypatch):
+    """Greedy and sampled rows, batch 1 and ragged: the same tokens whether the engine scans a step's
+    logits in one C call or checks and picks each row by itself."""
+    from dsv3.infer import engine as engine_module
+    from dsv3.infer.sampling import SamplingParams
+
+    model = model_in("fp32")
+    requests = lambda: [Request(p, 8, SamplingParams(temperature=t, seed=3))  # noqa: E731
+                        for p, t in zip(PROMPTS, (0.0, 0.8, 0.0), strict=True)]
+    scanned = [r.token_ids for r in Engine(model, speculative=speculative).generate(requests())]
+    monkeypatch.setattr(engine_module, "scan_logits", lambda logits: None)
+    assert [r.token_ids for r in Engine(model, speculative=speculative).generate(requests())] == scanned
+
+
 @needs_kernels
 @pytest.mark.parametrize(("model_dtype", "cache_dtype"), [(torch.float32, torch.bfloat16),
                                                           (torch.bfloat16, torch.float32)])

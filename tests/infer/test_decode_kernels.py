@@ -171,21 +171,26 @@ def test_swiglu_experts_on_edge_shapes(kind, act):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 24, 16391])
-def test_argmax_scan_equals_torch_and_finds_every_non_finite_value(dtype, n):
-    """dsv3_argmax_rows (the engine's check and greedy pick): torch.argmax's first index on ties, and not
-    finite when one NaN or +-inf sits anywhere (in the vector loop or its tail, in any row)."""
+def test_logit_scan_equals_torch_and_finds_every_non_finite_value(dtype, n):
+    """dsv3_scan_logits (the engine's check and greedy pick): torch.argmax's first index on ties (in the
+    vector loop and in its tail), and -1 for a row, and only that row, holding one NaN or +-inf anywhere."""
     g = torch.Generator().manual_seed(n)
-    x = torch.randint(-4, 4, (3, n), generator=g).to(dtype)  # many ties
+    x = torch.randint(-4, 4, (4, n), generator=g).to(dtype)  # many ties
     x[1] = torch.randn(n, generator=g).to(dtype)
-    assert dk.argmax_rows(x) == (True, x.float().argmax(-1).tolist())
-    assert dk.argmax_rows(x, want_index=False) == (True, None)
+    x[3] = -1.0
+    x[3, n - 1] = 5.0  # the maximum in the tail
+    assert dk.scan_logits(x) == x.float().argmax(-1).tolist()
+    assert dk.scan_logits(x.view(2, 2, n)) == x.float().argmax(-1).tolist()
     for bad in (float("nan"), float("inf"), float("-inf")):
         for row, col in ((0, 0), (2, n - 1), (1, n // 2)):
             y = x.clone()
             y[row, col] = bad
-            assert dk.argmax_rows(y) == (False, None)
+            want = x.float().argmax(-1).tolist()
+            want[row] = -1
+            assert dk.scan_logits(y) == want
     if n > 1:
-        assert dk.argmax_rows(x.t()) is None  # not contiguous: the caller's fallback
+        assert dk.scan_logits(x.t()) is None  # not contiguous: the caller's fallback
+    assert dk.scan_logits(x.double()) is None
 
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_kernels_speed.py"

@@ -54,11 +54,22 @@ def test_a_request_that_cannot_start_fails_alone(model):
     assert [r.token_ids for r in (results[0], results[2])] == [alone(model, p).token_ids for p in PROMPTS[:2]]
 
 
+def per_row_checks(monkeypatch) -> None:
+    """The engine checks and picks each row by itself (sampling.all_finite, greedy_tokens) instead of its one
+    C scan of a step's logits (decode_kernels.scan_logits), as without the kernels."""
+    from dsv3.infer import engine
+
+    monkeypatch.setattr(engine, "scan_logits", lambda logits: None)
+
+
 @pytest.mark.parametrize("speculative", [False, True])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_a_nan_expert_ends_the_request_with_a_clear_error(model, speculative, temperature):
+@pytest.mark.parametrize("scan", [True, False])
+def test_a_nan_expert_ends_the_request_with_a_clear_error(model, speculative, temperature, scan, monkeypatch):
     """Greedy used to emit token 0 (the argmax of NaN logits) silently; sampling raised in multinomial
     and failed the whole batch."""
+    if not scan:
+        per_row_checks(monkeypatch)
     sick = sick_copy(model, **{"model.layers.1.mlp.experts.down_proj": 0})
     sick.model.layers[1].mlp.gate.e_score_correction_bias[0] = 100.0  # every token is routed to expert 0
     result = Engine(sick, speculative=speculative).generate(
@@ -79,7 +90,10 @@ def test_poisoned_padding_does_not_spread_to_other_rows(model, speculative):
     assert results[3].finish_reason == "error"
 
 
-def test_a_row_that_turns_non_finite_mid_decode_leaves_the_others(model):
+@pytest.mark.parametrize("scan", [True, False])
+def test_a_row_that_turns_non_finite_mid_decode_leaves_the_others(model, scan, monkeypatch):
+    if not scan:
+        per_row_checks(monkeypatch)
     first = alone(model, PROMPTS[0], 8).token_ids
     sick = sick_copy(model, **{"model.embed_tokens.weight": first[2]})  # its third token breaks it
     others = [p for p in PROMPTS[1:] if first[2] not in alone(model, p, 8).token_ids + p]

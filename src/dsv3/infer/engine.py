@@ -36,6 +36,7 @@ from dsv3.infer.sampling import GREEDY, SamplingParams, all_finite, draw, greedy
 from dsv3.infer.speculative import verify
 from dsv3.model import huge_pages
 from dsv3.model.decode import FastDecode
+from dsv3.model.decode_kernels import scan_logits
 from dsv3.model.mla import LatentCache
 from dsv3.model.transformer import Transformer
 from dsv3.parallel.overlap import run_interleaved
@@ -275,13 +276,14 @@ class Engine:
         return [results[id(r)] for r in requests]
 
 
-def greedy_verify(logits: torch.Tensor, draft: int | None) -> tuple[list[int], int]:
-    """Greedy decoding of finite logits [T, V] (T = 2 when verifying ``draft``): (tokens, drafts accepted).
+def greedy_verify(logits: torch.Tensor, draft: int | None, best: list[int] | None = None) -> tuple[list[int], int]:
+    """Greedy decoding of finite logits [T, V] (T = 2 when verifying ``draft``): (tokens, drafts accepted);
+    ``best``: each row's argmax when already known.
 
     What ``verify`` gives for one-hot p and q, without building them: the draft is kept iff it is the
     argmax of the first row, then the second row's argmax follows; else the first row's argmax replaces
     it. Skipping the full-vocabulary one-hots, the residual and its multinomial saves about 1 ms a step."""
-    best = greedy_tokens(logits)
+    best = greedy_tokens(logits) if best is None else best
     if draft is None:
         return best[:1], 0
     return ([draft, best[1]], 1) if draft == best[0] else (best[:1], 0)
@@ -439,11 +441,20 @@ class Batch:
         except Exception as exc:
             return row.fail(f"generation failed for this request: {exc}")
 
-    def _sample(self, row: Row, logits: torch.Tensor, verifying: bool) -> Event:
-        """Pick and commit the row's next token(s) from its logits [T, V] (T = 2, ``verifying``: check its draft)."""
-        finite_logits(logits, row)
+    def _scan(self, logits: torch.Tensor) -> list[int] | None:
+        """Each row of logits [..., V]: its argmax, or -1 when it is not finite, in one C call over the whole
+        step (``decode_kernels.scan_logits``); None (each row checked and picked by itself) on the module path
+        or when the kernels cannot read them. Saves two interpreter calls per row, slow after the weights
+        have streamed through the caches."""
+        return scan_logits(logits) if isinstance(self.engine.decoder, FastDecode) else None
+
+    def _sample(self, row: Row, logits: torch.Tensor, verifying: bool, best: list[int] | None = None) -> Event:
+        """Pick and commit the row's next token(s) from its logits [T, V] (T = 2, ``verifying``: check its draft);
+        ``best``: the step's scan of these logits (``_scan``), when it ran."""
+        if best is None or -1 in best:
+            finite_logits(logits, row)
         if row.params.greedy:
-            new, accepted = greedy_verify(logits, row.draft if verifying else None)
+            new, accepted = greedy_verify(logits, row.draft if verifying else None, best)
         elif verifying:  # each target row's distribution made only when verify reads it (none after a rejection)
             target = lambda i: probabilities(logits[i : i + 1], row.params)[0]  # noqa: E731
             new, accepted = verify(target, row.draft_q[None], [row.draft], row.gen)
@@ -466,15 +477,18 @@ class Batch:
             return events
         self._ensure_capacity()
         B, T, start = len(self.rows), self.T, self.cur
-        ids = torch.tensor([[r.last] + ([r.draft] if T == 2 else []) for r in self.rows], device=self.device)
-        positions = torch.tensor([[r.next_pos + t for t in range(T)] for r in self.rows], device=self.device)
-        self.valid[:, start : start + T] = True
+        ids, positions = torch.tensor([[[r.last] + ([r.draft] if T == 2 else []) for r in self.rows],
+                                       [[r.next_pos + t for t in range(T)] for r in self.rows]], device=self.device)
+        self.valid.numpy()[:, start : start + T] = True  # a view: NumPy's slice costs less than torch's per step
         h, logits = self._forward(ids, positions, start, self._mask(start, T))
         logits = logits.cpu()  # [B, T, V]
+        scan = self._scan(logits)
         committed = []
         for b, row in enumerate(self.rows):
             row.new = []
-            events.append(self._guarded(row, lambda row=row, b=b: self._sample(row, logits[b], T == 2)))
+            best = None if scan is None else scan[b * T : (b + 1) * T]
+            sample = lambda row=row, b=b, best=best: self._sample(row, logits[b], T == 2, best)  # noqa: E731
+            events.append(self._guarded(row, sample))
             committed.append(row.new)
             row.next_pos += len(row.new)
         counts = [len(new) for new in committed]
@@ -530,10 +544,11 @@ class Batch:
                   else vocab.logits(self.engine.decoder, 0, h_last)).cpu()  # [B, V], or [B, K] over the draft vocab
         if start == 0:  # the prefill's draft: padding may have poisoned it too
             self._check_poison(logits)
-        events = []
+        events, scan = [], self._scan(logits)
         for b, row in enumerate(self.rows):
             if not row.finish_reason:
-                failed = self._guarded(row, lambda row=row, b=b: self._draw_draft(row, logits[b]))
+                best = None if scan is None else scan[b]
+                failed = self._guarded(row, lambda row=row, b=b, best=best: self._draw_draft(row, logits[b], best))
                 events += [failed] if failed is not None else []
         return events
 
@@ -546,13 +561,15 @@ class Batch:
             return h_mtp[:, last[0]]
         return h_mtp[torch.arange(len(last), device=h_mtp.device), torch.tensor(last, device=h_mtp.device)]
 
-    def _draw_draft(self, row: Row, logits: torch.Tensor) -> None:
+    def _draw_draft(self, row: Row, logits: torch.Tensor, best: int | None = None) -> None:
         """The row's draft from the MTP logits [V] (or [K] over the draft vocabulary): the argmax when
-        greedy (``greedy_verify`` needs no q), else a draw from q, kept as a distribution over [V]."""
-        finite_logits(logits, row, "MTP draft logits")
+        greedy (``greedy_verify`` needs no q), else a draw from q, kept as a distribution over [V];
+        ``best``: the step's scan of these logits (``_scan``), when it ran."""
+        if best is None or best < 0:
+            finite_logits(logits, row, "MTP draft logits")
         vocab = self.engine.draft_vocab
         if row.params.greedy:
-            j, row.draft_q = greedy_tokens(logits)[0], None
+            j, row.draft_q = (greedy_tokens(logits)[0] if best is None else best), None
         else:
             q = probabilities(logits, row.params)
             j = draw(q, row.gen)

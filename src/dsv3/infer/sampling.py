@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 from dsv3.errors import DSV3Error
-from dsv3.model.decode_kernels import argmax_rows
 
 MAX_SEED = 2**64 - 1  # torch.Generator takes 64-bit seeds; a larger one overflows when the request starts
 
@@ -81,13 +80,8 @@ def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 def greedy_tokens(logits: torch.Tensor) -> list[int]:
     """The argmax of each row of finite logits [T, V] (first index on ties, as ``torch.argmax``).
 
-    Computed by the C decode kernels when they are loaded and can read the logits, else by NumPy: torch's CPU argmax
-    over one row of a 16K vocabulary takes 0.15-0.25 ms, NumPy's about a tenth of that, the kernel's a
-    tenth again (in a decode step the interpreter's calls are slow: the weights have just streamed
-    through the caches). A speculative step takes three (two verify rows, one draft)."""
-    scanned = argmax_rows(logits.detach())
-    if scanned is not None and scanned[0]:
-        return scanned[1]
+    Computed by NumPy: torch's CPU argmax over one row of a 16K vocabulary takes 0.15-0.25 ms, NumPy's
+    about a tenth of that, and a speculative step takes three (two verify rows, one draft)."""
     rows = logits.detach().reshape(-1, logits.shape[-1])
     return rows.float().cpu().numpy().argmax(-1).tolist()
 
@@ -95,11 +89,7 @@ def greedy_tokens(logits: torch.Tensor) -> list[int]:
 def all_finite(x: torch.Tensor) -> bool:
     """Whether no element of x is NaN or infinite. A finite sum proves it (NaN and inf propagate through
     it) in one pass without a bool tensor, about 7x faster than ``isfinite(x).all()``; only when the sum
-    is not finite (a bad value, or a sum past the fp32 range) is each element checked. fp32 and bf16 CPU
-    tensors: one pass of the C decode kernels' scan when they are loaded."""
-    scanned = argmax_rows(x.detach(), want_index=False)
-    if scanned is not None:
-        return scanned[0]
+    is not finite (a bad value, or a sum past the fp32 range) is each element checked."""
     return math.isfinite(float(x.sum(dtype=torch.float32))) or bool(torch.isfinite(x).all())
 
 

@@ -1070,14 +1070,14 @@ int dsv3_decode_step(const StepDesc *m, const BlkStep *s, const int64_t *ids, vo
     return 0;
 }
 
-/* ---- greedy decoding's scan of the logits ---- */
+/* ---- the engine's scan of a step's logits ---- */
 
-/* For M rows of n values (fp32 or bf16, rows ld values apart): returns 1 when every value is finite, else 0;
- * when idx is not NULL and all are finite, idx[m] = the first index of row m's largest value (torch.argmax's
- * choice). One vector pass for the maximum and the finiteness (v - v is 0 only for finite v), then a scan
- * for the first index holding the maximum: the engine's check and greedy pick in two passes over logits the
- * head has just written (still in cache) instead of two PyTorch/NumPy calls. */
-int dsv3_argmax_rows(const void *x, int kind, int64_t M, int64_t n, int64_t ld, int64_t *idx) {
+/* For M rows of n values (fp32 or bf16, rows ld values apart): idx[m] = the first index of row m's largest
+ * value (torch.argmax's choice) when every value of the row is finite, else -1. One vector pass for the
+ * maximum and the finiteness (v - v is 0 only for finite v), one for the first index holding the maximum:
+ * the engine's check of every row and its greedy pick in one call over logits the head has just written
+ * (still in cache), instead of two PyTorch/NumPy calls per row. Returns 0. */
+int dsv3_scan_logits(const void *x, int kind, int64_t M, int64_t n, int64_t ld, int64_t *idx) {
     const __m256 zero = _mm256_setzero_ps();
     for (int64_t m = 0; m < M; m++) {
         const int64_t off = m * ld;
@@ -1088,22 +1088,27 @@ int dsv3_argmax_rows(const void *x, int kind, int64_t M, int64_t n, int64_t ld, 
             vmax = _mm256_max_ps(vmax, v);
             ok = _mm256_and_ps(ok, _mm256_cmp_ps(_mm256_sub_ps(v, v), zero, _CMP_EQ_OQ));
         }
-        if (_mm256_movemask_ps(ok) != 0xFF) return 0;
+        int finite = _mm256_movemask_ps(ok) == 0xFF;
         float lanes[8], best = -INFINITY;
         _mm256_storeu_ps(lanes, vmax);
         for (int l = 0; l < 8; l++) best = lanes[l] > best ? lanes[l] : best;
-        for (; i < n; i++) {
-            const float v = blk_load(x, kind, off + i);
-            if (!isfinite(v)) return 0;
+        for (int64_t j = i; j < n; j++) {
+            const float v = blk_load(x, kind, off + j);
+            finite &= isfinite(v) != 0;
             best = v > best ? v : best;
         }
-        if (!idx) continue;
-        idx[m] = 0;
-        for (i = 0; i < n; i++)
-            if (blk_load(x, kind, off + i) == best) {
-                idx[m] = i;
+        idx[m] = -1;
+        if (!finite) continue;
+        const __m256 vbest = _mm256_set1_ps(best);
+        for (i = 0; i + 8 <= n; i += 8) {
+            const int hit = _mm256_movemask_ps(_mm256_cmp_ps(blk_load8(x, kind, off + i), vbest, _CMP_EQ_OQ));
+            if (hit) {
+                idx[m] = i + __builtin_ctz((unsigned)hit);
                 break;
             }
+        }
+        for (; idx[m] < 0 && i < n; i++)
+            if (blk_load(x, kind, off + i) == best) idx[m] = i;
     }
-    return 1;
+    return 0;
 }

@@ -85,8 +85,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.dsv3_route.argtypes = [p, p, i64, i64, p, i32, i64, i32, i64, i64, i32, i64, i32, ctypes.c_float, p, p, i32]
     lib.dsv3_mla_decode.argtypes = [p, i32, p, p, i64, p, i64, i64, p, i64, i64, i32, p, p, i32] + [i64] * 12 + [
         p, i64, ctypes.c_float, p, i32]
-    lib.dsv3_argmax_rows.argtypes = [p, i32, i64, i64, i64, p]
-    for fn in (lib.dsv3_linear, lib.dsv3_swiglu_experts, lib.dsv3_route, lib.dsv3_mla_decode, lib.dsv3_argmax_rows):
+    lib.dsv3_scan_logits.argtypes = [p, i32, i64, i64, i64, p]
+    for fn in (lib.dsv3_linear, lib.dsv3_swiglu_experts, lib.dsv3_route, lib.dsv3_mla_decode, lib.dsv3_scan_logits):
         fn.restype = i32
     return lib
 
@@ -221,19 +221,20 @@ def swiglu_experts_reference(x: torch.Tensor, idx: torch.Tensor, gates: torch.Te
     return out
 
 
-def argmax_rows(x: torch.Tensor, want_index: bool = True) -> tuple[bool, list[int] | None] | None:
-    """(whether every value of x [..., n] is finite, the first index of the largest value of each row
-    (None when not finite or not asked for)) in one call, or None when the kernels cannot read x (then the
-    caller computes it with PyTorch or NumPy). For the engine's check and greedy pick of fresh logits; it
-    never starts a build of the kernels (a fast decoder built them already; a slow one does not wait)."""
-    lib = _load()[0] if _load.cache_info().currsize else None
-    if (lib is None or x.dtype not in A_KIND or x.device.type != "cpu" or x.dim() == 0 or x.numel() == 0
-            or not x.is_contiguous()):
+def scan_logits(logits: torch.Tensor) -> list[int] | None:
+    """For each row of logits [..., V] (fp32 or bf16, contiguous, CPU): the first index of its largest value
+    (``torch.argmax``'s choice), or -1 when the row holds a NaN or an infinity; in one C call, or None when
+    the kernels are not built or cannot read the tensor. The engine's check and greedy pick of a decode
+    step's logits (the fallback is ``sampling.all_finite`` and ``sampling.greedy_tokens`` per row)."""
+    lib = _load()[0]
+    if (lib is None or logits.dtype not in A_KIND or not logits.is_cpu or logits.dim() == 0
+            or not logits.is_contiguous()):
         return None
-    rows = x.numel() // x.shape[-1]
-    idx = (ctypes.c_int64 * rows)() if want_index else None
-    finite = bool(lib.dsv3_argmax_rows(x.data_ptr(), A_KIND[x.dtype], rows, x.shape[-1], x.shape[-1], idx))
-    return finite, list(idx) if finite and want_index else None
+    V = logits.shape[-1]
+    rows = logits.numel() // V if V else 0
+    idx = (ctypes.c_int64 * rows)()
+    lib.dsv3_scan_logits(logits.data_ptr(), A_KIND[logits.dtype], rows, V, V, idx)
+    return idx[:]
 
 
 def latent_attention_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pe: torch.Tensor,
