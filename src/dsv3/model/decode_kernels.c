@@ -573,6 +573,39 @@ static float blk_dot(const void *a, int kind, int64_t off, const float *b, int64
 #define ATT_KEYS 3 /* keys per score micro-kernel: 4 x 3 accumulators, 3 rows and a query vector in registers */
 #endif
 
+/* Weights read after the attention (the block's output projection, router and shared expert), fetched
+ * into L2 while the attention computes: at long contexts it is FMA-bound and leaves the memory idle. Each
+ * thread walks its own share of the ranges, a few cache lines per score step. */
+#define PF_RANGES 8
+#define PF_LINES_PER_STEP 6
+typedef struct { const char *p[PF_RANGES]; size_t n[PF_RANGES]; int count; } PfRanges;
+typedef struct { /* [at, end): this thread's share still to fetch, as offsets into the ranges one after another */
+    const PfRanges *r;
+    int i;       /* the range holding offset ``at`` */
+    size_t done; /* the bytes of the ranges before range i */
+    size_t at, end;
+} PfCursor;
+static __thread PfCursor pf_cursor;
+
+/* This thread's share (thread t of T) of the bytes of ``r``, as the cursor's range [at, end) in the ranges'
+ * concatenation. */
+static void pf_start(const PfRanges *r, int t, int T) {
+    size_t total = 0;
+    for (int i = 0; i < (r ? r->count : 0); i++) total += r->n[i];
+    pf_cursor.r = r, pf_cursor.i = 0, pf_cursor.done = 0;
+    pf_cursor.at = total * (size_t)t / (size_t)T, pf_cursor.end = total * (size_t)(t + 1) / (size_t)T;
+}
+
+/* Prefetch the next ``lines`` cache lines of this thread's share into L2. */
+static inline void pf_step(int lines) {
+    PfCursor *c = &pf_cursor;
+    for (int l = 0; l < lines && c->at < c->end; l++, c->at += 64) {
+        while (c->i < c->r->count && c->at >= c->done + c->r->n[c->i]) c->done += c->r->n[c->i++];
+        if (c->i >= c->r->count) { c->at = c->end; return; }
+        _mm_prefetch(c->r->p[c->i] + (c->at - c->done), _MM_HINT_T1);
+    }
+}
+
 /* Adds the products of ATT_QUERIES fp32 queries q [ATT_QUERIES, n] (row stride ldq) with ATT_KEYS cached
  * rows k[u] of n values: columns [0, n / 8 * 8) into acc[i][u] (one 8-wide chain per query and row), the
  * rest into tail[i][u]. Each loaded query vector serves every row and each loaded row four queries (7 loads
@@ -615,6 +648,7 @@ static inline __attribute__((always_inline)) void att_tile_scores(int kind, cons
         float tail[ATT_QUERIES][ATT_KEYS] = {{0.0f}};
         for (int i = 0; i < ATT_QUERIES; i++)
             for (int u = 0; u < ATT_KEYS; u++) acc[i][u] = _mm256_setzero_ps();
+        if (pf_cursor.r) pf_step(PF_LINES_PER_STEP);
         att_dots(kind, q_lat, r, kr, r, acc, tail);
         att_dots(kind, q_pe, p, pr, p, acc, tail);
         for (int u = 0; u < ATT_KEYS && j + u < n; u++) {
@@ -690,6 +724,7 @@ typedef struct { /* dsv3_mla_decode's arguments, for its tasks */
     int64_t kv_bstride, kv_sstride, pe_bstride, pe_sstride, bias_bstride;
     float scale;
     void *out;
+    const PfRanges *pf; /* or NULL */
 } AttArgs;
 
 /* Query i of a task, m = m0 + i: q_lat[i] = W_UK[h]^T q_nope * scale, q_pe[i] = rope(q_pe) * scale. */
@@ -809,7 +844,7 @@ static inline __attribute__((always_inline)) void att_task(int kind, const AttAr
  * queries), their exponentials against a running max (online softmax), then the tile's rows weighted
  * into the outputs while still in L1. A query's arithmetic is the same in every grouping, so the result
  * does not depend on the thread count. */
-int dsv3_mla_decode(const void *q, int akind, const float *cos, const float *sin, int64_t rot_bstride,
+static int mla_decode(const PfRanges *pf, const void *q, int akind, const float *cos, const float *sin, int64_t rot_bstride,
                     const void *w_uk, int64_t uk_hstride, int64_t uk_rstride, const void *w_uv, int64_t uv_hstride,
                     int64_t uv_rstride, int wkind, const void *kv, const void *pe, int ckind, int64_t B, int64_t T, int64_t H,
                     int64_t S, int64_t nope, int64_t p, int64_t r, int64_t v, int64_t kv_bstride, int64_t kv_sstride,
@@ -817,13 +852,14 @@ int dsv3_mla_decode(const void *q, int akind, const float *cos, const float *sin
                     void *out, int nthreads) {
     const AttArgs a = {q, kv, pe, cos, sin, bias, w_uk, w_uv, wkind, akind, rot_bstride, uk_hstride, uk_rstride,
                        uv_hstride, uv_rstride, T, H, S, nope, p, r, v, kv_bstride, kv_sstride, pe_bstride,
-                       pe_sstride, bias_bstride, scale, out};
+                       pe_sstride, bias_bstride, scale, out, pf};
     const int64_t M = T * H;
     const int64_t group = B * ((M + ATT_GROUP - 1) / ATT_GROUP) >= nthreads ? ATT_GROUP : ATT_QUERIES;
     const int64_t mblocks = (M + group - 1) / group;
 #pragma omp parallel num_threads(nthreads)
     {
         float *buf = (float *)malloc((size_t)ATT_FLOATS(r, p) * sizeof(float));
+        pf_start(pf, omp_get_thread_num(), omp_get_num_threads());
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < B * mblocks; task++) {
             const int64_t b = task / mblocks, m0 = (task % mblocks) * group;
@@ -833,8 +869,20 @@ int dsv3_mla_decode(const void *q, int akind, const float *cos, const float *sin
             else att_task(A_BF16, &a, b, m0, mb, buf);
         }
         free(buf);
+        pf_cursor.r = NULL;
     }
     return 0;
+}
+
+int dsv3_mla_decode(const void *q, int akind, const float *cos, const float *sin, int64_t rot_bstride,
+                    const void *w_uk, int64_t uk_hstride, int64_t uk_rstride, const void *w_uv, int64_t uv_hstride,
+                    int64_t uv_rstride, int wkind, const void *kv, const void *pe, int ckind, int64_t B, int64_t T, int64_t H,
+                    int64_t S, int64_t nope, int64_t p, int64_t r, int64_t v, int64_t kv_bstride, int64_t kv_sstride,
+                    int64_t pe_bstride, int64_t pe_sstride, const float *bias, int64_t bias_bstride, float scale,
+                    void *out, int nthreads) {
+    return mla_decode(NULL, q, akind, cos, sin, rot_bstride, w_uk, uk_hstride, uk_rstride, w_uv, uv_hstride, uv_rstride,
+                      wkind, kv, pe, ckind, B, T, H, S, nope, p, r, v, kv_bstride, kv_sstride, pe_bstride, pe_sstride,
+                      bias, bias_bstride, scale, out, nthreads);
 }
 
 /* ---- A whole transformer block's decode step in one call ----------------------------------------------
@@ -989,6 +1037,23 @@ static void blk_feed_forward(const BlkDesc *d, const BlkStep *s, const void *h, 
     }
 }
 
+/* The weights the block reads right after its attention, in order (the output projection, the router, the
+ * shared expert or dense MLP), for the attention to fetch while it computes. */
+static void blk_read_after_attention(const BlkDesc *d, PfRanges *after) {
+    after->count = 0;
+    const BlkLinear *o = &d->o;
+    after->p[after->count] = o->w, after->n[after->count++] = (size_t)(o->n * o->k) * elem_size((int)o->kind);
+    if (d->router)
+        after->p[after->count] = (const char *)d->router,
+        after->n[after->count++] = (size_t)(d->routed.n_experts * d->dim) * sizeof(float);
+    if (d->shared.gate) {
+        const BlkExperts *e = &d->shared;
+        const size_t bytes = (size_t)(e->n_experts * e->inter * e->dim) * elem_size((int)e->kind);
+        const void *parts[3] = {e->gate, e->up, e->down};
+        for (int i = 0; i < 3; i++) after->p[after->count] = parts[i], after->n[after->count++] = bytes;
+    }
+}
+
 /* One block's decode step on x [rows * T, dim] (activation dtype), in place: x += attn(norm(x)), then
  * x += ffn(norm(x)); the new tokens' latents are written to the cache at layer ``d->layer``. Returns 0. */
 int dsv3_decode_block(const BlkDesc *d, const BlkStep *s, void *x) {
@@ -1016,7 +1081,9 @@ int dsv3_decode_block(const BlkDesc *d, const BlkStep *s, void *x) {
     PROF(PH_KV);
     blk_write_latents(d, s, kv);
     PROF(PH_LATENT);
-    dsv3_mla_decode(q, ak, s->cos, s->sin, s->rot_bstride, d->w_uk, d->uk_hstride, d->uk_rstride, d->w_uv,
+    PfRanges after;
+    blk_read_after_attention(d, &after);
+    mla_decode(&after, q, ak, s->cos, s->sin, s->rot_bstride, d->w_uk, d->uk_hstride, d->uk_rstride, d->w_uv,
                     d->uv_hstride, d->uv_rstride, (int)d->w_kind,
                     (const char *)s->kv + (size_t)(d->layer * s->kv_lstride) * ces, (const char *)s->pe + (size_t)(d->layer * s->pe_lstride) * ces, (int)s->ckind, s->rows, s->T,
                     H, S, d->nope, d->rope, d->kv_rank, d->v_dim, s->kv_bstride, s->kv_sstride, s->pe_bstride,
