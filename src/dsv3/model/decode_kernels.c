@@ -113,11 +113,32 @@ static inline float wload1(int kind, const void *row, int64_t k) {
     return f;
 }
 
-/* 16 weights from column k as two vectors of 8. */
+/* The 16 columns k..k+15 as two vectors of 8 in the GEMV's column order (see interleave): bf16 as its even
+ * columns (each 32-bit pair shifted left by 16) and its odd ones (the pair with its low half masked off), two
+ * operations for 16 weights where widening takes four; fp32 and FP8 as columns k..k+7 and k+8..k+15. */
 static inline __attribute__((always_inline)) void wload16(int kind, const void *row, int64_t k, __m256 *w0,
                                                           __m256 *w1) {
+    if (kind == W_BF16) {
+        const __m256i pairs = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + k));
+        *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+        *w1 = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32((int)0xFFFF0000u)));
+        return;
+    }
     *w0 = wload8(kind, row, k);
     *w1 = wload8(kind, row, k + 8);
+}
+
+/* One of wload16's two vectors: half 0 (w0) or 1 (w1). */
+static inline __attribute__((always_inline)) __m256 wload16_half(int kind, const void *row, int64_t k, int half) {
+    __m256 w0, w1;
+    if (kind == W_BF16) {
+        const __m256i pairs = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + k));
+        return half ? _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32((int)0xFFFF0000u)))
+                    : _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
+    }
+    if (kind == W_F32) return _mm256_loadu_ps((const float *)row + k + 8 * half);
+    wload16(kind, row, k, &w0, &w1);
+    return half ? w1 : w0;
 }
 
 /* Prefetch the cache lines of [p, p + bytes) (bytes a multiple of 64, or under 64: one line). */
@@ -140,9 +161,23 @@ static inline __attribute__((always_inline)) void tail(int kind, const void *con
 
 /* The summation order, the same in every tile shape so that a row's result does not depend on how many
  * activation rows share the call (batched decode and MTP verification give the single-row numbers): per
- * (weight row, activation row), accumulator a takes columns 16j..16j+7 and b columns 16j+8..16j+15 (a also
- * a last group of 8), then a + b is reduced by hsum4, then the columns past the last multiple of 8 are
- * added one by one (tail). */
+ * (weight row, activation row), accumulator a takes the first vector of each 16-column block (wload16) and b
+ * the second (a also a last group of 8 columns), then a + b is reduced by hsum4, then the columns past the
+ * last multiple of 8 are added one by one (tail). For bf16 weights the two vectors are the block's even and
+ * odd columns, so the activations come interleaved to match (interleave). */
+
+/* xi = x [M, K] with each whole 16-column block reordered as its 8 even columns then its 8 odd ones (the
+ * order wload16 gives bf16 weights in); the columns past the last whole block as they are. */
+static void interleave(const float *x, int64_t M, int64_t K, float *xi) {
+    for (int64_t m = 0; m < M; m++) {
+        const float *src = x + m * K;
+        float *dst = xi + m * K;
+        int64_t k = 0;
+        for (; k + 16 <= K; k += 16)
+            for (int i = 0; i < 8; i++) dst[k + i] = src[k + 2 * i], dst[k + 8 + i] = src[k + 2 * i + 1];
+        for (; k < K; k++) dst[k] = src[k];
+    }
+}
 
 /* res[r] = sum_k rows[r][k] * x[k], r < NR: 16 columns per step, 8 accumulator chains.
  * pf: where to prefetch the bytes this step consumes, PF_BYTES further on (NULL: nowhere). */
@@ -182,20 +217,34 @@ static inline __attribute__((always_inline)) void halfc(int kind, int C, const v
     /* named accumulators, not an array: GCC keeps arrays indexed in loops on the stack */
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0;
     __m256 c0 = a0, c1 = a0, c2 = a0, c3 = a0, w;
-    const int64_t end = K / 16 * 16 + (last && K % 16 >= 8 ? 16 : 0);
-    for (int64_t k = off; k < end; k += 16) {
+    const int64_t whole = K / 16 * 16, half = off / 8;
+#define HALFC_COLUMNS(LOAD)                                                                                    \
+    do {                                                                                                       \
+        const __m256 xv = _mm256_loadu_ps(x + k), yv = _mm256_loadu_ps(y + k);                                 \
+        const __m256 zv = C == 3 ? _mm256_loadu_ps(z + k) : xv;                                                \
+        w = LOAD(r0), a0 = _mm256_fmadd_ps(w, xv, a0), b0 = _mm256_fmadd_ps(w, yv, b0);                        \
+        if (C == 3) c0 = _mm256_fmadd_ps(w, zv, c0);                                                           \
+        w = LOAD(r1), a1 = _mm256_fmadd_ps(w, xv, a1), b1 = _mm256_fmadd_ps(w, yv, b1);                        \
+        if (C == 3) c1 = _mm256_fmadd_ps(w, zv, c1);                                                           \
+        w = LOAD(r2), a2 = _mm256_fmadd_ps(w, xv, a2), b2 = _mm256_fmadd_ps(w, yv, b2);                        \
+        if (C == 3) c2 = _mm256_fmadd_ps(w, zv, c2);                                                           \
+        w = LOAD(r3), a3 = _mm256_fmadd_ps(w, xv, a3), b3 = _mm256_fmadd_ps(w, yv, b3);                        \
+        if (C == 3) c3 = _mm256_fmadd_ps(w, zv, c3);                                                           \
+    } while (0)
+#define BLOCK_HALF(r) wload16_half(kind, r, k - off, (int)half)
+#define LAST_EIGHT(r) wload8(kind, r, k)
+    int64_t k = off;
+    for (; k < whole; k += 16) {
         if (pf) prefetch(pf + (k >> 4) * pfs, pfs);
-        const __m256 xv = _mm256_loadu_ps(x + k), yv = _mm256_loadu_ps(y + k);
-        const __m256 zv = C == 3 ? _mm256_loadu_ps(z + k) : xv;
-        w = wload8(kind, r0, k), a0 = _mm256_fmadd_ps(w, xv, a0), b0 = _mm256_fmadd_ps(w, yv, b0);
-        if (C == 3) c0 = _mm256_fmadd_ps(w, zv, c0);
-        w = wload8(kind, r1, k), a1 = _mm256_fmadd_ps(w, xv, a1), b1 = _mm256_fmadd_ps(w, yv, b1);
-        if (C == 3) c1 = _mm256_fmadd_ps(w, zv, c1);
-        w = wload8(kind, r2, k), a2 = _mm256_fmadd_ps(w, xv, a2), b2 = _mm256_fmadd_ps(w, yv, b2);
-        if (C == 3) c2 = _mm256_fmadd_ps(w, zv, c2);
-        w = wload8(kind, r3, k), a3 = _mm256_fmadd_ps(w, xv, a3), b3 = _mm256_fmadd_ps(w, yv, b3);
-        if (C == 3) c3 = _mm256_fmadd_ps(w, zv, c3);
+        HALFC_COLUMNS(BLOCK_HALF);
     }
+    if (last && K % 16 >= 8) {
+        if (pf) prefetch(pf + (k >> 4) * pfs, pfs);
+        HALFC_COLUMNS(LAST_EIGHT);
+    }
+#undef HALFC_COLUMNS
+#undef BLOCK_HALF
+#undef LAST_EIGHT
     acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3, acc[4] = b0, acc[5] = b1, acc[6] = b2, acc[7] = b3;
     acc[8] = c0, acc[9] = c1, acc[10] = c2, acc[11] = c3;
 }
@@ -241,12 +290,16 @@ static void to_panel(int kind, const void *const *rows, int64_t K, float *panel,
     const int64_t es = (int64_t)elem_size(kind);
     for (int r = 0; r < NR; r++) {
         int64_t k = 0;
-        if (kind == W_BF16)
-            for (; k + 8 <= K; k += 8) {
-                if (pf) prefetch(pf + (r * K + k) * es, 8 * 2);
-                _mm256_storeu_ps(panel + r * K + k, wload8(W_BF16, rows[r], k));
+        if (kind == W_BF16) {
+            for (; k + 16 <= K; k += 16) {
+                if (pf) prefetch(pf + (r * K + k) * es, 16 * 2);
+                __m256 w0, w1;
+                wload16(W_BF16, rows[r], k, &w0, &w1);
+                _mm256_storeu_ps(panel + r * K + k, w0);
+                _mm256_storeu_ps(panel + r * K + k + 8, w1);
             }
-        else
+            for (; k + 8 <= K; k += 8) _mm256_storeu_ps(panel + r * K + k, wload8(W_BF16, rows[r], k));
+        } else
             for (; k + 8 <= K; k += 8) {
                 if (pf) prefetch(pf + (r * K + k) * es, 8);
                 _mm256_storeu_ps(panel + r * K + k, wload8(W_FP8, rows[r], k));
@@ -266,9 +319,10 @@ static void prescale(const float *x, const float *scale_row, int64_t M, int64_t 
         }
 }
 
-/* Floats of per-thread scratch gemv_tiles needs: the prescaled activations (FP8) and a tile's panel. */
+/* Floats of per-thread scratch gemv_tiles needs: the prescaled (FP8) or interleaved (bf16) activations and a
+ * tile's panel. */
 static size_t scratch_floats(int kind, int64_t M, int64_t K) {
-    return (size_t)((kind == W_FP8 ? M * K : 0) + (M >= PANEL_MIN_ROWS && kind != W_F32 ? NR * K : 0) + 1);
+    return (size_t)((kind != W_F32 ? M * K : 0) + (M >= PANEL_MIN_ROWS && kind != W_F32 ? NR * K : 0) + 1);
 }
 
 /* How many of the rem activation rows left the next micro-tile takes: 3, or the 1 or 2 left at the end (tile1,
@@ -297,8 +351,9 @@ static void gemv_tiles(int kind, const void *w, const float *scale, int64_t N, i
     const float y_shift = kind == W_FP8 ? FP8_Y_SHIFT : 1.0f;
     const unsigned int csr = _mm_getcsr();
     if (kind == W_FP8) _mm_setcsr(csr & ~0x0040u); /* DAZ off: subnormal e4m3 weights are fp32 subnormals */
-    float *xs = scratch, *pan = scratch + (kind == W_FP8 ? M * K : 0);
+    float *xs = scratch, *pan = scratch + (kind != W_F32 ? M * K : 0);
     int64_t scaled_block = -1;
+    if (kind == W_BF16) interleave(x, M, K, xs), x = xs;
     for (int64_t t = t0; t < t1; t++) {
         const int64_t n = t * NR;
         const int nr = N - n < NR ? (int)(N - n) : NR;
