@@ -113,15 +113,23 @@ static inline float wload1(int kind, const void *row, int64_t k) {
     return f;
 }
 
+/* 16 bf16 values at p as fp32: their even-indexed ones (each 32-bit pair shifted left by 16) and their odd ones
+ * (the pair with its low half masked off): two operations for 16 values where widening takes four. */
+static inline __attribute__((always_inline)) __m256 bf16_even8(const void *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_loadu_si256((const __m256i *)p), 16));
+}
+static inline __attribute__((always_inline)) __m256 bf16_odd8(const void *p) {
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_loadu_si256((const __m256i *)p),
+                                                 _mm256_set1_epi32((int)0xFFFF0000u)));
+}
+
 /* The 16 columns k..k+15 as two vectors of 8 in the GEMV's column order (see interleave): bf16 as its even
  * columns (each 32-bit pair shifted left by 16) and its odd ones (the pair with its low half masked off), two
  * operations for 16 weights where widening takes four; fp32 and FP8 as columns k..k+7 and k+8..k+15. */
 static inline __attribute__((always_inline)) void wload16(int kind, const void *row, int64_t k, __m256 *w0,
                                                           __m256 *w1) {
     if (kind == W_BF16) {
-        const __m256i pairs = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + k));
-        *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-        *w1 = _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32((int)0xFFFF0000u)));
+        *w0 = bf16_even8((const uint16_t *)row + k), *w1 = bf16_odd8((const uint16_t *)row + k);
         return;
     }
     *w0 = wload8(kind, row, k);
@@ -131,11 +139,7 @@ static inline __attribute__((always_inline)) void wload16(int kind, const void *
 /* One of wload16's two vectors: half 0 (w0) or 1 (w1). */
 static inline __attribute__((always_inline)) __m256 wload16_half(int kind, const void *row, int64_t k, int half) {
     __m256 w0, w1;
-    if (kind == W_BF16) {
-        const __m256i pairs = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + k));
-        return half ? _mm256_castsi256_ps(_mm256_and_si256(pairs, _mm256_set1_epi32((int)0xFFFF0000u)))
-                    : _mm256_castsi256_ps(_mm256_slli_epi32(pairs, 16));
-    }
+    if (kind == W_BF16) return half ? bf16_odd8((const uint16_t *)row + k) : bf16_even8((const uint16_t *)row + k);
     if (kind == W_F32) return _mm256_loadu_ps((const float *)row + k + 8 * half);
     wload16(kind, row, k, &w0, &w1);
     return half ? w1 : w0;
@@ -177,6 +181,14 @@ static void interleave(const float *x, int64_t M, int64_t K, float *xi) {
             for (int i = 0; i < 8; i++) dst[k + i] = src[k + 2 * i], dst[k + 8 + i] = src[k + 2 * i + 1];
         for (; k < K; k++) dst[k] = src[k];
     }
+}
+
+/* The inverse of interleave for one row of K values. */
+static void deinterleave(const float *xi, int64_t K, float *x) {
+    int64_t k = 0;
+    for (; k + 16 <= K; k += 16)
+        for (int i = 0; i < 8; i++) x[k + 2 * i] = xi[k + i], x[k + 2 * i + 1] = xi[k + 8 + i];
+    for (; k < K; k++) x[k] = xi[k];
 }
 
 /* res[r] = sum_k rows[r][k] * x[k], r < NR: 16 columns per step, 8 accumulator chains.
@@ -663,13 +675,26 @@ static inline void pf_step(int lines) {
 
 /* Adds the products of ATT_QUERIES fp32 queries q [ATT_QUERIES, n] (row stride ldq) with ATT_KEYS cached
  * rows k[u] of n values: columns [0, n / 8 * 8) into acc[i][u] (one 8-wide chain per query and row), the
- * rest into tail[i][u]. Each loaded query vector serves every row and each loaded row four queries (7 loads
+ * rest into tail[i][u]. A bf16 row is read 16 values at a time as its even then its odd ones (bf16_even8,
+ * bf16_odd8: no widened copy of the cache), so bf16 queries come interleaved (interleave). Each loaded query vector serves every row and each loaded row four queries (7 loads
  * per 12 FMAs: bound by the FMA units, not by loads). KIND is a constant after inlining. */
 static inline __attribute__((always_inline)) void att_dots(int kind, const float *q, int64_t ldq,
                                                            const char *const *k, int64_t n,
                                                            __m256 acc[ATT_QUERIES][ATT_KEYS],
                                                            float tail[ATT_QUERIES][ATT_KEYS]) {
     int64_t c = 0;
+    if (kind == A_BF16) /* whole 16-column blocks: even then odd columns, the queries interleaved to match */
+        for (; c + 16 <= n; c += 16)
+            for (int half = 0; half < 2; half++) {
+                __m256 v[ATT_KEYS];
+                for (int u = 0; u < ATT_KEYS; u++)
+                    v[u] = half ? bf16_odd8((const uint16_t *)k[u] + c) : bf16_even8((const uint16_t *)k[u] + c);
+                for (int i = 0; i < ATT_QUERIES; i++) {
+                    __m256 qi = _mm256_loadu_ps(q + i * ldq + c + 8 * half);
+                    __asm__("" : "+x"(qi));
+                    for (int u = 0; u < ATT_KEYS; u++) acc[i][u] = _mm256_fmadd_ps(qi, v[u], acc[i][u]);
+                }
+            }
     for (; c + 8 <= n; c += 8) {
         __m256 v[ATT_KEYS];
         for (int u = 0; u < ATT_KEYS; u++) v[u] = blk_load8(k[u], kind, c);
@@ -715,7 +740,8 @@ static inline __attribute__((always_inline)) void att_tile_scores(int kind, cons
 }
 
 /* o[i] += sum_j p[i][j] * row_j for ATT_QUERIES queries over n keys (rows ``row`` bytes apart);
- * o [ATT_QUERIES, r] fp32, p [ATT_QUERIES, ATT_TILE]. KIND is a constant after inlining. */
+ * o [ATT_QUERIES, r] fp32, p [ATT_QUERIES, ATT_TILE]; from bf16 rows o comes interleaved (as att_dots reads
+ * them). KIND is a constant after inlining. */
 static inline __attribute__((always_inline)) void att_values(int kind, float *o, const float *p, const char *rows,
                                                              size_t row, int64_t n, int64_t r) {
     int64_t k = 0;
@@ -724,7 +750,8 @@ static inline __attribute__((always_inline)) void att_values(int kind, float *o,
         for (int i = 0; i < ATT_QUERIES; i++) a[i][0] = _mm256_loadu_ps(o + i * r + k), a[i][1] = _mm256_loadu_ps(o + i * r + k + 8);
         for (int64_t j = 0; j < n; j++) {
             const char *rj = rows + j * row;
-            const __m256 v0 = blk_load8(rj, kind, k), v1 = blk_load8(rj, kind, k + 8);
+            const __m256 v0 = kind == A_BF16 ? bf16_even8((const uint16_t *)rj + k) : blk_load8(rj, kind, k);
+            const __m256 v1 = kind == A_BF16 ? bf16_odd8((const uint16_t *)rj + k) : blk_load8(rj, kind, k + 8);
             for (int i = 0; i < ATT_QUERIES; i++) {
                 const __m256 w = _mm256_broadcast_ss(p + i * ATT_TILE + j);
                 a[i][0] = _mm256_fmadd_ps(w, v0, a[i][0]);
@@ -768,8 +795,9 @@ static void att_softmax_tile(float *sc, int64_t n, float *m, float *l, float *o,
     *l += sum;
 }
 
-/* A task's scratch: its queries' q_lat, o_lat [ATT_GROUP, r] and q_pe [ATT_GROUP, p], then a tile as fp32. */
-#define ATT_FLOATS(r, p) (ATT_GROUP * (2 * (r) + (p)) + ATT_TILE * ((r) + (p)) + 1)
+/* A task's scratch: its queries' q_lat, o_lat [ATT_GROUP, r] and q_pe [ATT_GROUP, p], then one row's worth for
+ * reordering. */
+#define ATT_FLOATS(r, p) (ATT_GROUP * (2 * (r) + (p)) + (r) + (p) + 1)
 
 typedef struct { /* dsv3_mla_decode's arguments, for its tasks */
     const void *q, *kv, *pe;
@@ -810,16 +838,6 @@ static inline void att_prefetch_row(const char *row, size_t bytes) {
     _mm_prefetch(row + bytes - 1, _MM_HINT_T0);
 }
 
-/* n bf16 rows of w values (``row`` bytes apart) as fp32 rows out [n, w]. */
-static void att_convert(const char *rows, size_t row, int64_t n, int64_t w, float *out) {
-    for (int64_t j = 0; j < n; j++) {
-        const char *rj = rows + j * row;
-        int64_t k = 0;
-        for (; k + 8 <= w; k += 8) _mm256_storeu_ps(out + j * w + k, blk_load8(rj, A_BF16, k));
-        for (; k < w; k++) out[j * w + k] = blk_load(rj, A_BF16, k);
-    }
-}
-
 /* One task: queries [m0, m0 + mb) of batch row b (mb <= ATT_GROUP), in groups of ATT_QUERIES, over the
  * whole cache one tile at a time. buf: ATT_FLOATS(r, p) floats, the query part zeroed.
  * KIND (the cache's dtype) is a constant after inlining. */
@@ -827,13 +845,17 @@ static inline __attribute__((always_inline)) void att_task(int kind, const AttAr
                                                            int mb, float *buf) {
     const int64_t r = a->r, p = a->p, S = a->S, quads = (mb + ATT_QUERIES - 1) / ATT_QUERIES;
     float *q_lat = buf, *o_lat = buf + ATT_GROUP * r, *q_pe = buf + 2 * ATT_GROUP * r;
-    float *tile = q_pe + ATT_GROUP * p; /* a bf16 tile as fp32: [ATT_TILE, r] then [ATT_TILE, p] */
+    float *row = q_pe + ATT_GROUP * p; /* [r + p]: a row being reordered */
     float sc[ATT_GROUP * ATT_TILE], mx[ATT_GROUP], sum[ATT_GROUP];
     const float *bias_row[ATT_GROUP];
     for (int i = 0; i < mb; i++) {
         att_query(a, b, m0 + i, q_lat + i * r, q_pe + i * p);
         bias_row[i] = a->bias ? a->bias + b * a->bias_bstride + ((m0 + i) / a->H) * S : NULL;
         mx[i] = -INFINITY, sum[i] = 0.0f;
+        if (kind == A_BF16) { /* the order att_dots reads bf16 rows in */
+            interleave(q_lat + i * r, 1, r, row), memcpy(q_lat + i * r, row, (size_t)r * sizeof(float));
+            interleave(q_pe + i * p, 1, p, row), memcpy(q_pe + i * p, row, (size_t)p * sizeof(float));
+        }
     }
     const size_t es = kind == A_F32 ? 4 : 2, kv_row = (size_t)a->kv_sstride * es, pe_row = (size_t)a->pe_sstride * es;
     const char *kv_b = (const char *)a->kv + (size_t)(b * a->kv_bstride) * es;
@@ -846,19 +868,10 @@ static inline __attribute__((always_inline)) void att_task(int kind, const AttAr
                 att_prefetch_row(kv_t + (ATT_PF * ATT_TILE + j) * kv_row, (size_t)r * es);
                 att_prefetch_row(pe_t + (ATT_PF * ATT_TILE + j) * pe_row, (size_t)p * es);
             }
-        const int convert = kind != A_F32 && quads > 1; /* the tile converted to fp32 once for the groups */
-        if (convert) {
-            att_convert(kv_t, kv_row, n, r, tile);
-            att_convert(pe_t, pe_row, n, p, tile + ATT_TILE * r);
-        }
         for (int64_t g = 0; g < quads; g++) {
             const int64_t i0 = g * ATT_QUERIES;
             float *scg = sc + i0 * ATT_TILE;
-            if (!convert)
-                att_tile_scores(kind, q_lat + i0 * r, q_pe + i0 * p, r, p, kv_t, kv_row, pe_t, pe_row, n, scg);
-            else
-                att_tile_scores(A_F32, q_lat + i0 * r, q_pe + i0 * p, r, p, (const char *)tile, (size_t)r * 4,
-                                (const char *)(tile + ATT_TILE * r), (size_t)p * 4, n, scg);
+            att_tile_scores(kind, q_lat + i0 * r, q_pe + i0 * p, r, p, kv_t, kv_row, pe_t, pe_row, n, scg);
             for (int64_t i = i0; i < i0 + ATT_QUERIES; i++) {
                 float *si = sc + i * ATT_TILE;
                 if (i >= mb) { /* a padding query: weights 0 */
@@ -869,14 +882,14 @@ static inline __attribute__((always_inline)) void att_task(int kind, const AttAr
                     for (int64_t j = 0; j < n; j++) si[j] += bias_row[i][s0 + j];
                 att_softmax_tile(si, n, mx + i, sum + i, o_lat + i * r, r);
             }
-            if (!convert) att_values(kind, o_lat + i0 * r, scg, kv_t, kv_row, n, r);
-            else att_values(A_F32, o_lat + i0 * r, scg, (const char *)tile, (size_t)r * 4, n, r);
+            att_values(kind, o_lat + i0 * r, scg, kv_t, kv_row, n, r);
         }
     }
     for (int i = 0; i < mb; i++) { /* W_UV[h] o_lat / sum, into this head's slice of the output */
         const int64_t m = m0 + i, t = m / a->H, h = m % a->H;
         const float inv = 1.0f / sum[i];
         float *o = o_lat + i * r;
+        if (kind == A_BF16) deinterleave(o, r, row), memcpy(o, row, (size_t)r * sizeof(float));
         for (int64_t k = 0; k < r; k++) o[k] *= inv;
         for (int64_t c = 0; c < a->v; c++)
             blk_store(a->out, (int)a->akind, ((b * a->T + t) * a->H + h) * a->v + c,
