@@ -11,7 +11,7 @@ import torch
 from dsv3.infer.engine import Engine, Request
 from dsv3.infer.fp8_weights import to_fp8_weights
 from dsv3.model import decode_kernels as dk
-from dsv3.model.decode import FastDecode
+from dsv3.model.decode import FastDecode, Step
 from dsv3.precision.fp8 import quantize_weight_blocks
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -208,6 +208,37 @@ def test_step_kernel_refuses_an_id_outside_the_vocabulary_before_writing():
                 fast.hidden_and_logits(torch.tensor([[3], [bad]]), cache=cache, start_pos=len(PROMPTS[0]))
     assert torch.equal(cache.kv, before[0]) and torch.equal(cache.pe, before[1])
     assert fast._step_kernel is not None
+
+
+@needs_kernels
+@pytest.mark.parametrize("mode", ["step kernel", "block kernel"])
+def test_kernels_follow_positions_past_their_rope_table_and_a_change_of_cache(mode, monkeypatch):
+    """The kernels look each step's RoPE rows up in a table of the positions a cache can hold, through a
+    descriptor made once per cache: a position past the table (a caller's own positions) falls back to
+    rows computed for it, and two caches decoded in turn each get their own descriptor. Logits equal the
+    module path's."""
+    model = tiny_model()
+    fast = decoder_in(model, mode)
+    fallbacks = []
+    with_rows = Step.with_rope_rows
+    monkeypatch.setattr(Step, "with_rope_rows", lambda step: fallbacks.append(step) or with_rows(step))
+    prompts = (PROMPTS[0], PROMPTS[2])
+    caches = {which: (model.new_cache(1, 32), model.new_cache(1, 32)) for which in ("fast", "module")}
+    with torch.inference_mode():
+        for which in caches:
+            for prompt, cache in zip(prompts, caches[which], strict=True):
+                model(torch.tensor([prompt]), cache=cache)
+        for step in range(3):
+            for i, prompt in enumerate(prompts):
+                start = len(prompt) + step
+                far = step == 1 and i == 0  # a position far past any table the caches need
+                positions = torch.tensor([[5000 + step if far else start]])
+                ids = torch.tensor([[(11 * step + 5 * i) % 300]])
+                got = fast.hidden_and_logits(ids, positions=positions, cache=caches["fast"][i], start_pos=start)[1]
+                ref = model.hidden_and_logits(ids, positions=positions, cache=caches["module"][i], start_pos=start)[1]
+                assert (got - ref).abs().max() / ref.abs().max() < 2e-6, (step, i)
+    assert len(fallbacks) == 1
+    assert mode != "step kernel" or ran_the_step_kernel(fast)
 
 
 def ragged_logits(model, decoder, prompts, steps: int = 3, T: int = 1):

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Iterable
+from itertools import chain
 
 import torch
 import torch.nn.functional as F
@@ -185,8 +186,8 @@ class Layout:
         self.dispatchers = [m for m in modules if isinstance(m, TokenDispatcher)]
         self.formats = self._formats()
 
-    def _children(self) -> list[tuple]:
-        return list(map(tuple, map(dict.values, self.parents)))
+    def _children(self) -> list[nn.Module]:
+        return list(chain.from_iterable(map(dict.values, self.parents)))
 
     def _formats(self) -> list:
         return list(map(_combine_format, self.dispatchers))
@@ -310,12 +311,18 @@ class RopeTable:
         self.model = model
         self.cos = self.sin = torch.empty(0)
 
+    def tables(self, size: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [n, rope/2] (fp32, contiguous) of positions [0, n) for some n >= size, on ``device``: the same
+        tensors from call to call until a larger size or another device makes new ones."""
+        if self.cos.shape[0] < size or self.cos.device != device:
+            n = max(size, 2 * self.cos.shape[0])
+            self.cos, self.sin = self.model.angles(torch.arange(n, device=device))
+        return self.cos, self.sin
+
     def __call__(self, positions: torch.Tensor, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [*positions.shape, rope/2] (fp32, contiguous) for positions below ``size`` (larger ones
         are computed directly)."""
-        if self.cos.shape[0] < size or self.cos.device != positions.device:
-            n = max(size, 2 * self.cos.shape[0])
-            self.cos, self.sin = self.model.angles(torch.arange(n, device=positions.device))
+        self.tables(size, positions.device)
         try:
             return self.cos[positions], self.sin[positions]
         except IndexError:  # a position past the cache (not one the engine makes)
@@ -324,19 +331,33 @@ class RopeTable:
 
 class Step:
     """What every block of one decode step shares: the RoPE rotation (as cos/sin, and as cos + i sin for
-    the per-op path, made on first use), the additive mask bias, and the block kernel's step descriptor
-    (None when this step cannot use it: too many rows, a cache of another kind, a full cache)."""
+    the per-op path, each made on first use), the additive mask bias, and the kernels' step descriptor
+    (``kernel``, set by ``FastDecode``; None when this step cannot use it: too many rows, a cache of another
+    kind, a full cache)."""
 
     def __init__(self, rope: RopeTable, positions: torch.Tensor, T: int, start_pos: int,
-                 mask: torch.Tensor | None, cache: LatentCache, rows: int, dtype: torch.dtype, kernels: bool):
-        self.cos_sin = rope(positions, cache.max_len)
+                 mask: torch.Tensor | None, cache: LatentCache):
+        self.rope, self.positions, self.T = rope, positions, T
         self.mask, self.start_pos, self.cache = mask, start_pos, cache
         self.bias = self._bias(positions.device, T, start_pos, mask)
-        self._rot = None
-        self.kernel = None
-        if kernels and self._kernel_fits(cache, rows, T, start_pos, dtype):
-            self.kernel = dk.block_step(rows, T, start_pos, *self.cos_sin, cache.kv, cache.pe, self.bias)
-            self.address = ctypes.addressof(self.kernel)
+        self._rot = self._cos_sin = None
+        self.kernel: dk.BlockStep | None = None
+
+    @property
+    def address(self) -> int:
+        return ctypes.addressof(self.kernel)
+
+    @property
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [*positions.shape, rope/2] fp32 (the per-op and module paths' rotation)."""
+        if self._cos_sin is None:
+            self._cos_sin = self.rope(self.positions, self.cache.max_len)
+        return self._cos_sin
+
+    def with_rope_rows(self) -> None:
+        """Give the kernels' descriptor the RoPE rows themselves (for positions its table lacks)."""
+        self.kernel = dk.block_step(self.kernel.rows, self.T, self.start_pos, *self.cos_sin, self.cache.kv,
+                                    self.cache.pe, self.bias)
 
     @staticmethod
     def _bias(device, T: int, start_pos: int, mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -350,12 +371,13 @@ class Step:
         return torch.zeros(keep.shape, dtype=torch.float32, device=keep.device).masked_fill_(~keep, float("-inf"))
 
     @staticmethod
-    def _kernel_fits(cache: LatentCache, rows: int, T: int, start_pos: int, dtype: torch.dtype) -> bool:
+    def kernel_fits(cache: LatentCache, rows: int, T: int, dtype: torch.dtype) -> bool:
+        """Whether the kernels can run steps of ``rows`` x ``T`` tokens over this cache (while it has room)."""
         kv, pe = cache.kv, cache.pe
         return (dtype in dk.A_KIND and rows * T <= dk.MAX_KERNEL_ROWS and kv.dtype in dk.A_KIND
                 and pe.dtype == kv.dtype and kv.device.type == "cpu" and pe.device.type == "cpu"
                 and kv.stride(-1) == 1 and pe.stride(-1) == 1 and rows <= kv.shape[1] and rows <= pe.shape[1]
-                and start_pos + T <= cache.max_len and kv.shape[0] == pe.shape[0])
+                and kv.shape[0] == pe.shape[0])
 
     @property
     def rot(self) -> torch.Tensor:
@@ -390,6 +412,8 @@ class FastDecode:
         self._eh: dict[int, tuple[nn.Module, Weight | None]] = {}
         self._step_kernel: StepKernel | None = None
         self._layout: Layout | None = None  # of the whole model, when the step kernel was made
+        # per (rows, T, threads): the cache tensors and RoPE table a reusable step descriptor points into
+        self._table_steps: dict[tuple, tuple] = {}
 
     def _usable(self, cache: LatentCache | None, start_pos: int, absorb: bool | None) -> bool:
         return cache is not None and start_pos > 0 and absorb in (None, True)
@@ -399,13 +423,38 @@ class FastDecode:
         return self.blocks[i]
 
     def _step(self, positions: torch.Tensor, T: int, start_pos: int, mask, cache: LatentCache, rows: int) -> Step:
-        return Step(self.rope, positions, T, start_pos, mask, cache, rows, self.dtype, self.block_kernel)
+        step = Step(self.rope, positions, T, start_pos, mask, cache)
+        if self.block_kernel and start_pos + T <= cache.max_len:
+            step.kernel = self._kernel_step(step, rows)
+        return step
+
+    def _kernel_step(self, step: Step, rows: int) -> dk.BlockStep | None:
+        """The kernels' descriptor of ``step`` (None when they cannot run it): the descriptor made for this
+        cache, row count and RoPE table, pointed at this step's slot and positions (which the kernels look
+        up in the table), or, for positions of another form, one with the RoPE rows themselves."""
+        cache, positions, T = step.cache, step.positions, step.T
+        if not (positions.dtype == torch.long and positions.dim() == 2 and positions.shape[0] in (1, rows)
+                and positions.shape[1] == T and positions.is_contiguous() and positions.device.type == "cpu"):
+            if not Step.kernel_fits(cache, rows, T, self.dtype):
+                return None
+            return dk.block_step(rows, T, step.start_pos, *step.cos_sin, cache.kv, cache.pe, step.bias)
+        cos, sin = self.rope.tables(cache.max_len, positions.device)
+        key = (rows, T, torch.get_num_threads())
+        made = self._table_steps.get(key)
+        if made is None or made[0] is not cache.kv or made[1] is not cache.pe or made[2] is not cos:
+            if not Step.kernel_fits(cache, rows, T, self.dtype):
+                return None
+            made = self._table_steps[key] = (cache.kv, cache.pe, cos, dk.table_step(rows, T, cos, sin, cache.kv,
+                                                                                      cache.pe))
+        return dk.retarget(made[3], step.start_pos, positions, step.bias)
 
     def _run(self, plan: BlockPlan, x: torch.Tensor, step: Step) -> torch.Tensor:
         """One block: the block kernel (in place on x), the per-op path, or the block's modules."""
         if (step.kernel is not None and plan.kernel is not None and plan.kernel.layer < step.cache.kv.shape[0]
                 and x.dtype == plan.dtype and x.is_contiguous()):
-            dk.decode_block(plan.kernel.address, step.address, x)
+            if not dk.decode_block(plan.kernel.address, step.address, x):
+                step.with_rope_rows()
+                dk.decode_block(plan.kernel.address, step.address, x)
             return x
         if plan.ok:
             return plan(x, step.rot, step.cos_sin, step.cache, step.start_pos, step.bias, self.use_kernels)
@@ -446,7 +495,10 @@ class FastDecode:
             if kernel is not None:
                 h = torch.empty(B, T, kernel.desc.dim, dtype=self.dtype)
                 logits = torch.empty(B, T, kernel.desc.head.n, dtype=self.dtype)
-                dk.decode_step(kernel.address, step.address, input_ids.long().contiguous(), h, logits)
+                ids = input_ids.long().contiguous()
+                if not dk.decode_step(kernel.address, step.address, ids, h, logits):
+                    step.with_rope_rows()
+                    dk.decode_step(kernel.address, step.address, ids, h, logits)
                 return h, logits
         h = self.hidden_states(input_ids, positions, cache, start_pos, mask, absorb)
         return h, self.lm_head(h)

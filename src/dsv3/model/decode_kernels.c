@@ -992,13 +992,40 @@ typedef struct { /* one block's weights and constants (made once per plan) */
 
 typedef struct { /* one decode step, shared by all blocks */
     int64_t rows, T, start; /* rows x T new tokens, written at cache slots [start, start + T) */
-    const float *cos, *sin; /* [rows or 1, T, rope/2] fp32 */
+    const float *cos, *sin; /* [rows or 1, T, rope/2] fp32, or NULL: looked up for ``positions`` */
     int64_t rot_bstride;    /* 0 when one rotation serves every row */
     void *kv, *pe;          /* the latent cache [layers, batch, slots, r | rope] */
     int64_t ckind, kv_lstride, kv_bstride, kv_sstride, pe_lstride, pe_bstride, pe_sstride;
     const float *bias; /* additive mask [rows or 1, T, start + T], or NULL */
     int64_t bias_bstride, nthreads;
+    const int64_t *positions;          /* [rows or 1, T] (with cos NULL) */
+    int64_t pos_bstride;               /* 0 when every row has the same positions */
+    const float *table_cos, *table_sin; /* cos and sin of positions [0, table_len), [table_len, rope/2] fp32 */
+    int64_t table_len, half;
 } BlkStep;
+
+/* The step with its RoPE rows in place: s itself when it carries them, else *local, a copy pointing at the
+ * table's rows for its positions, copied into *rows (freed by the caller); NULL (nothing allocated) when a
+ * position lies outside the table. */
+static const BlkStep *blk_rope_rows(const BlkStep *s, BlkStep *local, float **rows) {
+    *rows = NULL;
+    if (s->cos) return s;
+    const int64_t B = s->pos_bstride ? s->rows : 1, n = B * s->T, half = s->half;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t pos = s->positions[(i / s->T) * s->pos_bstride + i % s->T];
+        if (pos < 0 || pos >= s->table_len) return NULL;
+    }
+    float *buf = (float *)malloc((size_t)(2 * n * half + 1) * sizeof(float));
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t pos = s->positions[(i / s->T) * s->pos_bstride + i % s->T];
+        memcpy(buf + i * half, s->table_cos + pos * half, (size_t)half * sizeof(float));
+        memcpy(buf + (n + i) * half, s->table_sin + pos * half, (size_t)half * sizeof(float));
+    }
+    *local = *s;
+    local->cos = buf, local->sin = buf + n * half, local->rot_bstride = s->pos_bstride ? s->T * half : 0;
+    *rows = buf;
+    return local;
+}
 
 #ifdef DSV3_BLOCK_PROFILE /* per-phase wall time of the block kernel (a profiling build only) */
 #include <time.h>
@@ -1123,8 +1150,20 @@ static void blk_read_after_attention(const BlkDesc *d, PfRanges *after) {
 }
 
 /* One block's decode step on x [rows * T, dim] (activation dtype), in place: x += attn(norm(x)), then
- * x += ffn(norm(x)); the new tokens' latents are written to the cache at layer ``d->layer``. Returns 0. */
+ * x += ffn(norm(x)); the new tokens' latents are written to the cache at layer ``d->layer``. Returns 0, or
+ * -2 (nothing done) when a position lies outside the step's RoPE table. */
+static void decode_block(const BlkDesc *d, const BlkStep *s, void *x);
 int dsv3_decode_block(const BlkDesc *d, const BlkStep *s, void *x) {
+    BlkStep local;
+    float *rope_rows;
+    const BlkStep *step = blk_rope_rows(s, &local, &rope_rows);
+    if (!step) return -2;
+    decode_block(d, step, x);
+    free(rope_rows);
+    return 0;
+}
+
+static void decode_block(const BlkDesc *d, const BlkStep *s, void *x) {
     const int ak = (int)d->akind, nt = (int)s->nthreads;
     const size_t es = ak == A_F32 ? 4 : 2;
     const int64_t M = s->rows * s->T, D = d->dim, H = d->heads, width = d->kv_rank + d->rope;
@@ -1166,7 +1205,6 @@ int dsv3_decode_block(const BlkDesc *d, const BlkStep *s, void *x) {
     blk_add(x, y, ak, M * D);
     PROF(PH_NORM);
     free(h), free(y), free(q), free(kv), free(att);
-    return 0;
 }
 
 /* RMSNorm of M rows of n values (the final norms): out = w * (x / rms(x)).to(dtype). Returns 0. */
@@ -1188,20 +1226,24 @@ typedef struct { /* the model around its blocks (made once per set of block plan
 
 /* The embedding of ids [rows * T], every block (dsv3_decode_block), the final norm into h [rows * T, dim] and
  * the head into logits [rows * T, head.n]: what FastDecode runs per step as separate calls, in one, so that no
- * interpreter work sits between the weight streams. Returns 0, or -1 (nothing computed, cache untouched) when
- * an id is outside [0, vocab). */
+ * interpreter work sits between the weight streams. Returns 0, or (nothing computed, cache untouched) -1 when
+ * an id is outside [0, vocab), -2 when a position is outside the step's RoPE table. */
 int dsv3_decode_step(const StepDesc *m, const BlkStep *s, const int64_t *ids, void *h, void *logits) {
     const int ak = (int)m->akind;
     const int64_t M = s->rows * s->T, D = m->dim;
     const size_t row = (size_t)D * (ak == A_F32 ? 4 : 2);
     for (int64_t i = 0; i < M; i++)
         if (ids[i] < 0 || ids[i] >= m->vocab) return -1;
+    BlkStep local;
+    float *rope_rows;
+    const BlkStep *step = blk_rope_rows(s, &local, &rope_rows);
+    if (!step) return -2;
     char *x = (char *)malloc((size_t)M * row + 1);
     for (int64_t i = 0; i < M; i++) memcpy(x + (size_t)i * row, (const char *)m->embed + (size_t)ids[i] * row, row);
-    for (int64_t b = 0; b < m->n_blocks; b++) dsv3_decode_block(m->blocks[b], s, x);
+    for (int64_t b = 0; b < m->n_blocks; b++) decode_block(m->blocks[b], step, x);
     blk_rms_norm(x, D, m->norm, m->norm_eps, ak, M, D, h, D);
     blk_linear(&m->head, h, ak, M, logits, (int)s->nthreads);
-    free(x);
+    free(x), free(rope_rows);
     return 0;
 }
 

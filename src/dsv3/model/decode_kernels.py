@@ -362,7 +362,8 @@ class BlockStep(ctypes.Structure):
     _fields_ = [("rows", _i64), ("T", _i64), ("start", _i64), ("cos", _p), ("sin", _p), ("rot_bstride", _i64),
                 ("kv", _p), ("pe", _p), ("ckind", _i64), ("kv_lstride", _i64), ("kv_bstride", _i64),
                 ("kv_sstride", _i64), ("pe_lstride", _i64), ("pe_bstride", _i64), ("pe_sstride", _i64),
-                ("bias", _p), ("bias_bstride", _i64), ("nthreads", _i64)]
+                ("bias", _p), ("bias_bstride", _i64), ("nthreads", _i64), ("positions", _p), ("pos_bstride", _i64),
+                ("table_cos", _p), ("table_sin", _p), ("table_len", _i64), ("half", _i64)]
 
 
 class StepDesc(ctypes.Structure):
@@ -431,28 +432,55 @@ def route_constants(router) -> tuple[dict, list[torch.Tensor]] | None:
 
 def block_step(rows: int, T: int, start: int, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
                pe: torch.Tensor, bias: torch.Tensor | None) -> BlockStep:
-    """The per-step descriptor: cos/sin [rows|1, T, rope/2] fp32 contiguous, the cache's kv/pe [L, B, S, .]
-    (last dim contiguous), bias [rows|1, T, start + T] fp32 contiguous or None. The caller keeps the
-    tensors alive while the step runs."""
+    """The per-step descriptor with its RoPE rows: cos/sin [rows|1, T, rope/2] fp32 contiguous, the cache's
+    kv/pe [L, B, S, .] (last dim contiguous), bias [rows|1, T, start + T] fp32 contiguous or None. The caller
+    keeps the tensors alive while the step runs."""
     return BlockStep(rows, T, start, cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else cos.stride(0),
                      kv.data_ptr(), pe.data_ptr(), A_KIND[kv.dtype], *kv.stride()[:3], *pe.stride()[:3],
                      _ptr(bias), 0 if bias is None or bias.shape[0] == 1 else bias.stride(0),
                      torch.get_num_threads())
 
 
-def decode_block(desc: int, step: int, x: torch.Tensor) -> None:
+def table_step(rows: int, T: int, table_cos: torch.Tensor, table_sin: torch.Tensor, kv: torch.Tensor,
+               pe: torch.Tensor) -> BlockStep:
+    """A per-step descriptor whose RoPE rows the kernels look up themselves, in the tables of cos and sin of
+    positions [0, n) ([n, rope/2] fp32 contiguous), for the positions ``retarget`` points it at: made once
+    for a cache and reused step after step, which saves the per-step indexing and descriptor (tens of
+    microseconds of interpreter work a step)."""
+    step = BlockStep(rows, T, 0, None, None, 0, kv.data_ptr(), pe.data_ptr(), A_KIND[kv.dtype], *kv.stride()[:3],
+                     *pe.stride()[:3], None, 0, torch.get_num_threads())
+    step.table_cos, step.table_sin = table_cos.data_ptr(), table_sin.data_ptr()
+    step.table_len, step.half = table_cos.shape
+    return step
+
+
+def retarget(step: BlockStep, start: int, positions: torch.Tensor, bias: torch.Tensor | None) -> BlockStep:
+    """A ``table_step`` descriptor pointed at this step: its first cache slot, positions [rows|1, T] (int64,
+    contiguous) and bias (as ``block_step``). The caller keeps the tensors alive while the step runs."""
+    step.start = start
+    step.positions, step.pos_bstride = positions.data_ptr(), 0 if positions.shape[0] == 1 else positions.shape[1]
+    step.bias = None if bias is None else bias.data_ptr()
+    step.bias_bstride = 0 if bias is None or bias.shape[0] == 1 else bias.stride(0)
+    return step
+
+
+def decode_block(desc: int, step: int, x: torch.Tensor) -> bool:
     """Run one block on x [rows * T, dim] (contiguous, the block's activation dtype) in place; ``desc`` and
-    ``step`` are the addresses of a BlockDesc and a BlockStep."""
-    _block_functions()[0](desc, step, x.data_ptr())
+    ``step`` are the addresses of a BlockDesc and a BlockStep. False (nothing done) when the step looks its
+    RoPE rows up in a table that lacks one of its positions."""
+    return _block_functions()[0](desc, step, x.data_ptr()) == 0
 
 
-def decode_step(desc: int, step: int, ids: torch.Tensor, h: torch.Tensor, logits: torch.Tensor) -> None:
+def decode_step(desc: int, step: int, ids: torch.Tensor, h: torch.Tensor, logits: torch.Tensor) -> bool:
     """Run a whole decode step: ids [rows, T] (int64, contiguous) -> the final-normed hidden states h
     [rows, T, dim] and the head's logits [rows, T, N] (both contiguous, the activation dtype), written in
     place; ``desc`` and ``step`` are the addresses of a StepDesc and a BlockStep. IndexError (and nothing
-    computed) for an id outside the embedding, as ``nn.Embedding`` raises."""
-    if _block_functions()[2](desc, step, ids.data_ptr(), h.data_ptr(), logits.data_ptr()) != 0:
+    computed) for an id outside the embedding, as ``nn.Embedding`` raises; False (nothing computed) as
+    ``decode_block``."""
+    status = _block_functions()[2](desc, step, ids.data_ptr(), h.data_ptr(), logits.data_ptr())
+    if status == -1:
         raise IndexError("index out of range in self")
+    return status == 0
 
 
 def rms_norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
