@@ -72,6 +72,35 @@ def read_bandwidth(threads: int, mbytes: int = 256, repeats: int = 7) -> float:
     return x.nbytes / best
 
 
+def fma_rate(threads: int, n: int = 1024, repeats: int = 5) -> float:
+    """Fused multiply-adds per second of an fp32 matmul (n x n by n x n, best of ``repeats``) with ``threads``
+    torch threads: what this CPU's FMA units reach in practice (the decode kernels compute in fp32 whatever
+    the weights' format)."""
+    torch.set_num_threads(threads)
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t0)
+    return n**3 / best
+
+
+def fmas_per_token(model: Transformer, context: int) -> int:
+    """Multiply-adds one decoded token costs: each weight it touches once (the main layers, the top-k routed
+    experts of each MoE layer, the router, the head) plus the absorbed attention over ``context`` cached
+    tokens (per head and key: the latent and RoPE scores, then the latent weighted into the output)."""
+    cfg = model.config
+    share = cfg.num_experts_per_tok / cfg.n_routed_experts
+    tensors = lambda m: [*m.parameters(), *m.buffers()]  # noqa: E731
+    routed = {id(t) for moe in model.moe_layers() for t in tensors(moe.experts)}
+    skip = {id(t) for layer in model.mtp_layers for t in tensors(layer)} | {id(model.model.embed_tokens.weight)}
+    weights = sum(int(t.numel() * (share if id(t) in routed else 1)) for t in model.parameters() if id(t) not in skip
+                  and t.dim() > 1)
+    per_key = cfg.num_attention_heads * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+    return weights + cfg.num_hidden_layers * context * per_key
+
+
 def routed_share(cfg, tokens: int) -> float:
     """Expected share of a layer's routed experts that ``tokens`` tokens touch (each picks top-k of E, taken
     as independent and uniform, which the aux-loss-free balancing aims at): 1 - (1 - k/E)^tokens."""
@@ -346,8 +375,13 @@ def batch_section(folder, cfg, args, bandwidth) -> list[dict]:
         row["batch_over_1"] = many["tokens_per_s"] / one["tokens_per_s"]
         # the most the ratio can be when both read at the same bandwidth: batch x bytes(1) / bytes(batch)
         row["bound_over_1"] = args.batch * one["bytes_per_step"] / many["bytes_per_step"]
-        log(f"batch {args.batch} / batch 1, {name}: {row['batch_over_1']:.2f}x "
-            f"(bytes allow {row['bound_over_1']:.2f}x)")
+        # ... and when each step also takes at least its multiply-adds at the FMA units' rate
+        fmas, rate, bw = fmas_per_token(model, args.batch_context), fma_rate(threads), bandwidth[threads]
+        least = {b: max(step["bytes_per_step"] / bw, b * fmas / rate) for b, step in ((1, one), (args.batch, many))}
+        row["fmas_per_token"], row["fma_rate_per_s"] = fmas, rate
+        row["compute_bound_over_1"] = args.batch * least[1] / least[args.batch]
+        log(f"batch {args.batch} / batch 1, {name}: {row['batch_over_1']:.2f}x (bytes allow "
+            f"{row['bound_over_1']:.2f}x, bytes and multiply-adds {row['compute_bound_over_1']:.2f}x)")
         out.append(row)
     return out
 
@@ -402,6 +436,9 @@ def overhead_section(args, bandwidth) -> list[dict]:
     return rows
 
 
+SECTIONS = ("batch1", "batch", "mtp", "overhead", "weights", "cache")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="small")
@@ -412,7 +449,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--batch-context", type=int, default=1024)
     ap.add_argument("--batch-weights", default="fp32,bf16")
-    ap.add_argument("--sections", default="batch1,batch,mtp,overhead,weights,cache")
+    ap.add_argument("--sections", default=",".join(SECTIONS), help=f"some of {','.join(SECTIONS)}")
     ap.add_argument("--llama-convert", default=os.environ.get("DSV3_LLAMA_CONVERT"), metavar="PATH",
                     help="llama.cpp's convert_hf_to_gguf.py (default: $DSV3_LLAMA_CONVERT, which "
                     "benchmarks/llama_cpp_setup.sh --env sets)")
@@ -423,6 +460,8 @@ def main() -> None:
         args.threads = parse_list(args.threads, "--threads", int)
         args.batch_weights = parse_list(args.batch_weights, "--batch-weights")
         sections = set(parse_list(args.sections, "--sections"))
+        if not sections <= set(SECTIONS):
+            raise DSV3Error(f"--sections must list some of {','.join(SECTIONS)}, got {args.sections!r}")
     except DSV3Error as exc:
         ap.error(str(exc))
     bandwidth = {t: read_bandwidth(t) for t in sorted({1, *args.threads})}
@@ -468,7 +507,8 @@ def report(result: dict) -> str:
                              f"  greedy {f['greedy_agree']}")
     for row in result.get("batch", []):
         lines.append(f"batch {row['weights']}: {row['batch_over_1']:.2f}x batch 1 at context {row['context']} "
-                     f"(bytes allow {row['bound_over_1']:.2f}x)")
+                     f"(bytes allow {row['bound_over_1']:.2f}x, bytes and multiply-adds "
+                     f"{row['compute_bound_over_1']:.2f}x)")
     if "mtp" in result:
         bound = result["mtp"]["byte_bound"][0.7]
         lines.append(f"MTP step costs {result['mtp']['step_cost_ratio']:.2f} plain steps (its bytes: "
