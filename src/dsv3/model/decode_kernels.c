@@ -771,7 +771,17 @@ static inline __attribute__((always_inline)) void att_values(int kind, float *o,
  * running max ``m`` and sum ``l`` updated; the output so far o [r] is rescaled when the max grows. */
 static void att_softmax_tile(float *sc, int64_t n, float *m, float *l, float *o, int64_t r) {
     float mx = *m;
-    for (int64_t j = 0; j < n; j++) mx = sc[j] > mx ? sc[j] : mx;
+    int64_t j = 0;
+    if (n >= 8) { /* eight running maxima, then one across them: the scalar chain's compares wait on each other */
+        __m256 vm = _mm256_loadu_ps(sc);
+        for (j = 8; j + 8 <= n; j += 8) vm = _mm256_max_ps(vm, _mm256_loadu_ps(sc + j));
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(vm), _mm256_extractf128_ps(vm, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        h = _mm_max_ss(h, _mm_movehdup_ps(h));
+        const float t = _mm_cvtss_f32(h);
+        mx = t > mx ? t : mx;
+    }
+    for (; j < n; j++) mx = sc[j] > mx ? sc[j] : mx;
     if (mx == -INFINITY) { /* every key so far is masked */
         memset(sc, 0, (size_t)n * sizeof(float));
         return;
@@ -784,8 +794,7 @@ static void att_softmax_tile(float *sc, int64_t n, float *m, float *l, float *o,
     }
     const __m256 vmx = _mm256_set1_ps(mx);
     __m256 vsum = _mm256_setzero_ps();
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8) {
+    for (j = 0; j + 8 <= n; j += 8) {
         const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sc + j), vmx));
         _mm256_storeu_ps(sc + j, e);
         vsum = _mm256_add_ps(vsum, e);
