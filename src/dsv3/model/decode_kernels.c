@@ -81,9 +81,12 @@ static void store(void *out, int okind, const float *y, int64_t n, int accumulat
  * in the 16 registers, 7 loads per 12 FMAs.
  *
  * FP8 conversion without F16C (whose vcvtph2ps is one per two cycles on AMD Zen 3: 4 weights per cycle at
- * best): an e4m3 byte sign-extended to 32 bits, shifted left by 20 and masked to sign, 4 exponent and 3
- * mantissa bits is the fp32 number e4m3 value * 2^-120 exactly (e4m3 subnormals become fp32 subnormals, so
- * the kernel clears DAZ while it runs). The activations carry the compensating 2^64 (with the block scale)
+ * best): an e4m3 byte at the top of a 32-bit lane (zeros below), shifted right arithmetically by 4 and masked
+ * to sign, 4 exponent and 3 mantissa bits, is the fp32 number e4m3 value * 2^-120 exactly (e4m3 subnormals
+ * become fp32 subnormals, so the kernel clears DAZ while it runs). Whole 16-column blocks get their bytes
+ * there by one byte shuffle per 8 (fp8_to_top); a last group of 8 columns by sign extension and a left shift
+ * by 20, which gives the same numbers at one more operation per 8 on the shift unit, the bottleneck of this
+ * conversion on 128-bit-wide AMD Zen 1 (1.03-1.10x on one row, benchmarks/decode_kernels_speed.py). The activations carry the compensating 2^64 (with the block scale)
  * and the sums the remaining 2^56: powers of two, so no rounding beyond the scale multiply; a product only
  * loses precision below 2^-70 of the true value's scale, far below fp32's resolution of the sum. */
 #define NR 4
@@ -123,6 +126,20 @@ static inline __attribute__((always_inline)) __m256 bf16_odd8(const void *p) {
                                                  _mm256_set1_epi32((int)0xFFFF0000u)));
 }
 
+/* FP8 bytes at the top of 32-bit lanes (zeros below) as fp32 e4m3 value * 2^-120: sign kept, exponent and
+ * mantissa shifted down four bits (an arithmetic shift, then the sign's copies masked off). */
+static inline __attribute__((always_inline)) __m256 fp8_top_to_f32(__m256i top) {
+    return _mm256_castsi256_ps(_mm256_and_si256(_mm256_srai_epi32(top, 4), _mm256_set1_epi32((int)0x87F00000)));
+}
+
+/* The byte shuffle that puts bytes first..first+7 of a 16-byte block (in both 128-bit lanes) at the top of
+ * the eight 32-bit lanes: first..first+3 in the low lane, first+4..first+7 in the high one. */
+static inline __attribute__((always_inline)) __m256i fp8_to_top(int first) {
+    const char z = (char)0x80, a = (char)first, b = (char)(first + 4);
+    return _mm256_setr_epi8(z, z, z, a, z, z, z, (char)(a + 1), z, z, z, (char)(a + 2), z, z, z, (char)(a + 3),
+                            z, z, z, b, z, z, z, (char)(b + 1), z, z, z, (char)(b + 2), z, z, z, (char)(b + 3));
+}
+
 /* The 16 columns k..k+15 as two vectors of 8 in the GEMV's column order (see interleave): bf16 as its even
  * columns (each 32-bit pair shifted left by 16) and its odd ones (the pair with its low half masked off), two
  * operations for 16 weights where widening takes four; fp32 and FP8 as columns k..k+7 and k+8..k+15. */
@@ -130,6 +147,12 @@ static inline __attribute__((always_inline)) void wload16(int kind, const void *
                                                           __m256 *w1) {
     if (kind == W_BF16) {
         *w0 = bf16_even8((const uint16_t *)row + k), *w1 = bf16_odd8((const uint16_t *)row + k);
+        return;
+    }
+    if (kind == W_FP8) {
+        const __m256i v = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)((const uint8_t *)row + k)));
+        *w0 = fp8_top_to_f32(_mm256_shuffle_epi8(v, fp8_to_top(0)));
+        *w1 = fp8_top_to_f32(_mm256_shuffle_epi8(v, fp8_to_top(8)));
         return;
     }
     *w0 = wload8(kind, row, k);
