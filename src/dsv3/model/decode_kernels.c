@@ -90,7 +90,15 @@ static void store(void *out, int okind, const float *y, int64_t n, int accumulat
  * and the sums the remaining 2^56: powers of two, so no rounding beyond the scale multiply; a product only
  * loses precision below 2^-70 of the true value's scale, far below fp32's resolution of the sum. */
 #define NR 4
-#define PANEL_MIN_ROWS 24 /* from this many activation rows on, a tile's bf16/FP8 weights are converted once */
+/* From this many activation rows on, a tile's bf16 or FP8 weights are converted once into an fp32 panel:
+ * FP8's conversion costs three operations per 8 weights against bf16's one, so it pays from fewer rows
+ * (measured on AMD Zen 1 with decode_kernels_speed.py: FP8 1.1x at 8 rows, 1.25-1.33x at 16; bf16 1.0x at
+ * 16, slower at 8). */
+#define PANEL_MIN_ROWS_BF16 24
+#define PANEL_MIN_ROWS_FP8 8
+static int converts_to_panel(int kind, int64_t M) {
+    return kind == W_BF16 ? M >= PANEL_MIN_ROWS_BF16 : kind == W_FP8 && M >= PANEL_MIN_ROWS_FP8;
+}
 #define PF_BYTES 4096    /* how far ahead of the tile being read the prefetches run */
 #define FP8_X_SHIFT 0x1p56f   /* on the activations, with the scale (which the caller multiplied by 256) */
 #define FP8_Y_SHIFT 0x1p56f   /* on the sums: 2^-120 * 2^8 * 2^56 * 2^56 = 1 */
@@ -357,7 +365,7 @@ static void prescale(const float *x, const float *scale_row, int64_t M, int64_t 
 /* Floats of per-thread scratch gemv_tiles needs: the prescaled (FP8) or interleaved (bf16) activations and a
  * tile's panel. */
 static size_t scratch_floats(int kind, int64_t M, int64_t K) {
-    return (size_t)((kind != W_F32 ? M * K : 0) + (M >= PANEL_MIN_ROWS && kind != W_F32 ? NR * K : 0) + 1);
+    return (size_t)((kind != W_F32 ? M * K : 0) + (converts_to_panel(kind, M) ? NR * K : 0) + 1);
 }
 
 /* How many of the rem activation rows left the next micro-tile takes: 3, or the 1 or 2 left at the end (tile1,
@@ -367,7 +375,7 @@ static int group_rows(int64_t rem) { return rem < 3 ? (int)rem : 3; }
 /* y[m, n] = sum_k W[n, k] x[m, k] for all m < M and the rows n of tiles [t0, t1) (tile t: rows t * NR to
  * t * NR + NR - 1, cut at N); x [M, K] contiguous, y row stride ldy. Reads each weight from memory once.
  * A partial last tile repeats its last row (computed, not stored), so every tile runs the same code.
- * Activation rows go through the tile in micro-tiles of 2 or 3 (tilec; one row: tile1). From PANEL_MIN_ROWS rows
+ * Activation rows go through the tile in micro-tiles of 2 or 3 (tilec; one row: tile1). From PANEL_MIN_ROWS_* rows
  * on, bf16/FP8 weights are converted once per tile into an fp32 panel (exact); below that, converting in
  * registers once per micro-tile measured as fast as storing and reloading a panel. With many
  * rows a tile is compute work long after its bytes arrived, so the prefetch of the next tile is spread over
@@ -377,7 +385,7 @@ static void gemv_tiles(int kind, const void *w, const float *scale, int64_t N, i
     if (M <= 0) return;
     const size_t row_bytes = (size_t)K * elem_size(kind);
     const int64_t kblocks = (K + FP8_BLOCK - 1) / FP8_BLOCK;
-    const int panel = M >= PANEL_MIN_ROWS && kind != W_F32;
+    const int panel = converts_to_panel(kind, M);
     const size_t tile_bytes = NR * row_bytes, ahead = tile_bytes > PF_BYTES ? tile_bytes : PF_BYTES;
     int64_t groups = 0; /* micro-tiles per tile; each of tilec's two passes prefetches 1 / (2 groups) of a tile */
     for (int64_t m0 = 0; m0 < M; m0 += group_rows(M - m0)) groups++;
