@@ -99,7 +99,11 @@ static void store(void *out, int okind, const float *y, int64_t n, int accumulat
 static int converts_to_panel(int kind, int64_t M) {
     return kind == W_BF16 ? M >= PANEL_MIN_ROWS_BF16 : kind == W_FP8 && M >= PANEL_MIN_ROWS_FP8;
 }
-#define PF_BYTES 4096    /* how far ahead of the tile being read the prefetches run */
+/* How far ahead of the tile being read the prefetches run: enough bytes in flight to cover the memory's latency
+ * at full bandwidth (~30 GB/s x ~150 ns is 4.5 KB on the test host), with room. 4 KB, one bf16 tile of a
+ * 512-column matrix, left the bf16 GEMVs 0.77-0.91x as fast as at 8 KB (decode_kernels_speed.py, 1 thread);
+ * fp32 tiles of 512 columns were already 8 KB ahead (a whole tile), and 32 KB was slower again. */
+#define PF_BYTES 8192
 #define FP8_X_SHIFT 0x1p56f   /* on the activations, with the scale (which the caller multiplied by 256) */
 #define FP8_Y_SHIFT 0x1p56f   /* on the sums: 2^-120 * 2^8 * 2^56 * 2^56 = 1 */
 
