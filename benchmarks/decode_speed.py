@@ -19,7 +19,8 @@ latent cache at that context) divided by the read bandwidth measured here with t
 Sections: ``batch1`` (contexts x threads x implementations), ``batch`` (output tokens/s at batch 16 vs
 batch 1, context 1024), ``mtp`` (a speculative step's cost next to a plain one), ``overhead`` (tiny
 shapes vs transformers at context 2048: the fixed per-token cost), ``weights`` (resident bytes),
-``cache_precision``; ``kernels`` says whether the C kernels ran.
+``cache_precision``; ``kernels`` says whether the C kernels ran, ``attention_bf16_dots`` whether a bf16
+model's attention took AVX512-BF16 dot products.
 llama.cpp: ``bash benchmarks/llama_cpp_setup.sh`` builds it (a few minutes) and ``--env`` prints the
 environment that points the bindings, ``gguf`` and ``--llama-convert`` at it. Without them the llama.cpp
 rows are left out and the run says why.
@@ -47,7 +48,7 @@ from dsv3.infer.engine import Engine, Request
 from dsv3.infer.fp8_weights import resident_bytes
 from dsv3.infer.loading import load_model
 from dsv3.model import Transformer, huge_pages
-from dsv3.model.decode_kernels import kernel_status
+from dsv3.model.decode_kernels import attention_bf16_dots, kernel_status
 from dsv3.option_lists import parse_list
 
 
@@ -469,6 +470,7 @@ def main() -> None:
     longest = max([*args.contexts, args.batch_context]) + args.new_tokens * (args.repeats + 2) + 16
     cfg = preset(args.preset).replace(max_position_embeddings=longest)
     result = {"benchmark": "decode_speed", "preset": args.preset, "kernels": kernel_status(),
+              "attention_bf16_dots": attention_bf16_dots(),
               "new_tokens": args.new_tokens, "repeats": args.repeats,
               "read_bandwidth_gb_s": {t: b / 1e9 for t, b in bandwidth.items()}}
     with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as gguf_dir:
@@ -498,7 +500,9 @@ def main() -> None:
 
 def report(result: dict) -> str:
     """The tables of docs/inference.md, as text."""
-    lines = [f"kernels: {result['kernels']}; read bandwidth (GB/s): {result['read_bandwidth_gb_s']}"]
+    dots = "AVX512-BF16 dots" if result.get("attention_bf16_dots") else "fp32 FMAs"
+    lines = [f"kernels: {result['kernels']}; bf16 attention: {dots}; "
+             f"read bandwidth (GB/s): {result['read_bandwidth_gb_s']}"]
     for row in result.get("batch1", []):
         lines.append(f"threads {row['threads']}, context {row['context']}:")
         for name, f in row.items():

@@ -22,6 +22,23 @@ def tiny_model(vocab: int = 300, layers: int = 2, gain: float = 4.0, seed: int =
     return model
 
 
+def decisive_routing(model: Transformer) -> Transformer:
+    """The routers' selection biases set a whole unit apart (sigmoid scores span less than one), so every
+    token picks the same experts by the bias alone; the gates still come from its own scores.
+
+    Why: a random model's top-k scores are often within bf16 rounding of each other, so two bf16 paths that
+    round in different places (the fast path's kernels, the module path's bf16 matmuls) can pick different
+    experts for a token, and a decode step then moves that token's logits by several percent. Tests that
+    compare such paths logit for logit use this; the fp32 variants keep data-dependent routing."""
+    generator = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for module in model.modules():
+            bias = getattr(module, "e_score_correction_bias", None)
+            if bias is not None:
+                bias.copy_(torch.randperm(bias.numel(), generator=generator).to(bias.dtype))
+    return model
+
+
 def tiny_tokenizer(vocab: int = 300):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 

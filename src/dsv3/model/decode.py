@@ -11,7 +11,8 @@ weight once plus a fixed cost per call; the module path makes about 4,000 PyTorc
   all routed experts of a layer in one call, grouped by expert, so each routed-to expert is read once for
   all rows of a batch), the absorbed attention in one call over the cached latent, RoPE as one complex
   multiply, the mask built once per step as an additive bias, the router exactly as the model's
-  (``Router.forward``) so the same experts are chosen. About 30 PyTorch calls per block;
+  (``Router.forward``) so the same experts are chosen, the RMSNorms in the block kernel's own C code (so
+  the two paths agree to the bit in bf16). About 30 PyTorch calls per block;
 * the block kernel (``BlockKernel``): the same computation, with the same roundings, as one C call per
   block (``dsv3_decode_block``), which reads a descriptor of the block's tensors made once per plan and
   one of the step made once per step: the fixed cost no longer grows with the number of layers;
@@ -61,8 +62,13 @@ def weight_of(module: nn.Module) -> Weight | None:
     return None
 
 
-def rms_norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    """RMSNorm.forward in three calls: normalised in fp32, back to x's dtype, times the weight."""
+def rms_norm(norm: RMSNorm, x: torch.Tensor, use_kernels: bool = False) -> torch.Tensor:
+    """RMSNorm.forward in three calls: normalised in fp32, back to x's dtype, times the weight. With
+    ``use_kernels``, in the C kernel that the block kernel runs (where it can): the same roundings, and the
+    same fp32 sum of squares, so the per-op and block paths agree to the bit in bf16 too (a sum taken in
+    another order now and then rounds one bf16 value the other way, and a decode step amplifies that)."""
+    if use_kernels and _norm_ok(norm, x.dtype) and x.device.type == "cpu" and dk.block_kernel_available():
+        return dk.rms_norm_kernel(x, norm.weight, norm.eps)
     return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.eps).to(x.dtype)
 
 
@@ -76,7 +82,8 @@ def rotate(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
 class AttentionPlan:
     """One MLA layer's decode weights: the kernels' views of its projections and W_UK/W_UV per head.
 
-    The attention itself runs in fp32 whatever the model's dtype (the cache is read in its own dtype).
+    The attention runs in fp32 (the cache read in its own dtype), except for a bf16 model over a bf16 cache
+    on a CPU with AVX512-BF16, where it takes bf16 dot products (``decode_kernels.attention_bf16_dots``).
     W_UK/W_UV are views of ``kv_b_proj``'s own fp32 or bf16 weight, which the kernel reads in place (bf16
     converted exactly, so the numbers are those of an fp32 copy at half the bytes per step); FP8 blocks
     are dequantized once into a copy of the compute dtype, any other dtype into an fp32 copy."""
@@ -100,11 +107,13 @@ class AttentionPlan:
         m = self.mla
         B, T, _ = x.shape
         if len(self.q) == 2:
-            q = linear(rms_norm(m.q_a_layernorm, linear(x, self.q[0], use_kernels)), self.q[1], use_kernels)
+            q_a = linear(x, self.q[0], use_kernels)
+            q = linear(rms_norm(m.q_a_layernorm, q_a, use_kernels), self.q[1], use_kernels)
         else:
             q = linear(x, self.q[0], use_kernels)
         c_kv, k_pe = linear(x, self.kv_a, use_kernels).split([m.kv_rank, m.rope], dim=-1)
-        cache.write(m.layer_idx, start_pos, rms_norm(m.kv_a_layernorm, c_kv), rotate(k_pe.unsqueeze(2), rot)[:, :, 0])
+        cache.write(m.layer_idx, start_pos, rms_norm(m.kv_a_layernorm, c_kv, use_kernels),
+                    rotate(k_pe.unsqueeze(2), rot)[:, :, 0])
         S = start_pos + T
         out = mla_decode(q.view(B, T, m.n_heads, m.nope + m.rope), *cos_sin, self.w_uk, self.w_uv,
                          cache.kv[m.layer_idx, :B, :S], cache.pe[m.layer_idx, :B, :S], bias, m.scale, use_kernels)
@@ -221,8 +230,9 @@ class BlockPlan:
     def __call__(self, x, rot, cos_sin, cache, start_pos, bias, use_kernels):
         """The per-op path: x [B, T, D] -> the block's output."""
         b = self.block
-        x = x + self.attn(rms_norm(b.input_layernorm, x), rot, cos_sin, cache, start_pos, bias, use_kernels)
-        return x + self.ffn(rms_norm(b.post_attention_layernorm, x), use_kernels)
+        h = rms_norm(b.input_layernorm, x, use_kernels)
+        x = x + self.attn(h, rot, cos_sin, cache, start_pos, bias, use_kernels)
+        return x + self.ffn(rms_norm(b.post_attention_layernorm, x, use_kernels), use_kernels)
 
 
 def _norm_ok(norm: RMSNorm, dtype: torch.dtype) -> bool:
@@ -461,10 +471,8 @@ class FastDecode:
         return plan.block(x, *step.cos_sin, step.cache, step.start_pos, step.mask, True)
 
     def _norm(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-        """rms_norm, in one C call when the block kernels run."""
-        if self.block_kernel and dk.block_kernel_available() and _norm_ok(norm, x.dtype) and x.device.type == "cpu":
-            return dk.rms_norm_kernel(x, norm.weight, norm.eps)
-        return rms_norm(norm, x)
+        """rms_norm, in one C call when the kernels run (as every block's norms)."""
+        return rms_norm(norm, x, self.use_kernels)
 
     def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
                       cache: LatentCache | None = None, start_pos: int = 0,

@@ -6,7 +6,9 @@ reading the weights. PyTorch's single-row matmuls reach a fraction of the memory
 bf16 than in fp32 on CPUs without native bf16 dot products), and resident FP8 weights had to be dequantized
 into a full bf16 copy first. The C kernels read fp32, bf16 or FP8 (128x128 blocks) weights in place,
 four weight rows at a time, converting them in registers (FP8 with integer shifts, not F16C, which is too
-slow to keep up with memory), and one call computes all routed experts of a step. A row's result does not
+slow to keep up with memory), and one call computes all routed experts of a step. The absorbed attention
+is one call too, in fp32 FMAs, or for a bf16 model over a bf16 cache in AVX512-BF16 dot products where the
+CPU has them (``attention_bf16_dots``). A row's result does not
 depend on how many rows share the call (the summation order is fixed), so batched and single-row decode
 give the same numbers. ``benchmarks/decode_kernels_speed.py`` measures them against the read bandwidth.
 
@@ -104,7 +106,10 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     try:
         if not target.exists():
             _build(target)
-        return _declare(ctypes.CDLL(str(target))), "ok"
+        lib = _declare(ctypes.CDLL(str(target)))
+        lib.dsv3_attention_bf16_dots.argtypes, lib.dsv3_attention_bf16_dots.restype = [ctypes.c_int], ctypes.c_int
+        lib.dsv3_attention_bf16_dots(0 if os.environ.get("DSV3_DECODE_BF16_DOTS", "1") == "0" else 1)
+        return lib, "ok"
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"the C kernels could not be built or loaded: {exc}"
 
@@ -116,6 +121,17 @@ def kernel_status() -> str:
 
 def kernels_available() -> bool:
     return _load()[0] is not None
+
+
+def attention_bf16_dots(on: bool | None = None) -> bool:
+    """Whether a bf16 model's attention over a bf16 cache runs in AVX512-BF16 dot products (VDPBF16PS, with
+    the queries and softmax weights rounded to bf16) rather than AVX2 FMAs in fp32: on by default where the CPU
+    has AVX512-BF16, off with ``DSV3_DECODE_BF16_DOTS=0``. ``on`` turns it on (where the CPU allows) or off
+    for this process; returns the state."""
+    lib = _load()[0]
+    if lib is None:
+        return False
+    return bool(lib.dsv3_attention_bf16_dots(-1 if on is None else int(on)))
 
 
 class Weight:
@@ -312,8 +328,9 @@ def mla_decode(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_uk: torc
 
 def mla_decode_reference(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_uk: torch.Tensor,
                          w_uv: torch.Tensor, kv: torch.Tensor, pe: torch.Tensor, bias: torch.Tensor | None,
-                         scale: float) -> torch.Tensor:
-    """What ``mla_decode`` computes, in PyTorch ops (fp32 inside)."""
+                         scale: float, bf16_queries: bool = False) -> torch.Tensor:
+    """What ``mla_decode`` computes, in PyTorch ops (fp32 inside). ``bf16_queries``: with the scaled queries
+    rounded to bf16, as the AVX512-BF16 path takes them (which also rounds each tile's softmax weights)."""
     from dsv3.model.rope import apply_rope
 
     B, T, H, _ = q.shape
@@ -321,6 +338,8 @@ def mla_decode_reference(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
     q_nope, q_pe = q.float().split([nope, q.shape[-1] - nope], dim=-1)
     q_lat = torch.einsum("bthd,hdr->bthr", q_nope, w_uk.float()).reshape(B, T * H, r)
     q_pe = apply_rope(q_pe, cos, sin).reshape(B, T * H, -1)
+    if bf16_queries:
+        q_lat, q_pe, scale = (q_lat * scale).bfloat16().float(), (q_pe * scale).bfloat16().float(), 1.0
     o_lat = latent_attention_reference(q_lat, q_pe, kv, pe, bias, scale, H).view(B, T, H, r)
     return torch.einsum("bthr,hvr->bthv", o_lat, w_uv.float()).reshape(B, T, -1).to(q.dtype)
 
