@@ -944,8 +944,8 @@ static inline __attribute__((always_inline)) void att_task(int kind, const AttAr
 }
 
 /* ---- The attention over a bf16 cache with AVX512-BF16 dot products ------------------------------------
- * VDPBF16PS (AMD Zen 4 on, Intel Cooper Lake and Sapphire Rapids on) multiplies 32 bf16 pairs into 16 fp32
- * sums in one instruction: on the test host (Zen 4) 3.3x the multiply-adds per second of AVX2 FMAs. A bf16
+ * VDPBF16PS (AMD Zen 4 on, Intel Cooper Lake and Sapphire Rapids on) adds 32 bf16 products into 16 fp32 sums
+ * in one instruction, four times the products of an AVX2 FMA, with no conversion of the cache. A bf16
  * model's attention over a bf16 cache (the one att_task above computes in fp32 FMAs and which is FMA-bound
  * at long contexts) then takes its queries and its softmax weights rounded to bf16, which is where the
  * module path rounds them too (its q_lat and probs are bf16 tensors): every product exact, every sum fp32.

@@ -1,0 +1,44 @@
+"""benchmarks/decode_attention.py on the nano shape: both attention paths timed and their errors reported
+against fp32 arithmetic, and one error line for a bad option."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from dsv3.model import decode_kernels as dk
+
+BENCH = Path(__file__).parents[2] / "benchmarks" / "decode_attention.py"
+
+
+def run(*flags):
+    return subprocess.run([sys.executable, str(BENCH), *flags], capture_output=True, text=True, timeout=600)
+
+
+@pytest.mark.skipif(not (dk.kernels_available() and dk.attention_bf16_dots()), reason="needs AVX512-BF16")
+def test_both_paths_are_timed_and_their_errors_ordered():
+    flags = ["--preset", "nano", "--contexts", "64,200", "--repeats", "1", "--draws", "3"]
+    done = run(*flags, "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert [(r["context"], r["threads"]) for r in result["speed"]] == [(64, 1), (200, 1)]
+    for r in result["speed"]:
+        assert all(us > 0 for us in r["us_per_call"].values())
+        assert r["dots_speedup"] == r["us_per_call"]["fp32 FMAs"] / r["us_per_call"]["bf16 dots"]
+    for r in result["accuracy"]:
+        e = {name: v["max"] for name, v in r["relative_error"].items()}
+        # fp32 FMAs: only the output's bf16 rounding; the dots round more; against their own rounded
+        # queries only the softmax weights' rounding is left
+        assert e["fp32 FMAs"] < 5e-3 and e["bf16 dots vs bf16 queries"] < 5e-3 and e["bf16 dots"] < 5e-2
+        assert r["relative_error"]["fp32 FMAs"]["median"] < r["relative_error"]["bf16 dots"]["median"]
+    text = run(*flags)
+    assert text.returncode == 0, text.stderr
+    assert "bf16 dots" in text.stdout and "module path" in text.stdout
+
+
+def test_a_bad_context_list_ends_with_one_error_line():
+    bad = run("--contexts", "256,zero")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().splitlines()[-1].startswith("decode_attention.py: error: --contexts")
