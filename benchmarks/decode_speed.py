@@ -73,12 +73,13 @@ def read_bandwidth(threads: int, mbytes: int = 256, repeats: int = 7) -> float:
     return x.nbytes / best
 
 
-def fma_rate(threads: int, n: int = 1024, repeats: int = 5) -> float:
-    """Fused multiply-adds per second of an fp32 matmul (n x n by n x n, best of ``repeats``) with ``threads``
-    torch threads: what this CPU's FMA units reach in practice (the decode kernels compute in fp32 whatever
-    the weights' format)."""
+def fma_rate(threads: int, n: int = 1024, repeats: int = 5, dtype: torch.dtype = torch.float32) -> float:
+    """Multiply-adds per second of a matmul (n x n by n x n, best of ``repeats``) with ``threads`` torch
+    threads: what this CPU reaches in practice, in fp32 FMAs (the decode kernels' GEMVs compute in fp32
+    whatever the weights' format) or, ``dtype`` bf16, in its bf16 dot products where it has them (the
+    attention of a bf16 model over a bf16 cache, ``decode_kernels.attention_bf16_dots``)."""
     torch.set_num_threads(threads)
-    a, b = torch.randn(n, n), torch.randn(n, n)
+    a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
@@ -87,10 +88,11 @@ def fma_rate(threads: int, n: int = 1024, repeats: int = 5) -> float:
     return n**3 / best
 
 
-def fmas_per_token(model: Transformer, context: int) -> int:
-    """Multiply-adds one decoded token costs: each weight it touches once (the main layers, the top-k routed
-    experts of each MoE layer, the router, the head) plus the absorbed attention over ``context`` cached
-    tokens (per head and key: the latent and RoPE scores, then the latent weighted into the output)."""
+def fmas_per_token(model: Transformer, context: int) -> tuple[int, int]:
+    """Multiply-adds one decoded token costs: (the weights', the attention's). Each weight it touches once
+    (the main layers, the top-k routed experts of each MoE layer, the router, the head); the absorbed
+    attention over ``context`` cached tokens (per head and key: the latent and RoPE scores, then the latent
+    weighted into the output)."""
     cfg = model.config
     share = cfg.num_experts_per_tok / cfg.n_routed_experts
     tensors = lambda m: [*m.parameters(), *m.buffers()]  # noqa: E731
@@ -99,7 +101,7 @@ def fmas_per_token(model: Transformer, context: int) -> int:
     weights = sum(int(t.numel() * (share if id(t) in routed else 1)) for t in model.parameters() if id(t) not in skip
                   and t.dim() > 1)
     per_key = cfg.num_attention_heads * (2 * cfg.kv_lora_rank + cfg.qk_rope_head_dim)
-    return weights + cfg.num_hidden_layers * context * per_key
+    return weights, cfg.num_hidden_layers * context * per_key
 
 
 def routed_share(cfg, tokens: int) -> float:
@@ -376,10 +378,15 @@ def batch_section(folder, cfg, args, bandwidth) -> list[dict]:
         row["batch_over_1"] = many["tokens_per_s"] / one["tokens_per_s"]
         # the most the ratio can be when both read at the same bandwidth: batch x bytes(1) / bytes(batch)
         row["bound_over_1"] = args.batch * one["bytes_per_step"] / many["bytes_per_step"]
-        # ... and when each step also takes at least its multiply-adds at the FMA units' rate
-        fmas, rate, bw = fmas_per_token(model, args.batch_context), fma_rate(threads), bandwidth[threads]
-        least = {b: max(step["bytes_per_step"] / bw, b * fmas / rate) for b, step in ((1, one), (args.batch, many))}
-        row["fmas_per_token"], row["fma_rate_per_s"] = fmas, rate
+        # ... and when each step also takes at least its multiply-adds: the weights' at the fp32 FMAs' rate, the
+        # attention's at the rate of the arithmetic it runs in
+        (w_fmas, att_fmas), rate, bw = fmas_per_token(model, args.batch_context), fma_rate(threads), bandwidth[threads]
+        dots = name == "bf16" and attention_bf16_dots()
+        att_rate = fma_rate(threads, dtype=torch.bfloat16) if dots else rate
+        seconds = w_fmas / rate + att_fmas / att_rate  # per token
+        least = {b: max(step["bytes_per_step"] / bw, b * seconds) for b, step in ((1, one), (args.batch, many))}
+        row["fmas_per_token"], row["fma_rate_per_s"] = w_fmas + att_fmas, rate
+        row["attention_fmas_per_token"], row["attention_rate_per_s"] = att_fmas, att_rate
         row["compute_bound_over_1"] = args.batch * least[1] / least[args.batch]
         log(f"batch {args.batch} / batch 1, {name}: {row['batch_over_1']:.2f}x (bytes allow "
             f"{row['bound_over_1']:.2f}x, bytes and multiply-adds {row['compute_bound_over_1']:.2f}x)")

@@ -28,6 +28,8 @@ def test_batch_section_reports_its_speedup_beside_both_bounds():
     # multiply-adds can only lower that bound; nano's token costs over a million of them
     assert 1 <= row["compute_bound_over_1"] <= row["bound_over_1"]
     assert row["fmas_per_token"] > 1e6 and row["fma_rate_per_s"] > 1e8
+    # the attention's share, counted at the rate of its own arithmetic (bf16 dot products, where they run)
+    assert 0 < row["attention_fmas_per_token"] < row["fmas_per_token"] and row["attention_rate_per_s"] > 1e8
     text = run(*flags)
     assert text.returncode == 0, text.stderr
     assert "batch bf16: " in text.stdout and "bytes and multiply-adds" in text.stdout
