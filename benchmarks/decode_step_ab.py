@@ -43,6 +43,7 @@ from dsv3.model import Transformer
 PHASES = ("norm", "q", "kv", "latent", "attention", "o", "route", "routed", "shared")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 REPO = Path(__file__).resolve().parent.parent
+WARM_UP = 5  # decode steps before the timed ones
 
 
 def log(msg: str) -> None:
@@ -72,9 +73,10 @@ def profiling_kernels() -> object | None:
     return lib
 
 
-def worker(shape: str, dtype: str, threads: int, ctx: int, rows: int, phases: bool) -> None:
+def worker(shape: str, dtype: str, threads: int, ctx: int, rows: int, phases: bool, tokens: int) -> None:
     """Prefill, then answer each line "N" on stdin with the seconds N decode steps took (and the block
-    kernel's phase seconds), as one JSON line; end at "quit"."""
+    kernel's phase seconds), as one JSON line; end at "quit". ``tokens``: the most steps it will be asked
+    for (the engine sizes each row's cache for its request's new tokens)."""
     from dsv3.infer.engine import Engine, Request
 
     torch.set_num_threads(threads)
@@ -85,8 +87,8 @@ def worker(shape: str, dtype: str, threads: int, ctx: int, rows: int, phases: bo
     prompts = [torch.randint(0, model.config.vocab_size, (ctx,), generator=gen).tolist() for _ in range(rows)]
     clock = (ctypes.c_double * 16)()
     with torch.inference_mode():
-        batch = engine.start([Request(p, 1_000_000) for p in prompts])
-        for _ in range(5):  # warm-up: the first steps after prefill are slower
+        batch = engine.start([Request(p, tokens + WARM_UP + 8) for p in prompts])  # the prefill makes one
+        for _ in range(WARM_UP):  # the first steps after prefill are slower
             batch.step()
         print(json.dumps({"ready": True}), flush=True)
         for line in sys.stdin:
@@ -113,9 +115,10 @@ def worker(shape: str, dtype: str, threads: int, ctx: int, rows: int, phases: bo
 class Side:
     """A worker process running one source tree (``src``) for one configuration."""
 
-    def __init__(self, src: Path, shape: str, dtype: str, threads: int, ctx: int, rows: int, phases: bool):
+    def __init__(self, src: Path, shape: str, dtype: str, threads: int, ctx: int, rows: int, phases: bool,
+                 tokens: int):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
-        cmd = [sys.executable, __file__, "--worker", shape, dtype, str(threads), str(ctx), str(rows)]
+        cmd = [sys.executable, __file__, "--worker", shape, dtype, str(threads), str(ctx), str(rows), str(tokens)]
         cmd += ["--phases"] if phases else []
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.answer()  # ready
@@ -140,7 +143,9 @@ class Side:
 
 def measure(sources: dict[str, Path], dtype: str, threads: int, ctx: int, rows: int, args) -> dict[str, dict]:
     """Median seconds per step (and phase medians) of each side, the sides taking turns."""
-    sides = {name: Side(src, args.preset, dtype, threads, ctx, rows, args.phases) for name, src in sources.items()}
+    tokens = args.rounds * args.steps
+    sides = {name: Side(src, args.preset, dtype, threads, ctx, rows, args.phases, tokens)
+             for name, src in sources.items()}
     try:
         answers = {name: [] for name in sides}
         for _ in range(args.rounds):
@@ -169,7 +174,8 @@ def export(rev: str, folder: Path) -> Path:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), "--phases" in sys.argv)
+        worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), "--phases" in sys.argv,
+               int(sys.argv[7]))
         return
     sys.path.insert(0, str(Path(__file__).parent))
     from dsv3.option_lists import parse_list
