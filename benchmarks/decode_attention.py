@@ -6,7 +6,7 @@
 ``dsv3_mla_decode`` (src/dsv3/model/decode_kernels.c) takes one layer's queries from the query projection to
 the heads' outputs: W_UK into the query, RoPE, attention over the latent cache, W_UV. For a bf16 model over
 a bf16 cache it runs in fp32 FMAs or, on CPUs with AVX512-BF16, in bf16 dot products (the queries and each
-tile's softmax weights rounded to bf16; ``decode_kernels.attention_bf16_dots``). For the ``--preset``'s
+tile's softmax weights rounded to bf16; ``decode_kernels.bf16_dots``). For the ``--preset``'s
 attention shape (``small``: 8 heads, latent 128, RoPE 32) this measures, at each context and thread count:
 
 * time: microseconds per call (one layer, batch 1, one query token) of each path, the two alternating
@@ -68,7 +68,7 @@ def module_path(mla: MLA, args: tuple) -> torch.Tensor:
 
 
 def timed(args: tuple, dots: bool, calls: int) -> float:
-    dk.attention_bf16_dots(dots)
+    dk.bf16_dots(dots)
     dk.mla_decode(*args)
     t0 = time.perf_counter()
     for _ in range(calls):
@@ -97,7 +97,7 @@ def accuracy(mla: MLA, context: int, draws: int) -> dict:
         ref = dk.mla_decode_reference(*args).float()
         err = lambda got, want=ref, ref=ref: ((got.float() - want).norm() / ref.norm()).item()  # noqa: E731
         for path in PATHS:
-            dk.attention_bf16_dots(path == "bf16 dots")
+            dk.bf16_dots(path == "bf16 dots")
             errors[path].append(err(dk.mla_decode(*args)))
         errors["bf16 dots vs bf16 queries"].append(
             err(dk.mla_decode(*args), dk.mla_decode_reference(*args, bf16_queries=True).float()))
@@ -143,7 +143,7 @@ def main() -> None:
         ap.error(str(exc))
     if not dk.kernels_available():
         sys.exit(f"error: the decode kernels do not run here: {dk.kernel_status()}")
-    if not dk.attention_bf16_dots():
+    if not dk.bf16_dots():
         sys.exit("error: this CPU lacks AVX512-BF16 (or DSV3_DECODE_BF16_DOTS=0): only one path to measure")
     torch.manual_seed(0)
     mla = MLA(cfg, 0).to(torch.bfloat16).eval()
@@ -156,7 +156,7 @@ def main() -> None:
                 result["speed"].append(speed(mla, ctx, t, args.repeats))
             result["accuracy"].append(accuracy(mla, ctx, args.draws))
     finally:
-        dk.attention_bf16_dots(True)
+        dk.bf16_dots(True)
     print(json.dumps(result) if args.json else report(result))
 
 

@@ -19,7 +19,7 @@ latent cache at that context) divided by the read bandwidth measured here with t
 Sections: ``batch1`` (contexts x threads x implementations), ``batch`` (output tokens/s at batch 16 vs
 batch 1, context 1024), ``mtp`` (a speculative step's cost next to a plain one), ``overhead`` (tiny
 shapes vs transformers at context 2048: the fixed per-token cost), ``weights`` (resident bytes),
-``cache_precision``; ``kernels`` says whether the C kernels ran, ``attention_bf16_dots`` whether a bf16
+``cache_precision``; ``kernels`` says whether the C kernels ran, ``bf16_dots`` whether a bf16
 model's attention took AVX512-BF16 dot products.
 llama.cpp: ``bash benchmarks/llama_cpp_setup.sh`` builds it (a few minutes) and ``--env`` prints the
 environment that points the bindings, ``gguf`` and ``--llama-convert`` at it. Without them the llama.cpp
@@ -48,7 +48,7 @@ from dsv3.infer.engine import Engine, Request
 from dsv3.infer.fp8_weights import resident_bytes
 from dsv3.infer.loading import load_model
 from dsv3.model import Transformer, huge_pages
-from dsv3.model.decode_kernels import attention_bf16_dots, kernel_status
+from dsv3.model.decode_kernels import bf16_dots, kernel_status
 from dsv3.option_lists import parse_list
 
 
@@ -77,7 +77,7 @@ def fma_rate(threads: int, n: int = 1024, repeats: int = 5, dtype: torch.dtype =
     """Multiply-adds per second of a matmul (n x n by n x n, best of ``repeats``) with ``threads`` torch
     threads: what this CPU reaches in practice, in fp32 FMAs (the decode kernels' GEMVs compute in fp32
     whatever the weights' format) or, ``dtype`` bf16, in its bf16 dot products where it has them (the
-    attention of a bf16 model over a bf16 cache, ``decode_kernels.attention_bf16_dots``)."""
+    attention of a bf16 model over a bf16 cache, ``decode_kernels.bf16_dots``)."""
     torch.set_num_threads(threads)
     a, b = torch.randn(n, n).to(dtype), torch.randn(n, n).to(dtype)
     best = float("inf")
@@ -381,7 +381,7 @@ def batch_section(folder, cfg, args, bandwidth) -> list[dict]:
         # ... and when each step also takes at least its multiply-adds: the weights' at the fp32 FMAs' rate, the
         # attention's at the rate of the arithmetic it runs in
         (w_fmas, att_fmas), rate, bw = fmas_per_token(model, args.batch_context), fma_rate(threads), bandwidth[threads]
-        dots = name == "bf16" and attention_bf16_dots()
+        dots = name == "bf16" and bf16_dots()
         att_rate = fma_rate(threads, dtype=torch.bfloat16) if dots else rate
         seconds = w_fmas / rate + att_fmas / att_rate  # per token
         least = {b: max(step["bytes_per_step"] / bw, b * seconds) for b, step in ((1, one), (args.batch, many))}
@@ -477,7 +477,7 @@ def main() -> None:
     longest = max([*args.contexts, args.batch_context]) + args.new_tokens * (args.repeats + 2) + 16
     cfg = preset(args.preset).replace(max_position_embeddings=longest)
     result = {"benchmark": "decode_speed", "preset": args.preset, "kernels": kernel_status(),
-              "attention_bf16_dots": attention_bf16_dots(),
+              "bf16_dots": bf16_dots(),
               "new_tokens": args.new_tokens, "repeats": args.repeats,
               "read_bandwidth_gb_s": {t: b / 1e9 for t, b in bandwidth.items()}}
     with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as gguf_dir:
@@ -507,7 +507,7 @@ def main() -> None:
 
 def report(result: dict) -> str:
     """The tables of docs/inference.md, as text."""
-    dots = "AVX512-BF16 dots" if result.get("attention_bf16_dots") else "fp32 FMAs"
+    dots = "AVX512-BF16 dots" if result.get("bf16_dots") else "fp32 FMAs"
     lines = [f"kernels: {result['kernels']}; bf16 attention: {dots}; "
              f"read bandwidth (GB/s): {result['read_bandwidth_gb_s']}"]
     for row in result.get("batch1", []):

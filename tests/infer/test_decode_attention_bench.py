@@ -17,7 +17,7 @@ def run(*flags):
     return subprocess.run([sys.executable, str(BENCH), *flags], capture_output=True, text=True, timeout=600)
 
 
-@pytest.mark.skipif(not (dk.kernels_available() and dk.attention_bf16_dots()), reason="needs AVX512-BF16")
+@pytest.mark.skipif(not (dk.kernels_available() and dk.bf16_dots()), reason="needs AVX512-BF16")
 def test_both_paths_are_timed_and_their_errors_ordered():
     flags = ["--preset", "nano", "--contexts", "64,200", "--repeats", "1", "--draws", "3"]
     done = run(*flags, "--json")

@@ -81,7 +81,7 @@ def test_swiglu_experts_kernel_equals_reference(kind, rows):
                           rtol=1e-3)
 
 
-HAS_BF16_DOTS = dk.kernels_available() and dk.attention_bf16_dots()
+HAS_BF16_DOTS = dk.kernels_available() and dk.bf16_dots()
 
 
 @pytest.fixture(params=["fp32 FMAs", "bf16 dots"])
@@ -94,16 +94,16 @@ def attention_path(request):
     if not dk.kernels_available():
         yield request.param
         return
-    dk.attention_bf16_dots(dots)
+    dk.bf16_dots(dots)
     try:
         yield request.param
     finally:
-        dk.attention_bf16_dots(HAS_BF16_DOTS)
+        dk.bf16_dots(HAS_BF16_DOTS)
 
 
 def bf16_dots_on(q: torch.Tensor, kv: torch.Tensor) -> bool:
     """Whether mla_decode takes the AVX512-BF16 path for these queries and this cache."""
-    return q.dtype == kv.dtype == torch.bfloat16 and dk.attention_bf16_dots()
+    return q.dtype == kv.dtype == torch.bfloat16 and dk.bf16_dots()
 
 
 @needs_kernels
@@ -603,15 +603,15 @@ def test_bf16_dots_run_for_bf16_models_over_bf16_caches_only():
     def both(q, kv, pe):
         args = (q, angles.cos(), angles.sin(), w[:, :nope], w[:, nope:], kv, pe, None, 0.3)
         try:
-            return [(dk.attention_bf16_dots(on), dk.mla_decode(*args))[1] for on in (True, False)]
+            return [(dk.bf16_dots(on), dk.mla_decode(*args))[1] for on in (True, False)]
         finally:
-            dk.attention_bf16_dots(True)
+            dk.bf16_dots(True)
 
     dots, fmas = both(q32.bfloat16(), kv32.bfloat16(), pe32.bfloat16())
     assert not torch.equal(dots, fmas) and close(dots, fmas, torch.bfloat16)
     for q, kv, pe in ((q32, kv32.bfloat16(), pe32.bfloat16()), (q32.bfloat16(), kv32, pe32)):
         assert torch.equal(*both(q, kv, pe))
-    code = "from dsv3.model import decode_kernels as dk; print(dk.attention_bf16_dots())"
+    code = "from dsv3.model import decode_kernels as dk; print(dk.bf16_dots())"
     env = {**os.environ, "DSV3_DECODE_BF16_DOTS": "0"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "False", done.stderr

@@ -70,3 +70,48 @@ def test_routed_experts_give_each_row_its_single_row_bits(kind):
     got = dk.swiglu_experts(x, idx, gates, experts)
     for m in range(16):
         assert torch.equal(got[m:m + 1], dk.swiglu_experts(x[m:m + 1], idx[m:m + 1], gates[m:m + 1], experts)), m
+
+
+@pytest.fixture(params=["fp32 FMAs", "bf16 dots"])
+def bf16_path(request):
+    """Both ways bf16 weights meet bf16 activations: AVX2 FMAs in fp32, or AVX512-BF16 dot products where the
+    CPU has them."""
+    on = dk.bf16_dots()
+    if request.param == "bf16 dots" and not on:
+        pytest.skip("the CPU lacks AVX512-BF16")
+    dk.bf16_dots(request.param == "bf16 dots")
+    try:
+        yield request.param
+    finally:
+        dk.bf16_dots(on)
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
+def test_bf16_times_bf16_keeps_the_single_row_bits_on_either_path(shape, bf16_path):
+    """Every row count 1..64 (the dot products' micro-tiles of 6 rows, every remainder) against the rows
+    alone, and either path within the bf16 output's rounding of the exact products' sum."""
+    n, k = shape
+    w = weight("bf16", n, k)
+    x = torch.randn(64, k, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    alone = rows_alone(x, w)
+    for rows in range(1, 65):
+        assert torch.equal(dk.linear(x[:rows], w), alone[:rows]), f"{rows} rows differ from the rows computed alone"
+    exact = x.double() @ w.w.double().t()
+    assert torch.allclose(alone.double(), exact, rtol=2**-8, atol=1e-5 * exact.abs().max().item())
+
+
+def test_routed_experts_with_bf16_activations_on_either_path(bf16_path):
+    """Gate and up projections of bf16 activations (the dot products, where they run), the down projection of
+    the kernel's fp32 intermediate: each row's output is that row's routed alone, and near the reference."""
+    E, I, D = 5, 137, 131
+    experts = dk.ExpertWeights(*(dk.Weight(torch.stack([weight("bf16", *s, seed=10 * seed + e).w for e in range(E)]))
+                                 for seed, s in enumerate([(I, D), (I, D), (D, I)])))
+    gen = torch.Generator().manual_seed(4)
+    x = (torch.randn(16, D, generator=gen) / 8).to(torch.bfloat16)
+    idx = torch.stack([torch.randperm(E, generator=gen)[:2] for _ in range(16)])
+    gates = torch.rand(16, 2, generator=gen)
+    got = dk.swiglu_experts(x, idx, gates, experts)
+    for m in range(16):
+        assert torch.equal(got[m:m + 1], dk.swiglu_experts(x[m:m + 1], idx[m:m + 1], gates[m:m + 1], experts)), m
+    ref = dk.swiglu_experts_reference(x, idx, gates, experts).float()
+    assert ((got.float() - ref).norm() / ref.norm()) < 1e-2

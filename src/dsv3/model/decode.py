@@ -83,7 +83,7 @@ class AttentionPlan:
     """One MLA layer's decode weights: the kernels' views of its projections and W_UK/W_UV per head.
 
     The attention runs in fp32 (the cache read in its own dtype), except for a bf16 model over a bf16 cache
-    on a CPU with AVX512-BF16, where it takes bf16 dot products (``decode_kernels.attention_bf16_dots``).
+    on a CPU with AVX512-BF16, where it takes bf16 dot products (``decode_kernels.bf16_dots``).
     W_UK/W_UV are views of ``kv_b_proj``'s own fp32 or bf16 weight, which the kernel reads in place (bf16
     converted exactly, so the numbers are those of an fp32 copy at half the bytes per step); FP8 blocks
     are dequantized once into a copy of the compute dtype, any other dtype into an fp32 copy."""

@@ -442,18 +442,134 @@ static void my_tiles(int64_t ntiles, int64_t *t0, int64_t *t1) {
 
 static int64_t tiles_of(int64_t n) { return (n + NR - 1) / NR; }
 
+/* ---- bf16 times bf16 in AVX512-BF16 dot products, chosen at run time ---------------------------------
+ * VDPBF16PS (AMD Zen 4 on, Intel Cooper Lake and Sapphire Rapids on) adds 32 bf16 products into 16 fp32 sums
+ * in one instruction, four times the products of an AVX2 FMA, with no conversion of the operands. Where
+ * both operands are bf16 values (a bf16 model's projections of its bf16 activations; its attention over a
+ * bf16 cache, below) every product is exact and every sum fp32, as in the FMA path, in another order.
+ * dsv3_bf16_dots turns them off (the AVX2 FMAs then run) and says whether they are on. */
+
+#if (defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10)
+#define DP_COMPILER 1 /* a compiler that knows the avx512bf16 target */
+#else
+#define DP_COMPILER 0
+#endif
+#if DP_COMPILER
+#define DP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define DP_INLINE static inline __attribute__((always_inline)) DP_TARGET
+#define DP_WIDTH 32 /* bf16 values per 512-bit vector */
+#define DP_ROWS 6   /* activation rows per micro-tile: NR x 6 accumulators, NR weight vectors and one of x */
+
+static int bf16_dots = -1; /* -1: not decided yet */
+
+/* Whether bf16 x bf16 products run in VDPBF16PS: want 0 turns them off, 1 on where the CPU has AVX512-BF16,
+ * -1 asks. Returns the state. */
+int dsv3_bf16_dots(int want) {
+    if (want >= 0 || bf16_dots < 0) {
+        __builtin_cpu_init();
+        bf16_dots = want != 0 && __builtin_cpu_supports("avx512bf16");
+    }
+    return bf16_dots;
+}
+
+static int64_t dp_padded(int64_t n) { return (n + DP_WIDTH - 1) / DP_WIDTH * DP_WIDTH; }
+
+/* The first n (of 32) lanes. */
+DP_INLINE __mmask32 dp_mask(int64_t n) { return n >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << n) - 1u); }
+
+/* The 16 sums of each of a, b, c, d as one vector of 4 (a 512-bit half added onto the other, then hsum4). */
+DP_INLINE __m128 dp_hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+#define DP_FOLD(v) _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))
+    return hsum4(DP_FOLD(a), DP_FOLD(b), DP_FOLD(c), DP_FOLD(d));
+#undef DP_FOLD
+}
+
+/* res[c * NR + r] = sum_k rows[r][k] x[c * ldx + k] for C (1 to DP_ROWS) activation rows: 16 columns per step
+ * in 256-bit VDPBF16PS (one 8-lane chain per (weight row, activation row), then hsum4); each weight vector
+ * serves the C rows, each x vector the NR rows. A pair's arithmetic is the same for every C, so a row's
+ * result does not depend on how many rows share the call. 512-bit steps measured slower than the AVX2 FMAs
+ * at one row, where the GEMV waits on memory; 256-bit ones faster. pf: where to prefetch the bytes a step
+ * reads, further on (or NULL). */
+DP_INLINE void dp_tile(int C, const uint16_t *const *rows, int64_t K, const uint16_t *x, int64_t ldx, float *res,
+                       const char *pf) {
+    __m256 acc[NR][DP_ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16) {
+        const __mmask16 m = (__mmask16)dp_mask(K - k > 16 ? 16 : K - k);
+        if (pf) prefetch(pf + k * NR * 2, NR * 32);
+        __m256i w[NR];
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; r++) w[r] = _mm256_maskz_loadu_epi16(m, rows[r] + k);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) {
+            const __m256i xv = _mm256_maskz_loadu_epi16(m, x + c * ldx + k);
+#pragma GCC unroll 8
+            for (int r = 0; r < NR; r++) acc[r][c] = _mm256_dpbf16_ps(acc[r][c], (__m256bh)w[r], (__m256bh)xv);
+        }
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c++) _mm_storeu_ps(res + c * NR, hsum4(acc[0][c], acc[1][c], acc[2][c], acc[3][c]));
+}
+
+/* gemv_tiles for bf16 weights w [N, K] and bf16 activations x [M, K]: y[m, n] for the rows n of tiles
+ * [t0, t1) (a partial last tile repeats its last row, computed, not stored), DP_ROWS activation rows at a
+ * time; the first micro-tile of each tile prefetches the weights PF_BYTES (or a tile) ahead. */
+static DP_TARGET void dp_gemv_tiles(const uint16_t *w, int64_t N, int64_t K, const uint16_t *x, int64_t M, float *y,
+                                    int64_t ldy, int64_t t0, int64_t t1) {
+    const size_t row_bytes = (size_t)K * 2, tile_bytes = NR * row_bytes;
+    const size_t ahead = tile_bytes > PF_BYTES ? tile_bytes : PF_BYTES;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t n = t * NR;
+        const int nr = N - n < NR ? (int)(N - n) : NR;
+        const uint16_t *rows[NR];
+        for (int r = 0; r < NR; r++) rows[r] = w + (size_t)(n + (r < nr ? r : nr - 1)) * K;
+        const char *pf = (const char *)w + n * row_bytes + ahead;
+        for (int64_t m0 = 0; m0 < M;) {
+            const int mb = M - m0 < DP_ROWS ? (int)(M - m0) : DP_ROWS;
+            float res[DP_ROWS * NR];
+            const uint16_t *xa = x + m0 * K;
+            const char *p = m0 ? NULL : pf;
+            switch (mb) {
+                case 1: dp_tile(1, rows, K, xa, K, res, p); break;
+                case 2: dp_tile(2, rows, K, xa, K, res, p); break;
+                case 3: dp_tile(3, rows, K, xa, K, res, p); break;
+                case 4: dp_tile(4, rows, K, xa, K, res, p); break;
+                case 5: dp_tile(5, rows, K, xa, K, res, p); break;
+                default: dp_tile(6, rows, K, xa, K, res, p); break;
+            }
+            for (int i = 0; i < mb; i++)
+                for (int r = 0; r < nr; r++) y[(m0 + i) * ldy + n + r] = res[i * NR + r];
+            m0 += mb;
+        }
+    }
+}
+#define USE_DOT_GEMV(kind, xkind) ((kind) == W_BF16 && (xkind) == A_BF16 && dsv3_bf16_dots(-1))
+#else
+int dsv3_bf16_dots(int want) { (void)want; return 0; }
+#define USE_DOT_GEMV(kind, xkind) 0
+#define dp_gemv_tiles(w, N, K, x, M, y, ldy, t0, t1) ((void)0)
+#endif
+
 /* out [M, N] = x [M, K] @ W^T. Returns 0. */
 int dsv3_linear(const void *w, const float *scale, int kind, int64_t N, int64_t K, const void *x, int xkind,
                 int64_t M, void *out, int okind, int nthreads) {
-    float *xf = xkind == A_F32 ? (float *)x : to_f32(x, xkind, M * K);
+    const int dots = USE_DOT_GEMV(kind, xkind);
+    float *xf = xkind == A_F32 || dots ? (float *)x : to_f32(x, xkind, M * K);
     float *y = okind == A_F32 ? (float *)out : (float *)malloc((size_t)(M * N > 0 ? M * N : 1) * sizeof(float));
 #pragma omp parallel num_threads(nthreads) if (N * K > 32768)
     {
         int64_t t0, t1;
         my_tiles(tiles_of(N), &t0, &t1);
-        float *scratch = (float *)malloc(scratch_floats(kind, M, K) * sizeof(float));
-        gemv_tiles(kind, w, scale, N, K, xf, M, y, N, t0, t1, scratch);
-        free(scratch);
+        if (dots) {
+            dp_gemv_tiles((const uint16_t *)w, N, K, (const uint16_t *)x, M, y, N, t0, t1);
+        } else {
+            float *scratch = (float *)malloc(scratch_floats(kind, M, K) * sizeof(float));
+            gemv_tiles(kind, w, scale, N, K, xf, M, y, N, t0, t1, scratch);
+            free(scratch);
+        }
     }
     if (y != out) store(out, okind, y, M * N, 0), free(y);
     if (xf != x) free(xf);
@@ -498,7 +614,12 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const fl
     group_by_expert(idx, P, E, start, pair);
     int64_t most = 0; /* the most pairs routed to one expert */
     for (int64_t e = 0; e < E; e++) most = start[e + 1] - start[e] > most ? start[e + 1] - start[e] : most;
-    for (int64_t j = 0; j < start[E]; j++) memcpy(xe + j * D, xf + (pair[j] / topk) * D, (size_t)D * sizeof(float));
+    const int dots = USE_DOT_GEMV(kind, xkind); /* gate and up in bf16 dot products; down reads fp32 g */
+    uint16_t *xe16 = dots ? (uint16_t *)malloc((size_t)(P * D + 1) * sizeof(uint16_t)) : NULL;
+    for (int64_t j = 0; j < start[E]; j++) {
+        memcpy(xe + j * D, xf + (pair[j] / topk) * D, (size_t)D * sizeof(float));
+        if (dots) memcpy(xe16 + j * D, (const uint16_t *)x + (pair[j] / topk) * D, (size_t)D * sizeof(uint16_t));
+    }
     const size_t es = elem_size(kind);
     const int64_t ib = (I + FP8_BLOCK - 1) / FP8_BLOCK, db = (D + FP8_BLOCK - 1) / FP8_BLOCK;
 #pragma omp parallel num_threads(nthreads)
@@ -511,10 +632,15 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const fl
             const int64_t j0 = start[e], me = start[e + 1] - j0;
             if (!me) continue;
             const size_t off = (size_t)e * I * D * es;
-            gemv_tiles(kind, (const char *)wg + off, sg ? sg + e * ib * db : NULL, I, D, xe + j0 * D, me, g + j0 * I,
-                       I, t0, t1, scratch);
-            gemv_tiles(kind, (const char *)wu + off, su ? su + e * ib * db : NULL, I, D, xe + j0 * D, me, u + j0 * I,
-                       I, t0, t1, scratch);
+            if (dots) {
+                dp_gemv_tiles((const uint16_t *)((const char *)wg + off), I, D, xe16 + j0 * D, me, g + j0 * I, I, t0, t1);
+                dp_gemv_tiles((const uint16_t *)((const char *)wu + off), I, D, xe16 + j0 * D, me, u + j0 * I, I, t0, t1);
+            } else {
+                gemv_tiles(kind, (const char *)wg + off, sg ? sg + e * ib * db : NULL, I, D, xe + j0 * D, me,
+                           g + j0 * I, I, t0, t1, scratch);
+                gemv_tiles(kind, (const char *)wu + off, su ? su + e * ib * db : NULL, I, D, xe + j0 * D, me,
+                           u + j0 * I, I, t0, t1, scratch);
+            }
             for (int64_t j = j0; j < j0 + me; j++)
                 for (int64_t n = i0; n < i1; n++) g[j * I + n] = silu(g[j * I + n]) * u[j * I + n] * gates[pair[j]];
         }
@@ -533,7 +659,7 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const fl
     }
     store(out, okind, acc, M * D, accumulate);
     if (xf != x) free(xf);
-    free(acc), free(xe), free(g), free(u), free(ye), free(start), free(pair);
+    free(acc), free(xe), free(xe16), free(g), free(u), free(ye), free(start), free(pair);
     return 0;
 }
 
@@ -950,20 +1076,10 @@ static inline __attribute__((always_inline)) void att_task(int kind, const AttAr
  * at long contexts) then takes its queries and its softmax weights rounded to bf16, which is where the
  * module path rounds them too (its q_lat and probs are bf16 tensors): every product exact, every sum fp32.
  * The tiles, the online softmax, the prefetches and W_UV are att_task's. A query's arithmetic does not
- * depend on its grouping, so the thread count still changes nothing; dsv3_attention_bf16_dots turns the
+ * depend on its grouping, so the thread count still changes nothing; dsv3_bf16_dots turns the
  * path off (the AVX2 one then runs) and says whether it is on. */
 
-#if (defined(__clang__) && __clang_major__ >= 9) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 10)
-#define DP_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-#define DP_INLINE static inline __attribute__((always_inline)) DP_TARGET
-#define DP_WIDTH 32 /* bf16 values per 512-bit vector */
-
-static int bf16_dots = -1; /* -1: not decided yet */
-
-static int64_t dp_padded(int64_t n) { return (n + DP_WIDTH - 1) / DP_WIDTH * DP_WIDTH; }
-
-/* The first n (of 32) lanes. */
-DP_INLINE __mmask32 dp_mask(int64_t n) { return n >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << n) - 1u); }
+#if DP_COMPILER
 
 /* acc[i][u] += q_i . k_u over n values: q [ATT_QUERIES, ldq] bf16, zero-padded to a multiple of 32; the rows
  * k[u] read with masks, so nothing past their n values. */
@@ -978,13 +1094,6 @@ DP_INLINE void dp_dots(const uint16_t *q, int64_t ldq, const uint16_t *const *k,
             for (int u = 0; u < ATT_KEYS; u++) acc[i][u] = _mm512_dpbf16_ps(acc[i][u], (__m512bh)qi, (__m512bh)kv[u]);
         }
     }
-}
-
-/* The 16 sums of each of a, b, c, d as one vector of 4 (a 512-bit half added onto the other, then hsum4). */
-DP_INLINE __m128 dp_hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-#define DP_FOLD(v) _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))
-    return hsum4(DP_FOLD(a), DP_FOLD(b), DP_FOLD(c), DP_FOLD(d));
-#undef DP_FOLD
 }
 
 /* att_tile_scores for a bf16 cache and bf16 queries qb [ATT_QUERIES, w] (the kv part, padded to a multiple of
@@ -1112,18 +1221,8 @@ static DP_TARGET void dp_task(const AttArgs *a, int64_t b, int64_t m0, int mb) {
     free(qb), free(o);
 }
 
-/* Whether a bf16 model's attention over a bf16 cache runs in VDPBF16PS: want 0 turns it off, 1 on where the
- * CPU has AVX512-BF16, -1 asks. Returns the state. */
-int dsv3_attention_bf16_dots(int want) {
-    if (want >= 0 || bf16_dots < 0) {
-        __builtin_cpu_init();
-        bf16_dots = want != 0 && __builtin_cpu_supports("avx512bf16");
-    }
-    return bf16_dots;
-}
-#define USE_BF16_DOTS(ckind, akind) ((ckind) == A_BF16 && (akind) == A_BF16 && dsv3_attention_bf16_dots(-1))
+#define USE_BF16_DOTS(ckind, akind) ((ckind) == A_BF16 && (akind) == A_BF16 && dsv3_bf16_dots(-1))
 #else
-int dsv3_attention_bf16_dots(int want) { (void)want; return 0; }
 #define USE_BF16_DOTS(ckind, akind) 0
 #define dp_task(a, b, m0, mb) ((void)0)
 #endif

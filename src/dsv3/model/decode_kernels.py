@@ -7,8 +7,8 @@ bf16 than in fp32 on CPUs without native bf16 dot products), and resident FP8 we
 into a full bf16 copy first. The C kernels read fp32, bf16 or FP8 (128x128 blocks) weights in place,
 four weight rows at a time, converting them in registers (FP8 with integer shifts, not F16C, which is too
 slow to keep up with memory), and one call computes all routed experts of a step. The absorbed attention
-is one call too, in fp32 FMAs, or for a bf16 model over a bf16 cache in AVX512-BF16 dot products where the
-CPU has them (``attention_bf16_dots``). A row's result does not
+is one call too. Where the CPU has AVX512-BF16, bf16 weights times bf16 activations and a bf16 model's
+attention over a bf16 cache take its bf16 dot products instead of AVX2 FMAs (``bf16_dots``). A row's result does not
 depend on how many rows share the call (the summation order is fixed), so batched and single-row decode
 give the same numbers. ``benchmarks/decode_kernels_speed.py`` measures them against the read bandwidth.
 
@@ -107,8 +107,8 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         if not target.exists():
             _build(target)
         lib = _declare(ctypes.CDLL(str(target)))
-        lib.dsv3_attention_bf16_dots.argtypes, lib.dsv3_attention_bf16_dots.restype = [ctypes.c_int], ctypes.c_int
-        lib.dsv3_attention_bf16_dots(0 if os.environ.get("DSV3_DECODE_BF16_DOTS", "1") == "0" else 1)
+        lib.dsv3_bf16_dots.argtypes, lib.dsv3_bf16_dots.restype = [ctypes.c_int], ctypes.c_int
+        lib.dsv3_bf16_dots(0 if os.environ.get("DSV3_DECODE_BF16_DOTS", "1") == "0" else 1)
         return lib, "ok"
     except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
         return None, f"the C kernels could not be built or loaded: {exc}"
@@ -123,15 +123,17 @@ def kernels_available() -> bool:
     return _load()[0] is not None
 
 
-def attention_bf16_dots(on: bool | None = None) -> bool:
-    """Whether a bf16 model's attention over a bf16 cache runs in AVX512-BF16 dot products (VDPBF16PS, with
-    the queries and softmax weights rounded to bf16) rather than AVX2 FMAs in fp32: on by default where the CPU
-    has AVX512-BF16, off with ``DSV3_DECODE_BF16_DOTS=0``. ``on`` turns it on (where the CPU allows) or off
-    for this process; returns the state."""
+def bf16_dots(on: bool | None = None) -> bool:
+    """Whether bf16 x bf16 arithmetic runs in AVX512-BF16 dot products (VDPBF16PS) rather than AVX2 FMAs in
+    fp32: the GEMVs of bf16 weights with bf16 activations (all but the experts' down projections, whose input
+    the kernel keeps in fp32; products exact and sums fp32 either way), and a bf16 model's attention over a
+    bf16 cache (with its queries and softmax weights rounded to bf16). On by default where the CPU has
+    AVX512-BF16, off with ``DSV3_DECODE_BF16_DOTS=0``. ``on`` turns it on (where the CPU allows) or off for
+    this process; returns the state."""
     lib = _load()[0]
     if lib is None:
         return False
-    return bool(lib.dsv3_attention_bf16_dots(-1 if on is None else int(on)))
+    return bool(lib.dsv3_bf16_dots(-1 if on is None else int(on)))
 
 
 class Weight:
