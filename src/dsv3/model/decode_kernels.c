@@ -2,8 +2,8 @@
  * activations against one weight matrix) that read fp32, bf16 or FP8 e4m3 (128x128 block scales) weights
  * straight from where they live, converting each weight in registers. No dequantized copy of a matrix is
  * ever made, and a decode step's whole routed MoE is one call; so is a whole block (dsv3_decode_block).
- * On CPUs that also have AVX512-BF16, a bf16 model's attention over a bf16 cache uses its bf16 dot products
- * (chosen at run time: the rest of the file is AVX2 only).
+ * On CPUs that also have AVX512-BF16, bf16 weights times bf16 activations and a bf16 model's attention over a
+ * bf16 cache use its bf16 dot products (chosen at run time; the rest of the file is AVX2 only).
  *
  * Built and loaded at first use by decode_kernels.py (cc -O3 -mavx2 -mfma -fopenmp); every function has a
  * plain PyTorch reference there, and the tests compare the two.
@@ -603,9 +603,9 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const fl
                         int64_t M, const int64_t *idx, const float *gates, int64_t topk, void *out, int okind,
                         int accumulate, int nthreads) {
     const int64_t P = M * topk;
-    float *xf = xkind == A_F32 ? (float *)x : to_f32(x, xkind, M * D);
+    const int dots = USE_DOT_GEMV(kind, xkind); /* gate and up in bf16 dot products; down reads fp32 g */
+    float *xf = xkind == A_F32 || dots ? (float *)x : to_f32(x, xkind, M * D);
     float *acc = (float *)calloc((size_t)(M * D > 0 ? M * D : 1), sizeof(float));
-    float *xe = (float *)malloc((size_t)(P * D + 1) * sizeof(float));
     float *g = (float *)malloc((size_t)(P * I + 1) * sizeof(float));
     float *u = (float *)malloc((size_t)(P * I + 1) * sizeof(float));
     float *ye = (float *)malloc((size_t)(P * D + 1) * sizeof(float));
@@ -614,12 +614,11 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const fl
     group_by_expert(idx, P, E, start, pair);
     int64_t most = 0; /* the most pairs routed to one expert */
     for (int64_t e = 0; e < E; e++) most = start[e + 1] - start[e] > most ? start[e + 1] - start[e] : most;
-    const int dots = USE_DOT_GEMV(kind, xkind); /* gate and up in bf16 dot products; down reads fp32 g */
-    uint16_t *xe16 = dots ? (uint16_t *)malloc((size_t)(P * D + 1) * sizeof(uint16_t)) : NULL;
-    for (int64_t j = 0; j < start[E]; j++) {
-        memcpy(xe + j * D, xf + (pair[j] / topk) * D, (size_t)D * sizeof(float));
-        if (dots) memcpy(xe16 + j * D, (const uint16_t *)x + (pair[j] / topk) * D, (size_t)D * sizeof(uint16_t));
-    }
+    /* each pair's row of x, in x's bf16 for the dot products, else in fp32 */
+    const size_t xes = dots ? sizeof(uint16_t) : sizeof(float);
+    char *xe = (char *)malloc((size_t)(P * D + 1) * xes);
+    for (int64_t j = 0; j < start[E]; j++)
+        memcpy(xe + (size_t)(j * D) * xes, (const char *)xf + (size_t)((pair[j] / topk) * D) * xes, (size_t)D * xes);
     const size_t es = elem_size(kind);
     const int64_t ib = (I + FP8_BLOCK - 1) / FP8_BLOCK, db = (D + FP8_BLOCK - 1) / FP8_BLOCK;
 #pragma omp parallel num_threads(nthreads)
@@ -633,13 +632,15 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const fl
             if (!me) continue;
             const size_t off = (size_t)e * I * D * es;
             if (dots) {
-                dp_gemv_tiles((const uint16_t *)((const char *)wg + off), I, D, xe16 + j0 * D, me, g + j0 * I, I, t0, t1);
-                dp_gemv_tiles((const uint16_t *)((const char *)wu + off), I, D, xe16 + j0 * D, me, u + j0 * I, I, t0, t1);
+                const uint16_t *xj = (const uint16_t *)xe + j0 * D;
+                dp_gemv_tiles((const uint16_t *)((const char *)wg + off), I, D, xj, me, g + j0 * I, I, t0, t1);
+                dp_gemv_tiles((const uint16_t *)((const char *)wu + off), I, D, xj, me, u + j0 * I, I, t0, t1);
             } else {
-                gemv_tiles(kind, (const char *)wg + off, sg ? sg + e * ib * db : NULL, I, D, xe + j0 * D, me,
-                           g + j0 * I, I, t0, t1, scratch);
-                gemv_tiles(kind, (const char *)wu + off, su ? su + e * ib * db : NULL, I, D, xe + j0 * D, me,
-                           u + j0 * I, I, t0, t1, scratch);
+                const float *xj = (const float *)xe + j0 * D;
+                gemv_tiles(kind, (const char *)wg + off, sg ? sg + e * ib * db : NULL, I, D, xj, me, g + j0 * I, I,
+                           t0, t1, scratch);
+                gemv_tiles(kind, (const char *)wu + off, su ? su + e * ib * db : NULL, I, D, xj, me, u + j0 * I, I,
+                           t0, t1, scratch);
             }
             for (int64_t j = j0; j < j0 + me; j++)
                 for (int64_t n = i0; n < i1; n++) g[j * I + n] = silu(g[j * I + n]) * u[j * I + n] * gates[pair[j]];
@@ -659,7 +660,7 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const fl
     }
     store(out, okind, acc, M * D, accumulate);
     if (xf != x) free(xf);
-    free(acc), free(xe), free(xe16), free(g), free(u), free(ye), free(start), free(pair);
+    free(acc), free(xe), free(g), free(u), free(ye), free(start), free(pair);
     return 0;
 }
 
@@ -1010,6 +1011,26 @@ static inline void att_prefetch_row(const char *row, size_t bytes) {
     _mm_prefetch(row + bytes - 1, _MM_HINT_T0);
 }
 
+/* The tile ATT_PF tiles after the one at key s0 (kv_t, pe_t; S keys in all, es bytes a value): the cache
+ * streams from L3 or memory, so fetch it ahead of the work. */
+static inline void att_prefetch_ahead(const char *kv_t, size_t kv_row, const char *pe_t, size_t pe_row, int64_t r,
+                                      int64_t p, size_t es, int64_t s0, int64_t S) {
+    for (int64_t j = 0; j < ATT_TILE && s0 + ATT_PF * ATT_TILE + j < S; j++) {
+        att_prefetch_row(kv_t + (ATT_PF * ATT_TILE + j) * kv_row, (size_t)r * es);
+        att_prefetch_row(pe_t + (ATT_PF * ATT_TILE + j) * pe_row, (size_t)p * es);
+    }
+}
+
+/* Query m's output: out[b, t, h * v:(h + 1) * v] = W_UV[h] o / sum, o [r] in channel order (scaled in place). */
+static void att_output(const AttArgs *a, int64_t b, int64_t m, float *o, float sum) {
+    const int64_t t = m / a->H, h = m % a->H, r = a->r;
+    const float inv = 1.0f / sum;
+    for (int64_t k = 0; k < r; k++) o[k] *= inv;
+    for (int64_t c = 0; c < a->v; c++)
+        blk_store(a->out, (int)a->akind, ((b * a->T + t) * a->H + h) * a->v + c,
+                  blk_dot(a->w_uv, (int)a->wkind, h * a->uv_hstride + c * a->uv_rstride, o, r));
+}
+
 /* One task: queries [m0, m0 + mb) of batch row b (mb <= ATT_GROUP), in groups of ATT_QUERIES, over the
  * whole cache one tile at a time. buf: ATT_FLOATS(r, p) floats, the query part zeroed.
  * KIND (the cache's dtype) is a constant after inlining. */
@@ -1035,11 +1056,7 @@ static inline __attribute__((always_inline)) void att_task(int kind, const AttAr
     for (int64_t s0 = 0; s0 < S; s0 += ATT_TILE) {
         const int64_t n = S - s0 < ATT_TILE ? S - s0 : ATT_TILE;
         const char *kv_t = kv_b + s0 * kv_row, *pe_t = pe_b + s0 * pe_row;
-        if (s0 + ATT_PF * ATT_TILE < S) /* the cache streams from L3 or memory: fetch ahead of the work */
-            for (int64_t j = 0; j < ATT_TILE && s0 + ATT_PF * ATT_TILE + j < S; j++) {
-                att_prefetch_row(kv_t + (ATT_PF * ATT_TILE + j) * kv_row, (size_t)r * es);
-                att_prefetch_row(pe_t + (ATT_PF * ATT_TILE + j) * pe_row, (size_t)p * es);
-            }
+        att_prefetch_ahead(kv_t, kv_row, pe_t, pe_row, r, p, es, s0, S);
         for (int64_t g = 0; g < quads; g++) {
             const int64_t i0 = g * ATT_QUERIES;
             float *scg = sc + i0 * ATT_TILE;
@@ -1057,22 +1074,15 @@ static inline __attribute__((always_inline)) void att_task(int kind, const AttAr
             att_values(kind, o_lat + i0 * r, scg, kv_t, kv_row, n, r);
         }
     }
-    for (int i = 0; i < mb; i++) { /* W_UV[h] o_lat / sum, into this head's slice of the output */
-        const int64_t m = m0 + i, t = m / a->H, h = m % a->H;
-        const float inv = 1.0f / sum[i];
+    for (int i = 0; i < mb; i++) {
         float *o = o_lat + i * r;
         if (kind == A_BF16) deinterleave(o, r, row), memcpy(o, row, (size_t)r * sizeof(float));
-        for (int64_t k = 0; k < r; k++) o[k] *= inv;
-        for (int64_t c = 0; c < a->v; c++)
-            blk_store(a->out, (int)a->akind, ((b * a->T + t) * a->H + h) * a->v + c,
-                      blk_dot(a->w_uv, (int)a->wkind, h * a->uv_hstride + c * a->uv_rstride, o, r));
+        att_output(a, b, m0 + i, o, sum[i]);
     }
 }
 
 /* ---- The attention over a bf16 cache with AVX512-BF16 dot products ------------------------------------
- * VDPBF16PS (AMD Zen 4 on, Intel Cooper Lake and Sapphire Rapids on) adds 32 bf16 products into 16 fp32 sums
- * in one instruction, four times the products of an AVX2 FMA, with no conversion of the cache. A bf16
- * model's attention over a bf16 cache (the one att_task above computes in fp32 FMAs and which is FMA-bound
+ * (VDPBF16PS: see the GEMV's dot products above.) A bf16 model's attention over a bf16 cache (the one att_task above computes in fp32 FMAs and which is FMA-bound
  * at long contexts) then takes its queries and its softmax weights rounded to bf16, which is where the
  * module path rounds them too (its q_lat and probs are bf16 tensors): every product exact, every sum fp32.
  * The tiles, the online softmax, the prefetches and W_UV are att_task's. A query's arithmetic does not
@@ -1187,11 +1197,7 @@ static DP_TARGET void dp_task(const AttArgs *a, int64_t b, int64_t m0, int mb) {
     for (int64_t s0 = 0; s0 < S; s0 += ATT_TILE) {
         const int64_t n = S - s0 < ATT_TILE ? S - s0 : ATT_TILE;
         const char *kv_t = kv_b + s0 * kv_row, *pe_t = pe_b + s0 * pe_row;
-        if (s0 + ATT_PF * ATT_TILE < S)
-            for (int64_t j = 0; j < ATT_TILE && s0 + ATT_PF * ATT_TILE + j < S; j++) {
-                att_prefetch_row(kv_t + (ATT_PF * ATT_TILE + j) * kv_row, (size_t)r * 2);
-                att_prefetch_row(pe_t + (ATT_PF * ATT_TILE + j) * pe_row, (size_t)p * 2);
-            }
+        att_prefetch_ahead(kv_t, kv_row, pe_t, pe_row, r, p, 2, s0, S);
         for (int64_t g = 0; g < quads; g++) {
             const int64_t i0 = g * ATT_QUERIES;
             dp_tile_scores(qb + i0 * w, w, wr, r, p, kv_t, kv_row, pe_t, pe_row, n, sc + i0 * ATT_TILE);
@@ -1209,14 +1215,9 @@ static DP_TARGET void dp_task(const AttArgs *a, int64_t b, int64_t m0, int mb) {
             dp_values(o + i0 * wr, wr, pp + i0 * (ATT_TILE / 2), kv_t, kv_row, n, r);
         }
     }
-    for (int i = 0; i < mb; i++) { /* W_UV[h] o_lat / sum, into this head's slice of the output */
-        const int64_t m = m0 + i, t = m / a->H, h = m % a->H;
-        const float inv = 1.0f / sum[i];
+    for (int i = 0; i < mb; i++) {
         dp_unpermute(o + i * wr, r, q32);
-        for (int64_t k = 0; k < r; k++) q32[k] *= inv;
-        for (int64_t c = 0; c < a->v; c++)
-            blk_store(a->out, (int)a->akind, ((b * a->T + t) * a->H + h) * a->v + c,
-                      blk_dot(a->w_uv, (int)a->wkind, h * a->uv_hstride + c * a->uv_rstride, q32, r));
+        att_output(a, b, m0 + i, q32, sum[i]);
     }
     free(qb), free(o);
 }
