@@ -61,3 +61,18 @@ def tokenizer():
     return tiny_tokenizer()
 
 
+@pytest.fixture(params=["fp32 FMAs", "bf16 dots"])
+def bf16_path(request):
+    """Both ways the decode kernels compute bf16 times bf16 (the GEMVs of bf16 activations by bf16 weights, the
+    attention over a bf16 cache): AVX2 FMAs in fp32, or AVX512-BF16 dot products where the CPU has them
+    (skipped elsewhere). Restores the process's setting after the test."""
+    from dsv3.model import decode_kernels as dk
+
+    on = dk.bf16_dots()
+    if request.param == "bf16 dots" and not on:
+        pytest.skip("the CPU lacks AVX512-BF16 (or the kernels are not built)")
+    dk.bf16_dots(request.param == "bf16 dots")
+    try:
+        yield request.param
+    finally:
+        dk.bf16_dots(on)

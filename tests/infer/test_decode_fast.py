@@ -84,23 +84,6 @@ def test_swiglu_experts_kernel_equals_reference(kind, rows):
 HAS_BF16_DOTS = dk.kernels_available() and dk.bf16_dots()
 
 
-@pytest.fixture(params=["fp32 FMAs", "bf16 dots"])
-def attention_path(request):
-    """Both ways the attention kernel computes over a bf16 cache for bf16 activations: fp32 FMAs, or AVX512-BF16
-    dot products (queries and softmax weights rounded to bf16) where the CPU has them."""
-    dots = request.param == "bf16 dots"
-    if dots and not HAS_BF16_DOTS:
-        pytest.skip("the CPU lacks AVX512-BF16 (or the kernels are not built)")
-    if not dk.kernels_available():
-        yield request.param
-        return
-    dk.bf16_dots(dots)
-    try:
-        yield request.param
-    finally:
-        dk.bf16_dots(HAS_BF16_DOTS)
-
-
 def bf16_dots_on(q: torch.Tensor, kv: torch.Tensor) -> bool:
     """Whether mla_decode takes the AVX512-BF16 path for these queries and this cache."""
     return q.dtype == kv.dtype == torch.bfloat16 and dk.bf16_dots()
@@ -110,7 +93,7 @@ def bf16_dots_on(q: torch.Tensor, kv: torch.Tensor) -> bool:
 @pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("T", [1, 2])
 @pytest.mark.parametrize("S", [37, 200])
-def test_mla_decode_kernel_equals_reference(cache_dtype, T, S, attention_path):
+def test_mla_decode_kernel_equals_reference(cache_dtype, T, S, bf16_path):
     """Within one tile of keys (37) and over several (200: the kernel's online softmax, with a whole
     tile masked for one row and the largest scores late, so the running max grows). The bf16 dot products
     against the reference with the queries rounded as they round them (against plain fp32 their error is
@@ -315,7 +298,7 @@ def ragged_logits(model, decoder, prompts, steps: int = 3, T: int = 1):
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8-fp32"])
 @pytest.mark.parametrize("T", [1, 2])
-def test_ragged_batches_and_the_mtp_layer_equal_the_module_path(precision, T, attention_path):
+def test_ragged_batches_and_the_mtp_layer_equal_the_module_path(precision, T, bf16_path):
     """Batch 3 with left padding, a hole in the mask, T = 1 and 2 (MTP verify), and the MTP layer's
     drafts: every mode of the fast path against the modules."""
     model = model_in(precision, against_modules=True)
@@ -566,7 +549,7 @@ def test_a_cache_without_the_mtp_layer(model):
 @needs_kernels
 @pytest.mark.parametrize("B, T", [(1, 1), (1, 2), (3, 2)])
 @pytest.mark.parametrize("q_dtype", [torch.float32, torch.bfloat16])
-def test_mla_decode_is_the_same_at_every_thread_count(B, T, q_dtype, attention_path):
+def test_mla_decode_is_the_same_at_every_thread_count(B, T, q_dtype, bf16_path):
     """The attention kernel groups 8 queries per task at one thread and 4 when that keeps a second thread
     busy; a query's arithmetic is the same in either grouping, so the outputs are equal bit for bit."""
     H, nope, r, p, v, S = 8, 16, 40, 8, 12, 150

@@ -72,20 +72,6 @@ def test_routed_experts_give_each_row_its_single_row_bits(kind):
         assert torch.equal(got[m:m + 1], dk.swiglu_experts(x[m:m + 1], idx[m:m + 1], gates[m:m + 1], experts)), m
 
 
-@pytest.fixture(params=["fp32 FMAs", "bf16 dots"])
-def bf16_path(request):
-    """Both ways bf16 weights meet bf16 activations: AVX2 FMAs in fp32, or AVX512-BF16 dot products where the
-    CPU has them."""
-    on = dk.bf16_dots()
-    if request.param == "bf16 dots" and not on:
-        pytest.skip("the CPU lacks AVX512-BF16")
-    dk.bf16_dots(request.param == "bf16 dots")
-    try:
-        yield request.param
-    finally:
-        dk.bf16_dots(on)
-
-
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
 def test_bf16_times_bf16_keeps_the_single_row_bits_on_either_path(shape, bf16_path):
     """Every row count 1..64 (the dot products' micro-tiles of 6 rows, every remainder) against the rows
