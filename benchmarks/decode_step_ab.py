@@ -41,7 +41,7 @@ from dsv3.model import Transformer
 # runs this file against an older revision's src, which may lack what they import.
 
 PHASES = ("norm", "q", "kv", "latent", "attention", "o", "route", "routed", "shared")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}  # fp8: FP8 resident weights
 REPO = Path(__file__).resolve().parent.parent
 WARM_UP = 5  # decode steps before the timed ones
 
@@ -51,8 +51,15 @@ def log(msg: str) -> None:
 
 
 def random_model(shape: str, dtype: str) -> Transformer:
+    """The shape with seeded random weights; for "fp8" a bf16 model whose projections and experts are
+    quantized to resident FP8 (128x128 blocks), as decode_speed.py loads an FP8 checkpoint."""
     torch.manual_seed(0)
-    return Transformer(preset(shape)).to(DTYPES[dtype]).eval()
+    model = Transformer(preset(shape)).to(DTYPES[dtype]).eval()
+    if dtype == "fp8":
+        from dsv3.infer.fp8_weights import to_fp8_weights
+
+        model = to_fp8_weights(model)
+    return model
 
 
 # ---- the worker: one side, one configuration -------------------------------------------------------------

@@ -15,8 +15,9 @@ pytestmark = pytest.mark.skipif(not dk.kernels_available(), reason=f"C kernels: 
 
 KINDS = ["fp32", "bf16", "fp8"]
 # (N, K): a partial tile and K below one vector; no 16-step; a scalar tail after an 8-step; FP8 blocks cut at
-# N and K with a 16-step, an 8-step and a scalar tail; a full FP8 block and a partial one in both.
-SHAPES = [(3, 7), (5, 8), (6, 27), (130, 203), (261, 264)]
+# N and K with a 16-step, an 8-step and a scalar tail; a full FP8 block and a partial one in both; FP8's
+# 32-column groups followed by a 16-column block, an 8-step and a scalar tail.
+SHAPES = [(3, 7), (5, 8), (6, 27), (130, 203), (261, 264), (67, 250)]
 
 
 def weight(kind: str, n: int, k: int, seed: int = 0) -> dk.Weight:

@@ -98,18 +98,19 @@ def test_linear_is_the_same_at_every_thread_count(kind, rows):
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 64])
 def test_fp8_reads_every_e4m3_code_exactly_even_with_denormals_flushed(rows):
-    """All 254 finite e4m3 codes, each picked out by a one-hot activation (in a 16-step, an 8-step and the
-    scalar tail; single-row and many-row kernels): the kernel's conversion is the dequantization bit for
+    """All 254 finite e4m3 codes, each picked out by a one-hot activation (at each of the four byte positions
+    of a 32-column group, in a last 16-column block, an 8-step and the scalar tail; single-row and many-row
+    kernels): the kernel's conversion is the dequantization bit for
     bit, subnormals included, also when the process flushes denormals (the kernel turns DAZ off while it
     runs, and restores it)."""
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     finite = codes[torch.isfinite(codes.float())]
-    K = 203
+    K = 219  # 6 groups of 32, a 16-column block, an 8-step, 3 columns of tail
     w = dk.Weight(finite[:, None].expand(-1, K).contiguous(), torch.full((2, 2), 0.25), torch.float32)
     if not torch.set_flush_denormal(True):
         pytest.skip("this CPU cannot flush denormals")
     try:
-        for col in (5, 130, 195, 201):
+        for col in (3, 5, 130, 132, 200, 211, 217):
             x = torch.zeros(rows, K)
             x[:, col] = 1.0
             got = dk.linear(x, w)
@@ -229,6 +230,6 @@ def test_step_benchmark_times_both_sides_at_each_batch_size():
         for side in ("baseline (HEAD)", "this tree"):
             assert r[side]["ms_per_step"] > 0 and 0 < r[side]["roofline_fraction"]
             assert r[side]["tokens_per_s"] == pytest.approx(1000 * r["batch"] / r[side]["ms_per_step"])
-    bad = subprocess.run([sys.executable, str(bench), "--dtypes", "fp8"], capture_output=True, text=True, timeout=300)
+    bad = subprocess.run([sys.executable, str(bench), "--dtypes", "int4"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stdout == ""
-    assert bad.stderr.strip().splitlines() == ["error: --dtypes: each one of fp32, bf16, got 'fp8'"]
+    assert bad.stderr.strip().splitlines() == ["error: --dtypes: each one of fp32, bf16, fp8, got 'int4'"]

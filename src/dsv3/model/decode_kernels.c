@@ -85,8 +85,9 @@ static void store(void *out, int okind, const float *y, int64_t n, int accumulat
  * FP8 conversion without F16C (whose vcvtph2ps is one per two cycles on AMD Zen 3: 4 weights per cycle at
  * best): an e4m3 byte at the top of a 32-bit lane (zeros below), shifted right arithmetically by 4 and masked
  * to sign, 4 exponent and 3 mantissa bits, is the fp32 number e4m3 value * 2^-120 exactly (e4m3 subnormals
- * become fp32 subnormals, so the kernel clears DAZ while it runs). Whole 16-column blocks get their bytes
- * there by one byte shuffle per 8 (fp8_to_top); a last group of 8 columns by sign extension and a left shift
+ * become fp32 subnormals, so the kernel clears DAZ while it runs). Whole 32-column groups shift two bytes per
+ * 16-bit word at once (fp8_group_block); a last 16-column block gets its bytes there by one byte shuffle per 8
+ * (fp8_to_top); a last group of 8 columns by sign extension and a left shift
  * by 20, which gives the same numbers at one more operation per 8 on the shift unit, the bottleneck of this
  * conversion on 128-bit-wide AMD Zen 1 (1.03-1.10x on one row, benchmarks/decode_kernels_speed.py). The activations carry the compensating 2^64 (with the block scale)
  * and the sums the remaining 2^56: powers of two, so no rounding beyond the scale multiply; a product only
@@ -154,6 +155,37 @@ static inline __attribute__((always_inline)) __m256i fp8_to_top(int first) {
                             z, z, z, b, z, z, z, (char)(b + 1), z, z, z, (char)(b + 2), z, z, z, (char)(b + 3));
 }
 
+/* Whole 32-column groups of FP8 weights convert two bytes per 16-bit word: one 32-byte load holds 8 dwords of
+ * 4 bytes (b3 at the top); an arithmetic shift of each 16-bit word by 4 puts b3 (high word) and b1 (low word)
+ * where fp8_top_to_f32 puts one byte, the mask keeps b3 as fp32, and the same masked after a 32-bit shift by
+ * 16 gives b1; shifting each word left by 8 first does the same for b2 and b0. 9 operations per 32 weights
+ * where the byte shuffle takes 12 (and two broadcasts): 1.03-1.27x on one row at one thread, where the FP8
+ * GEMV is bound by these operations, not memory (decode_kernels_speed.py --kinds fp8 --rows 1,2,16
+ * --baseline-rev); 0.93-0.98x at two rows, whose two passes each convert their half. The group's two
+ * 16-column blocks are (b3s, b1s) and (b2s, b0s), the order fp8_group_order gives the activations. */
+#define FP8_GROUP 32
+static inline __attribute__((always_inline)) void fp8_group_block(const uint8_t *group, int second, __m256 *w0,
+                                                                  __m256 *w1) {
+    __m256i v = _mm256_loadu_si256((const __m256i *)group);
+    if (second) v = _mm256_slli_epi16(v, 8);
+    const __m256i w = _mm256_srai_epi16(v, 4), mask = _mm256_set1_epi32((int)0x87F00000);
+    *w0 = _mm256_castsi256_ps(_mm256_and_si256(w, mask));
+    *w1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(w, 16), mask));
+}
+
+/* One of fp8_group_block's two vectors: half 0 (w0) or 1 (w1). */
+static inline __attribute__((always_inline)) __m256 fp8_group_half(const uint8_t *group, int second, int half) {
+    __m256 w0, w1;
+    fp8_group_block(group, second, &w0, &w1);
+    return half ? w1 : w0;
+}
+
+/* The natural column of position i (< 32) of a whole FP8 group in the kernel's order (fp8_group_block). */
+static inline int fp8_group_column(int i) {
+    static const int byte_of_vector[4] = {3, 1, 2, 0};
+    return 4 * (i % 8) + byte_of_vector[i / 8];
+}
+
 /* The 16 columns k..k+15 as two vectors of 8 in the GEMV's column order (see interleave): bf16 as its even
  * columns (each 32-bit pair shifted left by 16) and its odd ones (the pair with its low half masked off), two
  * operations for 16 weights where widening takes four; fp32 and FP8 as columns k..k+7 and k+8..k+15. */
@@ -205,7 +237,8 @@ static inline __attribute__((always_inline)) void tail(int kind, const void *con
  * (weight row, activation row), accumulator a takes the first vector of each 16-column block (wload16) and b
  * the second (a also a last group of 8 columns), then a + b is reduced by hsum4, then the columns past the
  * last multiple of 8 are added one by one (tail). For bf16 weights the two vectors are the block's even and
- * odd columns, so the activations come interleaved to match (interleave). */
+ * odd columns, so the activations come interleaved to match (interleave); for FP8 weights each whole 32-column
+ * group is two blocks of strided columns, and prescale orders the activations to match. */
 
 /* xi = x [M, K] with each whole 16-column block reordered as its 8 even columns then its 8 odd ones (the
  * order wload16 gives bf16 weights in); the columns past the last whole block as they are. */
@@ -236,6 +269,18 @@ static inline __attribute__((always_inline)) void tile1(int kind, const void *co
     const int es = kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0, w0, w1;
     int64_t k = 0;
+    if (kind == W_FP8) /* whole groups: their two blocks in turn, as the 16-column loop below would take them */
+        for (; k + FP8_GROUP <= K; k += FP8_GROUP) {
+            if (pf) prefetch(pf + k * NR, FP8_GROUP * NR);
+            for (int blk = 0; blk < 2; blk++) {
+                const int64_t kb = k + 16 * blk;
+                const __m256 x0 = _mm256_loadu_ps(x + kb), x1 = _mm256_loadu_ps(x + kb + 8);
+#define FP8_ROW(r, a, b)                                                                                 \
+    fp8_group_block((const uint8_t *)r + k, blk, &w0, &w1), a = _mm256_fmadd_ps(w0, x0, a), b = _mm256_fmadd_ps(w1, x1, b)
+                FP8_ROW(r0, a0, b0), FP8_ROW(r1, a1, b1), FP8_ROW(r2, a2, b2), FP8_ROW(r3, a3, b3);
+#undef FP8_ROW
+            }
+        }
     for (; k + 16 <= K; k += 16) {
         if (pf) prefetch(pf + k * NR * es, 16 * NR * es);
         const __m256 x0 = _mm256_loadu_ps(x + k), x1 = _mm256_loadu_ps(x + k + 8);
@@ -282,7 +327,17 @@ static inline __attribute__((always_inline)) void halfc(int kind, int C, const v
     } while (0)
 #define BLOCK_HALF(r) wload16_half(kind, r, k - off, (int)half)
 #define LAST_EIGHT(r) wload8(kind, r, k)
+#define GROUP_FIRST(r) fp8_group_half((const uint8_t *)(r) + k - off, 0, (int)half)
+#define GROUP_SECOND(r) fp8_group_half((const uint8_t *)(r) + k - off - 16, 1, (int)half)
     int64_t k = off;
+    if (kind == W_FP8) /* whole groups: their two blocks in turn */
+        for (const int64_t groups = K / FP8_GROUP * FP8_GROUP; k - off < groups; k += 16) {
+            if (pf) prefetch(pf + (k >> 4) * pfs, pfs);
+            HALFC_COLUMNS(GROUP_FIRST);
+            k += 16;
+            if (pf) prefetch(pf + (k >> 4) * pfs, pfs);
+            HALFC_COLUMNS(GROUP_SECOND);
+        }
     for (; k < whole; k += 16) {
         if (pf) prefetch(pf + (k >> 4) * pfs, pfs);
         HALFC_COLUMNS(BLOCK_HALF);
@@ -294,6 +349,8 @@ static inline __attribute__((always_inline)) void halfc(int kind, int C, const v
 #undef HALFC_COLUMNS
 #undef BLOCK_HALF
 #undef LAST_EIGHT
+#undef GROUP_FIRST
+#undef GROUP_SECOND
     acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3, acc[4] = b0, acc[5] = b1, acc[6] = b2, acc[7] = b3;
     acc[8] = c0, acc[9] = c1, acc[10] = c2, acc[11] = c3;
 }
@@ -348,17 +405,41 @@ static void to_panel(int kind, const void *const *rows, int64_t K, float *panel,
                 _mm256_storeu_ps(panel + r * K + k + 8, w1);
             }
             for (; k + 8 <= K; k += 8) _mm256_storeu_ps(panel + r * K + k, wload8(W_BF16, rows[r], k));
-        } else
+        } else {
+            for (; k + FP8_GROUP <= K; k += FP8_GROUP)
+                for (int blk = 0; blk < 2; blk++) {
+                    if (pf) prefetch(pf + (r * K + k) * es, FP8_GROUP);
+                    __m256 w0, w1;
+                    fp8_group_block((const uint8_t *)rows[r] + k, blk, &w0, &w1);
+                    _mm256_storeu_ps(panel + r * K + k + 16 * blk, w0);
+                    _mm256_storeu_ps(panel + r * K + k + 16 * blk + 8, w1);
+                }
             for (; k + 8 <= K; k += 8) {
                 if (pf) prefetch(pf + (r * K + k) * es, 8);
                 _mm256_storeu_ps(panel + r * K + k, wload8(W_FP8, rows[r], k));
             }
+        }
         for (; k < K; k++) panel[r * K + k] = wload1(kind, rows[r], k);
     }
 }
 
+/* xo = x [M, K] with each whole 32-column group in the order its FP8 weights convert in (fp8_group_column);
+ * the columns past the last whole group as they are. Once per call: the row blocks' scales then multiply
+ * contiguous runs (prescale). */
+static void fp8_group_order(const float *x, int64_t M, int64_t K, float *xo) {
+    const int64_t groups = K / FP8_GROUP * FP8_GROUP;
+    for (int64_t m = 0; m < M; m++) {
+        const float *src = x + m * K;
+        float *dst = xo + m * K;
+        int64_t k = 0;
+        for (; k < groups; k += FP8_GROUP)
+            for (int i = 0; i < FP8_GROUP; i++) dst[k + i] = src[k + fp8_group_column(i)];
+        for (; k < K; k++) dst[k] = src[k];
+    }
+}
+
 /* xs[m, k] = x[m, k] * scale_row[k / 128] * FP8_X_SHIFT: a 128-row block's FP8 scales (times 256) on the
- * activations. */
+ * activations (in fp8_group_order: a group lies in one 128-column block). */
 static void prescale(const float *x, const float *scale_row, int64_t M, int64_t K, float *xs) {
     for (int64_t m = 0; m < M; m++)
         for (int64_t k0 = 0; k0 < K; k0 += FP8_BLOCK) {
@@ -368,10 +449,10 @@ static void prescale(const float *x, const float *scale_row, int64_t M, int64_t 
         }
 }
 
-/* Floats of per-thread scratch gemv_tiles needs: the prescaled (FP8) or interleaved (bf16) activations and a
- * tile's panel. */
+/* Floats of per-thread scratch gemv_tiles needs: the interleaved (bf16) or group-ordered and prescaled (FP8)
+ * activations and a tile's panel. */
 static size_t scratch_floats(int kind, int64_t M, int64_t K) {
-    return (size_t)((kind != W_F32 ? M * K : 0) + (converts_to_panel(kind, M) ? NR * K : 0) + 1);
+    return (size_t)((kind != W_F32 ? M * K : 0) + (kind == W_FP8 ? M * K : 0) + (converts_to_panel(kind, M) ? NR * K : 0) + 1);
 }
 
 /* How many of the rem activation rows left the next micro-tile takes: 3, or the 1 or 2 left at the end (tile1,
@@ -385,10 +466,13 @@ static int group_rows(int64_t rem) { return rem < 3 ? (int)rem : 3; }
  * on, bf16/FP8 weights are converted once per tile into an fp32 panel (exact); below that, converting in
  * registers once per micro-tile measured as fast as storing and reloading a panel. With many
  * rows a tile is compute work long after its bytes arrived, so the prefetch of the next tile is spread over
- * all its passes (not issued in one burst, which leaves memory idle for the rest of the tile). */
+ * all its passes (not issued in one burst, which leaves memory idle for the rest of the tile).
+ * A run of small matrices (the experts of a step, in turn) reads each one's start cold unless the run is one
+ * stream: the call fetches its own first bytes on entry, and prefetches that would pass the end of its rows go
+ * on at ``next`` (where this thread reads after the call), or nowhere useful past the end when it is NULL. */
 static void gemv_tiles(int kind, const void *w, const float *scale, int64_t N, int64_t K, const float *x, int64_t M,
-                       float *y, int64_t ldy, int64_t t0, int64_t t1, float *scratch) {
-    if (M <= 0) return;
+                       float *y, int64_t ldy, int64_t t0, int64_t t1, float *scratch, const char *next) {
+    if (M <= 0 || t1 <= t0) return;
     const size_t row_bytes = (size_t)K * elem_size(kind);
     const int64_t kblocks = (K + FP8_BLOCK - 1) / FP8_BLOCK;
     const int panel = converts_to_panel(kind, M);
@@ -400,13 +484,18 @@ static void gemv_tiles(int kind, const void *w, const float *scale, int64_t N, i
     const float y_shift = kind == W_FP8 ? FP8_Y_SHIFT : 1.0f;
     const unsigned int csr = _mm_getcsr();
     if (kind == W_FP8) _mm_setcsr(csr & ~0x0040u); /* DAZ off: subnormal e4m3 weights are fp32 subnormals */
-    float *xs = scratch, *pan = scratch + (kind != W_F32 ? M * K : 0);
+    const char *end = (const char *)w + (size_t)(t1 * NR < N ? t1 * NR : N) * row_bytes; /* of this call's rows */
+    const char *first = (const char *)w + (size_t)(t0 * NR) * row_bytes;
+    prefetch(first, (int)((size_t)(end - first) < ahead ? (size_t)(end - first + 63) / 64 * 64 : ahead));
+    float *xs = scratch, *pan = scratch + (kind != W_F32 ? M * K : 0) + (kind == W_FP8 ? M * K : 0);
     int64_t scaled_block = -1;
     if (kind == W_BF16) interleave(x, M, K, xs), x = xs;
+    if (kind == W_FP8) fp8_group_order(x, M, K, xs + M * K), x = xs + M * K;
     for (int64_t t = t0; t < t1; t++) {
         const int64_t n = t * NR;
         const int nr = N - n < NR ? (int)(N - n) : NR;
         const char *pf = (const char *)w + n * row_bytes + ahead;
+        if (next && pf >= end) pf = next + (pf - end);
         const void *rows[NR];
         for (int r = 0; r < NR; r++) rows[r] = (const char *)w + (size_t)(n + (r < nr ? r : nr - 1)) * row_bytes;
         const float *xa = x;
@@ -553,13 +642,29 @@ int dsv3_bf16_dots(int want) { (void)want; return 0; }
 #define dp_gemv_tiles(w, N, K, x, M, y, ldy, t0, t1) ((void)0)
 #endif
 
-/* out [M, N] = x [M, K] @ W^T. Returns 0. */
-int dsv3_linear(const void *w, const float *scale, int kind, int64_t N, int64_t K, const void *x, int xkind,
-                int64_t M, void *out, int okind, int nthreads) {
+typedef struct { /* a bias-free linear layer, [n, k] */
+    const void *w;
+    const float *scale; /* FP8 block scales x 256, or NULL */
+    int64_t kind, n, k;
+} BlkLinear;
+
+/* Whether a linear of N x K runs in parallel: below this the threads' start-up costs more than they save. */
+static int linear_threads(int64_t N, int64_t K, int nthreads) { return N * K > 32768 ? nthreads : 1; }
+
+/* Where thread t's rows of l start when l runs next (NULL: l is NULL, or t has no rows there). */
+static const char *share_of(const BlkLinear *l, int t, int nthreads) {
+    const int T = l ? linear_threads(l->n, l->k, nthreads) : 0;
+    if (t >= T) return NULL;
+    return (const char *)l->w + (size_t)(tiles_of(l->n) * t / T * NR) * (size_t)l->k * elem_size((int)l->kind);
+}
+
+/* out [M, N] = x [M, K] @ W^T, prefetching on into ``then`` (the linear read next) as the rows run out. */
+static void linear(const void *w, const float *scale, int kind, int64_t N, int64_t K, const void *x, int xkind,
+                   int64_t M, void *out, int okind, int nthreads, const BlkLinear *then) {
     const int dots = USE_DOT_GEMV(kind, xkind);
     float *xf = xkind == A_F32 || dots ? (float *)x : to_f32(x, xkind, M * K);
     float *y = okind == A_F32 ? (float *)out : (float *)malloc((size_t)(M * N > 0 ? M * N : 1) * sizeof(float));
-#pragma omp parallel num_threads(nthreads) if (N * K > 32768)
+#pragma omp parallel num_threads(linear_threads(N, K, nthreads))
     {
         int64_t t0, t1;
         my_tiles(tiles_of(N), &t0, &t1);
@@ -567,12 +672,18 @@ int dsv3_linear(const void *w, const float *scale, int kind, int64_t N, int64_t 
             dp_gemv_tiles((const uint16_t *)w, N, K, (const uint16_t *)x, M, y, N, t0, t1);
         } else {
             float *scratch = (float *)malloc(scratch_floats(kind, M, K) * sizeof(float));
-            gemv_tiles(kind, w, scale, N, K, xf, M, y, N, t0, t1, scratch);
+            gemv_tiles(kind, w, scale, N, K, xf, M, y, N, t0, t1, scratch, share_of(then, omp_get_thread_num(), nthreads));
             free(scratch);
         }
     }
     if (y != out) store(out, okind, y, M * N, 0), free(y);
     if (xf != x) free(xf);
+}
+
+/* out [M, N] = x [M, K] @ W^T. Returns 0. */
+int dsv3_linear(const void *w, const float *scale, int kind, int64_t N, int64_t K, const void *x, int xkind,
+                int64_t M, void *out, int okind, int nthreads) {
+    linear(w, scale, kind, N, K, x, xkind, M, out, okind, nthreads, NULL);
     return 0;
 }
 
@@ -621,16 +732,26 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const fl
         memcpy(xe + (size_t)(j * D) * xes, (const char *)xf + (size_t)((pair[j] / topk) * D) * xes, (size_t)D * xes);
     const size_t es = elem_size(kind);
     const int64_t ib = (I + FP8_BLOCK - 1) / FP8_BLOCK, db = (D + FP8_BLOCK - 1) / FP8_BLOCK;
+    int64_t *order = (int64_t *)malloc((size_t)(E + 1) * sizeof(int64_t)), R = 0; /* the experts routed to */
+    for (int64_t e = 0; e < E; e++)
+        if (start[e + 1] > start[e]) order[R++] = e;
 #pragma omp parallel num_threads(nthreads)
     {
         float *scratch = (float *)malloc(scratch_floats(kind, most, I > D ? I : D) * sizeof(float));
-        int64_t t0, t1;
+        int64_t t0, t1, d_t0, d_t1;
         my_tiles(tiles_of(I), &t0, &t1);
+        my_tiles(tiles_of(D), &d_t0, &d_t1);
         const int64_t i0 = t0 * NR, i1 = t1 * NR < I ? t1 * NR : I;
-        for (int64_t e = 0; e < E; e++) {
-            const int64_t j0 = start[e], me = start[e + 1] - j0;
-            if (!me) continue;
+        /* where this thread's share of expert e's gate (or up) and down matrices start: the stream goes
+         * gate, up, next expert's gate, ..., then every down in turn */
+        const size_t gate_share = (size_t)(t0 * NR * D) * es, down_share = (size_t)(d_t0 * NR * I) * es;
+#define GATE_AT(e) ((const char *)wg + (size_t)(e) * I * D * es + gate_share)
+#define UP_AT(e) ((const char *)wu + (size_t)(e) * I * D * es + gate_share)
+#define DOWN_AT(e) ((const char *)wd + (size_t)(e) * D * I * es + down_share)
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t e = order[r], j0 = start[e], me = start[e + 1] - j0;
             const size_t off = (size_t)e * I * D * es;
+            const char *after_up = r + 1 < R ? GATE_AT(order[r + 1]) : DOWN_AT(order[0]);
             if (dots) {
                 const uint16_t *xj = (const uint16_t *)xe + j0 * D;
                 dp_gemv_tiles((const uint16_t *)((const char *)wg + off), I, D, xj, me, g + j0 * I, I, t0, t1);
@@ -638,26 +759,28 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const fl
             } else {
                 const float *xj = (const float *)xe + j0 * D;
                 gemv_tiles(kind, (const char *)wg + off, sg ? sg + e * ib * db : NULL, I, D, xj, me, g + j0 * I, I,
-                           t0, t1, scratch);
+                           t0, t1, scratch, UP_AT(e));
                 gemv_tiles(kind, (const char *)wu + off, su ? su + e * ib * db : NULL, I, D, xj, me, u + j0 * I, I,
-                           t0, t1, scratch);
+                           t0, t1, scratch, after_up);
             }
             for (int64_t j = j0; j < j0 + me; j++)
                 for (int64_t n = i0; n < i1; n++) g[j * I + n] = silu(g[j * I + n]) * u[j * I + n] * gates[pair[j]];
         }
 #pragma omp barrier
-        my_tiles(tiles_of(D), &t0, &t1);
-        const int64_t d0 = t0 * NR, d1 = t1 * NR < D ? t1 * NR : D;
-        for (int64_t e = 0; e < E; e++) {
-            const int64_t j0 = start[e], me = start[e + 1] - j0;
-            if (!me) continue;
+        const int64_t d0 = d_t0 * NR, d1 = d_t1 * NR < D ? d_t1 * NR : D;
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t e = order[r], j0 = start[e], me = start[e + 1] - j0;
             gemv_tiles(kind, (const char *)wd + (size_t)e * D * I * es, sd ? sd + e * db * ib : NULL, D, I, g + j0 * I,
-                       me, ye + j0 * D, D, t0, t1, scratch);
+                       me, ye + j0 * D, D, d_t0, d_t1, scratch, r + 1 < R ? DOWN_AT(order[r + 1]) : NULL);
             for (int64_t j = j0; j < j0 + me; j++)
                 for (int64_t n = d0; n < d1; n++) acc[(pair[j] / topk) * D + n] += ye[j * D + n];
         }
+#undef GATE_AT
+#undef UP_AT
+#undef DOWN_AT
         free(scratch);
     }
+    free(order);
     store(out, okind, acc, M * D, accumulate);
     if (xf != x) free(xf);
     free(acc), free(xe), free(g), free(u), free(ye), free(start), free(pair);
@@ -704,7 +827,7 @@ int dsv3_route(const float *gate, const float *bias, int64_t E, int64_t D, const
     float *scores = (float *)malloc((size_t)(M * E) * sizeof(float));
     float *scratch = (float *)malloc(scratch_floats(W_F32, M, D) * sizeof(float));
     (void)nthreads; /* E x D is small: one thread */
-    gemv_tiles(W_F32, gate, NULL, E, D, xf, M, scores, E, 0, tiles_of(E), scratch);
+    gemv_tiles(W_F32, gate, NULL, E, D, xf, M, scores, E, 0, tiles_of(E), scratch, NULL);
     free(scratch);
     float *choice = (float *)malloc((size_t)E * sizeof(float));
     float *group = (float *)malloc((size_t)(n_group > 0 ? n_group : 1) * sizeof(float));
@@ -1295,11 +1418,6 @@ int dsv3_mla_decode(const void *q, int akind, const float *cos, const float *sin
  * RoPE of the shared key, the latent cache write and the residual adds. The helpers here are the block's
  * own (prefixed blk_) so that the GEMV code above can change freely. */
 
-typedef struct { /* a bias-free linear layer, [n, k] */
-    const void *w;
-    const float *scale; /* FP8 block scales x 256, or NULL */
-    int64_t kind, n, k;
-} BlkLinear;
 
 typedef struct { /* stacked SwiGLU experts: gate, up [E, inter, dim], down [E, dim, inter] */
     const void *gate, *up, *down;
@@ -1402,8 +1520,10 @@ static void blk_add(void *x, const void *y, int kind, int64_t n) {
     for (int64_t i = 0; i < n; i++) blk_store(x, kind, i, blk_load(x, kind, i) + blk_load(y, kind, i));
 }
 
-static void blk_linear(const BlkLinear *l, const void *x, int akind, int64_t M, void *out, int nthreads) {
-    dsv3_linear(l->w, l->scale, (int)l->kind, l->n, l->k, x, akind, M, out, akind, nthreads);
+/* The block's linear l, prefetching on into ``then`` (the one it reads next, or NULL). */
+static void blk_linear(const BlkLinear *l, const void *x, int akind, int64_t M, void *out, int nthreads,
+                       const BlkLinear *then) {
+    linear(l->w, l->scale, (int)l->kind, l->n, l->k, x, akind, M, out, akind, nthreads, then);
 }
 
 static void blk_experts(const BlkExperts *e, const void *x, int akind, int64_t M, const int64_t *idx,
@@ -1509,15 +1629,15 @@ static void decode_block(const BlkDesc *d, const BlkStep *s, void *x) {
     PROF(PH_NORM);
     if (d->q_a.w) {
         char *qa = (char *)malloc((size_t)(M * d->q_a.n + 1) * es);
-        blk_linear(&d->q_a, h, ak, M, qa, nt);
+        blk_linear(&d->q_a, h, ak, M, qa, nt, &d->q_b);
         blk_rms_norm(qa, d->q_a.n, d->q_norm, d->q_eps, ak, M, d->q_a.n, qa, d->q_a.n);
-        blk_linear(&d->q_b, qa, ak, M, q, nt);
+        blk_linear(&d->q_b, qa, ak, M, q, nt, &d->kv_a);
         free(qa);
     } else {
-        blk_linear(&d->q_b, h, ak, M, q, nt);
+        blk_linear(&d->q_b, h, ak, M, q, nt, &d->kv_a);
     }
     PROF(PH_Q);
-    blk_linear(&d->kv_a, h, ak, M, kv, nt);
+    blk_linear(&d->kv_a, h, ak, M, kv, nt, NULL);
     PROF(PH_KV);
     blk_write_latents(d, s, kv);
     PROF(PH_LATENT);
@@ -1529,7 +1649,7 @@ static void decode_block(const BlkDesc *d, const BlkStep *s, void *x) {
                     H, S, d->nope, d->rope, d->kv_rank, d->v_dim, s->kv_bstride, s->kv_sstride, s->pe_bstride,
                     s->pe_sstride, s->bias, s->bias_bstride, d->softmax_scale, att, nt);
     PROF(PH_ATT);
-    blk_linear(&d->o, att, ak, M, y, nt);
+    blk_linear(&d->o, att, ak, M, y, nt, NULL);
     PROF(PH_O);
     blk_add(x, y, ak, M * D);
     blk_rms_norm(x, D, d->post_norm, d->post_eps, ak, M, D, h, D);
@@ -1575,7 +1695,7 @@ int dsv3_decode_step(const StepDesc *m, const BlkStep *s, const int64_t *ids, vo
     for (int64_t i = 0; i < M; i++) memcpy(x + (size_t)i * row, (const char *)m->embed + (size_t)ids[i] * row, row);
     for (int64_t b = 0; b < m->n_blocks; b++) decode_block(m->blocks[b], step, x);
     blk_rms_norm(x, D, m->norm, m->norm_eps, ak, M, D, h, D);
-    blk_linear(&m->head, h, ak, M, logits, (int)s->nthreads);
+    blk_linear(&m->head, h, ak, M, logits, (int)s->nthreads, NULL);
     free(x), free(rope_rows);
     return 0;
 }
