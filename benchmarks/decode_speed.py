@@ -406,8 +406,8 @@ def mtp_section(folder, cfg, args, bandwidth) -> dict:
     log(f"MTP step / plain step: {cost:.2f}")
     return {"context": 256, "threads": max(args.threads), "plain_ms_per_step": 1000 * secs["plain"],
             "mtp_ms_per_step": 1000 * secs["mtp"], "step_cost_ratio": cost,
-            "speedup_at_acceptance": {a: (1 + a) / cost for a in (0.7, 0.8, 0.9)},
-            "byte_bound": {a: mtp_byte_bound(model, a) for a in (0.7, 0.8, 0.9)}}
+            "speedup_at_acceptance": {str(a): (1 + a) / cost for a in (0.7, 0.8, 0.9)},
+            "byte_bound": {str(a): mtp_byte_bound(model, a) for a in (0.7, 0.8, 0.9)}}
 
 
 def mtp_byte_bound(model: Transformer, acceptance: float, draft_vocab: int | None = None) -> dict:
@@ -521,7 +521,7 @@ def report(result: dict) -> str:
                      f"(bytes allow {row['bound_over_1']:.2f}x, bytes and multiply-adds "
                      f"{row['compute_bound_over_1']:.2f}x)")
     if "mtp" in result:
-        bound = result["mtp"]["byte_bound"][0.7]
+        bound = result["mtp"]["byte_bound"]["0.7"]
         lines.append(f"MTP step costs {result['mtp']['step_cost_ratio']:.2f} plain steps (its bytes: "
                      f"{bound['step_bytes_ratio']:.2f}; at 70% acceptance at most {bound['speedup']:.2f}x)")
     for row in result.get("overhead", []):

@@ -100,8 +100,8 @@ def main() -> None:
         row = {"variant": name, "ms_per_step": 1000 * step[name], "step_cost_ratio": step[name] / step["plain"],
                "acceptance_rate": s.acceptance_rate, "tokens_per_step": s.tokens / s.main_forwards}
         if name.startswith("mtp"):
-            row["speedup_at_acceptance"] = {a: (1 + a) / row["step_cost_ratio"] for a in (0.7, 0.8, 0.9)}
-            row["byte_bound"] = {a: mtp_byte_bound(model, a, k) for a in (0.7, 0.8, 0.9)}
+            row["speedup_at_acceptance"] = {str(a): (1 + a) / row["step_cost_ratio"] for a in (0.7, 0.8, 0.9)}
+            row["byte_bound"] = {str(a): mtp_byte_bound(model, a, k) for a in (0.7, 0.8, 0.9)}
         rows.append(row)
     dtype_name = str(next(model.parameters()).dtype).replace("torch.", "")
     result = {"benchmark": "mtp_step_cost", "model": args.model or args.preset, "dtype": dtype_name,
@@ -112,8 +112,8 @@ def main() -> None:
     for r in rows:
         line = f"{r['variant']:24s} {r['ms_per_step']:7.2f} ms/step  {r['step_cost_ratio']:.2f} plain steps"
         if "byte_bound" in r:
-            b = r["byte_bound"][0.7]
-            line += (f"  -> {r['speedup_at_acceptance'][0.7]:.2f}x at 70% acceptance "
+            b = r["byte_bound"]["0.7"]
+            line += (f"  -> {r['speedup_at_acceptance']['0.7']:.2f}x at 70% acceptance "
                      f"(bytes: {b['step_bytes_ratio']:.2f} plain steps, at most {b['speedup']:.2f}x)")
         print(line)
 
