@@ -214,7 +214,7 @@ static inline __attribute__((always_inline)) __m256 wload16_half(int kind, const
     return half ? w1 : w0;
 }
 
-/* Prefetch the cache lines of [p, p + bytes) (bytes a multiple of 64, or under 64: one line). */
+/* Prefetch the cache lines of [p, p + bytes), p at a line's start (under 64 bytes: one line). */
 static inline __attribute__((always_inline)) void prefetch(const char *p, int bytes) {
     for (int b = 0; b < (bytes > 64 ? bytes : 64); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
@@ -238,7 +238,7 @@ static inline __attribute__((always_inline)) void tail(int kind, const void *con
  * the second (a also a last group of 8 columns), then a + b is reduced by hsum4, then the columns past the
  * last multiple of 8 are added one by one (tail). For bf16 weights the two vectors are the block's even and
  * odd columns, so the activations come interleaved to match (interleave); for FP8 weights each whole 32-column
- * group is two blocks of strided columns, and prescale orders the activations to match. */
+ * group is two blocks of strided columns, and fp8_group_order orders the activations to match. */
 
 /* xi = x [M, K] with each whole 16-column block reordered as its 8 even columns then its 8 odd ones (the
  * order wload16 gives bf16 weights in); the columns past the last whole block as they are. */
@@ -406,14 +406,15 @@ static void to_panel(int kind, const void *const *rows, int64_t K, float *panel,
             }
             for (; k + 8 <= K; k += 8) _mm256_storeu_ps(panel + r * K + k, wload8(W_BF16, rows[r], k));
         } else {
-            for (; k + FP8_GROUP <= K; k += FP8_GROUP)
+            for (; k + FP8_GROUP <= K; k += FP8_GROUP) {
+                if (pf) prefetch(pf + (r * K + k) * es, FP8_GROUP);
                 for (int blk = 0; blk < 2; blk++) {
-                    if (pf) prefetch(pf + (r * K + k) * es, FP8_GROUP);
                     __m256 w0, w1;
                     fp8_group_block((const uint8_t *)rows[r] + k, blk, &w0, &w1);
                     _mm256_storeu_ps(panel + r * K + k + 16 * blk, w0);
                     _mm256_storeu_ps(panel + r * K + k + 16 * blk + 8, w1);
                 }
+            }
             for (; k + 8 <= K; k += 8) {
                 if (pf) prefetch(pf + (r * K + k) * es, 8);
                 _mm256_storeu_ps(panel + r * K + k, wload8(W_FP8, rows[r], k));
@@ -486,7 +487,8 @@ static void gemv_tiles(int kind, const void *w, const float *scale, int64_t N, i
     if (kind == W_FP8) _mm_setcsr(csr & ~0x0040u); /* DAZ off: subnormal e4m3 weights are fp32 subnormals */
     const char *end = (const char *)w + (size_t)(t1 * NR < N ? t1 * NR : N) * row_bytes; /* of this call's rows */
     const char *first = (const char *)w + (size_t)(t0 * NR) * row_bytes;
-    prefetch(first, (int)((size_t)(end - first) < ahead ? (size_t)(end - first + 63) / 64 * 64 : ahead));
+    const size_t span = (size_t)(end - first);
+    prefetch(first, (int)(span < ahead ? span : ahead));
     float *xs = scratch, *pan = scratch + (kind != W_F32 ? M * K : 0) + (kind == W_FP8 ? M * K : 0);
     int64_t scaled_block = -1;
     if (kind == W_BF16) interleave(x, M, K, xs), x = xs;
@@ -523,10 +525,13 @@ static void gemv_tiles(int kind, const void *w, const float *scale, int64_t N, i
 }
 
 /* This thread's share [*t0, *t1) of ntiles tiles, inside a parallel region. */
+/* The first of thread t's tiles when T threads split ntiles. */
+static int64_t first_tile(int64_t ntiles, int64_t t, int64_t T) { return ntiles * t / T; }
+
 static void my_tiles(int64_t ntiles, int64_t *t0, int64_t *t1) {
     const int64_t T = omp_get_num_threads(), t = omp_get_thread_num();
-    *t0 = ntiles * t / T;
-    *t1 = ntiles * (t + 1) / T;
+    *t0 = first_tile(ntiles, t, T);
+    *t1 = first_tile(ntiles, t + 1, T);
 }
 
 static int64_t tiles_of(int64_t n) { return (n + NR - 1) / NR; }
@@ -655,7 +660,7 @@ static int linear_threads(int64_t N, int64_t K, int nthreads) { return N * K > 3
 static const char *share_of(const BlkLinear *l, int t, int nthreads) {
     const int T = l ? linear_threads(l->n, l->k, nthreads) : 0;
     if (t >= T) return NULL;
-    return (const char *)l->w + (size_t)(tiles_of(l->n) * t / T * NR) * (size_t)l->k * elem_size((int)l->kind);
+    return (const char *)l->w + (size_t)(first_tile(tiles_of(l->n), t, T) * NR) * (size_t)l->k * elem_size((int)l->kind);
 }
 
 /* out [M, N] = x [M, K] @ W^T, prefetching on into ``then`` (the linear read next) as the rows run out. */
