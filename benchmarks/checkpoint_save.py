@@ -39,8 +39,9 @@ def worker(layout_name: str, preset: str, repeats: int, root: Path) -> None:
     import torch.distributed as dist
 
     from dsv3.config import preset as model_preset
+    from dsv3.layout import Layout
     from dsv3.model.transformer import Transformer
-    from dsv3.parallel.layout import Layout, parallelize
+    from dsv3.parallel.parallelize import parallelize
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

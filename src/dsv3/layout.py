@@ -63,6 +63,11 @@ class Layout:
         return self.dp // self.ep
 
     @property
+    def node_size(self) -> int:
+        """Processes per node of the EP all-to-all (one without EP, whatever ``gpus_per_node`` says)."""
+        return self.gpus_per_node if self.ep > 1 else 1
+
+    @property
     def ep_combine(self) -> str:
         """The EP combine's wire format."""
         return self.combine or COMBINE_FOR_DISPATCH.get(self.dispatch, "bf16")
@@ -122,16 +127,17 @@ class Layout:
         if self.pp > 1:
             self._check_pipeline()
         if self.dp_shard != "none" and self.dp < 2:
-            where = f" each of the {self.pp} pipeline stages" if self.pp > 1 else ""
-            raise DSV3Error(
-                f"--dp-shard {self.dp_shard} shards{where} over its data-parallel processes, but there is one; "
-                f"start {2 * self.pp} or more with torchrun --nproc-per-node N -m dsv3 train ..."
-            )
-        if world_size is not None and self.world != world_size:
-            raise DSV3Error(f"the layout needs pp x dp = {self.world} processes, but {world_size} are running")
+            if self.pp > 1:
+                raise DSV3Error(f"--pp {self.pp} with --dp-shard {self.dp_shard} shards each stage over its "
+                                f"data-parallel replicas, but there is one; start a multiple of {self.pp} "
+                                f"processes, at least {2 * self.pp}")
+            raise DSV3Error(f"--dp-shard {self.dp_shard} shards over the data-parallel processes but only one is "
+                            "running; start several with torchrun --nproc-per-node N -m dsv3 train ...")
         if self.ep > 1:
             self._check_ep()
-        elif self.combine is not None and self.combine not in SIMULATED_COMBINE_FORMATS:
+        if world_size is not None and self.world != world_size:
+            raise DSV3Error(f"the layout needs pp x dp = {self.world} processes, but {world_size} are running")
+        if self.ep == 1 and self.combine is not None and self.combine not in SIMULATED_COMBINE_FORMATS:
             raise DSV3Error(f"--moe-output-format must be one of {', '.join(SIMULATED_COMBINE_FORMATS)}, "
                             f"got {self.combine!r}")
         return self
@@ -162,9 +168,7 @@ class Layout:
         """This layout moved onto ``world_size`` processes, keeping what still fits: the pipeline stages when
         they divide the world, then the largest ``ep`` (at most the saved one) that divides the replicas, the
         experts and is a whole number of nodes, and the sharding when there are replicas to shard over.
-        Itself when it already fits. For a resume on a world that cannot hold the saved layout."""
-        if self.world == world_size:
-            return self
+        For a resume on a world that cannot hold the saved layout."""
         pp = self.pp if world_size % self.pp == 0 else 1
         dp = world_size // pp
         ep = 1

@@ -12,8 +12,8 @@ import os
 import pytest
 
 from dsv3.errors import DSV3Error
-from dsv3.parallel.ep_subgroups import SubgroupLayout
-from dsv3.parallel.layout import Layout
+from dsv3.layout import Layout
+from dsv3.parallel.mesh import group_ranks
 from dsv3.testing.ep_subgroup_scenarios import SubgroupSpec, subgroup_trains_worker
 from dsv3.testing.launch import launch
 
@@ -27,6 +27,7 @@ def runs():
 
 def check_matches_single_process(run: dict, experts_per_rank: int) -> None:
     assert run["is_subgroup"] and run["experts_here"] == [experts_per_rank] * 2  # layer 1 and the MTP layer
+    assert run["ep_ranks"] == [0, 1] and run["replica_ranks"] == [0, 2]  # rank 0's groups, from the mesh
     assert len(run["losses"]) == 5
     for ep, single in zip(run["losses"], run["single_losses"], strict=True):
         assert abs(ep - single) <= 1e-5 * abs(single)
@@ -53,14 +54,11 @@ def test_dp8_ep4_trains_like_one_process():
 
 
 def test_groups_are_consecutive_blocks_and_strided_replicas():
-    layout = SubgroupLayout(dp=8, ep=4, gpus_per_node=2)
-    assert [layout.ep_ranks(b) for b in range(layout.replicas)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
-    assert [layout.replica_ranks(s) for s in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert layout.block_of(6) == 1 and layout.shard_of(6) == 2
-    with pytest.raises(DSV3Error, match="--ep 3 must divide the number of data-parallel processes"):
-        SubgroupLayout(dp=8, ep=3, gpus_per_node=1)
-    with pytest.raises(DSV3Error, match="cannot be split into nodes of 4"):
-        SubgroupLayout(dp=8, ep=2, gpus_per_node=4)
+    layout = Layout(dp=8, ep=4, gpus_per_node=2)
+    assert group_ranks(layout, "ep") == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert group_ranks(layout, "ep_replicate") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert group_ranks(layout, "gpu") == [[0, 1], [2, 3], [4, 5], [6, 7]]  # the intra-node hop: one node
+    assert group_ranks(layout, "node") == [[0, 2], [1, 3], [4, 6], [5, 7]]  # the inter-node hop: one rail
 
 
 def test_layout_accepts_ep_dividing_dp_and_refuses_the_rest():

@@ -1,6 +1,6 @@
 """`parallelize(model, layout)` in one process: the all-ones layout trains exactly like the bare model (the
 trainer's only path), a simulated combine format reaches the local dispatchers, the layouts that do not
-exist yet are refused with one clear error.
+cannot run are refused with one clear error.
 (DDP and EP layouts run on gloo processes in tests/train and tests/parallel/test_ep_training.py.)"""
 
 import copy
@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from dsv3.errors import DSV3Error
+from dsv3.layout import Layout
 from dsv3.model import LocalDispatcher, Transformer
-from dsv3.parallel.layout import Layout, Parallelized, parallelize
+from dsv3.parallel.parallelize import Parallelized, parallelize
 from dsv3.testing.ep_scenarios import tiny_config
 
 
@@ -56,19 +57,20 @@ def test_a_combine_format_without_ep_is_simulated_by_the_local_dispatchers():
     ("layout", "message"),
     [
         (Layout(pp=2), "needs pp x dp = 2 processes, but 1 are running"),
-        (Layout(pp=2, ep=2), "--ep 2 must divide the 1 data-parallel replica(s) of each pipeline stage"),
+        (Layout(pp=2, ep=2), "--ep 2 must divide the number of data-parallel processes of each pipeline stage"),
         (Layout(pp=2, dp_shard="zero1"), "--dp-shard zero1 shards each stage over its data-parallel replicas"),
-        (Layout(pp=2, dp=2, dp_shard="fsdp"), "pipeline stages with FSDP are not implemented; use --dp-shard zero1"),
+        (Layout(pp=2, dp=2, dp_shard="fsdp"), "needs pp x dp = 4 processes, but 1 are running"),  # it exists
+        (Layout(tp=2), "tensor parallelism (tp=2) is modelled by `dsv3 plan` only"),
         (Layout(pp=2, schedule="gpipe"), "--pp-schedule must be one of"),
         (Layout(dp_shard="zero1"), "--dp-shard zero1 shards over the data-parallel processes but only one"),
-        (Layout(dp_shard="zero3"), "dp_shard must be one of none, zero1, fsdp"),
+        (Layout(dp_shard="zero3"), "--dp-shard must be one of none, zero1, fsdp"),
         (Layout(dp=4), "needs pp x dp = 4 processes, but 1 are running"),
         (Layout(ep=4), "--ep 4 must divide the number of data-parallel processes (1)"),
         (Layout(combine="fp4"), "--moe-output-format must be one of"),
         (Layout(ep=0), "ep must be at least 1"),
     ],
 )
-def test_layouts_that_do_not_exist_yet_are_refused(layout, message):
+def test_layouts_that_cannot_run_are_refused(layout, message):
     with pytest.raises(DSV3Error, match=message.replace("(", r"\(").replace(")", r"\)")):
         parallelize(tiny_model(), layout)
 
@@ -87,13 +89,14 @@ def test_ep_layout_checks_before_any_process_group_is_needed():
 def test_collective_layouts_give_every_rank_as_many_eval_windows():
     """EP and FSDP forwards are collectives: a rank without a window would hang the others (EP cut the list
     to ``max(world, ...)`` windows, which with fewer windows than ranks left some ranks none)."""
-    from types import SimpleNamespace
-
-    from dsv3.parallel.layout import ExpertParallelized, equal_share
+    from dsv3.parallel.parallelize import equal_share
 
     assert equal_share(list(range(9)), 4) == list(range(8))
     assert equal_share([0], 4) == [0, 0, 0, 0]
     assert equal_share([0, 1, 2], 4) == [0, 1, 2] * 4
     assert equal_share([], 4) == []
-    four_ranks = SimpleNamespace(world=4)
-    assert ExpertParallelized.windows_for_eval(four_ranks, [7]) == [7, 7, 7, 7]
+    ep = Parallelized.__new__(Parallelized)  # only the window rule: no process group needed
+    ep.world, ep.layout, ep.pipe = 4, Layout(dp=4, ep=4), None
+    assert ep.windows_for_eval([7]) == [7, 7, 7, 7]
+    ep.layout, ep.pipe = Layout(pp=2, dp=2, ep=2), object()  # a pipeline evaluates on the gathered model
+    assert ep.windows_for_eval([7]) == [7]

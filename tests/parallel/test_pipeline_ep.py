@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from dsv3.errors import DSV3Error
+from dsv3.layout import Layout
 from dsv3.model.transformer import Transformer
-from dsv3.parallel.layout import Layout
-from dsv3.parallel.pipeline_ep import ep_group_ranks, replica_group_ranks
+from dsv3.parallel.mesh import group_ranks
 from dsv3.testing.launch import launch
 from dsv3.testing.pipeline_scenarios import PipeSpec, pipeline_worker, single_process_run, spec_config
 
@@ -31,18 +31,23 @@ FP8 = len(IDS)
 
 def test_group_arithmetic_puts_ep_groups_inside_a_stage_s_replicas():
     layout = Layout(pp=2, dp=4, ep=2)  # stage-major: rank p * 4 + d is pipeline rank p of replica d
-    assert ep_group_ranks(layout, 0, 0) == [0, 1] and ep_group_ranks(layout, 0, 1) == [2, 3]
-    assert ep_group_ranks(layout, 1, 1) == [6, 7]  # consecutive: an EP group fills whole nodes
-    assert replica_group_ranks(layout, 0, 0) == [0, 2] and replica_group_ranks(layout, 1, 1) == [5, 7]
+    ep = group_ranks(layout, "ep")  # stage 0's groups, then stage 1's
+    assert ep[0] == [0, 1] and ep[1] == [2, 3]
+    assert ep[3] == [6, 7]  # consecutive: an EP group fills whole nodes
+    replicas = group_ranks(layout, "ep_replicate")
+    assert replicas[0] == [0, 2] and replicas[3] == [5, 7]
+    assert group_ranks(layout, "pp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     v3 = Layout(pp=16, dp=128, ep=64, gpus_per_node=8)  # 2,048 processes
-    assert ep_group_ranks(v3, 3, 1) == list(range(3 * 128 + 64, 4 * 128))  # 8 whole nodes of stage 3
+    assert group_ranks(v3, "ep")[3 * 2 + 1] == list(range(3 * 128 + 64, 4 * 128))  # 8 whole nodes of stage 3
 
 
 @pytest.mark.parametrize(
     ("layout", "message"),
     [
-        (Layout(pp=2, dp=4, ep=3), "--ep 3 must divide the 4 data-parallel replica(s) of each pipeline stage"),
-        (Layout(pp=2, dp=2, ep=2, dp_shard="fsdp"), "pipeline stages with FSDP are not implemented"),
+        (Layout(pp=2, dp=4, ep=3), "--ep 3 must divide the number of data-parallel processes of each pipeline "
+                                   "stage (processes / --pp 2) (4)"),
+        (Layout(pp=2, dp=1, dp_shard="fsdp"), "--pp 2 with --dp-shard fsdp shards each stage over its "
+                                              "data-parallel replicas, but there is one"),
     ],
 )
 def test_impossible_pipeline_ep_layouts_are_refused(layout, message):
@@ -64,7 +69,7 @@ def references(tiny_train_config):
 def test_pipeline_with_expert_parallelism_trains_like_one_process(tiny_train_config, runs, references, index):
     spec, reference = SPECS[index], references[index]
     results = [r[index] for r in runs]
-    assert {r["kind"] for r in results} == {"PipelineExpertParallelized"}
+    assert {r["kind"] for r in results} == {"Parallelized"}
     losses = np.array(results[0]["losses"])  # [steps, (total, lm, mtp, balance, grad norm)]
     expected = np.array(reference["losses"])
     assert losses.shape == (spec.steps, 5)

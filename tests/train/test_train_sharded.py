@@ -17,8 +17,8 @@ import torch
 
 import dsv3
 from dsv3.errors import DSV3Error
+from dsv3.parallel.data_parallel import assign_owners
 from dsv3.parallel.memory import SavedTensorMeter
-from dsv3.parallel.sharding import assign_owners
 from dsv3.testing.launch import launch
 from dsv3.testing.sharded_ep_scenarios import counted_train_worker
 from dsv3.train.metrics import read_rows
@@ -201,10 +201,11 @@ def test_saved_tensor_meter_counts_the_peak_of_saved_activations_and_releases_th
 
 
 def test_fsdp_gives_every_rank_as_many_eval_windows_even_when_there_are_fewer_than_ranks():
-    from dsv3.parallel.sharding import FSDPParallelized
+    from dsv3.layout import Layout
+    from dsv3.parallel.parallelize import Parallelized
 
-    fsdp = FSDPParallelized.__new__(FSDPParallelized)  # only the window rule: no process group needed
-    fsdp.world = 4
+    fsdp = Parallelized.__new__(Parallelized)  # only the window rule: no process group needed
+    fsdp.world, fsdp.layout, fsdp.pipe = 4, Layout(dp=4, dp_shard="fsdp"), None
     assert fsdp.windows_for_eval(list(range(9))) == list(range(8))
     assert fsdp.windows_for_eval([0]) == [0, 0, 0, 0]
     assert fsdp.windows_for_eval([0, 1, 2]) == [0, 1, 2] * 4  # each window as often: the same mean loss
@@ -304,7 +305,7 @@ def test_fp8_losses_match_the_single_process_fp8_run(name, single_fp8_run, shard
 
 
 def test_sharded_expert_parallel_layouts_are_checked_before_any_process_group():
-    from dsv3.parallel.layout import Layout
+    from dsv3.layout import Layout
 
     assert Layout(dp=4, ep=4, dp_shard="fsdp", gpus_per_node=2).check(4).ep == 4  # no longer refused
     assert Layout(dp=4, ep=2, dp_shard="zero1", gpus_per_node=1).check(4).dp_shard == "zero1"

@@ -1,13 +1,15 @@
 """The expert-parallel token dispatcher: the two-hop dispatch/combine of `exchange.py`, differentiable,
-behind the same interface as the model's `LocalDispatcher`. `apply_expert_parallel` gives every `MoE` of a
-model this dispatcher and keeps only this rank's share of its grouped experts (of whatever kind: plain,
-FP8 training GEMMs); router, shared experts and the rest of the layer are the single-process code.
+behind the same interface as the model's `LocalDispatcher`. `make_expert_parallel` gives one `MoE` this
+dispatcher and keeps only this rank's share of its grouped experts (of whatever kind: plain, FP8 training
+GEMMs); router, shared experts and the rest of the layer are the single-process code. `parallelize` applies
+it to every MoE layer over the EP groups of the layout's mesh.
 
 Routing is the replicated `Router`, so decisions are the single-process model's; with ``n_group`` a
 multiple of the node count each group lives on one node, so ``topk_group`` caps the nodes a token visits.
 Gradients: dispatch's backward is a two-hop reduce (in the combine format), combine's backward a two-hop
 broadcast (in the dispatch format), the V3 choice of FP8 for the gradient entering the down-projection and
-BF16 for the combine direction. ``sync_grads`` then gives data-parallel averaging for everything.
+BF16 for the combine direction. The data-parallel axis (`dsv3.parallel.data_parallel`) then sums what the
+replicas hold.
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import torch.distributed as dist
 from torch import nn
 
 from dsv3.errors import DSV3Error
-from dsv3.model.dispatch import ExpertRows, LocalDispatcher, Routing, Steps, TokenDispatcher, group_by_expert, run
+from dsv3.model.dispatch import ExpertRows, Routing, Steps, TokenDispatcher, group_by_expert, run
 from dsv3.model.moe import MoE
-from dsv3.parallel.ep_groups import EPGroups, make_ep_groups
+from dsv3.parallel.ep_groups import EPGroups
 from dsv3.parallel.exchange import TrafficMeter, TwoHopPlan, broadcast, handshake, reduce
 from dsv3.parallel.overlap import run_interleaved
 from dsv3.parallel.placement import Placement
@@ -217,29 +219,6 @@ def set_placement(moe: MoE, placement: Placement) -> None:
     moe.experts = full.select(ids)
 
 
-def apply_expert_parallel(
-    model: nn.Module,
-    gpus_per_node: int,
-    group: dist.ProcessGroup | None = None,
-    dispatch: str = "bf16",
-    combine: str = "bf16",
-    placement: Placement | None = None,
-) -> nn.Module:
-    """Give every `MoE` of ``model`` an `ExpertParallelDispatcher` and only this rank's share of its
-    routed experts (same kind: plain or FP8).
-
-    Every rank must call it with the same full model (same seed or checkpoint): experts are sliced from
-    it. The rest of the model stays replicated (data parallel); average its gradients with `sync_grads`.
-    """
-    groups = make_ep_groups(gpus_per_node, group)
-    targets = [m for m in model.modules() if isinstance(m, MoE) and isinstance(m.dispatcher, LocalDispatcher)]
-    if not targets:
-        raise DSV3Error("the model has no MoE layers to make expert-parallel")
-    for moe in targets:
-        make_expert_parallel(moe, groups, placement, dispatch, combine)
-    return model
-
-
 def make_expert_parallel(
     moe: MoE,
     groups: EPGroups,
@@ -259,35 +238,3 @@ def make_expert_parallel(
 def ep_layers(model: nn.Module) -> list[MoE]:
     """The MoE layers of ``model`` whose experts are spread over an EP group."""
     return [m for m in model.modules() if isinstance(m, MoE) and isinstance(m.dispatcher, ExpertParallelDispatcher)]
-
-
-@torch.no_grad()
-def sync_grads(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Data-parallel gradient averaging for an EP model, where each rank's loss is the mean over its
-    own tokens: replicated parameters are all-reduced and averaged; a rank's experts already hold the
-    sum over every rank's tokens, so they are divided by the world size (replicas are summed first)."""
-    world = dist.get_world_size(group)
-    layers = ep_layers(model)
-    expert_ids = {id(p) for m in layers for p in m.experts.parameters()}
-    dense = [p for p in model.parameters() if p.requires_grad and id(p) not in expert_ids]
-    for p in dense:
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-    if dense:
-        flat = torch.cat([p.grad.reshape(-1).float() for p in dense])
-        dist.all_reduce(flat, group=group)
-        flat /= world
-        for p, g in zip(dense, flat.split([p.numel() for p in dense]), strict=True):
-            p.grad.copy_(g.view_as(p))
-    for m in layers:
-        d: ExpertParallelDispatcher = m.dispatcher
-        replicated = bool((d.placement.replica_counts > 1).any())
-        for p in m.experts.parameters():
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-            if replicated:
-                buf = p.grad.new_zeros(m.n_experts, *p.shape[1:])
-                buf.index_add_(0, d.expert_ids, p.grad)
-                dist.all_reduce(buf, group=d.groups.ep)
-                p.grad.copy_(buf[d.expert_ids])
-            p.grad /= world

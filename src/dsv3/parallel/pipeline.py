@@ -36,11 +36,12 @@ from torch.distributed.pipelining import (
 
 from dsv3.config import ModelConfig
 from dsv3.errors import DSV3Error
+from dsv3.layout import SCHEDULES, V_SHAPED
 from dsv3.model.moe import MoE
+from dsv3.parallel.data_parallel import clip_by_global_norm
+from dsv3.parallel.memory import local_tensor
 from dsv3.parallel.pipeline_overlap import Overlap, register_overlap
 
-SCHEDULES = ("1f1b", "interleaved", "zbv", "dualpipev")
-V_SHAPED = ("zbv", "dualpipev")  # two stages per rank, folded: rank r holds stages r and 2P-1-r
 IGNORE_INDEX = -100  # Transformer.loss's default
 
 
@@ -468,35 +469,25 @@ class PipelineParallel:
 
     @torch.no_grad()
     def sync_and_clip(self, max_norm: float = math.inf) -> float:
-        """Sums gradients over the data-parallel replicas and over the tied copies, then clips every rank's
-        gradients by the norm of the whole model (tied copies counted once); returns that norm."""
+        """For a pipeline that spans the world alone (no `parallelize`): sums gradients over the data-parallel
+        replicas and the tied copies, then clips by the whole model's norm (`clip_by_global_norm`: each
+        parameter counted once, by replica 0, tied copies once); returns that norm."""
         params = self.parameters()
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
             self._dp_sum(p.grad)
         self.sum_tied()
-        square = sum((p.grad.float().pow(2).sum() for p in self.counted_once(params)),
-                     torch.zeros((), device=self.device))
-        return self.clip(params, square, max_norm)
+        first_replica = self.dp_group is None or dist.get_rank(self.dp_group) == 0
+        counted = list(self.counted_once(params)) if first_replica else []
+        return clip_by_global_norm(params, counted, max_norm, self.device)
 
     def sum_tied(self) -> None:
-        """Adds the other end's gradient to this rank's copy of a tied parameter (the embedding)."""
+        """Adds the other end's gradient to this rank's copy of a tied parameter (the embedding; a DTensor's
+        local shard under FSDP, where both ends hold the same rows)."""
         if self.tie_group is not None:
             for p in self.tied:
-                dist.all_reduce(p.grad, group=self.tie_group)
-
-    def clip(self, params: list[nn.Parameter], square: torch.Tensor, max_norm: float) -> float:
-        """Clips ``params``' gradients by the whole model's norm, given this rank's share ``square`` of its
-        square (each parameter counted once over the pipeline); returns the norm. A collective."""
-        square = square.double()
-        dist.all_reduce(square, group=self.pp_group)
-        norm = float(square.sqrt())
-        coef = max_norm / (norm + 1e-6)
-        if math.isfinite(norm) and coef < 1.0:
-            for p in params:
-                p.grad.mul_(coef)
-        return norm
+                dist.all_reduce(local_tensor(p.grad), group=self.tie_group)
 
     def counted_once(self, params: list[nn.Parameter]) -> Iterator[nn.Parameter]:
         """``params`` without the last stage's copies of tied parameters (the first stage counts them)."""

@@ -171,11 +171,11 @@ def _pipeline(model: Transformer, spec: BubbleSpec, overlap) -> PipelineParallel
     """The spec's pipeline over this process's ranks: plain stages, or stages with EP (`parallelize`'s)."""
     if spec.ep == 1:
         return PipelineParallel(model, spec.plan(), overlap=overlap)
-    from dsv3.parallel.layout import Layout
-    from dsv3.parallel.pipeline_ep import PipelineExpertParallelized
+    from dsv3.layout import Layout
+    from dsv3.parallel.parallelize import parallelize
 
     layout = Layout(pp=spec.pp, dp=spec.ep, ep=spec.ep, schedule=spec.schedule, microbatches=spec.microbatches)
-    return PipelineExpertParallelized(model, layout.check(spec.world), overlap=overlap).pipe
+    return parallelize(model, layout.check(spec.world), overlap=overlap).pipe
 
 
 class AllToAllClock:

@@ -20,11 +20,10 @@ from dataclasses import dataclass
 import torch
 
 from dsv3.errors import DSV3Error
+from dsv3.layout import COMBINE_FORMATS, DISPATCH_FORMATS  # noqa: F401 - the wire formats' names live with the layout
 from dsv3.precision import fp8, logfmt
 
 TILE = 128
-DISPATCH_FORMATS = ("bf16", "fp8", "fp32")
-COMBINE_FORMATS = ("bf16", "logfmt8", "logfmt10", "fp32")
 
 
 @dataclass(frozen=True)

@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv3.errors import DSV3Error
+from dsv3.layout import SIMULATED_COMBINE_FORMATS
 
 TILE = 128
 MIN_BITS, MAX_BITS = 4, 16
@@ -365,7 +366,7 @@ def _unpack(payload: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
 # --- simulating the combine in each candidate format ------------------------------------------------------
 
-COMBINE_FORMATS = ("bf16", "e4m3", "e5m2", "logfmt8", "logfmt10")
+COMBINE_FORMATS = SIMULATED_COMBINE_FORMATS  # ("bf16", "e4m3", "e5m2", "logfmt8", "logfmt10")
 _FP8 = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 
 

@@ -17,6 +17,7 @@ import torch.distributed as dist
 
 from dsv3.config import ModelConfig
 from dsv3.errors import DSV3Error
+from dsv3.layout import Layout
 from dsv3.model.moe import MoE
 from dsv3.parallel.ep import (
     ExpertParallelDispatcher,
@@ -27,7 +28,7 @@ from dsv3.parallel.ep import (
 )
 from dsv3.parallel.ep_groups import NodeLayout, make_ep_groups
 from dsv3.parallel.ep_traffic import analytic_bytes, copy_counts
-from dsv3.parallel.layout import Layout, parallelize
+from dsv3.parallel.parallelize import parallelize
 from dsv3.parallel.placement import Placement
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}

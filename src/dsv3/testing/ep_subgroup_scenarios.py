@@ -12,9 +12,9 @@ from pathlib import Path
 
 import torch
 
+from dsv3.layout import Layout
 from dsv3.parallel.ep import ep_layers
-from dsv3.parallel.ep_subgroups import SubgroupExpertParallelized, expert_replicas_equal
-from dsv3.parallel.layout import Layout, parallelize
+from dsv3.parallel.parallelize import parallelize
 from dsv3.testing.ep_scenarios import tiny_config
 
 
@@ -47,7 +47,7 @@ def subgroup_train_worker(rank: int, world: int, spec: SubgroupSpec) -> dict | N
     )
     mine = slice(rank * spec.seqs_per_rank, (rank + 1) * spec.seqs_per_rank)
     losses, norms = _train_parallel(parallel, data[:, mine], spec)
-    replicas_equal = expert_replicas_equal(model, parallel.groups)
+    replicas_equal = expert_replicas_equal(model, parallel.mesh.group("ep_replicate"))
     parameters = parallel.parameter_count()
     full = parallel.full_model()  # a collective: every rank
     if rank != 0:
@@ -63,7 +63,9 @@ def subgroup_train_worker(rank: int, world: int, spec: SubgroupSpec) -> dict | N
     ref_bias = [m.gate.e_score_correction_bias for m in reference.moe_layers()]
     return {
         "kind": type(parallel).__name__,
-        "is_subgroup": isinstance(parallel, SubgroupExpertParallelized),
+        "is_subgroup": parallel.mesh.size("ep") < parallel.mesh.size("dp"),
+        "ep_ranks": parallel.mesh.ranks("ep"),
+        "replica_ranks": parallel.mesh.ranks("ep_replicate"),
         "experts_here": [m.experts.gate_proj.shape[0] for m in ep_layers(model)],
         "losses": losses,
         "single_losses": ref_losses,
@@ -114,3 +116,19 @@ def _train_single(model, data: torch.Tensor, spec: SubgroupSpec) -> tuple[list[f
 def subgroup_trains_worker(rank: int, world: int, specs: list[SubgroupSpec]) -> list[dict | None]:
     """Several layouts in one launch (process start-up dominates on a small machine)."""
     return [subgroup_train_worker(rank, world, spec) for spec in specs]
+
+
+def expert_replicas_equal(model: torch.nn.Module, replica_group) -> bool:
+    """Whether every replica of this rank's expert shard holds the same weights (a collective over the
+    replica group; replicas are never re-synchronised, they stay equal by construction)."""
+    import torch.distributed as dist
+
+    same = torch.ones(())
+    for m in ep_layers(model):
+        for p in m.experts.parameters():
+            lo, hi = p.detach().float().clone(), p.detach().float().clone()
+            dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=replica_group)
+            dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=replica_group)
+            same = same * float(torch.equal(lo, hi))
+    dist.all_reduce(same, op=dist.ReduceOp.MIN)
+    return bool(same.item())

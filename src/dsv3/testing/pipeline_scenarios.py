@@ -16,11 +16,11 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from dsv3.config import ModelConfig
 from dsv3.errors import DSV3Error
+from dsv3.layout import Layout
 from dsv3.model.transformer import Transformer
 from dsv3.parallel.ep import ep_layers
-from dsv3.parallel.layout import Layout, parallelize
+from dsv3.parallel.parallelize import parallelize
 from dsv3.parallel.pipeline import PipelineParallel, plan_pipeline
-from dsv3.parallel.pipeline_ep import PipelineExpertParallelized
 from dsv3.parallel.pipeline_overlap import run_in_order
 from dsv3.train.precision import apply_fp8, autocast
 
@@ -191,10 +191,8 @@ def _pipeline_ep_run(rank: int, base: ModelConfig, spec: PipeSpec) -> dict:
         apply_fp8(model)
     layout = Layout(pp=spec.pp, dp=spec.dp, ep=spec.ep, schedule=spec.schedule, microbatches=spec.microbatches,
                     dispatch="fp8" if spec.precision == "fp8" else "fp32")
-    if spec.schedule == "dualpipev" and not spec.concurrent:
-        parallel = PipelineExpertParallelized(model, layout.check(spec.world), overlap=run_in_order)
-    else:
-        parallel = parallelize(model, layout)
+    overlap = run_in_order if spec.schedule == "dualpipev" and not spec.concurrent else None
+    parallel = parallelize(model, layout, overlap=overlap)
     optimizer = _optimizer(parallel.model.parameters(), spec)
     losses = train_steps(parallel, optimizer, spec, cfg)
     full = parallel.full_model()  # a collective

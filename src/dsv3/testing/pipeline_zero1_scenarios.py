@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 
 from dsv3.errors import DSV3Error
+from dsv3.layout import Layout
 from dsv3.model.transformer import Transformer
-from dsv3.parallel.layout import Layout, parallelize
+from dsv3.parallel.parallelize import parallelize
 from dsv3.testing.pipeline_scenarios import PipeSpec, _optimizer, _state, spec_config, train_steps
 
 
@@ -34,7 +35,7 @@ def _zero1_run(rank: int, world: int, base, spec: PipeSpec) -> dict:
     names = {id(p): n for n, p in model.named_parameters()}
     full = parallel.full_model()  # a collective
     biases = {k: v for k, v in _state(model).items() if k.endswith("e_score_correction_bias")}
-    return {"losses": losses, "biases": biases, "kind": type(parallel).__name__, "pp_rank": parallel.pipe.pp_rank,
+    return {"losses": losses, "biases": biases, "layout": parallel.layout.describe(), "pp_rank": parallel.pipe.pp_rank,
             "data_rank": parallel.data_rank,
             "held": sorted(names[id(p)] for p in parallel.pipe.parameters()),
             "owned": sorted(names[id(p)] for p in parallel.updated_parameters()),

@@ -17,7 +17,7 @@ from typing import Any
 import typer
 
 from dsv3.errors import DSV3Error
-from dsv3.train.options import PRECISIONS, TrainOptions, resumed_options
+from dsv3.train.options import LAYOUT, PRECISIONS, TrainOptions, resumed_options
 
 app = typer.Typer(add_completion=False, help=__doc__, no_args_is_help=False)
 
@@ -122,7 +122,8 @@ def train(
 
     main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 speaks for the run
     try:
-        summary = run_training(opts, resume=resume is not None)
+        fit = resume is not None and all(given.get(name) is None for name in LAYOUT)  # no layout flags given
+        summary = run_training(opts, resume=resume is not None, fit_layout=fit)
     except KeyboardInterrupt:
         if main_rank:
             print(interrupted_message(opts.out), file=sys.stderr)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from dsv3.errors import DSV3Error
-from dsv3.parallel.layout import Layout
+from dsv3.layout import Layout
 
 # The EP dispatch's wire format by training precision (V3: FP8 dispatch; the combine follows, FP8 -> BF16).
 DISPATCH_FORMATS = {"fp32": "fp32", "bf16": "bf16", "fp8": "fp8"}
@@ -151,19 +151,31 @@ def _device(name: str, local_rank: int) -> torch.device:
         raise DSV3Error(f"unknown --device {name!r}; use auto, cpu or cuda") from None
 
 
-def training_layout(opts, world: World) -> Layout:
+def training_layout(opts, world: World, fit: bool = False, n_experts: int | None = None) -> Layout:
     """The layout ``dsv3 train``'s options ask for on this world: ``--pp`` pipeline stages, data parallel
-    over the rest (every process without --pp), the
-    routed experts over ``--ep`` of them, ``--moe-output-format`` as the (real or simulated) combine."""
+    over the rest (every process without --pp), the routed experts over ``--ep`` of them,
+    ``--moe-output-format`` as the (real or simulated) combine. With ``fit`` (a resume without layout
+    flags), a layout this world cannot hold becomes the nearest one it can (`Layout.fitted`)."""
+    asked = _asked_layout(opts, world.size)
+    try:
+        pp = opts.pp or 1
+        if world.size % pp:
+            raise DSV3Error(
+                f"--pp {pp} needs a multiple of {pp} processes (torchrun --nproc-per-node {pp} -m dsv3 train "
+                f"... --pp {pp}), but {world.size} are running"
+            )
+        return asked.check(world.size)
+    except DSV3Error:
+        if not fit:
+            raise
+        return asked.fitted(world.size, n_experts).check(world.size)
+
+
+def _asked_layout(opts, world_size: int) -> Layout:
     pp = opts.pp or 1
-    if world.size % pp:
-        raise DSV3Error(
-            f"--pp {pp} needs a multiple of {pp} processes (torchrun --nproc-per-node {pp} -m dsv3 train "
-            f"... --pp {pp}), but {world.size} are running"
-        )
     return Layout(
         pp=pp,
-        dp=world.size // pp,
+        dp=max(1, world_size // pp),
         schedule=opts.pp_schedule,
         microbatches=opts.microbatches,
         ep=opts.ep or 1,

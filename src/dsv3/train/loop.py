@@ -13,7 +13,7 @@ import torch
 
 from dsv3.data.packing import PackedSequences, SampleOrder
 from dsv3.errors import DSV3Error
-from dsv3.parallel.layout import Parallelized
+from dsv3.parallel.parallelize import Parallelized
 from dsv3.train.distributed import World
 
 

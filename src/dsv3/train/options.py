@@ -15,9 +15,11 @@ from typing import Any
 
 from dsv3.errors import DSV3Error
 from dsv3.io import atomic_write_text
+from dsv3.layout import SCHEDULES
+from dsv3.layout import SHARDINGS as DP_SHARDS
 
 PRECISIONS = ("fp32", "bf16", "fp8")
-DP_SHARDS = ("none", "zero1", "fsdp")  # the same as dsv3.parallel.layout.SHARDINGS
+
 # May differ between the original run and a resumption without changing what is computed.
 OPERATIONAL = {
     "out",
@@ -128,8 +130,6 @@ class TrainOptions:
         return self
 
     def _check_pipeline(self) -> None:
-        from dsv3.parallel.pipeline import SCHEDULES
-
         if self.pp is not None and self.pp < 1:
             raise DSV3Error(f"--pp must be at least 1, got {self.pp}")
         if self.pp_schedule not in SCHEDULES:

@@ -27,10 +27,11 @@ from dsv3.data import (
 )
 from dsv3.data.tokenizer import default_cache_dir
 from dsv3.errors import DSV3Error
+from dsv3.layout import Layout
 from dsv3.model.transformer import Transformer
 from dsv3.parallel.checkpoint import whole_model
-from dsv3.parallel.layout import Parallelized, parallelize
 from dsv3.parallel.memory import SavedTensorMeter, gather_memory, rank_memory
+from dsv3.parallel.parallelize import Parallelized, parallelize
 from dsv3.run_dir import SHARDED_DIR
 from dsv3.train import checkpoints as ckpt
 from dsv3.train.distributed import World, peer_failures, setup_world, teardown_world, training_layout
@@ -124,15 +125,23 @@ def _by_tensor_kind(params: list) -> list[list]:
     return [sharded, plain] if sharded and plain else [params]
 
 
-def build_model(cfg: ModelConfig, opts: TrainOptions, world: World) -> Parallelized:
-    """The model to train, fresh from the seed, with the numerics and the layout the options ask for (every
-    rank builds the same full model before `parallelize` spreads it); a resumed run then loads each rank's
-    share from the checkpoint (`Parallelized.load_state`), whatever layout wrote it."""
+def build_model(cfg: ModelConfig, opts: TrainOptions, world: World, layout: Layout | None = None) -> Parallelized:
+    """The model to train, fresh from the seed, with the numerics the options ask for, spread by ``layout``
+    (default: the one the options ask for on this world; every rank builds the same full model before
+    `parallelize` spreads it); a resumed run then loads each rank's share from the checkpoint
+    (`Parallelized.load_state`), whatever layout wrote it."""
     torch.manual_seed(opts.seed)
     model = Transformer(cfg).to(world.device).train()
     if opts.precision == "fp8":
         apply_fp8(model)
-    return parallelize(model, training_layout(opts, world))
+    return parallelize(model, layout or training_layout(opts, world))
+
+
+def with_layout(opts: TrainOptions, layout: Layout) -> TrainOptions:
+    """``opts`` whose layout flags give ``layout`` (what run.json records after a resume chose another)."""
+    return dataclasses.replace(opts, pp=layout.pp if layout.pp > 1 else None, ep=layout.ep if layout.ep > 1 else None,
+                               dp_shard=layout.dp_shard, pp_schedule=layout.schedule,
+                               microbatches=layout.microbatches)
 
 
 def run_training(
@@ -141,16 +150,18 @@ def run_training(
     on_step: StepCallback | None = None,
     show_progress: bool = True,
     plots: bool = True,
+    fit_layout: bool = False,
 ) -> dict[str, Any]:
     """Train (or continue) the run in ``opts.out`` to ``opts.steps``; returns the summary.
-    ``on_step(row)`` sees every step's metrics row; ``plots=False`` skips the end-of-run PNGs."""
+    ``on_step(row)`` sees every step's metrics row; ``plots=False`` skips the end-of-run PNGs.
+    ``fit_layout``: a resume whose saved layout this world cannot hold takes the nearest one it can."""
     opts.check()
     if opts.threads:
         torch.set_num_threads(opts.threads)
     world = setup_world(opts.device, opts.dist_timeout)
     try:
         with peer_failures(world, Path(opts.out), opts.dist_timeout):  # a dead or hung peer: one error line
-            return _Run(opts, world, resume, on_step, show_progress, plots).execute()
+            return _Run(opts, world, resume, on_step, show_progress, plots, fit_layout).execute()
     finally:
         teardown_world(world)
 
@@ -164,6 +175,7 @@ class _Run:
         on_step: StepCallback | None,
         show_progress: bool,
         plots: bool,
+        fit_layout: bool = False,
     ):
         self.opts, self.world, self.on_step, self.plots = opts, world, on_step, plots
         self.run_dir = Path(opts.out)
@@ -171,7 +183,7 @@ class _Run:
         self.resume_from = self._start(resume)
         self.cfg = model_config(opts)
         self.data = prepare_data(opts, self.cfg.vocab_size, world, self.progress)
-        self.parallel = build_model(self.cfg, opts, world)
+        self.parallel = build_model(self.cfg, self.opts, world, self._layout(fit_layout))
         self.model = self.parallel.model
         self.n_params = self.parallel.parameter_count()
         self.optimizer, self.scheduler = build_optimizer(self.model, opts)
@@ -222,19 +234,32 @@ class _Run:
         self.world.barrier()
         return latest
 
+    def _layout(self, fit: bool) -> Layout:
+        """The layout the options ask for on this world; on a resume without layout flags whose saved layout
+        this world cannot hold, the nearest one it can, said and recorded in run.json."""
+        opts, world = self.opts, self.world
+        layout = training_layout(opts, world, fit, self.cfg.n_routed_experts)
+        chosen = with_layout(opts, layout)
+        if chosen != opts:
+            self.progress.note(f"the run's layout ({_layout_flags(opts)}) does not fit {world.size} process(es); "
+                               f"resuming as {layout.describe()} (choose another with --pp, --ep, --dp-shard)")
+            self.opts = chosen
+            if world.is_main:
+                self.opts.save(self.run_dir / "run.json")
+        return layout
+
     def _restore(self, folder: Path) -> None:
         """Continue from ``folder``: each rank loads its share of the model and optimizer state (resharded
         when the layout changed), then the trainer state rank 0 saved."""
         saved = ckpt.load_trainer_state(folder)
         self.parallel.load_state(folder / SHARDED_DIR, self.optimizer)
-        for group, hyper in zip(self.optimizer.param_groups, saved["param_groups"], strict=True):
-            group.update(hyper)  # the learning rate of the step to come, among others
+        restore_hyperparameters(self.optimizer, saved["param_groups"])
         self.scheduler.load_state_dict(saved["scheduler"])
         self.state = RunState(**saved["run"])
         self.last_eval = ckpt.saved_summary(folder).get("last_eval")
         ckpt.restore_rng_state(saved["rng"])
         self.metrics.truncate_after(self.state.step)
-        was, now = saved.get("layout"), dataclasses.asdict(self.parallel.layout)
+        was, now = saved.get("layout"), self.parallel.layout.to_dict()
         moved = f" (saved under {_layout_text(was)}, now {_layout_text(now)})" if was and was != now else ""
         self.progress.note(f"resumed from {folder} at step {self.state.step}{moved}")
 
@@ -277,7 +302,7 @@ class _Run:
         per_rank = gather_memory(mine, self.world.rank, self.world.size, self.world.device)
         self.memory_recorded = True
         if self.world.is_main:
-            layout = dataclasses.asdict(self.parallel.layout)
+            layout = self.parallel.layout.to_dict()
             memory = {"step": self.state.step, "layout": layout, "per_rank": per_rank}
             self.opts.save(self.run_dir / "run.json", extra={"memory": memory})
 
@@ -418,6 +443,26 @@ def moe_layer_names(model: Transformer) -> list[str]:
         for i, block in enumerate(model.model.layers)
     }
     return [names.get(id(m), "MoE") for m in model.moe_layers()]
+
+
+def restore_hyperparameters(optimizer: torch.optim.Optimizer, saved: list[dict]) -> None:
+    """The saved param groups' hyper-parameters (the learning rate of the step to come, among others) onto
+    this optimizer's groups, matched by weight decay: a layout may split the same two kinds of parameters
+    (decayed matrices, the rest) into more groups (FSDP shards beside plain experts), so the groups' number
+    and order need not match the run that saved them."""
+    by_decay = {g["weight_decay"]: g for g in saved}
+    for group in optimizer.param_groups:
+        hyper = by_decay.get(group["weight_decay"])
+        if hyper is None:
+            raise DSV3Error(f"the checkpoint has no optimizer settings for weight decay {group['weight_decay']}; "
+                            "it was saved by another run")
+        group.update(hyper)
+
+
+def _layout_flags(opts: TrainOptions) -> str:
+    """The layout options of a run, as its flags say them."""
+    pp = f"--pp {opts.pp} --pp-schedule {opts.pp_schedule}, " if (opts.pp or 1) > 1 else ""
+    return f"{pp}--ep {opts.ep or 1}, --dp-shard {opts.dp_shard}"
 
 
 def _layout_text(layout: dict) -> str:
