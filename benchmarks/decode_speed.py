@@ -1,7 +1,7 @@
-"""Decode speed on a CPU, every figure of docs/inference.md's decode-speed section in one run: dsv3 (fast
-path and module path; fp32, bf16 and FP8 weights) against transformers' DeepseekV3ForCausalLM and, when
-``llama-cpp-python`` is installed, llama.cpp on the same checkpoint (converted by llama.cpp's own
-``convert_hf_to_gguf.py``), each with its fraction of the memory roofline.
+"""Decode speed on a CPU, the decode figures of docs/inference.md in one run (earlier runs:
+benchmarks/results/decode_speed.json): dsv3 (fast path and module path; fp32, bf16 and FP8 weights)
+against transformers' DeepseekV3ForCausalLM and, when ``llama-cpp-python`` is installed, llama.cpp on the
+same checkpoint (converted by llama.cpp's own ``convert_hf_to_gguf.py``), each with its fraction of the memory roofline.
 
     .venv/bin/python benchmarks/decode_speed.py --json > decode_speed.json
 

@@ -12,7 +12,8 @@ point sends ``--requests`` prompts of ``--prompt-len`` random token ids (no shar
 
     .venv/bin/python benchmarks/serve_scaling.py            # about 10 minutes on 2 busy cores
 
-writes docs/figures/serve_concurrency.json and .png and prints the table docs/inference.md shows.
+writes docs/figures/serve_concurrency.json and .png (docs/inference.md shows the figure) and prints the table
+(earlier runs: benchmarks/results/serve_scaling.json).
 """
 
 from __future__ import annotations
@@ -274,7 +275,7 @@ def summarize(rows: list[dict], layouts: list[Layout], levels: list[int]) -> lis
 
 
 def table(points: list[dict]) -> list[str]:
-    """The Markdown table of the points (docs/inference.md)."""
+    """The Markdown table of the points."""
     lines = ["| layout | C | req/s | output tok/s | TTFT p50 / p99 (ms) | TPOT p50 / p99 (ms) | failed |",
              "|---|---|---|---|---|---|---|"]
     for p in points:
