@@ -41,6 +41,7 @@ from dsv3.errors import DSV3Error
 from dsv3.io import publish_tree, staging_dir
 from dsv3.run_dir import is_sharded_checkpoint, resolve_checkpoint
 
+TARGETS = ("bf16", "fp8", "hf")  # what --to takes
 FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 
 
@@ -48,8 +49,8 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: boo
     """Convert ``src`` into ``dst`` with weights in ``to`` ("bf16", "fp8", or "hf": the whole model in the HF
     layout as it loads, e.g. a training checkpoint exported); returns a summary."""
     src, dst = Path(src), Path(dst)
-    if to not in ("bf16", "fp8", "hf"):
-        raise DSV3Error(f"--to must be bf16, fp8 or hf, got {to!r}")
+    if to not in TARGETS:
+        raise DSV3Error(f"--to must be one of {', '.join(TARGETS)}, got {to!r}")
     if not src.is_dir():
         raise DSV3Error(f"source checkpoint folder not found: {src}")
     src = resolve_checkpoint(src)  # a training run folder means its latest checkpoint
