@@ -148,8 +148,8 @@ def test_fsdp_and_tensor_parallel_pay_for_their_communication(paper):
     (["train", "--pp", "16"], "both --pp and --ep"),
     (["serve", "--combine", "fp4"], "combine format"),
     (["train", "--gpus", "1000000000"], "between 1 and"),
-    (["train", "--network", "foo", "--pp", "16", "--ep", "64"], "unknown network"),
-    (["train", "--pp", "64", "--ep", "32", "--schedule", "dualpipev"], "exceed the 62 layers"),
+    (["train", "--topology", "foo", "--pp", "16", "--ep", "64"], "unknown topology"),
+    (["train", "--pp", "64", "--ep", "32", "--pp-schedule", "dualpipev"], "exceed the 62 layers"),
     (["train", "--hardware", "m4-max", "--gpus", "16", "--global-batch", "64"], "no scale-out"),
     (["serve", "--config", "llama-3.1-405b"], "no routed experts"),
 ])

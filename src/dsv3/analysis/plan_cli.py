@@ -168,7 +168,7 @@ def _search_payload(result: dict[str, Any]) -> dict[str, Any]:
 def train_command(
     config: ConfigOpt = "deepseek-v3", hardware: HardwareOpt = "h800",
     gpus: Annotated[int, typer.Option(help="GPUs in the job.")] = 2048,
-    network: Annotated[str, typer.Option(help="Topology: mpft, mrft, ft2, ft3, sf, df.")] = "mpft",
+    topology: Annotated[str, typer.Option(help="ft2 | ft3 | mpft | mrft | sf | df")] = "mpft",
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 4096,
     global_batch: Annotated[int, typer.Option(help="Sequences per optimizer step.")] = 15360,
     pp: Annotated[int | None, typer.Option(help="Pipeline stages (with --ep: plan this layout; "
@@ -176,7 +176,7 @@ def train_command(
     ep: Annotated[int | None, typer.Option(help="Expert-parallel degree (divides DP).")] = None,
     tp: Annotated[int, typer.Option(help="Tensor-parallel degree.")] = 1,
     dp_shard: Annotated[str, typer.Option(help="zero1, fsdp or none.")] = "zero1",
-    schedule: Annotated[str, typer.Option(help="dualpipe, dualpipev or 1f1b.")] = "dualpipe",
+    pp_schedule: Annotated[str, typer.Option(help="Pipeline schedule: dualpipe, dualpipev or 1f1b.")] = "dualpipe",
     compute: Annotated[str, typer.Option(help="GEMM precision: fp8 or bf16.")] = "fp8",
     master: Annotated[str, typer.Option(help="Master weights: fp32, bf16 or none.")] = "fp32",
     grads: Annotated[str, typer.Option(help="Gradient accumulation dtype: fp32, bf16.")] = "fp32",
@@ -188,7 +188,7 @@ def train_command(
     """Per-GPU memory and the step time in Table 4's terms; without --pp/--ep, rank the layouts that fit."""
     arch = load_architecture(config)
     knobs = _knobs(nvlink_gbs, nic_gbps, scale_up_domain, multicast, in_network_reduce, combine, sm_offload)
-    cluster = Cluster(_hardware(hardware), gpus, network, knobs)
+    cluster = Cluster(_hardware(hardware), gpus, topology, knobs)
     check_cluster(cluster)
     prec = Precision(compute=compute, master=master, grads=grads, moments=moments)
     a = Assumptions()
@@ -205,7 +205,7 @@ def train_command(
             payload["plots"] = [str(plot_memory(result["ranked"], plot_dir / "plan_memory.png", capacity))]
         _emit(payload, as_json, lambda: _render_search(result))
         return
-    layout = Layout(pp=pp, ep=ep, dp_shard=dp_shard, schedule=schedule, tp=tp)
+    layout = Layout(pp=pp, ep=ep, dp_shard=dp_shard, schedule=pp_schedule, tp=tp)
     plan = plan_train(arch, cluster, layout, seq_len, global_batch, prec, a)
     if not plan.fits:
         raise DSV3Error(f"{arch.name} does not fit: {layout.label()} needs {plan.memory['total'] / GB:.1f} GB per "

@@ -32,7 +32,7 @@ def check_pipeline_layout(layout: Layout) -> None:
     if layout.schedule not in SCHEDULES:
         raise DSV3Error(f"--pp-schedule must be one of {', '.join(SCHEDULES)}, got {layout.schedule!r}")
     if layout.microbatches is not None and layout.microbatches < 1:
-        raise DSV3Error(f"--microbatches must be at least 1, got {layout.microbatches}")
+        raise DSV3Error(f"--micro-batches must be at least 1, got {layout.microbatches}")
     if layout.ep > 1 and layout.dp % layout.ep:
         raise DSV3Error(f"--ep {layout.ep} must divide the {layout.dp} data-parallel replica(s) of each pipeline "
                         f"stage (processes / --pp {layout.pp}): a stage's routed experts are split over --ep of them")
@@ -103,7 +103,7 @@ class PipelineParallelized(Parallelized):
         if per_rank % M:
             raise DSV3Error(
                 f"each data-parallel replica gets {per_rank} sequences per micro-step (--batch-size / "
-                f"(replicas x --grad-accum)), which does not split into --microbatches {M}; make it a multiple"
+                f"(replicas x --grad-accum)), which does not split into --micro-batches {M}; make it a multiple"
             )
 
     # ---- one step -------------------------------------------------------------------------------
