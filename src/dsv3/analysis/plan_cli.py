@@ -262,7 +262,7 @@ def serve_command(
     cache_hit: Annotated[float, typer.Option(help="Share of prompt tokens served from a prefix cache.")] = 0.0,
     nvlink_gbs: NvlOpt = None, nic_gbps: NicOpt = None, scale_up_domain: DomainOpt = None,
     multicast: MulticastOpt = False, in_network_reduce: ReduceOpt = False, combine: CombineOpt = "bf16",
-    sm_offload: OffloadOpt = False, as_json: JsonOpt = False,
+    sm_offload: OffloadOpt = False, as_json: JsonOpt = False, plot_dir: PlotOpt = None,
 ) -> None:
     """Prefill and decode throughput per node and TPOT, with the EP communication bound beside them."""
     arch = load_architecture(config)
@@ -273,4 +273,10 @@ def serve_command(
     a = Assumptions()
     result = plan_serve(arch, cluster, prefill_gpus, decode_gpus, opts, a)
     payload = {**result, "options": asdict(opts), "knobs": asdict(knobs), "assumptions": _assumptions_payload(a)}
+    if plot_dir is not None:
+        from dsv3.analysis.plan_plots import plot_serve
+
+        published = result["published"]["decode_tokens_per_s_per_node"] if "published" in result else None
+        payload["plots"] = [str(plot_serve(arch, cluster, decode_gpus, opts, a, plot_dir / "plan_serve_decode.png",
+                                           published))]
     _emit(payload, as_json, lambda: _render_serve(result))
