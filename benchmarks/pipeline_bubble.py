@@ -10,8 +10,8 @@ experts are split over E replicas, and the DualPipeV row alternates in-order and
 steps to report the share of all-to-all time hidden (comm_hidden_share). Timings on a shared CPU are noisy;
 give the ranks their own cores (P x E <= cores) for meaningful numbers.
 
-    .venv/bin/python benchmarks/pipeline_bubble.py --pp 2 --microbatches 8 --json
-    .venv/bin/python benchmarks/pipeline_bubble.py --pp 2 --ep 2 --microbatches 8 --schedules 1f1b,dualpipev
+    .venv/bin/python benchmarks/pipeline_bubble.py --pp 2 --micro-batches 8 --json
+    .venv/bin/python benchmarks/pipeline_bubble.py --pp 2 --ep 2 --micro-batches 8 --schedules 1f1b,dualpipev
 """
 
 from __future__ import annotations
@@ -29,12 +29,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--pp", type=int, default=2, help="pipeline ranks (processes)")
     ap.add_argument("--ep", type=int, default=1, help="expert parallelism inside each stage (pp x ep processes)")
-    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--micro-batches", dest="microbatches", type=int, default=8)
     ap.add_argument("--schedules", default=",".join(SCHEDULES))
     ap.add_argument("--no-overlap-row", action="store_true", help="skip DualPipeV with the OVERLAP_F_B function")
     ap.add_argument("--layers", type=int, default=8)
     ap.add_argument("--hidden", type=int, default=128)
-    ap.add_argument("--seq", type=int, default=64)
+    ap.add_argument("--seq-len", dest="seq", type=int, default=64)
     ap.add_argument("--micro-batch", type=int, default=2, help="sequences per micro-batch")
     ap.add_argument("--steps", type=int, default=3, help="measured steps (after one warm-up step)")
     ap.add_argument("--timeout", type=float, default=600.0)

@@ -11,7 +11,7 @@ plus one step, not queueing.
 
 The same figures by hand, against a running server:
 
-    dsv3 bench serve --url http://127.0.0.1:8000 --requests 8 --prompt-len 1016 --gen-len 16 --shared-prefix 1000
+    dsv3 bench serve --url http://127.0.0.1:8000 --requests 8 --prompt-len 1016 --new-tokens 16 --shared-prefix 1000
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--preset", default="small", help="random-weight model to serve (default: small)")
     ap.add_argument("--prompt-len", type=int, default=1016)
     ap.add_argument("--shared-prefix", type=int, default=1000)
-    ap.add_argument("--gen-len", type=int, default=16)
+    ap.add_argument("--new-tokens", dest="gen_len", type=int, default=16)
     ap.add_argument("--requests", type=int, default=6, help="per round")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=1)

@@ -8,7 +8,7 @@ A random-weight preset checkpoint is saved to a temporary folder (speed does not
 interleave: each round visits every (concurrency, layout) pair, the layouts in a rotated order, so that a
 busy machine slows every layout alike (the idle groups still tick: a few percent of a core each). Each
 point sends ``--requests`` prompts of ``--prompt-len`` random token ids (no shared prefix), asks for exactly
-``--gen-len`` tokens, at most C at a time. Every process is stopped on exit, Ctrl-C and failure included.
+``--new-tokens`` tokens, at most C at a time. Every process is stopped on exit, Ctrl-C and failure included.
 
     .venv/bin/python benchmarks/serve_scaling.py            # about 10 minutes on 2 busy cores
 
@@ -96,7 +96,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--concurrency", default="1,2,4,8", help="comma-separated levels (default: 1,2,4,8)")
     ap.add_argument("--requests", type=int, default=16, help="requests per point (default: 16)")
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--gen-len", type=int, default=32)
+    ap.add_argument("--new-tokens", dest="gen_len", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds; the median is kept (default: 2)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads per server process (default: 1)")
     ap.add_argument("--max-batch", type=int, default=8, help="requests per rank's batch (default: 8)")
@@ -227,7 +227,7 @@ def measure(started: list[Server], args: argparse.Namespace) -> list[dict]:
     for server in started:
         card = model_card(server.url)
         if args.prompt_len + args.gen_len > card.get("max_model_len", 1 << 30):
-            raise DSV3Error(f"--prompt-len + --gen-len exceeds the model's context ({card['max_model_len']})")
+            raise DSV3Error(f"--prompt-len + --new-tokens exceeds the model's context ({card['max_model_len']})")
         warm = stream_completion(server.url, card["id"], [1, 2, 3, 4], 2, args.timeout)
         if not warm.ok:
             raise DSV3Error(f"{server.layout.label}: cannot serve a test request: {warm.error}")

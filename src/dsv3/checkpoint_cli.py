@@ -1,6 +1,7 @@
 """`dsv3 convert SRC DST --to bf16|fp8|hf`."""
 
 import json
+import sys
 from pathlib import Path
 
 import typer
@@ -19,7 +20,8 @@ def convert(
 ) -> None:
     """Convert a DeepSeek-format checkpoint between FP8 (block-scaled) and BF16, on a CPU, shard by shard, or
     export a training checkpoint (sharded) to the HF layout that transformers loads."""
-    from dsv3.convert import convert_checkpoint
+    from dsv3.config import ModelConfig
+    from dsv3.convert import convert_checkpoint, mtp_load_note
 
     summary = convert_checkpoint(src, dst, to, overwrite=overwrite)
     if as_json:
@@ -28,3 +30,6 @@ def convert(
         print(f"wrote {dst}: {summary['tensors']} tensors in {summary['shards']} shard(s), "
               f"{summary['quantized']} quantized, {summary['dequantized']} dequantized, "
               f"{summary['bytes'] / 1e6:.1f} MB")
+    note = mtp_load_note(ModelConfig.from_json(dst / "config.json"))
+    if note:
+        print(note, file=sys.stderr)

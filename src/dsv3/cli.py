@@ -19,13 +19,13 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("dsv3.infer.cli:chat_app", "Chat with a checkpoint in the terminal."),
     "serve": ("dsv3.infer.cli:serve_app", "Serve a checkpoint over an OpenAI-compatible HTTP API."),
     "draft-vocab": ("dsv3.infer.draft_vocab_cli:app", "Rank a checkpoint's tokens by frequency for --draft-vocab."),
-    "convert": ("dsv3.checkpoint_cli:app", "Convert a DeepSeek-format checkpoint between FP8 and BF16."),
+    "convert": ("dsv3.checkpoint_cli:app", "Convert a checkpoint --to bf16 or fp8, or export a training run --to hf."),
     "analyze": ("dsv3.analysis.cli:analyze_app", "Memory, FLOPs and speed bounds of any model on any hardware."),
     "paper": ("dsv3.analysis.cli:paper_app", "The paper's tables side by side with our numbers."),
-    "plan": ("dsv3.analysis.plan_cli:app", "Plan a cluster: memory, step time and throughput of a layout."),
+    "plan": ("dsv3.analysis.plan_cli:app", "Plan a cluster to train or serve: memory, step time, throughput."),
     "study": ("dsv3.studies.cli:app", "Numerical studies: FP8 accumulation, FP8 training, LogFMT."),
-    "net": ("dsv3.network.cli:app", "Network topologies, their cost, and a flow-level simulator."),
-    "bench": ("dsv3.bench_cli:app", "Benchmarks: expert-parallel layer, decode speed."),
+    "net": ("dsv3.network.cli:app", "Network: build a topology, its cost; simulate and sweep traffic on it."),
+    "bench": ("dsv3.bench_cli:app", "Benchmarks: expert-parallel (ep), pipeline bubble, decode speed, serve load."),
 }
 
 
@@ -33,13 +33,42 @@ def _usage() -> str:
     width = max(len(name) for name in COMMANDS)
     lines = ["usage: dsv3 COMMAND [ARGS]...", "", "DeepSeek-V3 as one readable PyTorch codebase.", "", "commands:"]
     lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "Run `dsv3 COMMAND --help` for a command's options."]
+    lines += ["", "Run `dsv3 COMMAND --help` for a command's options, `dsv3 --version` for the version."]
     return "\n".join(lines)
+
+
+def _version() -> str:
+    """The installed distribution's version (pyproject.toml's, via the package metadata)."""
+    from importlib.metadata import version
+
+    return f"dsv3 {version('dsv3')}"
 
 
 def _load(target: str):
     module_name, attr = target.split(":")
     return getattr(importlib.import_module(module_name), attr)
+
+
+def click_command(name: str):
+    """The click command behind `dsv3 NAME`, built from its typer app: what the tests walk to check option
+    names and to parse the docs' command lines without running them."""
+    import typer
+
+    return typer.main.get_command(_load(COMMANDS[name][0]))
+
+
+def leaf_commands():
+    """Every runnable command as (words after `dsv3`, its click command): `("plan", "train")`, ..."""
+    def walk(command, path):
+        children = getattr(command, "commands", None)
+        if not children:
+            yield path, command
+            return
+        for child_name, child in children.items():
+            yield from walk(child, (*path, child_name))
+
+    for name in COMMANDS:
+        yield from walk(click_command(name), (name,))
 
 
 def _click_outcome(exc: Exception) -> int | None:
@@ -61,6 +90,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
         print(_usage())
+        return 0
+    if argv[0] == "--version":
+        print(_version())
         return 0
     name, rest = argv[0], argv[1:]
     if name not in COMMANDS:

@@ -41,15 +41,30 @@ from dsv3.errors import DSV3Error
 from dsv3.io import publish_tree, staging_dir
 from dsv3.run_dir import is_sharded_checkpoint, resolve_checkpoint
 
+TARGETS = ("bf16", "fp8", "hf")  # what --to takes
+# transformers' DeepseekV3ForCausalLM has no MTP layer and skips the keys of layer 61 on load without a word
+# (V3's own MTP layer, a pattern fixed in its class); any other model's MTP layer it lists as UNEXPECTED.
+TRANSFORMERS_QUIET_MTP_LAYER = 61
 FP8_CONFIG = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+
+
+def mtp_load_note(cfg: ModelConfig) -> str | None:
+    """Why transformers will list the MTP layer's keys as UNEXPECTED when it loads this checkpoint, and that
+    they are kept on purpose; None when it will not list them (no MTP layer, or V3's own depth)."""
+    first, count = cfg.num_hidden_layers, cfg.num_nextn_predict_layers
+    if count == 0 or first == TRANSFORMERS_QUIET_MTP_LAYER:
+        return None
+    layers = f"model.layers.{first}.*" if count == 1 else f"model.layers.{first}-{first + count - 1}.*"
+    return (f"note: {layers} is the MTP layer, kept on purpose as DeepSeek's checkpoints keep theirs; "
+            "transformers loads the main model and lists those keys as UNEXPECTED (see docs/model.md)")
 
 
 def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: bool = False) -> dict:
     """Convert ``src`` into ``dst`` with weights in ``to`` ("bf16", "fp8", or "hf": the whole model in the HF
     layout as it loads, e.g. a training checkpoint exported); returns a summary."""
     src, dst = Path(src), Path(dst)
-    if to not in ("bf16", "fp8", "hf"):
-        raise DSV3Error(f"--to must be bf16, fp8 or hf, got {to!r}")
+    if to not in TARGETS:
+        raise DSV3Error(f"--to must be one of {', '.join(TARGETS)}, got {to!r}")
     if not src.is_dir():
         raise DSV3Error(f"source checkpoint folder not found: {src}")
     src = resolve_checkpoint(src)  # a training run folder means its latest checkpoint

@@ -103,7 +103,7 @@ class Layout:
         if self.pp > 1:
             args += ["--pp", str(self.pp), "--pp-schedule", self.schedule]
             if self.microbatches is not None:
-                args += ["--microbatches", str(self.microbatches)]
+                args += ["--micro-batches", str(self.microbatches)]
         if self.ep > 1:
             args += ["--ep", str(self.ep)]
             if self.gpus_per_node > 1:
@@ -146,7 +146,7 @@ class Layout:
         if self.schedule not in SCHEDULES:
             raise DSV3Error(f"--pp-schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.microbatches is not None and self.microbatches < 1:
-            raise DSV3Error(f"--microbatches must be at least 1, got {self.microbatches}")
+            raise DSV3Error(f"--micro-batches must be at least 1, got {self.microbatches}")
 
     def _check_ep(self) -> None:
         if self.dp % self.ep:

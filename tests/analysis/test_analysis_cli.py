@@ -27,7 +27,7 @@ def test_analyze_json_has_the_required_keys(capsys):
 
 
 def test_analyze_options_change_the_figures(capsys):
-    _, out, _ = run(capsys, "analyze", "--preset", "llama-3.1-405b", "--json", "--kv-dtype", "fp8",
+    _, out, _ = run(capsys, "analyze", "--preset", "llama-3.1-405b", "--json", "--cache-dtype", "fp8",
                     "--context", "1000", "--batch", "3", "--seq-len", "8192", "--hardware", "m4-max")
     r = json.loads(out)
     assert r["kv_bytes_per_token"] == 516_096 and r["kv_bytes_per_token_at_kv_dtype"] == 516_096 / 2
@@ -84,7 +84,7 @@ def test_malformed_or_unsupported_config_exits_2(capsys, tmp_path, content, mess
     (["--preset", "gpt-5"], "unknown preset"),
     ([], "exactly one of"),
     (["--preset", "nano", "--config", "x.json"], "exactly one of"),
-    (["--preset", "nano", "--kv-dtype", "fp7"], "unknown dtype"),
+    (["--preset", "nano", "--cache-dtype", "fp7"], "unknown dtype"),
     (["--preset", "nano", "--json", "--markdown"], "one of --json and --markdown"),
     (["--config", "/nonexistent/config.json"], "not found"),
     (["--preset", "nano", "--mfu", "2"], "MFU"),

@@ -148,8 +148,8 @@ def test_fsdp_and_tensor_parallel_pay_for_their_communication(paper):
     (["train", "--pp", "16"], "both --pp and --ep"),
     (["serve", "--combine", "fp4"], "combine format"),
     (["train", "--gpus", "1000000000"], "between 1 and"),
-    (["train", "--network", "foo", "--pp", "16", "--ep", "64"], "unknown network"),
-    (["train", "--pp", "64", "--ep", "32", "--schedule", "dualpipev"], "exceed the 62 layers"),
+    (["train", "--topology", "foo", "--pp", "16", "--ep", "64"], "unknown topology"),
+    (["train", "--pp", "64", "--ep", "32", "--pp-schedule", "dualpipev"], "exceed the 62 layers"),
     (["train", "--hardware", "m4-max", "--gpus", "16", "--global-batch", "64"], "no scale-out"),
     (["serve", "--config", "llama-3.1-405b"], "no routed experts"),
 ])
@@ -188,3 +188,16 @@ def test_plot_dir_writes_the_charts(tmp_path, capsys):
     assert sorted(p.rsplit("/", 1)[1] for p in plots) == ["plan_nic.png", "plan_step.png"]
     for p in plots:
         assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_serve_plot_dir_writes_the_decode_chart(tmp_path, capsys):
+    """docs/plan.md: every `plan` command takes --plot-dir; serve's chart sweeps the batch around the one asked
+    for, so the batch given is one of its points."""
+    args = ["plan", "serve", "--batch-per-gpu", "48", "--json", "--plot-dir", str(tmp_path / "charts")]
+    assert main(args) == 0
+    plots = json.loads(capsys.readouterr().out)["plots"]
+    assert [p.rsplit("/", 1)[1] for p in plots] == ["plan_serve_decode.png"]
+    assert open(plots[0], "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+    from dsv3.analysis.plan_plots import _decode_batches
+
+    assert 48 in _decode_batches(48) and {8, 128, 512} <= set(_decode_batches(48))

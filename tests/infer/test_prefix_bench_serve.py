@@ -51,7 +51,7 @@ def server_url(checkpoint, tmp_path_factory):
 
 def test_bench_serve_against_a_real_server(server_url, capsys):
     args = ["bench", "serve", "--url", server_url + "/v1/", "--concurrency", "2", "--requests", "6",
-            "--prompt-len", "40", "--gen-len", "5", "--shared-prefix", "32"]
+            "--prompt-len", "40", "--new-tokens", "5", "--shared-prefix", "32"]
     assert main(args + ["--json"]) == 0
     r = json.loads(capsys.readouterr().out)
     assert (r["completed"], r["errors"], r["url"]) == (6, 0, server_url)
@@ -89,7 +89,7 @@ def test_bench_serve_with_no_server_is_one_clear_error(url, message, capsys):
 @pytest.mark.parametrize(("extra", "message"), [
     (["--shared-prefix", "50", "--prompt-len", "40"], "--shared-prefix (50) cannot exceed --prompt-len (40)"),
     (["--concurrency", "0"], "--concurrency must be >= 1"),
-    (["--prompt-len", "2000", "--gen-len", "100"], "exceeds the model's context (1024)"),
+    (["--prompt-len", "2000", "--new-tokens", "100"], "exceeds the model's context (1024)"),
     (["--model", "gpt-9"], "does not serve 'gpt-9'; it serves tiny-serve"),
 ])
 def test_bench_serve_bad_flags(server_url, extra, message, capsys):

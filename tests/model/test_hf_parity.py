@@ -93,3 +93,29 @@ def test_transformers_checkpoint_loads_in_dsv3(name, tmp_path):
     assert diff < 1e-4, diff
     # transformers does not save the MTP layer; the main model still loads and matches
     assert ours.config.num_nextn_predict_layers == 0
+
+
+@pytest.mark.parametrize("layers", [3, 61])
+def test_convert_says_why_transformers_reports_the_mtp_layer(layers, tmp_path, capsys):
+    """docs/model.md: transformers lists the MTP layer (model.layers.{num_hidden_layers}.*) as UNEXPECTED and
+    misses nothing, except at V3's own depth of 61, whose MTP keys it skips silently; `dsv3 convert` says so
+    in one stderr line exactly when transformers will list them."""
+    from dsv3.cli import main
+
+    cfg = ModelConfig(**{**BASE, **CASES["v3-groups-nonorm"], "num_hidden_layers": layers}).validate()
+    torch.manual_seed(0)
+    Transformer(cfg).save_pretrained(tmp_path / "src")
+    assert main(["convert", str(tmp_path / "src"), str(tmp_path / "hf"), "--to", "hf"]) == 0
+    notes = capsys.readouterr().err.splitlines()
+    _, info = transformers.DeepseekV3ForCausalLM.from_pretrained(tmp_path / "hf", dtype=torch.float32,
+                                                                 output_loading_info=True)
+    prefix = f"model.layers.{layers}."
+    assert any(k.startswith(prefix) for k in load_pretrained(tmp_path / "hf").state_dict())  # the MTP layer
+    assert not info["missing_keys"]
+    if layers == 61:
+        assert notes == [] and not info["unexpected_keys"]
+    else:  # one line per tensor (transformers' names: the experts' gate and up merged), all the MTP layer's
+        assert info["unexpected_keys"] and all(k.startswith(prefix) for k in info["unexpected_keys"])
+        assert notes == [f"note: model.layers.{layers}.* is the MTP layer, kept on purpose as DeepSeek's checkpoints "
+                         "keep theirs; transformers loads the main model and lists those keys as UNEXPECTED (see "
+                         "docs/model.md)"]

@@ -12,7 +12,7 @@ def run(capsys, *args):
 
 
 def test_topology_json_counts_agree(capsys):
-    code, out, _ = run(capsys, "topology", "--kind", "ft3", "--radix", "8", "--json")
+    code, out, _ = run(capsys, "topology", "--topology", "ft3", "--radix", "8", "--json")
     d = json.loads(out)
     assert code == 0 and d["counts_agree"]
     assert d["endpoints"] == {"formula": 128, "graph": 128}
@@ -20,7 +20,7 @@ def test_topology_json_counts_agree(capsys):
 
 
 def test_topology_slimfly_q28_is_an_error(capsys):
-    code, out, err = run(capsys, "topology", "--kind", "sf", "--q", "28", "--json")
+    code, out, err = run(capsys, "topology", "--topology", "sf", "--q", "28", "--json")
     assert code == 2 and out == "" and "not a prime power" in err and "Traceback" not in err
 
 

@@ -28,7 +28,7 @@ def test_bench_ep_json(capsys):
             "8",
             "--topk",
             "2",
-            "--topk-groups",
+            "--node-limit",
             "1",
             "--tokens",
             "8",
@@ -73,8 +73,8 @@ def test_bench_ep_json(capsys):
         ["--dispatch", "fp4"],
         ["--combine", "e5m2"],
         ["--nodes", "0"],
-        ["--topk-groups", "3"],
-        ["--redundant", "2"],
+        ["--node-limit", "3"],
+        ["--redundant-experts", "2"],
     ],
 )
 def test_bench_ep_rejects_bad_input(args):

@@ -224,7 +224,7 @@ def test_bubble_benchmark_refuses_an_impossible_layout_before_starting(monkeypat
     spec = importlib.util.spec_from_file_location("pipeline_bubble", path)
     bench = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(bench)
-    monkeypatch.setattr(sys, "argv", ["pipeline_bubble.py", "--schedules", "dualpipev", "--microbatches", "3"])
+    monkeypatch.setattr(sys, "argv", ["pipeline_bubble.py", "--schedules", "dualpipev", "--micro-batches", "3"])
     with pytest.raises(SystemExit) as exit_info:
         bench.main()
     out = capsys.readouterr()

@@ -30,7 +30,7 @@ def specs(monkeypatch):
 
 
 def test_json_report_and_defaults(specs, capsys):
-    args = ["bench", "pipeline", "--pp", "2", "--schedule", "dualpipev", "--layers", "4", "--json"]
+    args = ["bench", "pipeline", "--pp", "2", "--pp-schedule", "dualpipev", "--layers", "4", "--json"]
     assert main(args) == 0
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and json.loads(out)["rows"][0]["measured_bubble"] == 0.25
@@ -39,7 +39,7 @@ def test_json_report_and_defaults(specs, capsys):
 
 
 def test_text_report(specs, capsys):
-    assert main(["bench", "pipeline", "--microbatches", "2", "--layers", "2"]) == 0
+    assert main(["bench", "pipeline", "--micro-batches", "2", "--layers", "2"]) == 0
     out = capsys.readouterr().out
     assert "measured bubble 25.0%" in out and "peak saved activations per rank: 1.00 MiB, 0.50 MiB" in out
     assert specs[0].microbatches == 2
@@ -48,7 +48,7 @@ def test_text_report(specs, capsys):
 def test_ep_reaches_the_benchmark_and_the_hidden_share_is_reported(specs, capsys):
     ROW.update(ep=2, comm_hidden_share=0.375)
     try:
-        assert main(["bench", "pipeline", "--schedule", "dualpipev", "--microbatches", "4", "--ep", "2"]) == 0
+        assert main(["bench", "pipeline", "--pp-schedule", "dualpipev", "--micro-batches", "4", "--ep", "2"]) == 0
     finally:
         del ROW["ep"], ROW["comm_hidden_share"]
     assert "EP2 all-to-all hidden by the overlapped F&B pairs: 37.5%" in capsys.readouterr().out
@@ -68,11 +68,11 @@ def test_hidden_share_arithmetic():
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--schedule", "gpipe"], "--schedule must be one of"),
+    (["--pp-schedule", "gpipe"], "--pp-schedule must be one of"),
     (["--pp", "1"], "--pp must be 2..16"),
-    (["--schedule", "1f1b", "--microbatches", "1"], "at least as many micro-batches as stages"),
-    (["--schedule", "dualpipev", "--layers", "2"], "would hold no layer"),
-    (["--overlap"], "--overlap needs --schedule dualpipev"),
+    (["--pp-schedule", "1f1b", "--micro-batches", "1"], "at least as many micro-batches as stages"),
+    (["--pp-schedule", "dualpipev", "--layers", "2"], "would hold no layer"),
+    (["--overlap"], "--overlap needs --pp-schedule dualpipev"),
     (["--steps", "0"], "--steps must be at least 1"),
     (["--pp", "4", "--ep", "8"], "--pp x --ep at most 16 processes"),
     (["--ep", "3"], "--ep 3 must divide the model's 16 routed experts"),

@@ -5,6 +5,7 @@ combine format really changes the forward pass, and the captured tensors are the
 """
 
 import json
+import math
 import random
 
 import pytest
@@ -69,7 +70,7 @@ def test_every_format_trains_and_results_are_keyed_per_format_and_seed(settings)
     runs = {(r["format"], r["seed"]): r for r in result["runs"]}
     assert set(runs) == {(f, s) for f in formats for s in seeds} and len(result["runs"]) == 12
     for run in result["runs"]:
-        assert run["skipped_steps"] == 0 and run["val_loss"] == pytest.approx(run["val_loss"])  # finite
+        assert run["skipped_steps"] == 0 and math.isfinite(run["val_loss"])
         assert run["tokens"] == settings["steps"] * settings["batch_size"] * settings["seq_len"]
     for seed in seeds:
         # same seed, same init and data: only the combine's rounding can move the first loss

@@ -97,7 +97,7 @@ def test_pp2_dualpipev_matches_one_process(single_run, pp_argv, torchrun, tmp_pa
 def test_pp2_times_dp2_matches_one_process(single_run, pp_argv, torchrun, tmp_path):
     out = tmp_path / "pp2dp2"  # 4 processes: two replicas of a 2-stage pipeline, 2 sequences each
     summary = torchrun(4, pp_argv(out, "--steps", "2", "--lr", "3e-3", *CONSTANT_LR, "--save-every", "2",
-                                  "--eval-every", "2", "--pp", "2", "--microbatches", "2"))
+                                  "--eval-every", "2", "--pp", "2", "--micro-batches", "2"))
     assert summary["world_size"] == 4 and summary["step"] == 2
     assert_same_rows(single_run, out)
 
@@ -107,7 +107,7 @@ def test_pp2_times_ep2_matches_one_process(single_run, pp_argv, torchrun, tmp_pa
     2 replicas (EP2): the train rows, expert loads and saved logits of one process."""
     out = tmp_path / "pp2ep2"
     summary = torchrun(4, pp_argv(out, "--steps", "2", "--lr", "3e-3", *CONSTANT_LR, "--save-every", "2",
-                                  "--eval-every", "2", "--pp", "2", "--microbatches", "2", "--ep", "2",
+                                  "--eval-every", "2", "--pp", "2", "--micro-batches", "2", "--ep", "2",
                                   "--gpus-per-node", "1"))
     assert summary["world_size"] == 4 and summary["step"] == 2
     assert summary["parameters"] == sum(p.numel() for p in dsv3.load_pretrained(single_run / "latest").parameters())

@@ -73,7 +73,8 @@ def analyze_command(
     context: Annotated[int | None, typer.Option(help="Decode context for KV cache and decode bounds "
                                                      "(default: seq-len).")] = None,
     batch: Annotated[int, typer.Option(help="Sequences in the KV cache.")] = 1,
-    kv_dtype: Annotated[str, typer.Option(help="KV cache dtype: bf16, fp16, fp8, int8, 4bit, fp32.")] = "bf16",
+    kv_dtype: Annotated[str, typer.Option("--cache-dtype",
+                                          help="KV cache dtype: bf16, fp16, fp8, int8, 4bit, fp32.")] = "bf16",
     weight_dtype: Annotated[str, typer.Option(help="Weight dtype for the local decode bound.")] = "4bit",
     hardware: Annotated[list[str] | None, typer.Option(help="Hardware preset or YAML/JSON file; repeatable "
                                                             "(default: all presets).")] = None,

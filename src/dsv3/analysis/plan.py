@@ -268,7 +268,7 @@ def fabric_factor(network: str, ep: int, domain: int, nic_gbps: float) -> float:
     from dsv3.network.simulate import SimConfig, run_simulation
 
     if network not in KINDS:
-        raise DSV3Error(f"unknown network {network!r}; choose one of {', '.join(KINDS)}")
+        raise DSV3Error(f"unknown topology {network!r}; choose one of {', '.join(KINDS)}")
     if ep <= domain or ep % domain:
         return 1.0
     cfg = SimConfig(topology=TopologySpec(kind=network, endpoints=ep, gpus_per_node=domain), traffic="ep-dispatch",
@@ -551,7 +551,7 @@ def check_cluster(cluster: Cluster) -> None:
     if not 1 <= cluster.gpus <= MAX_GPUS:
         raise DSV3Error(f"--gpus must be between 1 and {MAX_GPUS:,}, got {cluster.gpus}")
     if cluster.network not in KINDS:
-        raise DSV3Error(f"unknown network {cluster.network!r}; choose one of {', '.join(KINDS)}")
+        raise DSV3Error(f"unknown topology {cluster.network!r}; choose one of {', '.join(KINDS)}")
     a = Assumptions()
     if cluster.gpus > cluster.domain and cluster.nic_bytes_s(a) <= 0:
         raise DSV3Error(f"{cluster.hardware.name} has no scale-out bandwidth; give --nic-gbps")
@@ -562,7 +562,7 @@ def check_cluster(cluster: Cluster) -> None:
 def check_layout(layout: Layout, gpus: int, global_batch: int, arch: Architecture, a: Assumptions) -> int:
     """The data-parallel degree of a layout, or one clear error naming what does not divide."""
     if layout.schedule not in SCHEDULES:
-        raise DSV3Error(f"--schedule must be one of {', '.join(SCHEDULES)}, got {layout.schedule!r}")
+        raise DSV3Error(f"--pp-schedule must be one of {', '.join(SCHEDULES)}, got {layout.schedule!r}")
     if layout.dp_shard not in DP_SHARDS:
         raise DSV3Error(f"--dp-shard must be one of {', '.join(DP_SHARDS)}, got {layout.dp_shard!r}")
     if min(layout.pp, layout.ep, layout.tp) < 1:

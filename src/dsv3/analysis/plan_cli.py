@@ -168,7 +168,7 @@ def _search_payload(result: dict[str, Any]) -> dict[str, Any]:
 def train_command(
     config: ConfigOpt = "deepseek-v3", hardware: HardwareOpt = "h800",
     gpus: Annotated[int, typer.Option(help="GPUs in the job.")] = 2048,
-    network: Annotated[str, typer.Option(help="Topology: mpft, mrft, ft2, ft3, sf, df.")] = "mpft",
+    topology: Annotated[str, typer.Option(help="ft2 | ft3 | mpft | mrft | sf | df")] = "mpft",
     seq_len: Annotated[int, typer.Option(help="Tokens per sequence.")] = 4096,
     global_batch: Annotated[int, typer.Option(help="Sequences per optimizer step.")] = 15360,
     pp: Annotated[int | None, typer.Option(help="Pipeline stages (with --ep: plan this layout; "
@@ -176,7 +176,7 @@ def train_command(
     ep: Annotated[int | None, typer.Option(help="Expert-parallel degree (divides DP).")] = None,
     tp: Annotated[int, typer.Option(help="Tensor-parallel degree.")] = 1,
     dp_shard: Annotated[str, typer.Option(help="zero1, fsdp or none.")] = "zero1",
-    schedule: Annotated[str, typer.Option(help="dualpipe, dualpipev or 1f1b.")] = "dualpipe",
+    pp_schedule: Annotated[str, typer.Option(help="Pipeline schedule: dualpipe, dualpipev or 1f1b.")] = "dualpipe",
     compute: Annotated[str, typer.Option(help="GEMM precision: fp8 or bf16.")] = "fp8",
     master: Annotated[str, typer.Option(help="Master weights: fp32, bf16 or none.")] = "fp32",
     grads: Annotated[str, typer.Option(help="Gradient accumulation dtype: fp32, bf16.")] = "fp32",
@@ -188,7 +188,7 @@ def train_command(
     """Per-GPU memory and the step time in Table 4's terms; without --pp/--ep, rank the layouts that fit."""
     arch = load_architecture(config)
     knobs = _knobs(nvlink_gbs, nic_gbps, scale_up_domain, multicast, in_network_reduce, combine, sm_offload)
-    cluster = Cluster(_hardware(hardware), gpus, network, knobs)
+    cluster = Cluster(_hardware(hardware), gpus, topology, knobs)
     check_cluster(cluster)
     prec = Precision(compute=compute, master=master, grads=grads, moments=moments)
     a = Assumptions()
@@ -205,7 +205,7 @@ def train_command(
             payload["plots"] = [str(plot_memory(result["ranked"], plot_dir / "plan_memory.png", capacity))]
         _emit(payload, as_json, lambda: _render_search(result))
         return
-    layout = Layout(pp=pp, ep=ep, dp_shard=dp_shard, schedule=schedule, tp=tp)
+    layout = Layout(pp=pp, ep=ep, dp_shard=dp_shard, schedule=pp_schedule, tp=tp)
     plan = plan_train(arch, cluster, layout, seq_len, global_batch, prec, a)
     if not plan.fits:
         raise DSV3Error(f"{arch.name} does not fit: {layout.label()} needs {plan.memory['total'] / GB:.1f} GB per "
@@ -262,7 +262,7 @@ def serve_command(
     cache_hit: Annotated[float, typer.Option(help="Share of prompt tokens served from a prefix cache.")] = 0.0,
     nvlink_gbs: NvlOpt = None, nic_gbps: NicOpt = None, scale_up_domain: DomainOpt = None,
     multicast: MulticastOpt = False, in_network_reduce: ReduceOpt = False, combine: CombineOpt = "bf16",
-    sm_offload: OffloadOpt = False, as_json: JsonOpt = False,
+    sm_offload: OffloadOpt = False, as_json: JsonOpt = False, plot_dir: PlotOpt = None,
 ) -> None:
     """Prefill and decode throughput per node and TPOT, with the EP communication bound beside them."""
     arch = load_architecture(config)
@@ -273,4 +273,10 @@ def serve_command(
     a = Assumptions()
     result = plan_serve(arch, cluster, prefill_gpus, decode_gpus, opts, a)
     payload = {**result, "options": asdict(opts), "knobs": asdict(knobs), "assumptions": _assumptions_payload(a)}
+    if plot_dir is not None:
+        from dsv3.analysis.plan_plots import plot_serve
+
+        published = result["published"]["decode_tokens_per_s_per_node"] if "published" in result else None
+        payload["plots"] = [str(plot_serve(arch, cluster, decode_gpus, opts, a, plot_dir / "plan_serve_decode.png",
+                                           published))]
     _emit(payload, as_json, lambda: _render_serve(result))

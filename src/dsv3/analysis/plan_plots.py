@@ -1,4 +1,5 @@
-"""PNG charts of `dsv3 plan`: the step-time breakdown, memory per GPU per layout, tokens/day versus NIC speed.
+"""PNG charts of `dsv3 plan`: the step-time breakdown, memory per GPU per layout, tokens/day versus NIC speed,
+and for `plan serve` decode latency and throughput versus the batch per GPU.
 
 matplotlib is imported inside each function, so `dsv3 plan` without --plot-dir never loads it; each PNG
 is written atomically (dsv3.io.save_figure).
@@ -16,13 +17,13 @@ from dsv3.io import save_figure
 PARTS = ("1F", "1B", "1W", "1F1B", "bubble", "opt")
 
 
-def _figure(width: float = 7.5, height: float = 4.2):
+def _figure(width: float = 7.5, height: float = 4.2, ncols: int = 1):
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt.subplots(figsize=(width, height), dpi=120)
+    return plt.subplots(1, ncols, figsize=(width, height), dpi=120)
 
 
 def _folder(path: Path) -> None:
@@ -98,5 +99,56 @@ def plot_knob(arch, cluster, layout, seq_len, global_batch, prec, a, path: Path)
     ax.set_title(f"Tokens/day versus scale-out bandwidth, {layout.label()}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
+    fig.tight_layout()
+    return save_figure(fig, path)
+
+
+def _decode_batches(chosen: int) -> list[int]:
+    """Powers of two from 8 to 512 and the batch asked for: the sweep the serving chart draws."""
+    return sorted({2**i for i in range(3, 10)} | {chosen})
+
+
+def _batch_panel(ax, batches: list[int], values: list[float], fits: list[bool], chosen: int, label: str) -> None:
+    """One curve over the batch sweep (log2 axis), hollow where the batch does not fit, the chosen batch dotted."""
+    ax.plot(batches, values, "-", color="#4C72B0", label=label)
+    for b, v, fit in zip(batches, values, fits, strict=True):
+        ax.plot(b, v, "o", color="#4C72B0", markerfacecolor="#4C72B0" if fit else "white")
+    ax.axvline(chosen, color="grey", linestyle=":", linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches], fontsize=8)
+    ax.set_xlabel("decode sequences per GPU (--batch-per-gpu)")
+    ax.set_ylim(bottom=0)
+    ax.grid(alpha=0.3)
+
+
+def plot_serve(arch, cluster, decode_gpus: int, opts, a, path: Path, published_per_node: float | None) -> Path:
+    """Decode TPOT (with the EP communication bound under it) and output tokens/s per node versus the
+    sequences each GPU decodes per step: the latency a user sees against what a node serves, the other
+    inputs held. Batches whose KV cache and weights do not fit are drawn hollow."""
+    from dsv3.analysis.plan_serve import decode
+
+    _folder(path)
+    batches = _decode_batches(opts.decode_batch)
+    runs = [decode(arch, cluster, decode_gpus, replace(opts, decode_batch=b), a) for b in batches]
+    fits = [r["fits"] for r in runs]
+    fig, (left, right) = _figure(width=9.0, height=3.8, ncols=2)
+    _batch_panel(left, batches, [r["tpot_ms"] for r in runs], fits, opts.decode_batch, "planner TPOT")
+    left.plot(batches, [r["ep_comm_bound_tpot_ms"] for r in runs], "--", color="#C44E52",
+              label="EP communication bound")
+    if not all(fits):
+        left.plot([], [], "o", color="#4C72B0", markerfacecolor="white", label="KV cache + weights exceed HBM")
+    left.set(ylabel="TPOT (ms)")
+    left.set_title("Time per output token", fontsize=10)
+    left.legend(fontsize=7, loc="upper left")
+    _batch_panel(right, batches, [r["tokens_per_s_per_node"] / 1e3 for r in runs], fits, opts.decode_batch,
+                 "planner")
+    if published_per_node is not None:
+        right.axhline(published_per_node / 1e3, color="black", linestyle="--", linewidth=1,
+                      label=f"published {published_per_node / 1e3:.1f}k (24 h average)")
+    right.set(ylabel="output tokens/s per node (thousands)")
+    right.set_title("Decode throughput per node", fontsize=10)
+    right.legend(fontsize=7, loc="lower right")
+    fig.suptitle(f"{arch.name} decode on {decode_gpus} {cluster.hardware.name} GPUs (EP{decode_gpus}), "
+                 f"context {opts.context}; dotted: --batch-per-gpu {opts.decode_batch}", fontsize=10)
     fig.tight_layout()
     return save_figure(fig, path)

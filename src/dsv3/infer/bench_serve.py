@@ -4,7 +4,7 @@ benchmark_serving.
 R streaming requests go to ``/v1/completions``, at most C at a time. Each prompt is L random token ids
 (the vocabulary size comes from the server's ``/v1/models`` card, or ``--vocab-size``); the first K are
 the same in every prompt (``--shared-prefix``), which is what a prefix cache reuses. Each asks for
-exactly G tokens (``ignore_eos``). Time to first token (TTFT) is measured from sending the request to
+exactly N tokens (``--new-tokens``, ``ignore_eos``). Time to first token (TTFT) is measured from sending the request to
 the first streamed chunk, time per output token (TPOT) over the rest of the stream; the server's
 ``usage`` (``stream_options.include_usage``) gives the token counts and the cached prompt tokens.
 
@@ -203,7 +203,7 @@ def main(
                                  help="Requests in all (default: 16)."),
     prompt_len: int = typer.Option(256, "--prompt-len", metavar="L", show_default=False,
                                    help="Prompt tokens per request (default: 256)."),
-    gen_len: int = typer.Option(32, "--gen-len", metavar="G", show_default=False,
+    gen_len: int = typer.Option(32, "--new-tokens", metavar="N", show_default=False,
                                 help="Tokens generated per request, end-of-text ignored (default: 32)."),
     shared_prefix: int = typer.Option(0, "--shared-prefix", metavar="K", show_default=False,
                                       help="Leading prompt tokens every request shares (default: 0)."),
@@ -216,7 +216,7 @@ def main(
 ) -> None:
     """Throughput and latency (TTFT, TPOT p50/p99) of a running server under load."""
     for value, low, flag in ((concurrency, 1, "--concurrency"), (requests, 1, "--requests"),
-                             (prompt_len, 1, "--prompt-len"), (gen_len, 1, "--gen-len"),
+                             (prompt_len, 1, "--prompt-len"), (gen_len, 1, "--new-tokens"),
                              (shared_prefix, 0, "--shared-prefix"), (seed, 0, "--seed")):
         if value < low:
             raise DSV3Error(f"{flag} must be >= {low}, got {value}")
@@ -231,7 +231,7 @@ def main(
         raise DSV3Error("the server does not report its vocab_size: pass --vocab-size")
     context = card.get("max_model_len")
     if isinstance(context, int) and prompt_len + gen_len > context:
-        raise DSV3Error(f"--prompt-len + --gen-len ({prompt_len + gen_len}) exceeds the model's context ({context})")
+        raise DSV3Error(f"--prompt-len + --new-tokens ({prompt_len + gen_len}) exceeds the model's context ({context})")
     warm = stream_completion(base, card["id"], make_prompts(1, 4, 0, vocab, seed + 1)[0], 2, timeout)
     if not warm.ok:
         raise DSV3Error(f"the server at {base} cannot serve a test request: {warm.error}")

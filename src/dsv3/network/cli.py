@@ -36,10 +36,10 @@ def _json_default(o):
     return str(o)
 
 
-def _spec(kind, k, planes, rails, q, p, a, h, g, gpus, gpus_per_node) -> TopologySpec:
-    if kind not in KINDS:
-        raise DSV3Error(f"--kind/--topology must be one of {', '.join(KINDS)}, got {kind!r}")
-    return TopologySpec(kind=kind, k=k, planes=planes, rails=rails, q=q, p=p, a=a, h=h, g=g,
+def _spec(topology, radix, planes, rails, q, p, a, h, g, gpus, gpus_per_node) -> TopologySpec:
+    if topology not in KINDS:
+        raise DSV3Error(f"--topology must be one of {', '.join(KINDS)}, got {topology!r}")
+    return TopologySpec(kind=topology, k=radix, planes=planes, rails=rails, q=q, p=p, a=a, h=h, g=g,
                         endpoints=gpus, gpus_per_node=gpus_per_node)
 
 
@@ -66,8 +66,8 @@ def _progress(enabled: bool):
 
 @app.command()
 def topology(
-    kind: str = typer.Option("mpft", "--kind", help="ft2 | ft3 | mpft | mrft | sf | df"),
-    k: int = typer.Option(64, "--radix", "-k", help="switch radix (fat trees)"),
+    topology: str = typer.Option("mpft", "--topology", help="ft2 | ft3 | mpft | mrft | sf | df"),
+    radix: int = typer.Option(64, "--radix", "-k", help="switch radix (fat trees)"),
     planes: int = typer.Option(8, help="MPFT planes"),
     rails: int = typer.Option(8, help="MRFT rails"),
     q: int = typer.Option(5, help="Slim Fly q (a prime power)"),
@@ -81,12 +81,12 @@ def topology(
     markdown: bool = typer.Option(False, "--markdown", help="print a Markdown table"),
 ) -> None:
     """Build a topology graph and count endpoints, switches and links by formula and by graph."""
-    topo = build_topology(_spec(kind, k, planes, rails, q, p, a, h, g, gpus, gpus_per_node))
+    topo = build_topology(_spec(topology, radix, planes, rails, q, p, a, h, g, gpus, gpus_per_node))
     d = describe(topo)
     rows = [[key, d[key]["formula"], d[key]["graph"]] for key in ("endpoints", "switches", "links")]
     rows += [["diameter (switch hops)", d["diameter_switch_hops"]["formula"], d["diameter_switch_hops"]["graph"]],
              ["bisection links", d["bisection_links"]["formula"], d["bisection_links"]["graph"]]]
-    text = f"{kind.upper()} {d['params']}\n" + format_table(["metric", "formula", "graph"], rows, markdown)
+    text = f"{topology.upper()} {d['params']}\n" + format_table(["metric", "formula", "graph"], rows, markdown)
     text += "\n" + format_notes(d["notes"], 10**6 if markdown else None)
     _emit(d, as_json, text)
 
@@ -98,14 +98,14 @@ def cost(
     link_price: float = typer.Option(None, help="dollars per switch-to-switch link (long, optical)"),
     local_link_price: float = typer.Option(None, help="dollars per short intra-group link (Dragonfly)"),
     endpoint_price: float = typer.Option(None, help="dollars per endpoint cable (not in Table 3)"),
-    k: int = typer.Option(64, "--radix", "-k", help="switch radix for the fat-tree rows"),
+    radix: int = typer.Option(64, "--radix", "-k", help="switch radix for the fat-tree rows"),
     planes: int = typer.Option(8, help="MPFT planes"),
     as_json: bool = typer.Option(False, "--json"),
     markdown: bool = typer.Option(False, "--markdown"),
 ) -> None:
     """Table 3: counts, cost and cost per endpoint for FT2, MPFT, FT3, SF, DF, beside the paper's."""
     prices = resolve_prices(preset, switch_price, link_price, local_link_price, endpoint_price)
-    rows = price_table(prices, k, planes, endpoint_cables=endpoint_price is not None)
+    rows = price_table(prices, radix, planes, endpoint_cables=endpoint_price is not None)
     headers = ["row", "endpoints", "switches", "links", "cost M$", "paper M$", "k$ per endpoint", "paper k$/EP",
                "match"]
     table = []
@@ -129,10 +129,10 @@ def cost(
 def _sim_config(**o) -> SimConfig:
     if o["traffic"] not in TRAFFICS:
         raise DSV3Error(f"--traffic must be one of {', '.join(TRAFFICS)}")
-    spec = _spec(o["topology"], o["k"], o["planes"], o["rails"], o["q"], o["p"], o["a"], o["h"], o["g"],
+    spec = _spec(o["topology"], o["radix"], o["planes"], o["rails"], o["q"], o["p"], o["a"], o["h"], o["g"],
                  o["gpus"], o["gpus_per_node"])
     ep = EPSpec(tokens_per_gpu=o["tokens"], hidden=o["hidden"], experts=o["experts"], topk=o["topk"],
-                node_limit=o["node_limit"], dedup=o["dedup"], ep_size=o["ep_size"], expert_skew=o["expert_skew"])
+                node_limit=o["node_limit"], dedup=o["dedup"], ep_size=o["ep"], expert_skew=o["expert_skew"])
     return SimConfig(
         topology=spec, traffic=o["traffic"], routing=o["routing"], message_bytes=parse_bytes(o["message_bytes"]),
         fail_plane=o["fail_plane"], fail_links=o["fail_links"], fail_switches=o["fail_switches"],
@@ -162,7 +162,7 @@ def _sim_text(r: dict, markdown: bool) -> str:
 
 
 _TOPO_OPTS = dict(
-    k=typer.Option(64, "--radix", "-k", help="switch radix"),
+    radix=typer.Option(64, "--radix", "-k", help="switch radix"),
     planes=typer.Option(8, help="MPFT planes"), rails=typer.Option(8, help="MRFT rails"),
     q=typer.Option(5, help="Slim Fly q"), p=typer.Option(4, help="Dragonfly p"), a=typer.Option(8, help="Dragonfly a"),
     h=typer.Option(4, help="Dragonfly h"), g=typer.Option(None, help="Dragonfly g"),
@@ -198,14 +198,14 @@ def simulate(
     topk: int = typer.Option(8, help="EP: experts per token"),
     node_limit: int = typer.Option(4, help="EP: max nodes per token (0 = no limit)"),
     dedup: bool = typer.Option(True, help="EP: one IB copy per destination node"),
-    ep_size: int = typer.Option(None, help="EP: GPUs per EP group (default all)"),
+    ep: int = typer.Option(None, "--ep", help="EP: GPUs per EP group, the expert-parallel degree (default all)"),
     expert_skew: float = typer.Option(0.0, help="EP: std of per-expert popularity (logit offset)"),
     seed: int = typer.Option(0),
     rtol: float = typer.Option(1e-3, help="0 = exact max-min; larger = faster with bounded error"),
     plot_dir: Path = typer.Option(None, help="write a link-utilization histogram PNG here"),
     as_json: bool = typer.Option(False, "--json"),
     markdown: bool = typer.Option(False, "--markdown"),
-    k: int = _TOPO_OPTS["k"], planes: int = _TOPO_OPTS["planes"], rails: int = _TOPO_OPTS["rails"],
+    radix: int = _TOPO_OPTS["radix"], planes: int = _TOPO_OPTS["planes"], rails: int = _TOPO_OPTS["rails"],
     q: int = _TOPO_OPTS["q"], p: int = _TOPO_OPTS["p"], a: int = _TOPO_OPTS["a"], h: int = _TOPO_OPTS["h"],
     g: int = _TOPO_OPTS["g"], gpus_per_node: int = _TOPO_OPTS["gpus_per_node"],
 ) -> None:
@@ -238,7 +238,7 @@ def sweep_cmd(
     seed: int = typer.Option(0), rtol: float = typer.Option(1e-3),
     plot_dir: Path = typer.Option(None, help="write bandwidth-vs-size and bandwidth-vs-GPUs PNGs here"),
     as_json: bool = typer.Option(False, "--json"), markdown: bool = typer.Option(False, "--markdown"),
-    k: int = _TOPO_OPTS["k"], planes: int = _TOPO_OPTS["planes"], rails: int = _TOPO_OPTS["rails"],
+    radix: int = _TOPO_OPTS["radix"], planes: int = _TOPO_OPTS["planes"], rails: int = _TOPO_OPTS["rails"],
 ) -> None:
     """Bandwidth over topologies x GPU counts x routing policies x message sizes (tables and plots)."""
     try:
@@ -250,7 +250,7 @@ def sweep_cmd(
         raise DSV3Error(f"cannot read the sweep lists: {exc}") from exc
     if traffic.startswith("ep-"):
         raise DSV3Error("sweep scales message sizes; use `dsv3 net simulate` for EP traffic")
-    base = SimConfig(topology=TopologySpec(k=k, planes=planes, rails=rails), traffic=traffic, group=group,
+    base = SimConfig(topology=TopologySpec(k=radix, planes=planes, rails=rails), traffic=traffic, group=group,
                      placement=placement, pxn=pxn, link_layer=link_layer, qps=qps, seed=seed, rtol=rtol)
     with _progress(max(counts) >= 512) as update:
         rows = sweep(base, kinds, counts, size_list, routing_list, update)

@@ -59,11 +59,11 @@ def ep_workload(n_gpus: int, gpus_per_node: int, spec: EPSpec, phase: str, seed:
     G = gpus_per_node
     ep = spec.ep_size or n_gpus
     if ep % G or n_gpus % ep or ep < G:
-        raise DSV3Error(f"--ep-size {ep} must be a multiple of {G} GPUs per node and divide {n_gpus} GPUs")
+        raise DSV3Error(f"--ep {ep} must be a multiple of {G} GPUs per node and divide {n_gpus} GPUs")
     nodes = ep // G
     if spec.experts % ep:
         raise DSV3Error(f"{spec.experts} experts cannot be spread evenly over an EP group of {ep} GPUs; "
-                        f"set --ep-size to a divisor of the expert count (e.g. 64) or change --experts")
+                        f"set --ep to a divisor of the expert count (e.g. 64) or change --experts")
     if not 1 <= spec.topk <= spec.experts:
         raise DSV3Error("--topk must be between 1 and the number of experts")
     limit = spec.node_limit if spec.node_limit and spec.node_limit < nodes else 0

@@ -33,7 +33,8 @@ def main(
     gpus_per_node: Annotated[int, typer.Option(help="EP ranks per node.")] = 2,
     experts: Annotated[int, typer.Option(help="Routed experts.")] = 16,
     topk: Annotated[int, typer.Option(help="Experts per token.")] = 4,
-    topk_groups: Annotated[int, typer.Option(help="Node limit M: groups (= nodes) a token may use.")] = 2,
+    topk_groups: Annotated[int, typer.Option("--node-limit",
+                                             help="Node limit M: groups (= nodes) a token may use.")] = 2,
     tokens: Annotated[int, typer.Option(help="Tokens per rank.")] = 64,
     hidden: Annotated[int, typer.Option(help="Hidden size.")] = 256,
     inter: Annotated[int, typer.Option(help="Expert intermediate size (default hidden / 4).")] = 0,
@@ -48,7 +49,8 @@ def main(
         int, typer.Option(help="Repeats of the dual micro-batch timing (0: skip).")
     ] = 3,
     eplb_policy: Annotated[str, typer.Option("--eplb", help="none | hierarchical | global.")] = "none",
-    redundant: Annotated[int, typer.Option(help="Redundant expert slots in total (with --eplb).")] = 0,
+    redundant: Annotated[int, typer.Option("--redundant-experts",
+                                           help="Redundant expert slots in total (with --eplb).")] = 0,
     skew: Annotated[float, typer.Option(help="Make some experts hot (Zipf-like selection bias).")] = 0.0,
     seed: Annotated[int, typer.Option(help="Random seed.")] = 0,
     timeout: Annotated[float, typer.Option(help="Seconds before a hung run is aborted.")] = 300.0,
@@ -101,7 +103,7 @@ def _check(nodes, gpus, dispatch, combine, dtype, policy, redundant, tokens, hid
     if policy not in EPLB_POLICIES:
         raise DSV3Error(f"--eplb must be one of {', '.join(EPLB_POLICIES)}, got {policy!r}")
     if redundant < 0 or (redundant and policy == "none"):
-        raise DSV3Error("--redundant needs --eplb and must be >= 0")
+        raise DSV3Error("--redundant-experts needs --eplb and must be >= 0")
     if tokens < 1 or hidden < 1:
         raise DSV3Error("--tokens and --hidden must be positive")
     if combine.startswith("logfmt") and hidden % 8:

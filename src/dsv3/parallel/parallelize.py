@@ -172,7 +172,7 @@ class Parallelized:
         if self.pipe is not None and per_rank % self.pipe.plan.microbatches:
             raise DSV3Error(
                 f"each data-parallel replica gets {per_rank} sequences per micro-step (--batch-size / "
-                f"(replicas x --grad-accum)), which does not split into --microbatches "
+                f"(replicas x --grad-accum)), which does not split into --micro-batches "
                 f"{self.pipe.plan.microbatches}; make it a multiple")
 
     def no_sync(self) -> contextlib.AbstractContextManager:

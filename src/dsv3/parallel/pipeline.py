@@ -119,13 +119,13 @@ def _stages_per_rank(schedule: str, stages_per_rank: int | None) -> int:
 def _check_microbatches(schedule: str, ranks: int, stages: int, microbatches: int) -> None:
     """The schedules' own requirements, checked before any process group exists."""
     if microbatches < 1:
-        raise DSV3Error(f"--microbatches must be at least 1, got {microbatches}")
+        raise DSV3Error(f"--micro-batches must be at least 1, got {microbatches}")
     if schedule in ("1f1b", "dualpipev") and microbatches < stages:
         raise DSV3Error(f"--pp-schedule {schedule} needs at least as many micro-batches as stages ({stages}), "
                         f"got {microbatches}")
     rounds = max(1, microbatches // ranks)
     if schedule == "interleaved" and microbatches % rounds:
-        raise DSV3Error(f"--pp-schedule interleaved needs --microbatches a multiple of {rounds} (the number of "
+        raise DSV3Error(f"--pp-schedule interleaved needs --micro-batches a multiple of {rounds} (the number of "
                         f"rounds of {ranks}), got {microbatches}")
 
 

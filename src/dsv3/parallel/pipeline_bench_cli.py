@@ -22,10 +22,12 @@ MAX_PROCESSES = 16
 
 def main(
     pp: Annotated[int, typer.Option(help="Pipeline ranks (processes).")] = 2,
-    schedule: Annotated[str, typer.Option(help=f"One of {', '.join(SCHEDULES)}.")] = "1f1b",
-    microbatches: Annotated[int, typer.Option(help="Micro-batches per step (default: twice the stages).")] = 0,
+    schedule: Annotated[str, typer.Option("--pp-schedule",
+                                          help=f"Pipeline schedule: one of {', '.join(SCHEDULES)}.")] = "1f1b",
+    microbatches: Annotated[int, typer.Option("--micro-batches",
+                                              help="Micro-batches per step (default: twice the stages).")] = 0,
     micro_batch: Annotated[int, typer.Option(help="Sequences per micro-batch.")] = 2,
-    seq: Annotated[int, typer.Option(help="Tokens per sequence.")] = 64,
+    seq: Annotated[int, typer.Option("--seq-len", help="Tokens per sequence.")] = 64,
     layers: Annotated[int, typer.Option(help="Transformer layers (nano's structure).")] = 8,
     hidden: Annotated[int, typer.Option(help="Hidden size.")] = 128,
     steps: Annotated[int, typer.Option(help="Measured steps (after one warm-up step).")] = 3,
@@ -60,15 +62,15 @@ def _spec(pp, schedule, microbatches, micro_batch, seq, layers, hidden, steps, o
     if ep < 1 or pp * ep > MAX_PROCESSES:
         raise DSV3Error(f"--ep must be at least 1 with --pp x --ep at most {MAX_PROCESSES} processes, got {ep}")
     if schedule not in SCHEDULES:
-        raise DSV3Error(f"--schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
-    for name, value in (("micro-batch", micro_batch), ("seq", seq), ("layers", layers), ("hidden", hidden),
+        raise DSV3Error(f"--pp-schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    for name, value in (("micro-batch", micro_batch), ("seq-len", seq), ("layers", layers), ("hidden", hidden),
                         ("steps", steps)):
         if value < 1:
             raise DSV3Error(f"--{name} must be at least 1, got {value}")
     if microbatches < 0:
-        raise DSV3Error(f"--microbatches must be at least 1 (0: the default), got {microbatches}")
+        raise DSV3Error(f"--micro-batches must be at least 1 (0: the default), got {microbatches}")
     if overlap and schedule != "dualpipev":
-        raise DSV3Error(f"--overlap needs --schedule dualpipev, not {schedule}")
+        raise DSV3Error(f"--overlap needs --pp-schedule dualpipev, not {schedule}")
     stages = pp * (1 if schedule == "1f1b" else 2)
     spec = BubbleSpec(schedule=schedule, pp=pp, microbatches=microbatches or 2 * stages, micro_batch=micro_batch,
                       seq=seq, layers=layers, hidden=hidden, steps=steps, overlap=overlap, seed=seed, ep=ep)

@@ -83,7 +83,7 @@ def train(
         None, help="Pipeline schedule with --pp: 1f1b, interleaved, zbv or dualpipev (default: 1f1b)."
     ),
     microbatches: int = typer.Option(
-        None, help="Micro-batches per pipeline step with --pp (default: one per stage: P, or 2P for "
+        None, "--micro-batches", help="Micro-batches per pipeline step with --pp (default: one per stage: P, or 2P for "
         "interleaved, zbv and dualpipev)."
     ),
     save_every: int = typer.Option(None, help="Checkpoint every N steps (default: 200)."),

@@ -135,9 +135,9 @@ class TrainOptions:
         if self.pp_schedule not in SCHEDULES:
             raise DSV3Error(f"--pp-schedule must be one of {', '.join(SCHEDULES)}, got {self.pp_schedule!r}")
         if self.microbatches is not None and self.microbatches < 1:
-            raise DSV3Error(f"--microbatches must be at least 1, got {self.microbatches}")
+            raise DSV3Error(f"--micro-batches must be at least 1, got {self.microbatches}")
         if (self.pp or 1) == 1 and (self.microbatches is not None or self.pp_schedule != "1f1b"):
-            raise DSV3Error("--pp-schedule and --microbatches shape pipeline stages: they need --pp 2 or more")
+            raise DSV3Error("--pp-schedule and --micro-batches shape pipeline stages: they need --pp 2 or more")
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
