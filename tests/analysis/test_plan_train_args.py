@@ -75,3 +75,12 @@ def test_the_trainer_reads_the_paper_plans_flags_on_2048_processes():
 def test_an_unknown_flag_is_refused_by_the_trainer_parser():
     with pytest.raises(Exception, match="No such option"):
         trainer_layout(["--pipeline", "2"], 4)
+
+
+@pytest.mark.xfail(strict=True, reason="Layout.train_args leaves out --gpus-per-node 1, and dsv3 train's default is 2")
+def test_one_gpu_nodes_reach_the_trainer():
+    """GPUs without a scale-up domain (one per node): the EP group spans EP nodes of one GPU each."""
+    arch, cluster, *_ = paper_setup()
+    one_per_node = replace(cluster, gpus=4, network="ft2", knobs=replace(cluster.knobs, scale_up_domain=1))
+    plan = plan_train(arch, one_per_node, planned_layout(4, 1, 4, "zero1", "1f1b"), 512, 16)
+    assert trainer_layout(plan.train_args, 4).gpus_per_node == 1
