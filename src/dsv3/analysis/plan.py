@@ -554,14 +554,16 @@ def trainer_flags(layout: Layout, micro_batches: int, domain: int,
                   layers: int) -> tuple[list[str] | None, str | None]:
     """The ``dsv3 train`` flags (`Layout.train_args`) that run a planned layout, and a note when they run
     something else or there are none. The plan's micro-batches per pipeline are ``--microbatches``; its EP
-    groups span nodes of ``domain`` GPUs (``--gpus-per-node``; a group inside one node is one node). The
+    groups span nodes of ``domain`` GPUs (``--gpus-per-node``; a group inside one node is one node); with one
+    data-parallel replica its sharding is none (the same step). The
     trainer does not run the bidirectional DualPipe: its flags run DualPipeV on the same layout instead,
     when the model's ``layers`` fill DualPipeV's 2 x PP stages."""
     if layout.tp > 1:
         return None, (f"tensor parallelism (TP{layout.tp}) is modelled by the planner only; `dsv3 train` runs "
                       "pipeline, expert and data parallelism")
     run = replace(layout, gpus_per_node=min(layout.ep, domain) if layout.ep > 1 else 1,
-                  microbatches=micro_batches if layout.pp > 1 else None)
+                  microbatches=micro_batches if layout.pp > 1 else None,
+                  dp_shard=layout.dp_shard if layout.dp > 1 else "none")  # one replica: nothing to shard
     note = None
     if layout.schedule == "dualpipe":
         run = replace(run, schedule="dualpipev")
