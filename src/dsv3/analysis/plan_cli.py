@@ -110,11 +110,11 @@ def _memory_rows(plan: TrainPlan) -> list[list[Any]]:
     return [[k, f"{v / GB:.1f}"] for k, v in plan.memory.items()]
 
 
-def _print_train_flags(plan: TrainPlan, lead: str = "dsv3 train flags") -> None:
+def _print_train_flags(plan: TrainPlan) -> None:
     """The `dsv3 train` flags of a plan (under torchrun on as many processes as GPUs), then its note."""
     con = _console()
     if plan.train_args is not None:
-        con.print(f"{lead}: {' '.join(plan.train_args)}", markup=False, highlight=False, soft_wrap=True)
+        con.print(f"dsv3 train flags: {' '.join(plan.train_args)}", markup=False, highlight=False, soft_wrap=True)
     if plan.train_args_note:
         con.print(f"note: {plan.train_args_note}", markup=False, highlight=False)
 
