@@ -2,9 +2,9 @@
 
 import typer
 
+from dsv3 import bench_ep as ep_bench
 from dsv3.infer import bench as decode_bench
 from dsv3.infer import bench_serve
-from dsv3.parallel import bench as ep_bench
 from dsv3.parallel import pipeline_bench_cli as pipeline_bench
 
 app = typer.Typer(help="Benchmarks: expert-parallel layer, pipeline bubble, decode speed, serving load.",

@@ -182,3 +182,30 @@ class Layout:
                       dispatch=self.dispatch, combine=self.combine if self.combine in combines else None,
                       schedule=self.schedule if pp > 1 else "1f1b",
                       microbatches=self.microbatches if pp > 1 else None)
+
+
+# ---- the pipeline bubble ------------------------------------------------------------------------------
+def pipeline_bubble(schedule: str, pp: int, F: float, B: float, W: float,
+                    FB: float | None = None) -> tuple[str | None, float | None]:
+    """The idle time of one pipeline step on ``pp`` ranks, as the DualPipe README gives it: (formula, seconds).
+
+    ``F``, ``B`` and ``W`` are one micro-batch's forward, full backward and weight-gradient backward through
+    one stage (one chunk); ``FB`` an overlapped forward-and-backward pair (the README's F&B), F + B when
+    nothing overlaps. The README's PP counts stages: ``pp`` for 1F1B and the bidirectional DualPipe (two
+    stages per rank, of the model's two copies), ``2 pp`` for DualPipeV (one copy folded in a V), so both
+    DualPipes' (PP/2-1) is ``pp/2 - 1`` and ``pp - 1`` here. Never below zero (a W larger than the pair it
+    fills in would be). ZBV's bubble is zero when F = B = W and the README gives no formula for it: (None,
+    None). The one formula for the planner (`dsv3 plan train`) and the bubble benchmark (`dsv3 bench
+    pipeline`)."""
+    pair, pair_text = (F + B, "F&B = F+B") if FB is None else (FB, "F&B overlapped")
+    if schedule == "1f1b":
+        return "(PP-1)(F+B)", (pp - 1) * (F + B)
+    if schedule == "interleaved":
+        return "(PP-1)(F+B), F and B of one of a rank's stages (Megatron's interleaved bubble)", (pp - 1) * (F + B)
+    if schedule == "dualpipev":
+        return f"(PP/2-1)(F&B+B-3W), PP = 2P stages, {pair_text}", max(0.0, (pp - 1) * (pair + B - 3 * W))
+    if schedule == "dualpipe":
+        return f"(PP/2-1)(F&B+B-3W), PP = P stages, {pair_text}", max(0.0, (pp / 2 - 1) * (pair + B - 3 * W))
+    if schedule == "zbv":
+        return None, None
+    raise DSV3Error(f"no bubble formula for schedule {schedule!r}; one of {', '.join(PLANNED_SCHEDULES)}")

@@ -12,13 +12,14 @@ from dsv3.analysis.plan import (
     V3_PRETRAIN_GPU_HOURS,
     Assumptions,
     Knobs,
-    Layout,
     Precision,
     _fit_loss,
     fit_to_table4,
     gpu_hours,
+    label,
     paper_setup,
     plan_train,
+    planned_layout,
     search,
     table4_errors,
 )
@@ -168,7 +169,7 @@ def test_json_states_fitted_assumptions_and_paper_errors(capsys):
 
 
 def test_layout_label_and_schedule_choice():
-    assert Layout(pp=16, ep=64).label() == "PP16 dualpipe EP64 zero1"
+    assert label(planned_layout(2048, pp=16, ep=64)) == "PP16 dualpipe EP64 zero1"
 
 
 def test_nvl72_domain_speeds_training(paper):

@@ -6,8 +6,8 @@ import json
 import pytest
 import typer
 
+from dsv3.bench_ep import main
 from dsv3.errors import DSV3Error
-from dsv3.parallel.bench import main
 
 app = typer.Typer()
 app.command()(main)

@@ -25,10 +25,12 @@ from dsv3.analysis.flops import attention_macs_per_key, train_flops_per_token
 from dsv3.analysis.hardware import Hardware
 from dsv3.analysis.params import count_params, router_params, swiglu_params
 from dsv3.errors import DSV3Error
+from dsv3.layout import PLANNED_SCHEDULES, SHARDINGS, STAGES_PER_RANK, Layout, pipeline_bubble
 
 GB = 1e9
-SCHEDULES = ("dualpipe", "dualpipev", "1f1b")
-DP_SHARDS = ("zero1", "fsdp", "none")
+# The schedules whose step this model prices (Table 4's bidirectional DualPipe first): the trainer runs
+# dualpipev and 1f1b; it also runs interleaved and zbv, which the planner does not price.
+MODELLED_SCHEDULES = ("dualpipe", "dualpipev", "1f1b")
 COMBINE_FORMATS = {"bf16": 2.0, "fp8": 1.0 + 4 / 128, "logfmt10": 10 / 8 + 4 / 128}
 DTYPE_BYTES = {"fp32": 4.0, "bf16": 2.0, "fp8": 1.0, "none": 0.0}
 
@@ -97,17 +99,24 @@ class Knobs:
             raise DSV3Error("--scale-up-domain must be >= 1")
 
 
-@dataclass(frozen=True)
-class Layout:
-    pp: int
-    ep: int
-    dp_shard: str = "zero1"
-    schedule: str = "dualpipe"
-    tp: int = 1
+def planned_layout(gpus: int, pp: int, ep: int, dp_shard: str = "zero1", schedule: str = "dualpipe",
+                   tp: int = 1) -> Layout:
+    """The `dsv3.layout.Layout` the planner reasons about: ``pp`` x ``tp`` x DP = ``gpus``, DP from the
+    cluster (`check_layout` refuses a remainder). The defaults are Table 4's: ZeRO-1 and the bidirectional
+    DualPipe."""
+    return Layout(pp=pp, dp=max(1, gpus // max(1, pp * tp)), ep=ep, dp_shard=dp_shard, tp=tp, schedule=schedule)
 
-    def label(self) -> str:
-        tp = f" TP{self.tp}" if self.tp > 1 else ""
-        return f"PP{self.pp} {self.schedule} EP{self.ep}{tp} {self.dp_shard}"
+
+def label(layout: Layout) -> str:
+    """The planner's short name of a layout, e.g. ``PP16 dualpipe EP64 zero1``."""
+    tp = f" TP{layout.tp}" if layout.tp > 1 else ""
+    return f"PP{layout.pp} {layout.schedule} EP{layout.ep}{tp} {layout.dp_shard}"
+
+
+def model_stages(layout: Layout) -> int:
+    """Pipeline stages the model is cut into: ``2 pp`` under DualPipeV's V (and interleaved 1F1B), else
+    ``pp`` (DualPipe's ranks hold two stages each, one of each of the model's two copies)."""
+    return layout.pp if layout.schedule == "dualpipe" else layout.pp * STAGES_PER_RANK[layout.schedule]
 
 
 @dataclass(frozen=True)
@@ -376,7 +385,7 @@ def _busiest_rank(arch: Architecture, counts: ModelCounts, layout: Layout) -> tu
     """(non-expert parameters, layers) of the rank holding the most: in both DualPipe variants rank r holds
     stages r and (stages - 1 - r), so rank 0 carries the embedding and the head with the MTP module."""
     two_chunks = layout.schedule in ("dualpipe", "dualpipev")
-    stages = layout.pp * (2 if layout.schedule == "dualpipev" else 1)
+    stages = model_stages(layout)
     split = _stage_split(counts, stages)
     tables = counts.embedding_params * (1 if arch.tie_word_embeddings else 2)
     layer_ne = (counts.non_expert_params - tables) / counts.layers
@@ -398,7 +407,7 @@ def _activation_bytes(arch: Architecture, counts: ModelCounts, layout: Layout, s
     act = activation_bytes_per_token(arch)
     moe_share = counts.moe_layers / counts.layers
     per_layer = act["attention"] + moe_share * act["moe_ffn"] + (1 - moe_share) * act["dense_ffn"]
-    stages = layout.pp * (2 if layout.schedule == "dualpipev" else 1)
+    stages = model_stages(layout)
     in_flight = {"dualpipe": layout.pp + 1, "dualpipev": 2 * layout.pp + 1, "1f1b": layout.pp}[layout.schedule]
     return in_flight * a.micro_batch_seqs * seq_len * counts.layers / stages * per_layer / layout.tp
 
@@ -440,7 +449,7 @@ class ChunkTimes:
 def chunk_times(arch: Architecture, counts: ModelCounts, cluster: Cluster, layout: Layout, seq_len: int,
                 prec: Precision, a: Assumptions) -> ChunkTimes:
     hw = cluster.hardware
-    stages = layout.pp * (2 if layout.schedule == "dualpipev" else 1)
+    stages = model_stages(layout)
     tokens = a.micro_batch_seqs * seq_len
     share = cluster.compute_share(a)
     gemm_rate = hw.peak_tflops(prec.compute) * 1e12 * a.gemm_efficiency * share * layout.tp
@@ -451,7 +460,7 @@ def chunk_times(arch: Architecture, counts: ModelCounts, cluster: Cluster, layou
     moe_layers_per_chunk = counts.moe_layers / stages
     comm = moe_layers_per_chunk * ep_phase_seconds(tokens / layout.tp, arch, cluster, layout, a)
     if layout.dp_shard == "fsdp":  # every chunk gathers its stage's weights again (forward and backward)
-        dp = cluster.gpus // (layout.pp * layout.tp)
+        dp = layout.dp
         ex_dp = max(dp // layout.ep, 1)
         stage_ne = counts.non_expert_params / stages / layout.tp
         stage_ex = counts.expert_params / stages / layout.ep / layout.tp
@@ -478,13 +487,8 @@ def step_breakdown(ct: ChunkTimes, layout: Layout, chunks: int, a: Assumptions) 
     b_alone = ct.b + ct.w + ct.comm + ct.p2p
     w_alone = ct.w
     pair = _pair_seconds(ct.f + ct.b + ct.w, 2 * ct.comm + 2 * ct.p2p, a.pair_overlap)
-    if layout.schedule == "1f1b":
-        steady = f_alone + b_alone
-        bubble = (layout.pp - 1) * (f_alone + b_alone)
-    else:
-        steady = 0.0
-        virtual = layout.pp - 1 if layout.schedule == "dualpipev" else layout.pp / 2 - 1
-        bubble = max(0.0, virtual * (pair + b_alone - 3 * w_alone))
+    steady = f_alone + b_alone if layout.schedule == "1f1b" else 0.0
+    _, bubble = pipeline_bubble(layout.schedule, layout.pp, f_alone, b_alone, w_alone, FB=pair)
     return {
         "1F": ops["F"] * f_alone,
         "1B": ops["B"] * b_alone + ops["Bi"] * bi_alone,
@@ -531,16 +535,47 @@ class TrainPlan:
     mfu_causal: float
     chunk: dict[str, float]
     ep_traffic: dict[str, Any] = field(default_factory=dict)
+    train_args: list[str] | None = None  # the `dsv3 train` flags of this layout (None: the trainer cannot run it)
+    train_args_note: str | None = None  # what the flags run instead of the plan, or why there are none
 
     def as_dict(self) -> dict[str, Any]:
         out = asdict(self)
-        out["layout"] = {**asdict(self.layout), "label": self.layout.label(), "dp": self.dp}
+        out["layout"] = {**{k: getattr(self.layout, k) for k in PLANNED_FIELDS}, "label": label(self.layout)}
         out["memory_gb"] = {k: v / GB for k, v in self.memory.items()}
         del out["memory"]
         return out
 
 
 MAX_GPUS = 2**20
+PLANNED_FIELDS = ("pp", "ep", "dp_shard", "schedule", "tp", "dp")  # the Layout fields a plan reasons about
+
+
+def trainer_flags(layout: Layout, micro_batches: int, domain: int,
+                  layers: int) -> tuple[list[str] | None, str | None]:
+    """The ``dsv3 train`` flags (`Layout.train_args`) that run a planned layout, and a note when they run
+    something else or there are none. The plan's micro-batches per pipeline are ``--microbatches``; its EP
+    groups span nodes of ``domain`` GPUs (``--gpus-per-node``; a group inside one node is one node); with one
+    data-parallel replica its sharding is none (the same step). The
+    trainer does not run the bidirectional DualPipe: its flags run DualPipeV on the same layout instead,
+    when the model's ``layers`` fill DualPipeV's 2 x PP stages."""
+    if layout.tp > 1:
+        return None, (f"tensor parallelism (TP{layout.tp}) is modelled by the planner only; `dsv3 train` runs "
+                      "pipeline, expert and data parallelism")
+    run = replace(layout, gpus_per_node=min(layout.ep, domain) if layout.ep > 1 else 1,
+                  microbatches=micro_batches if layout.pp > 1 else None,
+                  dp_shard=layout.dp_shard if layout.dp > 1 else "none")  # one replica: nothing to shard
+    note = None
+    if layout.schedule == "dualpipe":
+        run = replace(run, schedule="dualpipev")
+        if model_stages(run) > layers:
+            return None, (f"dsv3 train does not run the bidirectional DualPipe, and DualPipeV on PP{layout.pp} "
+                          f"would cut the {layers} layers into {model_stages(run)} stages")
+        note = ("dsv3 train does not run the bidirectional DualPipe (two copies of the model); these flags run "
+                "DualPipeV, its one-copy V, on the same layout (plan it with --schedule dualpipev)")
+    try:
+        return run.check(layout.world).train_args(), note
+    except DSV3Error as err:
+        return None, f"dsv3 train cannot run this layout: {err}"
 
 
 def check_cluster(cluster: Cluster) -> None:
@@ -561,16 +596,18 @@ def check_cluster(cluster: Cluster) -> None:
 
 def check_layout(layout: Layout, gpus: int, global_batch: int, arch: Architecture, a: Assumptions) -> int:
     """The data-parallel degree of a layout, or one clear error naming what does not divide."""
-    if layout.schedule not in SCHEDULES:
-        raise DSV3Error(f"--pp-schedule must be one of {', '.join(SCHEDULES)}, got {layout.schedule!r}")
-    if layout.dp_shard not in DP_SHARDS:
-        raise DSV3Error(f"--dp-shard must be one of {', '.join(DP_SHARDS)}, got {layout.dp_shard!r}")
+    if layout.schedule not in MODELLED_SCHEDULES:
+        others = [s for s in PLANNED_SCHEDULES if s not in MODELLED_SCHEDULES]
+        raise DSV3Error(f"--pp-schedule must be one of {', '.join(MODELLED_SCHEDULES)}, got {layout.schedule!r} "
+                        f"(dsv3 train also runs {' and '.join(others)}; the planner does not price them)")
+    if layout.dp_shard not in SHARDINGS:
+        raise DSV3Error(f"--dp-shard must be one of {', '.join(SHARDINGS)}, got {layout.dp_shard!r}")
     if min(layout.pp, layout.ep, layout.tp) < 1:
         raise DSV3Error("--pp, --ep and --tp must be >= 1")
-    if gpus % (layout.pp * layout.tp):
-        raise DSV3Error(f"layout PP{layout.pp} x TP{layout.tp} does not divide {gpus} GPUs "
+    if gpus % (layout.pp * layout.tp) or layout.world != gpus:
+        raise DSV3Error(f"layout PP{layout.pp} x TP{layout.tp} x DP{layout.dp} does not match {gpus} GPUs "
                         f"(PP x TP x DP must equal --gpus)")
-    dp = gpus // (layout.pp * layout.tp)
+    dp = layout.dp
     if dp % layout.ep:
         raise DSV3Error(f"EP{layout.ep} must divide the data-parallel degree {dp} (= {gpus} GPUs / PP{layout.pp}"
                         f"{f' / TP{layout.tp}' if layout.tp > 1 else ''}): EP borrows the data-parallel ranks")
@@ -578,7 +615,7 @@ def check_layout(layout: Layout, gpus: int, global_batch: int, arch: Architectur
         raise DSV3Error(f"EP{layout.ep} must divide the {arch.moe.n_routed if arch.is_moe else 0} routed experts")
     if layout.schedule in ("dualpipe", "dualpipev") and layout.pp % 2:
         raise DSV3Error(f"{layout.schedule} needs an even --pp, got {layout.pp}")
-    stages = layout.pp * (2 if layout.schedule == "dualpipev" else 1)
+    stages = model_stages(layout)
     if stages > arch.num_layers + arch.mtp_layers:
         raise DSV3Error(f"{stages} pipeline stages exceed the {arch.num_layers + arch.mtp_layers} layers "
                         f"of {arch.name}")
@@ -611,12 +648,14 @@ def plan_train(arch: Architecture, cluster: Cluster, layout: Layout, seq_len: in
     parts["opt"] = opt["total"]
     step = sum(parts.values())
     tokens = global_batch * seq_len
+    flags, note = trainer_flags(layout, chunks, cluster.domain, counts.layers)
     causal_flops = tokens * train_flops_per_token(arch, count_params(arch), seq_len)  # Table 4's MFU: no MTP
     return TrainPlan(
         layout=layout, dp=dp, micro_batches=chunks, memory=mem, fits=mem["total"] <= capacity_bytes(cluster.hardware),
         breakdown=parts, optimizer=opt, step_s=step, tokens_per_step=tokens, tokens_per_day=tokens / step * 86400,
         mfu_causal=causal_flops / step / cluster.gpus / (cluster.hardware.bf16_tflops * 1e12),
         chunk=asdict(ct), ep_traffic=_traffic_summary(arch, cluster, layout, a),
+        train_args=flags, train_args_note=note,
     )
 
 
@@ -648,7 +687,8 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(arch: Architecture, gpus: int, global_batch: int, a: Assumptions,
-                      dp_shards: tuple[str, ...] = ("zero1", "fsdp"), schedules: tuple[str, ...] = SCHEDULES,
+                      dp_shards: tuple[str, ...] = ("zero1", "fsdp"),
+                      schedules: tuple[str, ...] = MODELLED_SCHEDULES,
                       tps: tuple[int, ...] = (1, 2, 4, 8)) -> list[Layout]:
     """Every layout the checks accept: PP x TP x DP = GPUs, EP dividing DP and the expert count."""
     out = []
@@ -661,7 +701,7 @@ def candidate_layouts(arch: Architecture, gpus: int, global_batch: int, a: Assum
             for ep in eps:
                 for schedule in schedules if pp > 1 else ("1f1b",):
                     for shard in dp_shards:
-                        layout = Layout(pp=pp, ep=ep, dp_shard=shard, schedule=schedule, tp=tp)
+                        layout = planned_layout(gpus, pp, ep, shard, schedule, tp)
                         try:
                             check_layout(layout, gpus, global_batch, arch, a)
                         except DSV3Error:
@@ -685,7 +725,7 @@ def search(arch: Architecture, cluster: Cluster, seq_len: int, global_batch: int
     fitting = sorted((p for p in plans if p.fits), key=lambda p: -p.tokens_per_day)
     if not fitting:
         least = min(plans, key=lambda p: p.memory["total"], default=None)
-        need = f"; the smallest layout needs {least.memory['total'] / GB:.1f} GB per GPU ({least.layout.label()})" \
+        need = f"; the smallest layout needs {least.memory['total'] / GB:.1f} GB per GPU ({label(least.layout)})" \
             if least else ""
         counts = model_counts(arch)
         per_param = DTYPE_BYTES[prec.weights] + DTYPE_BYTES[prec.grads] + DTYPE_BYTES[prec.master] \
@@ -695,8 +735,9 @@ def search(arch: Architecture, cluster: Cluster, seq_len: int, global_batch: int
                         f"{need}; its {counts.total_params / 1e9:.0f}B parameters x {per_param:g} B of weights, "
                         f"gradients and optimizer state alone need {floor:.0f} GB per GPU fully sharded")
     best_tp = max((p for p in fitting if p.layout.tp > 1), key=lambda p: p.tokens_per_day, default=None)
+    trainer = next((p for p in fitting if p.train_args is not None and p.train_args_note is None), None)
     return {"ranked": fitting[:top], "considered": len(plans) + refused, "fit": len(fitting),
-            "did_not_fit": len(plans) - len(fitting), "best_with_tp": best_tp}
+            "did_not_fit": len(plans) - len(fitting), "best_with_tp": best_tp, "best_for_trainer": trainer}
 
 
 # ---- calibration ------------------------------------------------------------------------------------
@@ -707,7 +748,7 @@ def paper_setup() -> tuple[Architecture, Cluster, Layout, int, int]:
     from dsv3.analysis.hardware import HARDWARE_PRESETS
 
     return (load_architecture("deepseek-v3"), Cluster(HARDWARE_PRESETS["h800"], 2048, "mpft"),
-            Layout(pp=16, ep=64, dp_shard="zero1", schedule="dualpipe"), 4096, 15360)
+            planned_layout(2048, pp=16, ep=64, dp_shard="zero1", schedule="dualpipe"), 4096, 15360)
 
 
 def is_paper_setup(arch: Architecture, cluster: Cluster, layout: Layout, seq_len: int, global_batch: int) -> bool:

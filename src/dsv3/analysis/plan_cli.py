@@ -20,14 +20,15 @@ from dsv3.analysis.plan import (
     Assumptions,
     Cluster,
     Knobs,
-    Layout,
     Precision,
     TrainPlan,
     capacity_bytes,
     check_cluster,
     gpu_hours,
     is_paper_setup,
+    label,
     plan_train,
+    planned_layout,
     search,
     sensitivity,
     table4_errors,
@@ -109,9 +110,19 @@ def _memory_rows(plan: TrainPlan) -> list[list[Any]]:
     return [[k, f"{v / GB:.1f}"] for k, v in plan.memory.items()]
 
 
+def _print_train_flags(plan: TrainPlan) -> None:
+    """The `dsv3 train` flags of a plan (under torchrun on as many processes as GPUs), then its note."""
+    con = _console()
+    if plan.train_args is not None:
+        con.print(f"dsv3 train flags: {' '.join(plan.train_args)}", markup=False, highlight=False, soft_wrap=True)
+    if plan.train_args_note:
+        con.print(f"note: {plan.train_args_note}", markup=False, highlight=False)
+
+
 def _render_plan(plan: TrainPlan, extra: dict[str, Any]) -> None:
     con = _console()
-    con.print(f"[bold]{plan.layout.label()}[/]  DP{plan.dp}, {plan.micro_batches} micro-batches per pipeline")
+    con.print(f"[bold]{label(plan.layout)}[/]  DP{plan.dp}, {plan.micro_batches} micro-batches per pipeline")
+    _print_train_flags(plan)
     con.print(_table("step time (s), Table 4's terms", ["part", "seconds"], _plan_rows(plan)))
     con.print(_table("memory per GPU (GB, busiest rank)", ["what", "GB"], _memory_rows(plan)))
     con.print(f"fits: {'yes' if plan.fits else 'NO'}; tokens/day {plan.tokens_per_day / 1e9:.1f} B; "
@@ -131,7 +142,7 @@ def _render_plan(plan: TrainPlan, extra: dict[str, Any]) -> None:
 
 def _render_search(result: dict[str, Any]) -> None:
     con = _console()
-    rows = [[p.layout.label(), p.dp, f"{p.memory['total'] / GB:.1f}", f"{p.step_s:.2f}",
+    rows = [[label(p.layout), p.dp, f"{p.memory['total'] / GB:.1f}", f"{p.step_s:.2f}",
              f"{p.tokens_per_day / 1e9:.1f}"] for p in result["ranked"]]
     con.print(_table(f"layouts that fit, best first ({result['fit']} of {result['considered']} fit)",
                      ["layout", "DP", "GB/GPU", "step s", "B tok/day"], rows))
@@ -141,8 +152,12 @@ def _render_search(result: dict[str, Any]) -> None:
               f" = {m['total']:.1f}")
     tp = result["best_with_tp"]
     if tp is not None:
-        con.print(f"best with TP: {tp.layout.label()} at {tp.tokens_per_day / 1e9:.1f} B tokens/day")
+        con.print(f"best with TP: {label(tp.layout)} at {tp.tokens_per_day / 1e9:.1f} B tokens/day")
     con.print(result["why_not_tp"])
+    runs = result["best_for_trainer"]
+    if runs is not None:
+        con.print(f"best that dsv3 train runs: {label(runs.layout)} at {runs.tokens_per_day / 1e9:.1f} B tokens/day")
+        _print_train_flags(runs)
 
 
 def _why_not_tp(result: dict[str, Any]) -> str:
@@ -161,6 +176,7 @@ def _search_payload(result: dict[str, Any]) -> dict[str, Any]:
     return {"ranked": [p.as_dict() for p in result["ranked"]], "considered": result["considered"],
             "fit": result["fit"], "did_not_fit": result["did_not_fit"],
             "best_with_tp": result["best_with_tp"].as_dict() if result["best_with_tp"] else None,
+            "best_for_trainer": result["best_for_trainer"].as_dict() if result["best_for_trainer"] else None,
             "why_not_tp": result["why_not_tp"]}
 
 
@@ -205,10 +221,10 @@ def train_command(
             payload["plots"] = [str(plot_memory(result["ranked"], plot_dir / "plan_memory.png", capacity))]
         _emit(payload, as_json, lambda: _render_search(result))
         return
-    layout = Layout(pp=pp, ep=ep, dp_shard=dp_shard, schedule=pp_schedule, tp=tp)
+    layout = planned_layout(gpus, pp=pp, ep=ep, dp_shard=dp_shard, schedule=pp_schedule, tp=tp)
     plan = plan_train(arch, cluster, layout, seq_len, global_batch, prec, a)
     if not plan.fits:
-        raise DSV3Error(f"{arch.name} does not fit: {layout.label()} needs {plan.memory['total'] / GB:.1f} GB per "
+        raise DSV3Error(f"{arch.name} does not fit: {label(layout)} needs {plan.memory['total'] / GB:.1f} GB per "
                         f"GPU (weights {plan.memory['weights'] / GB:.1f}, gradients {plan.memory['gradients'] / GB:.1f}"
                         f", optimizer {plan.memory['optimizer'] / GB:.1f}, activations "
                         f"{plan.memory['activations'] / GB:.1f}) and {hardware} has {cluster.hardware.memory_gb:g} GB")

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
-from dsv3.analysis.plan import GB, TABLE4, TrainPlan, plan_train
+from dsv3.analysis.plan import GB, TABLE4, TrainPlan, label, plan_train
 from dsv3.errors import DSV3Error
 from dsv3.io import save_figure
 
@@ -38,7 +38,7 @@ def plot_breakdown(plan: TrainPlan, path: Path) -> Path:
     _folder(path)
     fig, ax = _figure(height=2.8)
     rows = [("planner", plan.breakdown)]
-    if plan.layout.label() == "PP16 dualpipe EP64 zero1" and plan.dp == 128:
+    if label(plan.layout) == "PP16 dualpipe EP64 zero1" and plan.dp == 128:
         rows.append(("ISCA Table 4", {k: TABLE4[f"{k}_s"] for k in PARTS}))
     colors = ["#4C72B0", "#DD8452", "#55A868", "#8172B3", "#C44E52", "#937860"]
     for y, (_name, parts) in enumerate(rows):
@@ -49,7 +49,7 @@ def plot_breakdown(plan: TrainPlan, path: Path) -> Path:
         ax.text(left + 0.2, y, f"{left:.2f} s", va="center", fontsize=8)
     ax.set_yticks(range(len(rows)), [r[0] for r in rows])
     ax.set_xlabel("seconds per optimizer step")
-    ax.set_title(f"Step time, {plan.layout.label()}, DP{plan.dp}", fontsize=10)
+    ax.set_title(f"Step time, {label(plan.layout)}, DP{plan.dp}", fontsize=10)
     ax.set_xlim(0, max(sum(r[1][p] for p in PARTS) for r in rows) * 1.18)
     ax.legend(ncol=6, fontsize=7, loc="upper center", bbox_to_anchor=(0.5, -0.32), frameon=False)
     fig.tight_layout()
@@ -61,7 +61,7 @@ def plot_memory(plans: list[TrainPlan], path: Path, capacity_gb: float) -> Path:
     _folder(path)
     fig, ax = _figure(height=4.6)
     parts = ("weights", "gradients", "optimizer", "activations", "reserve")
-    labels = [p.layout.label() for p in plans]
+    labels = [label(p.layout) for p in plans]
     bottom = [0.0] * len(plans)
     for part in parts:
         values = [p.memory[part] / GB for p in plans]
@@ -84,19 +84,19 @@ def plot_knob(arch, cluster, layout, seq_len, global_batch, prec, a, path: Path)
     _folder(path)
     fig, ax = _figure()
     speeds = [100, 200, 400, 800, 1600]
-    for label, knobs in (("as given", cluster.knobs),
-                         ("+ multicast and in-network reduce", replace(cluster.knobs, multicast=True,
-                                                                       in_network_reduce=True))):
+    for name, knobs in (("as given", cluster.knobs),
+                        ("+ multicast and in-network reduce", replace(cluster.knobs, multicast=True,
+                                                                      in_network_reduce=True))):
         days = []
         for s in speeds:
             cl = replace(cluster, knobs=replace(knobs, nic_gbps=float(s)))
             days.append(plan_train(arch, cl, layout, seq_len, global_batch, prec, a).tokens_per_day / 1e9)
-        ax.plot(speeds, days, "o-", label=label)
+        ax.plot(speeds, days, "o-", label=name)
     ax.set_xscale("log", base=2)
     ax.set_xticks(speeds, [str(s) for s in speeds])
     ax.set_xlabel("NIC Gb/s per GPU per direction")
     ax.set_ylabel("B tokens/day")
-    ax.set_title(f"Tokens/day versus scale-out bandwidth, {layout.label()}", fontsize=10)
+    ax.set_title(f"Tokens/day versus scale-out bandwidth, {label(layout)}", fontsize=10)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
     fig.tight_layout()

@@ -9,32 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from dsv3.checkpoint import checkpoint_files, fp8_quantizable, read_tensors
 from dsv3.model.experts import FP8ExpertStack, GroupedExperts, ResidentFP8Experts
-from dsv3.precision.fp8 import dequantize_weight_blocks, quantize_weight_blocks
+from dsv3.precision.fp8 import quantize_weight_blocks
+from dsv3.precision.fp8_linear import FP8BlockLinear  # with the FP8 formats, below the model that reads it
 
 __all__ = ["FP8BlockLinear", "FP8ExpertStack", "resident_bytes", "stored_fp8", "to_fp8_weights"]
-
-class FP8BlockLinear(nn.Module):
-    """A bias-free nn.Linear whose weight lives in FP8 blocks; ``weight`` dequantizes on access."""
-
-    def __init__(self, q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None):
-        super().__init__()
-        self.register_buffer("weight_fp8", q)
-        self.register_buffer("weight_scale_inv", scale_inv.float())
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-        self.dtype = dtype
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return dequantize_weight_blocks(self.weight_fp8, self.weight_scale_inv, self.dtype)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
-
 
 def stored_fp8(path: str | Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """The FP8 weights of a checkpoint exactly as stored: name -> (fp8 weight, scale_inv)."""

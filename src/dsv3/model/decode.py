@@ -47,12 +47,11 @@ from dsv3.model.mla import MLA, LatentCache
 from dsv3.model.moe import MLP, MoE
 from dsv3.model.norm import RMSNorm
 from dsv3.model.transformer import Block, MTPLayer, Transformer
+from dsv3.precision.fp8_linear import FP8BlockLinear
 
 
 def weight_of(module: nn.Module) -> Weight | None:
     """The kernels' view of a bias-free linear layer (plain or resident FP8), or None for any other."""
-    from dsv3.infer.fp8_weights import FP8BlockLinear
-
     if module._forward_hooks or module._forward_pre_hooks or getattr(module, "bias", None) is not None:
         return None
     if type(module) is nn.Linear:

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
 
 from dsv3.config import ModelConfig, preset
+from dsv3.layout import pipeline_bubble
 from dsv3.model.transformer import Transformer
 from dsv3.parallel.pipeline import PipelineParallel, PipelinePlan, StageModule, StepTally, label_counts, plan_pipeline
 from dsv3.parallel.pipeline_overlap import run_in_order
@@ -328,17 +329,6 @@ OVERLAP_API = (
 )
 
 
-def formula_bubble(schedule: str, pp: int, F: float, B: float, W: float) -> tuple[str | None, float | None]:
-    """The DualPipe README's bubble (seconds) for ``pp`` ranks with per-stage times F, B, W."""
-    if schedule == "1f1b":
-        return "(PP-1)(F+B)", (pp - 1) * (F + B)
-    if schedule == "interleaved":
-        return "(PP-1)(F+B), F and B of one of a rank's stages (Megatron's interleaved bubble)", (pp - 1) * (F + B)
-    if schedule == "dualpipev":
-        return "(PP/2-1)(F&B+B-3W), PP = 2P stages, F&B = F+B", (pp - 1) * ((F + B) + B - 3 * W)
-    return None, None  # ZBV: zero in the ideal F = B = W case; the README gives no formula for it
-
-
 def hidden_share(pairs: list[dict | None]) -> dict | None:
     """One rank's share of all-to-all time hidden by DualPipeV's overlap, from alternating in-order and
     concurrent steps: (pair time in order - pair time concurrent) / all-to-all time inside the pairs in
@@ -376,7 +366,7 @@ def summarize(spec: BubbleSpec, ranks: list[dict], costs: list[dict[str, float]]
                 for i in steps]
     F, B, I, W = (statistics.mean(c[k] for c in costs) for k in ("F", "B", "I", "W"))
     per_rank = spec.microbatches * (plan.num_stages // P) * (F + B)  # ideal compute of one rank
-    name, bubble_s = formula_bubble(spec.schedule, P, F, B, W)
+    name, bubble_s = pipeline_bubble(spec.schedule, P, F, B, W)
     return {
         "schedule": spec.schedule, "pp": P,
         "overlap_f_b_registered": spec.overlap or (spec.schedule == "dualpipev" and spec.ep > 1),

@@ -6,6 +6,9 @@ transpose is again 128x128 blocks, so Dgrad reuses the same scales. The activati
 backward in FP8 (1 byte per element plus one scale per 128) instead of BF16; the weight is the FP32
 master and is re-quantized in backward rather than cached. ``scaling="tensor"`` is the coarse
 baseline: one scale per tensor, same GEMMs, for the study's comparison.
+
+`FP8BlockLinear` is inference's counterpart: a frozen weight kept in the 128x128-block FP8 format
+DeepSeek ships, dequantized when the layer runs.
 """
 
 from __future__ import annotations
@@ -191,3 +194,22 @@ def _fp8_form(child: nn.Module, scaling: str) -> nn.Module | None:
         return FP8Linear.from_linear(child, scaling=scaling)
     form = getattr(child, "fp8_training_form", None)
     return form(scaling) if callable(form) else None
+
+
+class FP8BlockLinear(nn.Module):
+    """A bias-free nn.Linear whose weight lives in FP8 blocks; ``weight`` dequantizes on access (inference's
+    resident FP8 weights, `dsv3.infer.fp8_weights`; the decode kernels read its blocks as they are)."""
+
+    def __init__(self, q: torch.Tensor, scale_inv: torch.Tensor, dtype: torch.dtype, bias: torch.Tensor | None):
+        super().__init__()
+        self.register_buffer("weight_fp8", q)
+        self.register_buffer("weight_scale_inv", scale_inv.float())
+        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
+        self.dtype = dtype
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return fp8.dequantize_weight_blocks(self.weight_fp8, self.weight_scale_inv, self.dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return nn.functional.linear(x, self.weight, self.bias)
