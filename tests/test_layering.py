@@ -1,7 +1,7 @@
 """No import cycles inside a package: its modules can be read (and imported) bottom up. `lint-imports`
 (pyproject.toml) checks the layers between packages; within one it cannot, so this builds the package's
 import graph with grimp (import-linter's own) and sorts it topologically. A cycle that the one-mesh redesign
-of dsv3.parallel removes is marked xfail(strict): the test starts failing, as a reminder, once it is gone."""
+of a redesign removes is marked xfail(strict): the test starts failing, as a reminder, once it is gone."""
 
 from __future__ import annotations
 
@@ -33,10 +33,7 @@ def known_cycle(reason: str):
 
 @pytest.mark.parametrize("package", [
     "dsv3.model", "dsv3.precision", "dsv3.train", "dsv3.data", "dsv3.analysis", "dsv3.network", "dsv3.testing",
-    pytest.param("dsv3.parallel", marks=known_cycle(
-        "parallel.layout imports the layout transforms (sharding, sharded_ep, ep_subgroups, pipeline_layout, "
-        "pipeline_ep, pipeline_zero1), which import its Layout back; dsv3.layout and the one-mesh redesign "
-        "end it")),
+    "dsv3.parallel",
     pytest.param("dsv3.infer", marks=known_cycle("infer.cli <-> infer.cluster.serve")),
     pytest.param("dsv3.studies", marks=known_cycle("studies.fp8_training <-> studies.fp8_capture")),
 ])

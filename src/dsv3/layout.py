@@ -105,9 +105,7 @@ class Layout:
             if self.microbatches is not None:
                 args += ["--micro-batches", str(self.microbatches)]
         if self.ep > 1:
-            args += ["--ep", str(self.ep)]
-            if self.gpus_per_node > 1:
-                args += ["--gpus-per-node", str(self.gpus_per_node)]
+            args += ["--ep", str(self.ep), "--gpus-per-node", str(self.gpus_per_node)]
         if self.dp_shard != "none":
             args += ["--dp-shard", self.dp_shard]
         return args

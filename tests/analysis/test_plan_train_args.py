@@ -17,7 +17,7 @@ from dsv3.train.cli import _options
 from dsv3.train.cli import app as train_app
 from dsv3.train.distributed import World, training_layout
 
-PAPER_FLAGS = ["--pp", "16", "--pp-schedule", "dualpipev", "--microbatches", "120", "--ep", "64",
+PAPER_FLAGS = ["--pp", "16", "--pp-schedule", "dualpipev", "--micro-batches", "120", "--ep", "64",
                "--gpus-per-node", "8", "--dp-shard", "zero1"]
 
 
@@ -35,24 +35,20 @@ def test_plan_json_carries_the_train_flags_and_says_dualpipe_runs_as_dualpipev(c
     assert main(["plan", "train", "--pp", "16", "--ep", "64", "--json"]) == 0
     table4 = json.loads(capsys.readouterr().out)
     assert table4["train_args"] == PAPER_FLAGS and "DualPipeV" in table4["train_args_note"]
-    assert main(["plan", "train", "--pp", "16", "--ep", "64", "--schedule", "dualpipev", "--json"]) == 0
+    assert main(["plan", "train", "--pp", "16", "--ep", "64", "--pp-schedule", "dualpipev", "--json"]) == 0
     v = json.loads(capsys.readouterr().out)
     assert v["train_args"] == PAPER_FLAGS and v["train_args_note"] is None
     assert v["layout"]["schedule"] == "dualpipev" and v["micro_batches"] == 120
 
 
 def test_plan_prints_the_train_flags(capsys):
-    assert main(["plan", "train", "--pp", "16", "--ep", "64", "--schedule", "dualpipev"]) == 0
+    assert main(["plan", "train", "--pp", "16", "--ep", "64", "--pp-schedule", "dualpipev"]) == 0
     assert f"dsv3 train flags: {' '.join(PAPER_FLAGS)}\n" in capsys.readouterr().out
-
-
-PP_FSDP = pytest.param(2, 1, "fsdp", "1f1b", marks=pytest.mark.xfail(
-    strict=True, reason="today's trainer refuses --pp with --dp-shard fsdp, which dsv3.layout.Layout.check accepts"))
 
 
 @pytest.mark.parametrize("pp, ep, shard, schedule", [(2, 2, "zero1", "dualpipev"), (2, 1, "zero1", "1f1b"),
                                                      (1, 4, "fsdp", "1f1b"), (2, 2, "none", "dualpipe"),
-                                                     (4, 1, "zero1", "1f1b"), PP_FSDP])
+                                                     (4, 1, "zero1", "1f1b"), (2, 1, "fsdp", "1f1b")])
 def test_the_trainer_reads_a_plans_flags_as_its_layout_on_4_processes(pp, ep, shard, schedule):
     """V3 planned on 4 H800s (it does not fit, but the flags are the layout's all the same)."""
     arch, cluster, *_ = paper_setup()
@@ -79,7 +75,6 @@ def test_an_unknown_flag_is_refused_by_the_trainer_parser():
         trainer_layout(["--pipeline", "2"], 4)
 
 
-@pytest.mark.xfail(strict=True, reason="Layout.train_args leaves out --gpus-per-node 1, and dsv3 train's default is 2")
 def test_one_gpu_nodes_reach_the_trainer():
     """GPUs without a scale-up domain (one per node): the EP group spans EP nodes of one GPU each."""
     arch, cluster, *_ = paper_setup()
