@@ -41,11 +41,11 @@ def pp_argv(train_argv, config3):
 
 @pytest.fixture(scope="module")
 def single_run(tmp_path_factory, config3, corpus_dir, cache_dir):
-    """The one-process reference: 4 steps at a constant learning rate (so 2 steps resumed to 4 follow it)."""
+    """The one-process reference: 5 steps at a constant learning rate (so 2 steps resumed to 4 follow it)."""
     from dsv3.train.options import TrainOptions
 
     out = tmp_path_factory.mktemp("single") / "run"
-    opts = TrainOptions(config=str(config3), data=[str(corpus_dir)], out=str(out), steps=4, batch_size=4,
+    opts = TrainOptions(config=str(config3), data=[str(corpus_dir)], out=str(out), steps=5, batch_size=4,
                         seq_len=32, lr=3e-3, warmup=0, min_lr_ratio=1.0, save_every=2, eval_every=2,
                         eval_tokens=128, cache_dir=str(cache_dir), device="cpu", val_fraction=0.1)
     run_training(opts, show_progress=False, plots=False)
@@ -119,6 +119,27 @@ def test_pp2_times_ep2_matches_one_process(single_run, pp_argv, torchrun, tmp_pa
     got = dsv3.load_pretrained(out / "latest")  # expert of every stage
     ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(got(ids), ref(ids), rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("ep", [1, 2], ids=["pp2-fsdp2", "pp2-fsdp2-ep2"])
+def test_pp2_times_fsdp_matches_one_process_and_shards_each_stage(ep, single_run, pp_argv, torchrun, tmp_path):
+    """4 processes: 2 pipeline stages, each FSDP-sharded over its 2 replicas (with --ep 2 the stage's routed
+    experts split over them instead): the one process's losses of 5 steps, and per rank parameters plus
+    AdamW state below the half that FSDP over 2 replicas alone leaves."""
+    out = tmp_path / f"pp2fsdp-ep{ep}"
+    summary = torchrun(4, pp_argv(out, "--steps", "5", "--lr", "3e-3", *CONSTANT_LR, "--save-every", "5",
+                                  "--eval-every", "2", "--pp", "2", "--micro-batches", "2", "--dp-shard", "fsdp",
+                                  "--ep", str(ep), "--gpus-per-node", "1"))
+    assert summary["world_size"] == 4 and summary["step"] == 5
+    assert summary["parameters"] == sum(p.numel() for p in dsv3.load_pretrained(single_run / "latest").parameters())
+    assert_same_rows(single_run, out)
+    (ref,) = json.loads((single_run / "run.json").read_text())["memory"]["per_rank"]
+    ranks = json.loads((out / "run.json").read_text())["memory"]["per_rank"]
+    assert len(ranks) == 4
+    for m in ranks:
+        assert m["gradients"] == m["parameters"]  # the gradients sharded like the parameters
+        assert m["parameters"] + m["optimizer"] < 0.4 * (ref["parameters"] + ref["optimizer"]), m
+    assert_same_logits(single_run, out)
 
 
 def test_pp_without_enough_processes_is_refused(make_opts):

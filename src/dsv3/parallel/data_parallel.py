@@ -242,6 +242,7 @@ def shard_units(units: list[nn.Module], mesh, ignored: set[nn.Parameter], divide
         fully_shard(unit, mesh=mesh, ignored_params=ignored)
         if divide_factor is not None:
             unit.set_gradient_divide_factor(divide_factor)
+            unit.set_force_sum_reduction_for_comms(True)  # a plain SUM: gloo has no pre-multiplied sum
 
 
 @contextlib.contextmanager

@@ -350,21 +350,29 @@ class PipelineParallel:
         self.tally = StepTally()
         every = [StageModule(model, plan, s, self.tally) for s in range(plan.num_stages)]
         self.stage_modules = [every[s] for s in plan.stages_on(self.pp_rank)]
-        self.tied = self._tied_parameters(every)
+        self.tied_names = self._tied_parameters(every)
         self._prune(every)
-        self.tie_group = self._pair_group() if self.tied else None
+        self.tie_group = self._pair_group() if self.tied_names else None
         self._schedule, self._shape = None, None
 
     # ---- construction ----------------------------------------------------------------------------
-    def _tied_parameters(self, every: list[StageModule]) -> list[nn.Parameter]:
-        """Parameters that the first and the last stage both use, when those sit on different ranks (the
-        embedding, which the MTP layers read): this rank's copy, if it holds one."""
+    @property
+    def tied(self) -> list[nn.Parameter]:
+        """This rank's copies of tied parameters, looked up by name each time (a data-parallel transform
+        such as FSDP replaces a module's Parameters by sharded ones after the split)."""
+        return [self.model.get_parameter(name) for name in self.tied_names]
+
+    def _tied_parameters(self, every: list[StageModule]) -> list[str]:
+        """Names of the parameters that the first and the last stage both use, when those sit on different
+        ranks (the embedding, which the MTP layers read): this rank's copy, if it holds one."""
         first, last = 0, self.plan.num_stages - 1
         if self.plan.stage_rank(first) == self.plan.stage_rank(last):
             return []  # V shape: one rank, one Parameter
+        if self.pp_rank not in (self.plan.stage_rank(first), self.plan.stage_rank(last)):
+            return []
         last_ids = {id(p) for p in every[last].parameters()}
-        shared = [p for p in every[first].parameters() if id(p) in last_ids]
-        return shared if self.pp_rank in (self.plan.stage_rank(first), self.plan.stage_rank(last)) else []
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        return [names[id(p)] for p in every[first].parameters() if id(p) in last_ids]
 
     def _prune(self, every: list[StageModule]) -> None:
         """Replaces the modules that no stage of this rank uses with `Elsewhere` (freeing them here)."""

@@ -175,4 +175,7 @@ def resumed_options(saved: TrainOptions, given: dict[str, Any]) -> TrainOptions:
                 f"{getattr(saved, name)!r}; start a new run with --out to change it"
             )
         changes[name] = value
+    if (changes.get("pp", saved.pp) or 1) == 1:  # a resume without stages drops the saved run's schedule
+        changes.setdefault("pp_schedule", "1f1b")
+        changes.setdefault("microbatches", None)
     return dataclasses.replace(saved, **changes)

@@ -254,7 +254,7 @@ class _Run:
         saved = ckpt.load_trainer_state(folder)
         self.parallel.load_state(folder / SHARDED_DIR, self.optimizer)
         restore_hyperparameters(self.optimizer, saved["param_groups"])
-        self.scheduler.load_state_dict(saved["scheduler"])
+        restore_schedule(self.scheduler, saved["scheduler"])
         self.state = RunState(**saved["run"])
         self.last_eval = ckpt.saved_summary(folder).get("last_eval")
         ckpt.restore_rng_state(saved["rng"])
@@ -457,6 +457,17 @@ def restore_hyperparameters(optimizer: torch.optim.Optimizer, saved: list[dict])
             raise DSV3Error(f"the checkpoint has no optimizer settings for weight decay {group['weight_decay']}; "
                             "it was saved by another run")
         group.update(hyper)
+
+
+def restore_schedule(scheduler, saved: dict) -> None:
+    """The saved learning-rate schedule (where it is: ``last_epoch``), onto a scheduler whose optimizer may
+    have another number of param groups than the saved one's (see `restore_hyperparameters`); every group
+    follows one schedule from one base learning rate, so each per-group list takes the first saved value."""
+    groups = len(scheduler.optimizer.param_groups)
+    state = {k: ([v[0]] * groups if isinstance(v, list) and v else v) for k, v in saved.items()}
+    if "lr_lambdas" in state:
+        state["lr_lambdas"] = [None] * groups  # plain functions are not saved; the scheduler keeps its own
+    scheduler.load_state_dict(state)
 
 
 def _layout_flags(opts: TrainOptions) -> str:
