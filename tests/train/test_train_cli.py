@@ -67,12 +67,22 @@ def test_train_json_summary_metrics_plots_and_sample(train_argv, tmp_path, capsy
         (["--batch-size", "3", "--grad-accum", "2"], "multiple of --grad-accum"),
         (["--seq-len", "4096"], "exceeds the model's max_position_embeddings"),
         (["--moe-output-format", "fp4"], "--moe-output-format must be one of"),
+        (["--ep", "3"], "--ep 3 must divide the number of data-parallel processes (1)"),
+        (["--data", "/nonexistent/corpus"], "no such file or folder"),
     ],
 )
-def test_bad_input_is_one_error_line(train_argv, tmp_path, capsys, extra, message):
+def test_bad_input_is_one_error_line_and_leaves_nothing_behind(train_argv, tmp_path, capsys, extra, message):
+    """A refused start writes no run folder (a folder with only run.json made `dsv3 generate` advise
+    --resume), and never touches a folder the user already had."""
     code = main(train_argv(tmp_path / "bad", "--steps", "2", *extra))
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "bad").exists()
+    mine = tmp_path / "mine"
+    (mine / "notes.txt").parent.mkdir()
+    (mine / "notes.txt").write_text("the user's\n")
+    assert main(train_argv(mine, "--steps", "2", *extra)) == 2
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "the user's\n"
 
 
 def test_missing_data_and_missing_resume_folder(tmp_path, capsys):

@@ -38,7 +38,7 @@ def check_sharded(layout: Layout) -> None:
     if layout.dp < 2:
         raise DSV3Error(
             f"--dp-shard {layout.dp_shard} shards over the data-parallel processes but only one is running; "
-            "start several with torchrun --nproc-per-node N -m dsv3 train ..."
+            "start several with dsv3 launch --nproc N train ..."
         )
 
 

@@ -58,11 +58,10 @@ def check_options(opts: GroupOptions, weights: str = "native") -> None:
 def init_group(ep: int) -> tuple[int, int]:
     """Join the torchrun group (gloo); (rank, world). Needs exactly ``ep`` processes."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise DSV3Error(f"--ep {ep} runs one process per rank: start it with torchrun --nproc-per-node {ep} "
-                        "-m dsv3 serve ...")
+        raise DSV3Error(f"--ep {ep} runs one process per rank: start it with dsv3 launch --nproc {ep} serve ...")
     world = int(os.environ["WORLD_SIZE"])
     if world != ep:
-        raise DSV3Error(f"--ep {ep} needs exactly {ep} processes, torchrun started {world}")
+        raise DSV3Error(f"--ep {ep} needs exactly {ep} processes, {world} were started")
     if os.environ.get("MASTER_ADDR") in ("127.0.0.1", "localhost"):  # one machine: gloo on the loopback
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
