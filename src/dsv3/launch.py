@@ -39,7 +39,8 @@ app = typer.Typer(add_completion=False, help=__doc__, no_args_is_help=True)
 @app.command(context_settings={"ignore_unknown_options": True, "allow_interspersed_args": False})
 def launch(
     nproc: int = typer.Option(..., help="Processes to start on this machine (torchrun's --nproc-per-node)."),
-    command: list[str] = typer.Argument(..., help="The dsv3 command and its options, e.g. train --ep 2 ..."),
+    command: list[str] = typer.Argument(..., metavar="COMMAND",
+                                        help="The dsv3 command and its options, e.g. train --ep 2 ..."),
 ) -> None:
     """Run COMMAND on NPROC processes of one machine (gloo on CPU, NCCL on GPU), as torchrun does."""
     from dsv3.cli import COMMANDS
