@@ -110,11 +110,11 @@ def _wait_for_rows(path: Path, proc: subprocess.Popen, rows: int, timeout: float
     raise AssertionError("training did not reach the expected step in time")
 
 
-def test_quickstart_after_ctrl_c_says_where_the_checkpoint_is(train_argv, tmp_path):
+def test_quickstart_after_ctrl_c_says_where_the_checkpoint_is_and_again_resumes_from_it(train_argv, tmp_path):
     """The real script on the tiny model: Ctrl-C (SIGINT to the whole process group, as a terminal sends
     it) before any evaluation used to crash the summary on a null val_loss; now the script names the
-    checkpoint, says how to continue, skips the sample and exits 130. (Running it again is `dsv3 train
-    --resume`, tested below.)"""
+    checkpoint, says how to continue, skips the sample and exits 130. Run again, it says that it resumes
+    and from which step (it used to announce a fresh `dsv3 train --preset nano`), and ends with a sample."""
     run = tmp_path / "q"
     extra = train_argv(run, "--eval-every", "1000", "--save-every", "1000", "--log-every", "1")
     extra = extra[1:extra.index("--out")] + extra[extra.index("--out") + 2:]
@@ -130,6 +130,15 @@ def test_quickstart_after_ctrl_c_says_where_the_checkpoint_is(train_argv, tmp_pa
     assert f"stopped at step {step} of 100000 (signal)" in err
     assert f"last checkpoint {run}/checkpoints/step-{step:06d}" in err and "quickstart.sh again" in err
     assert out == "" and "sample from" not in err
+
+    again = subprocess.run(["bash", str(REPO / "scripts" / "quickstart.sh")], env={**env, "STEPS": str(step + 1)},
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    announced = again.stderr.splitlines()[0]
+    assert announced == f"== resuming {run} from step {step} to {step + 1}: dsv3 train --resume {run} --steps " \
+        f"{step + 1}", again.stderr
+    assert f"resumed from {run}/checkpoints/step-{step:06d} at step {step}" in again.stderr
+    assert f"== sample from {run}/latest" in again.stderr and again.stdout.strip()
 
 
 def test_a_run_stopped_before_its_first_checkpoint_resumes_afresh(train_argv, tmp_path, capsys, monkeypatch):
