@@ -1,13 +1,20 @@
 """One exception type for bad input, so every command can end with one clear line and exit 2.
 
 Under a launcher (``dsv3 launch``, torchrun) every process of the run meets the same bad input and would
-print the same line: rank 0 speaks for the run and the other ranks exit quietly with the same status.
+print the same line: rank 0 speaks for the run and the other ranks exit quietly with the same status,
+leaving their line in the reply file torch's launcher gives each process (TORCHELASTIC_ERROR_FILE), so
+that the launcher can still say it when rank 0 did not (e.g. it was stopped before it got there).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
+
+REPLY_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torch's launcher agent for each process it starts
+UNSAID = "dsv3_unsaid"  # marks a reply file's message as a line its process did not print
 
 
 class DSV3Error(Exception):
@@ -26,6 +33,16 @@ def speaks_for_the_run() -> bool:
 
 
 def report(exc: DSV3Error) -> None:
-    """``error: ...`` on stderr, once per run: by rank 0 alone, unless the error is this rank's own."""
+    """``error: ...`` on stderr, once per run: by rank 0 alone, unless the error is this rank's own; the
+    other ranks leave it to their launcher."""
     if isinstance(exc, RankError) or speaks_for_the_run():
         print(f"error: {exc}", file=sys.stderr)
+    elif os.environ.get(REPLY_FILE_ENV):
+        reply = {"message": str(exc), "timestamp": int(time.time()), UNSAID: True}  # torch's reply format
+        with open(os.environ[REPLY_FILE_ENV], "w") as f:
+            json.dump(reply, f)
+
+
+def unsaid_message(reply: dict) -> str | None:
+    """The error line a process left unprinted in its launcher reply file (as `report` writes it), if any."""
+    return reply.get("message") if reply.get(UNSAID) else None

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import typer
 
-from dsv3.errors import DSV3Error
+from dsv3.errors import DSV3Error, unsaid_message
 
 REPORTED_STATUSES = (2, 130)  # a dsv3 process that exits so has said why (an error: line, "interrupted")
 # The agent handles these itself (stopping the workers); SIGINT and SIGTERM are passed on to them instead.
@@ -80,14 +80,21 @@ def quiet_agent() -> None:
 
 
 def failed_status(exc) -> int:
-    """The exit status of a run whose processes failed (a torch ``ChildFailedError``): rank 0's when it
-    failed (it printed the run's line), else the first failure's, named in one line unless dsv3 said why."""
+    """The exit status of a run whose processes failed (a torch ``ChildFailedError``), saying what went
+    wrong in one line unless a process said it already: rank 0's status when it failed as dsv3 reports
+    (it printed the run's line); else a line another rank left unprinted (rank 0 was stopped first); else
+    the first failure, by rank and status (a crash, a signal)."""
     failures = exc.failures
-    rank, failure = (0, failures[0]) if 0 in failures else exc.get_first_failure()
-    status = failure.exitcode if failure.exitcode >= 0 else 128 - failure.exitcode
+    if 0 in failures and failures[0].exitcode in REPORTED_STATUSES:
+        return failures[0].exitcode
+    unsaid = [f for f in failures.values() if unsaid_message(f.error_file_data)]
+    if unsaid:
+        print(f"error: {unsaid_message(unsaid[0].error_file_data)}", file=sys.stderr)
+        return unsaid[0].exitcode
+    rank, first = exc.get_first_failure()
+    status = first.exitcode if first.exitcode >= 0 else 128 - first.exitcode
     if status not in REPORTED_STATUSES:
-        how = (f"was killed by {signal.Signals(-failure.exitcode).name}" if failure.exitcode < 0
-               else f"exited with status {status}")
+        how = f"was killed by {first.signal_name()}" if first.exitcode < 0 else f"exited with status {status}"
         print(f"error: the process of rank {rank} {how}; the run stopped", file=sys.stderr)
     return status
 

@@ -14,6 +14,8 @@ import sys
 
 import pytest
 
+from dsv3.errors import DSV3Error, report
+from dsv3.launch import failed_status
 from dsv3.testing.launch import train_steps_done
 from dsv3.train.options import TrainOptions, resume_command
 
@@ -114,3 +116,42 @@ def test_the_resume_command_names_the_launcher_and_the_layout(make_opts, tmp_pat
     assert resume_command(run, 4) == ("torchrun --nnodes 2 --nproc-per-node 2 --rdzv-endpoint HOST:PORT -m dsv3 "
                                       f"train --resume {run} --dp-shard zero1 --ep 2")
     assert resume_command(tmp_path / "my run", 1) == f"dsv3 train --resume '{tmp_path / 'my run'}'"
+
+
+def _failure(tmp_path, rank: int, exitcode: int, error: DSV3Error | None, monkeypatch):
+    """torch's record of a failed process, with the reply file `report` left when it met ``error``."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    reply = tmp_path / f"{rank}" / "error.json"
+    reply.parent.mkdir()
+    if error is not None:
+        monkeypatch.setenv("RANK", str(rank))
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(reply))
+        report(error)
+    return ProcessFailure(local_rank=rank, pid=1000 + rank, exitcode=exitcode, error_file=str(reply))
+
+
+@pytest.mark.parametrize("case", ["rank 0 said it", "rank 0 was stopped first", "a rank was killed"])
+def test_the_launcher_says_what_failed_once(case, tmp_path, monkeypatch, capsys):
+    """Rank 0 prints the run's error line and the other ranks leave it in torch's reply file: the launcher
+    adds nothing when rank 0 said it, says the line itself when rank 0 was stopped before it could, and
+    names a process that crashed or was killed (it left no line) with its status."""
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+
+    bad = DSV3Error("--ep 3 must divide the number of data-parallel processes (2)")
+    first, second = {
+        "rank 0 said it": ((0, 2, bad), (1, 2, bad)),
+        "rank 0 was stopped first": ((1, 2, bad), (0, -signal.SIGTERM, None)),
+        "a rank was killed": ((1, -signal.SIGKILL, None), (0, -signal.SIGTERM, None)),
+    }[case]
+    failures = {rank: _failure(tmp_path, rank, code, error, monkeypatch) for rank, code, error in (first, second)}
+    printed = capsys.readouterr().err  # what the ranks' report() printed
+    assert printed == ("error: --ep 3 must divide the number of data-parallel processes (2)\n"
+                       if case == "rank 0 said it" else "")
+    failures[first[0]].timestamp -= 1  # the first to fail
+    status = failed_status(ChildFailedError("dsv3", failures))
+    said = capsys.readouterr().err
+    if case == "a rank was killed":
+        assert status == 137 and said == "error: the process of rank 1 was killed by SIGKILL; the run stopped\n"
+    else:
+        assert status == 2 and said == ("" if case == "rank 0 said it" else f"error: {bad}\n")
