@@ -201,6 +201,20 @@ def test_ctrl_c_that_interrupts_at_once_says_what_is_on_disk(train_argv, tmp_pat
         assert f"interrupted before the first checkpoint: {out} holds none" in err
 
 
+def test_ctrl_c_before_the_run_began_writes_nothing_and_says_so(train_argv, tmp_path, capsys, monkeypatch):
+    """Interrupted while the data is prepared, the run has claimed no folder yet: nothing to --resume."""
+    import dsv3.train.run
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dsv3.train.run, "prepare_data", interrupted)
+    out = tmp_path / "run"
+    assert main(train_argv(out, "--steps", "5")) == 130
+    assert capsys.readouterr().err.strip() == f"interrupted before the run began; nothing was written to {out}"
+    assert not out.exists()
+
+
 def test_summary_message_of_a_stopped_run_without_evaluation():
     from dsv3.train.cli import summary_message
 
