@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from dsv3.errors import DSV3Error
+from dsv3.errors import DSV3Error, RankError
 
 GROUP_TIMEOUT_S = 60.0  # a collective that waits longer than this (a rank hung) takes the group down
 
@@ -120,9 +120,9 @@ def _serve(opts: GroupOptions, rank: int, world: int, model: str, host: str, por
     if rank != 0:
         try:
             worker_loop(worker)
-        except Exception as exc:  # a peer gone or hung: one line, not a traceback per rank
+        except Exception as exc:  # a peer gone or hung: one line from each rank, not a traceback
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise DSV3Error(f"rank {rank}: the serving group lost a rank, stopping ({reason})") from None
+            raise RankError(f"rank {rank}: the serving group lost a rank, stopping ({reason})") from None
         return
     _front_end(opts, engine, worker, world, sock, model, folder, max_batch, quiet, summary)
 
