@@ -27,7 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "study": ("dsv3.studies.cli:app", "Numerical studies: FP8 accumulation, FP8 training, LogFMT."),
     "net": ("dsv3.network.cli:app", "Network topologies, their cost, and a flow-level simulator."),
     "bench": ("dsv3.bench_cli:app", "Benchmarks: expert-parallel layer, decode speed."),
-    "launch": ("dsv3.launch:app", "Run a command on N processes, as torchrun does: --nproc N train ..."),
+    "launch": ("dsv3.launch:app", "Run a command on N processes, as torchrun does (--nproc N)."),
 }
 
 
