@@ -8,6 +8,7 @@ that the launcher can still say it when rank 0 did not (e.g. it was stopped befo
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
@@ -39,7 +40,7 @@ def report(exc: DSV3Error) -> None:
         print(f"error: {exc}", file=sys.stderr)
     elif os.environ.get(REPLY_FILE_ENV):
         reply = {"message": str(exc), "timestamp": int(time.time()), UNSAID: True}  # torch's reply format
-        with open(os.environ[REPLY_FILE_ENV], "w") as f:
+        with contextlib.suppress(OSError), open(os.environ[REPLY_FILE_ENV], "w") as f:
             json.dump(reply, f)
 
 

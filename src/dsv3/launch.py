@@ -101,10 +101,14 @@ def failed_status(exc) -> int:
 
 @contextlib.contextmanager
 def passing_on(*signals: signal.Signals) -> Iterator[None]:
-    """Within the block, these signals reach this process's children (the workers) instead of it."""
+    """Within the block, these signals reach this process's children (the workers) instead of it; one
+    that comes before there are any interrupts the launcher itself."""
 
     def pass_on(signum, _frame) -> None:
-        for pid in child_pids(os.getpid()):
+        workers = child_pids(os.getpid())
+        if not workers:
+            raise KeyboardInterrupt
+        for pid in workers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signum)
 
