@@ -74,6 +74,7 @@ def test_fsdp_ep_under_torchrun_then_a_killed_rank_stops_the_others_with_one_err
                                 "error: rank 3 of 4 stopped")), line
         assert "another process of the run died or did not answer within --dist-timeout 60 s" in line
         assert f"last checkpoint {out}/checkpoints/step-000002" in line  # the run's --dist-timeout was kept
+        assert line.endswith(f"continue with: dsv3 launch --nproc 4 train --resume {out} --dp-shard fsdp --ep 4")
     # No traceback through dsv3's own code (torch's frames, e.g. under a clone's .venv, are not ours).
     frames = [line for line in stderr.splitlines() if line.lstrip().startswith("File ")]
     assert "RuntimeError" not in stderr and not [f for f in frames if PACKAGE_DIR in f], stderr[-3000:]

@@ -168,8 +168,8 @@ class _Run:
         self.opts, self.world, self.on_step, self.plots = opts, world, on_step, plots
         self.run_dir = Path(opts.out)
         self.progress = TrainProgress(opts.steps, opts.log_every, enabled=show_progress and world.is_main)
-        # Everything that can refuse the run (its folder, model, layout, data) comes before the run folder
-        # is written, so that a refused start leaves nothing behind.
+        # Everything that can refuse the run (its folder, model, layout, data, checkpoint) comes before the
+        # run folder is written, so that a refused start leaves nothing behind (nor rewrites a run.json).
         self.resume_from = self._checkpoint_to_resume(resume)
         self.cfg = model_config(opts)
         training_layout(opts, world).check(world.size)  # before the data, which may take minutes to prepare
@@ -179,7 +179,6 @@ class _Run:
         self.n_params = self.parallel.parameter_count()
         self.optimizer, self.scheduler = build_optimizer(self.model, opts)
         self.parallel.attach_optimizer(self.optimizer)
-        self._claim_run_dir()
         self.memory_recorded = False
         self.state = RunState()
         self.autocast = autocast(opts.precision, world.device)
@@ -187,6 +186,7 @@ class _Run:
         self.last_eval: dict[str, Any] | None = None
         if self.resume_from is not None:
             self._restore(self.resume_from)
+        self._claim_run_dir()
         self.order = SampleOrder(len(self.data.train), opts.seed)
         self.stepper = StepRunner(
             self.parallel,
