@@ -24,14 +24,30 @@ if [ ! -x "$PY" ]; then
     .venv/bin/pip install -c constraints.txt -e ".[test]"
 fi
 
-echo "== training: dsv3 train --preset nano --steps $STEPS --out $RUN" >&2
+# The step of the run's newest checkpoint (RUN/checkpoints/step-NNNNNN), empty when it has none.
+saved_step() {
+    local newest
+    newest=$(ls "$RUN/checkpoints" 2>/dev/null | grep -E '^step-[0-9]+$' | sort | tail -n 1 || true)
+    [ -n "$newest" ] && echo $((10#${newest#step-}))
+    return 0
+}
+
 trap 'rm -f "$RUN.summary.json.tmp"' EXIT
 # `dsv3 train` prints the outcome on stderr (or, stopped early, where its last checkpoint is); the JSON
 # summary is written beside the run folder only when the command ends normally.
 if [ -f "$RUN/run.json" ]; then  # a run folder with no complete checkpoint yet is started afresh
+    step=$(saved_step)
+    if [ -z "$step" ]; then
+        echo "== training afresh (the run stopped before its first checkpoint): dsv3 train --resume $RUN" >&2
+    elif [ "$step" -ge "$STEPS" ]; then
+        echo "== $RUN is trained to step $step already: dsv3 train --resume $RUN reports it" >&2
+    else
+        echo "== resuming $RUN from step $step to $STEPS: dsv3 train --resume $RUN --steps $STEPS" >&2
+    fi
     "$PY" -m dsv3 train --resume "$RUN" --steps "$STEPS" --threads "$THREADS" $EXTRA_TRAIN_ARGS \
         --json > "$RUN.summary.json.tmp"
 else
+    echo "== training: dsv3 train --preset nano --steps $STEPS --out $RUN" >&2
     mkdir -p "$(dirname "$RUN")"
     "$PY" -m dsv3 train --preset nano --steps "$STEPS" --batch-size 16 --seq-len 256 --lr 2e-3 \
         --eval-every 100 --save-every 100 --log-every 25 --threads "$THREADS" --out "$RUN" \

@@ -27,7 +27,8 @@ COMMANDS = [
     ["study", "logfmt", "--numel", "4096"],
 ]
 HELP = [["train"], ["analyze"], ["paper"], ["study"], ["study", "accumulation"], ["study", "fp8"],
-        ["study", "logfmt"], ["net"], ["net", "topology"], ["net", "cost"], ["net", "simulate"], ["net", "sweep"]]
+        ["study", "logfmt"], ["net"], ["net", "topology"], ["net", "cost"], ["net", "simulate"], ["net", "sweep"],
+        ["launch"]]
 
 
 def _run(argv: list[str], capsys, monkeypatch) -> str:

@@ -2,7 +2,8 @@
 
 Each subcommand lives in the layer it serves (``dsv3.network.cli``, ``dsv3.analysis.cli``, ...) and is
 imported only when asked for, so `dsv3 net ...` never pays for importing what `dsv3 train` needs.
-Bad input raised as :class:`DSV3Error` ends as one ``error: ...`` line on stderr and exit status 2.
+Bad input raised as :class:`DSV3Error` ends as one ``error: ...`` line on stderr and exit status 2 (under
+a launcher, one line for the whole run: `dsv3.errors.report`).
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-from dsv3.errors import DSV3Error
+from dsv3.errors import DSV3Error, report, speaks_for_the_run
 
 # command -> (module path of a Typer app or a main(argv) callable, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -26,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "study": ("dsv3.studies.cli:app", "Numerical studies: FP8 accumulation, FP8 training, LogFMT."),
     "net": ("dsv3.network.cli:app", "Network: build a topology, its cost; simulate and sweep traffic on it."),
     "bench": ("dsv3.bench_cli:app", "Benchmarks: expert-parallel (ep), pipeline bubble, decode speed, serve load."),
+    "launch": ("dsv3.launch:app", "Run a command on N processes, as torchrun does (--nproc N)."),
 }
 
 
@@ -102,10 +104,11 @@ def main(argv: list[str] | None = None) -> int:
         app = _load(COMMANDS[name][0])
         result = app(args=rest, prog_name=f"dsv3 {name}", standalone_mode=False)
     except DSV3Error as exc:
-        print(f"error: {exc}", file=sys.stderr)
+        report(exc)
         return 2
     except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
+        if speaks_for_the_run():
+            print("interrupted", file=sys.stderr)
         return 130
     except Exception as exc:  # usage errors of click or of typer's vendored copy of it
         code = _click_outcome(exc)

@@ -130,7 +130,7 @@ class Layout:
                                 f"data-parallel replicas, but there is one; start a multiple of {self.pp} "
                                 f"processes, at least {2 * self.pp}")
             raise DSV3Error(f"--dp-shard {self.dp_shard} shards over the data-parallel processes but only one is "
-                            "running; start several with torchrun --nproc-per-node N -m dsv3 train ...")
+                            "running; start several with dsv3 launch --nproc N train ...")
         if self.ep > 1:
             self._check_ep()
         if world_size is not None and self.world != world_size:

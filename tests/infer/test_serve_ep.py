@@ -268,6 +268,10 @@ def test_ep4_killing_a_worker_rank_answers_503_not_a_hang(ep4):
         assert "lost a rank" in error["message"]
     assert elapsed < 30
     assert httpx.get(ep4.url + "/health").status_code == 503
+    for rank in (1, 3):  # each worker rank left says why it stopped (rank 0 does not speak for them)
+        ep4.procs[rank].wait(timeout=60)
+        assert any(line.startswith(f"error: rank {rank}: the serving group lost a rank") for line in ep4.lines), \
+            "\n".join(ep4.lines[-20:])
 
 
 def test_fp8_dispatch_and_logfmt10_combine_agree_with_one_process_to_their_precision(checkpoint):

@@ -104,7 +104,7 @@ def test_a_seeded_sampled_row_keeps_its_random_stream_across_the_move():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--ep", "4"], "start it with torchrun --nproc-per-node 4"),
+    (["--ep", "4"], "start it with dsv3 launch --nproc 4 serve"),
     (["--ep", "0"], "--ep must be >= 1"),
     (["--ep", "4", "--prefill-ranks", "4"], "--prefill-ranks must be between 1 and --ep - 1 (3)"),
     (["--ep", "4", "--dispatch", "fp4"], "--dispatch must be one of native, bf16, fp8, fp32"),

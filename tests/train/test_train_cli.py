@@ -67,12 +67,22 @@ def test_train_json_summary_metrics_plots_and_sample(train_argv, tmp_path, capsy
         (["--batch-size", "3", "--grad-accum", "2"], "multiple of --grad-accum"),
         (["--seq-len", "4096"], "exceeds the model's max_position_embeddings"),
         (["--moe-output-format", "fp4"], "--moe-output-format must be one of"),
+        (["--ep", "3"], "--ep 3 must divide the number of data-parallel processes (1)"),
+        (["--data", "/nonexistent/corpus"], "no such file or folder"),
     ],
 )
-def test_bad_input_is_one_error_line(train_argv, tmp_path, capsys, extra, message):
+def test_bad_input_is_one_error_line_and_leaves_nothing_behind(train_argv, tmp_path, capsys, extra, message):
+    """A refused start writes no run folder (a folder with only run.json made `dsv3 generate` advise
+    --resume), and never touches a folder the user already had."""
     code = main(train_argv(tmp_path / "bad", "--steps", "2", *extra))
     err = capsys.readouterr().err
     assert code == 2 and message in err and "Traceback" not in err
+    assert not (tmp_path / "bad").exists()
+    mine = tmp_path / "mine"
+    (mine / "notes.txt").parent.mkdir()
+    (mine / "notes.txt").write_text("the user's\n")
+    assert main(train_argv(mine, "--steps", "2", *extra)) == 2
+    assert [p.name for p in mine.iterdir()] == ["notes.txt"] and (mine / "notes.txt").read_text() == "the user's\n"
 
 
 def test_missing_data_and_missing_resume_folder(tmp_path, capsys):
@@ -100,11 +110,11 @@ def _wait_for_rows(path: Path, proc: subprocess.Popen, rows: int, timeout: float
     raise AssertionError("training did not reach the expected step in time")
 
 
-def test_quickstart_after_ctrl_c_says_where_the_checkpoint_is(train_argv, tmp_path):
+def test_quickstart_after_ctrl_c_says_where_the_checkpoint_is_and_again_resumes_from_it(train_argv, tmp_path):
     """The real script on the tiny model: Ctrl-C (SIGINT to the whole process group, as a terminal sends
     it) before any evaluation used to crash the summary on a null val_loss; now the script names the
-    checkpoint, says how to continue, skips the sample and exits 130. (Running it again is `dsv3 train
-    --resume`, tested below.)"""
+    checkpoint, says how to continue, skips the sample and exits 130. Run again, it says that it resumes
+    and from which step (it used to announce a fresh `dsv3 train --preset nano`), and ends with a sample."""
     run = tmp_path / "q"
     extra = train_argv(run, "--eval-every", "1000", "--save-every", "1000", "--log-every", "1")
     extra = extra[1:extra.index("--out")] + extra[extra.index("--out") + 2:]
@@ -120,6 +130,15 @@ def test_quickstart_after_ctrl_c_says_where_the_checkpoint_is(train_argv, tmp_pa
     assert f"stopped at step {step} of 100000 (signal)" in err
     assert f"last checkpoint {run}/checkpoints/step-{step:06d}" in err and "quickstart.sh again" in err
     assert out == "" and "sample from" not in err
+
+    again = subprocess.run(["bash", str(REPO / "scripts" / "quickstart.sh")], env={**env, "STEPS": str(step + 1)},
+                           capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr
+    announced = again.stderr.splitlines()[0]
+    assert announced == f"== resuming {run} from step {step} to {step + 1}: dsv3 train --resume {run} --steps " \
+        f"{step + 1}", again.stderr
+    assert f"resumed from {run}/checkpoints/step-{step:06d} at step {step}" in again.stderr
+    assert f"== sample from {run}/latest" in again.stderr and again.stdout.strip()
 
 
 def test_a_run_stopped_before_its_first_checkpoint_resumes_afresh(train_argv, tmp_path, capsys, monkeypatch):
@@ -180,6 +199,20 @@ def test_ctrl_c_that_interrupts_at_once_says_what_is_on_disk(train_argv, tmp_pat
         assert f"interrupted; last checkpoint {out}/checkpoints/step-000002; continue with" in err
     else:
         assert f"interrupted before the first checkpoint: {out} holds none" in err
+
+
+def test_ctrl_c_before_the_run_began_writes_nothing_and_says_so(train_argv, tmp_path, capsys, monkeypatch):
+    """Interrupted while the data is prepared, the run has claimed no folder yet: nothing to --resume."""
+    import dsv3.train.run
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(dsv3.train.run, "prepare_data", interrupted)
+    out = tmp_path / "run"
+    assert main(train_argv(out, "--steps", "5")) == 130
+    assert capsys.readouterr().err.strip() == f"interrupted before the run began; nothing was written to {out}"
+    assert not out.exists()
 
 
 def test_summary_message_of_a_stopped_run_without_evaluation():

@@ -93,8 +93,10 @@ def test_resume_refuses_a_changed_defining_option_and_a_fresh_run_refuses_an_exi
     import shutil
 
     shutil.rmtree(Path(opts.out) / "latest" / "dcp")  # what an earlier dsv3's checkpoint lacks
+    saved = (Path(opts.out) / "run.json").read_text()
     with pytest.raises(DSV3Error, match="written by an older dsv3 whose training checkpoints cannot be resumed"):
         run_training(_options({"steps": 6}, opts.out), resume=True, show_progress=False, plots=False)
+    assert (Path(opts.out) / "run.json").read_text() == saved  # a refused resumption rewrites nothing
 
 
 def test_the_export_loads_in_transformers_and_convert_exports_any_checkpoint(make_opts, tmp_path,

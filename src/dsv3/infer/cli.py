@@ -309,7 +309,7 @@ def serve(
     prefix_cache_dir: str | None = typer.Option(None, "--prefix-cache-dir", metavar="DIR",
                                                 help="Keep evicted prefix blocks in this folder and reuse them."),
     ep: int | None = typer.Option(None, "--ep", metavar="N", show_default=False,
-                                  help="Expert parallel over N processes started by torchrun --nproc-per-node N."),
+                                  help="Expert parallel over N processes started by dsv3 launch --nproc N."),
     prefill_ranks: int = typer.Option(0, "--prefill-ranks", metavar="P", show_default=False,
                                       help="With --ep: the first P ranks prefill, the others decode (default: 0)."),
     dispatch: str = typer.Option("native", "--dispatch", metavar="FMT", show_default=False,

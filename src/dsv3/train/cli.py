@@ -1,8 +1,8 @@
 """`dsv3 train`: train a V3-architecture model on the Python standard library (or your files).
 
 Progress goes to stderr; with --json the run's summary is the one JSON object on stdout. Under
-``torchrun --nproc-per-node N -m dsv3 train ...`` the same command trains data-parallel (with ``--pp P``:
-in P pipeline stages times N/P data-parallel replicas).
+``dsv3 launch --nproc N train ...`` (or ``torchrun --nproc-per-node N -m dsv3 train ...``) the same command
+trains data-parallel (with ``--pp P``: in P pipeline stages times N/P data-parallel replicas).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import Any
 
 import typer
 
-from dsv3.errors import DSV3Error
-from dsv3.train.options import LAYOUT, PRECISIONS, TrainOptions, resumed_options
+from dsv3.errors import DSV3Error, speaks_for_the_run
+from dsv3.train.options import LAYOUT, PRECISIONS, TrainOptions, resume_command, resumed_options
 
 app = typer.Typer(add_completion=False, help=__doc__, no_args_is_help=False)
 
@@ -120,13 +120,13 @@ def train(
     opts = _options(given, resume)
     from dsv3.train.run import run_training
 
-    main_rank = int(os.environ.get("RANK", "0")) == 0  # under torchrun, rank 0 speaks for the run
+    main_rank = speaks_for_the_run()  # under a launcher, rank 0 speaks for the run
     try:
         fit = resume is not None and all(given.get(name) is None for name in LAYOUT)  # no layout flags given
         summary = run_training(opts, resume=resume is not None, fit_layout=fit)
     except KeyboardInterrupt:
         if main_rank:
-            print(interrupted_message(opts.out), file=sys.stderr)
+            print(interrupted_message(opts.out, int(os.environ.get("WORLD_SIZE", "1"))), file=sys.stderr)
         raise typer.Exit(130) from None
     if main_rank:
         print(summary_message(summary), file=sys.stderr)
@@ -150,23 +150,24 @@ def summary_message(summary: dict[str, Any]) -> str:
         return f"== {text}"
     where = summary.get("checkpoint")
     saved = f"last checkpoint {where}" if where else "no checkpoint was saved"
+    resume = resume_command(summary["run_dir"], summary.get("world_size", 1))
     return (
         f"== stopped at step {summary['step']} of {summary['steps']} ({summary['stopped']}): {text}\n"
-        f"== {saved}; continue with: dsv3 train --resume {summary['run_dir']}"
+        f"== {saved}; continue with: {resume}"
     )
 
 
-def interrupted_message(run_dir: str) -> str:
+def interrupted_message(run_dir: str, world_size: int) -> str:
     """What an interrupted run (a second Ctrl-C, or one before training began) left on disk."""
     from dsv3.train.checkpoints import latest_checkpoint
 
+    if not (Path(run_dir) / "run.json").exists():
+        return f"interrupted before the run began; nothing was written to {run_dir}"
+    resume = resume_command(run_dir, world_size)
     latest = latest_checkpoint(Path(run_dir))
     if latest is None:
-        return (
-            f"interrupted before the first checkpoint: {run_dir} holds none; "
-            f"`dsv3 train --resume {run_dir}` starts it afresh"
-        )
-    return f"interrupted; last checkpoint {latest}; continue with: dsv3 train --resume {run_dir}"
+        return f"interrupted before the first checkpoint: {run_dir} holds none; `{resume}` starts it afresh"
+    return f"interrupted; last checkpoint {latest}; continue with: {resume}"
 
 
 def _options(given: dict[str, Any], resume: str | None) -> TrainOptions:

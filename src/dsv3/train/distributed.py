@@ -6,7 +6,7 @@ reads the same with and without torchrun.
 A process that dies (or hangs) must not leave the others waiting forever: every collective of the process
 group times out after ``--dist-timeout`` seconds (a dead peer's closed connection fails gloo's collectives
 at once), and `peer_failures` turns such a failure into one `DSV3Error` line naming the rank, the cause and
-the last checkpoint, instead of a traceback.
+the last checkpoint, instead of a traceback (every surviving rank says it: rank 0 may be the one that died).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from dsv3.errors import DSV3Error
+from dsv3.errors import DSV3Error, RankError
 from dsv3.layout import Layout
 
 # The EP dispatch's wire format by training precision (V3: FP8 dispatch; the combine follows, FP8 -> BF16).
@@ -120,17 +120,18 @@ def peer_failures(world: World, run_dir: Path, timeout_s: float) -> Iterator[Non
     except (RuntimeError, dist.DistError) as exc:
         if not world.distributed or not is_peer_failure(exc):
             raise
-        raise DSV3Error(lost_peer_message(world, exc, run_dir, timeout_s)) from None
+        raise RankError(lost_peer_message(world, exc, run_dir, timeout_s)) from None
 
 
 def lost_peer_message(world: World, exc: BaseException, run_dir: Path, timeout_s: float) -> str:
     """One line: which rank stopped, the collective's own reason (its first meaningful line), what is on disk."""
     from dsv3.train.checkpoints import latest_checkpoint
+    from dsv3.train.options import resume_command
 
     text = " ".join(re.sub(r"\[[^\]]*:\d+\]", " ", str(exc)).split())  # without gloo's [file.cc:553]
     reason = text.split(". ")[0][:160] or type(exc).__name__
     latest = latest_checkpoint(Path(run_dir))
-    saved = f"last checkpoint {latest}; continue with: dsv3 train --resume {run_dir}" if latest else \
+    saved = f"last checkpoint {latest}; continue with: {resume_command(run_dir, world.size)}" if latest else \
         "no checkpoint was saved"
     return (f"rank {world.rank} of {world.size} stopped: another process of the run died or did not answer "
             f"within --dist-timeout {timeout_s:g} s ({reason}); {saved}")
@@ -161,8 +162,8 @@ def training_layout(opts, world: World, fit: bool = False, n_experts: int | None
         pp = opts.pp or 1
         if world.size % pp:
             raise DSV3Error(
-                f"--pp {pp} needs a multiple of {pp} processes (torchrun --nproc-per-node {pp} -m dsv3 train "
-                f"... --pp {pp}), but {world.size} are running"
+                f"--pp {pp} needs a multiple of {pp} processes (dsv3 launch --nproc {pp} train ... --pp {pp}), "
+                f"but {world.size} are running"
             )
         return asked.check(world.size)
     except DSV3Error:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,3 +181,23 @@ def resumed_options(saved: TrainOptions, given: dict[str, Any]) -> TrainOptions:
         changes.setdefault("pp_schedule", "1f1b")
         changes.setdefault("microbatches", None)
     return dataclasses.replace(saved, **changes)
+
+
+def resume_command(run_dir: str | Path, world_size: int) -> str:
+    """The command that continues the run in ``run_dir`` as it ran, runnable as printed: on ``world_size``
+    processes (started by ``dsv3 launch``; across nodes, by torchrun) with the run's layout flags."""
+    try:
+        saved = TrainOptions.load(run_dir)
+    except DSV3Error:  # no (readable) run.json: nothing to continue from but the folder
+        saved = TrainOptions()
+    defaults = TrainOptions()
+    flags = [word for name in sorted(LAYOUT) if getattr(saved, name) != getattr(defaults, name)
+             for word in (f"--{name.replace('_', '-')}", str(getattr(saved, name)))]
+    train = ["train", "--resume", str(run_dir), *flags]
+    if world_size == 1:
+        return shlex.join(["dsv3", *train])
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+    if per_node == world_size:
+        return shlex.join(["dsv3", "launch", "--nproc", str(world_size), *train])
+    return shlex.join(["torchrun", "--nnodes", str(world_size // per_node), "--nproc-per-node", str(per_node),
+                       "--rdzv-endpoint", "HOST:PORT", "-m", "dsv3", *train])

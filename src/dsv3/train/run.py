@@ -180,10 +180,13 @@ class _Run:
         self.opts, self.world, self.on_step, self.plots = opts, world, on_step, plots
         self.run_dir = Path(opts.out)
         self.progress = TrainProgress(opts.steps, opts.log_every, enabled=show_progress and world.is_main)
-        self.resume_from = self._start(resume)
+        # Everything that can refuse the run (its folder, model, layout, data, checkpoint) comes before the
+        # run folder is written, so that a refused start leaves nothing behind (nor rewrites a run.json).
+        self.resume_from = self._checkpoint_to_resume(resume)
         self.cfg = model_config(opts)
+        layout = self._layout(fit_layout)  # before the data, which may take minutes to prepare
         self.data = prepare_data(opts, self.cfg.vocab_size, world, self.progress)
-        self.parallel = build_model(self.cfg, self.opts, world, self._layout(fit_layout))
+        self.parallel = build_model(self.cfg, self.opts, world, layout)
         self.model = self.parallel.model
         self.n_params = self.parallel.parameter_count()
         self.optimizer, self.scheduler = build_optimizer(self.model, opts)
@@ -195,6 +198,7 @@ class _Run:
         self.last_eval: dict[str, Any] | None = None
         if self.resume_from is not None:
             self._restore(self.resume_from)
+        self._claim_run_dir()
         self.order = SampleOrder(len(self.data.train), opts.seed)
         self.stepper = StepRunner(
             self.parallel,
@@ -213,7 +217,7 @@ class _Run:
         self.stop_reason = "completed"
 
     # ---- start / resume -----------------------------------------------------------------
-    def _start(self, resume: bool) -> Path | None:
+    def _checkpoint_to_resume(self, resume: bool) -> Path | None:
         """The checkpoint to continue from, or None for a fresh start. A run stopped before its first
         checkpoint left nothing to continue, so ``--resume`` then starts it afresh (and says so) rather
         than refusing: re-running the same command must always work."""
@@ -225,18 +229,22 @@ class _Run:
             )
         if resume and latest is None:
             self.progress.note(f"{self.run_dir} holds no complete checkpoint yet; starting the run afresh")
+        return latest
+
+    def _claim_run_dir(self) -> None:
+        """Make the run folder this run's, once nothing can refuse the run: its options in run.json (so
+        that ``--resume`` works from the first step on), without a killed process's leftovers."""
         if self.world.is_main:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             ckpt.clean_leftovers(self.run_dir)
-            if latest is None:  # rows of an earlier attempt that saved nothing would mix with the new ones
+            if self.resume_from is None:  # rows of an earlier attempt that saved nothing would mix with ours
                 (self.run_dir / "metrics.jsonl").unlink(missing_ok=True)
             self.opts.save(self.run_dir / "run.json")
         self.world.barrier()
-        return latest
 
     def _layout(self, fit: bool) -> Layout:
         """The layout the options ask for on this world; on a resume without layout flags whose saved layout
-        this world cannot hold, the nearest one it can, said and recorded in run.json."""
+        this world cannot hold, the nearest one it can, said (run.json records it once the run starts)."""
         opts, world = self.opts, self.world
         layout = training_layout(opts, world, fit, self.cfg.n_routed_experts)
         chosen = with_layout(opts, layout)
@@ -244,8 +252,6 @@ class _Run:
             self.progress.note(f"the run's layout ({_layout_flags(opts)}) does not fit {world.size} process(es); "
                                f"resuming as {layout.describe()} (choose another with --pp, --ep, --dp-shard)")
             self.opts = chosen
-            if world.is_main:
-                self.opts.save(self.run_dir / "run.json")
         return layout
 
     def _restore(self, folder: Path) -> None:

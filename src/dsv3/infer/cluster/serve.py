@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from dsv3.errors import DSV3Error
+from dsv3.errors import DSV3Error, RankError
 
 GROUP_TIMEOUT_S = 60.0  # a collective that waits longer than this (a rank hung) takes the group down
 
@@ -58,11 +58,10 @@ def check_options(opts: GroupOptions, weights: str = "native") -> None:
 def init_group(ep: int) -> tuple[int, int]:
     """Join the torchrun group (gloo); (rank, world). Needs exactly ``ep`` processes."""
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-        raise DSV3Error(f"--ep {ep} runs one process per rank: start it with torchrun --nproc-per-node {ep} "
-                        "-m dsv3 serve ...")
+        raise DSV3Error(f"--ep {ep} runs one process per rank: start it with dsv3 launch --nproc {ep} serve ...")
     world = int(os.environ["WORLD_SIZE"])
     if world != ep:
-        raise DSV3Error(f"--ep {ep} needs exactly {ep} processes, torchrun started {world}")
+        raise DSV3Error(f"--ep {ep} needs exactly {ep} processes, {world} were started")
     if os.environ.get("MASTER_ADDR") in ("127.0.0.1", "localhost"):  # one machine: gloo on the loopback
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=GROUP_TIMEOUT_S))
@@ -121,9 +120,9 @@ def _serve(opts: GroupOptions, rank: int, world: int, model: str, host: str, por
     if rank != 0:
         try:
             worker_loop(worker)
-        except Exception as exc:  # a peer gone or hung: one line, not a traceback per rank
+        except Exception as exc:  # a peer gone or hung: one line from each rank, not a traceback
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise DSV3Error(f"rank {rank}: the serving group lost a rank, stopping ({reason})") from None
+            raise RankError(f"rank {rank}: the serving group lost a rank, stopping ({reason})") from None
         return
     _front_end(opts, engine, worker, world, sock, model, folder, max_batch, quiet, summary)
 
