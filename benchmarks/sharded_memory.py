@@ -1,11 +1,13 @@
-"""Per-rank memory of `dsv3 train` under the pp1 layouts of 4 processes, sharded x EP included: for each layout
+"""Per-rank memory of `dsv3 train` under the layouts of 4 processes, sharded x EP x pipeline: for each layout
 one `torchrun --nproc-per-node 4 -m dsv3 train ... --steps 1` (the real command, fresh processes), then rank
 0's `memory` from RUN/run.json (bytes of parameters, gradients, AdamW state and peak saved activations,
-counted from the tensors: deterministic, so one run is the figure).
+counted from the tensors: deterministic, so one run is the figure), and the largest rank's parameters +
+AdamW state (pipeline stages differ: the last holds the head and the MTP layer).
 
     .venv/bin/python benchmarks/sharded_memory.py --json      # nano preset on this repository's sources
 
-Prints a Markdown table (MiB, and parameters + AdamW state as a fraction of DDP's), or with --json one JSON
+Prints a Markdown table (MiB, and parameters + AdamW state as a fraction of the replicated run's), or with
+--json one JSON
 object: per layout, every rank's bytes."""
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import tempfile
 from pathlib import Path
 
 LAYOUTS = {
-    "DDP": [],
+    "replicated": [],
     "zero1": ["--dp-shard", "zero1"],
     "fsdp": ["--dp-shard", "fsdp"],
     "ep4": ["--ep", "4"],
@@ -28,6 +30,10 @@ LAYOUTS = {
     "ep2 x fsdp": ["--ep", "2", "--dp-shard", "fsdp"],
     "ep4 x zero1": ["--ep", "4", "--dp-shard", "zero1"],
     "ep2 x zero1": ["--ep", "2", "--dp-shard", "zero1"],
+    "pp2": ["--pp", "2"],
+    "pp2 x fsdp": ["--pp", "2", "--dp-shard", "fsdp"],
+    "pp2 x ep2 x fsdp": ["--pp", "2", "--ep", "2", "--dp-shard", "fsdp"],
+    "pp2 x zero1": ["--pp", "2", "--dp-shard", "zero1"],
 }
 MIB = 2**20
 
@@ -40,20 +46,22 @@ def measure(flags: list[str], out: Path, args) -> list[dict]:
            str(out), *flags]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode:
-        sys.exit(f"error: {' '.join(flags) or 'DDP'} failed:\n{proc.stderr[-2000:]}")
+        sys.exit(f"error: {' '.join(flags) or 'replicated'} failed:\n{proc.stderr[-2000:]}")
     return json.loads((out / "run.json").read_text())["memory"]["per_rank"]
 
 
 def table(results: dict[str, list[dict]]) -> str:
-    base = results["DDP"][0]
-    rows = ["| layout | parameters | gradients | AdamW state | params + AdamW (x DDP) | peak saved activations |",
-            "|---|---|---|---|---|---|"]
+    base = results["replicated"][0]
+    whole = base["parameters"] + base["optimizer"]
+    rows = ["| layout | parameters | gradients | AdamW state | params + AdamW (x replicated) | largest rank's "
+            "params + AdamW | peak saved activations |", "|---|---|---|---|---|---|---|"]
     for name, ranks in results.items():
         m = ranks[0]
-        both = (m["parameters"] + m["optimizer"]) / (base["parameters"] + base["optimizer"])
+        both = m["parameters"] + m["optimizer"]
+        largest = max(r["parameters"] + r["optimizer"] for r in ranks)
         rows.append(f"| {name} | {m['parameters'] / MIB:.2f} | {m['gradients'] / MIB:.2f} | "
-                    f"{m['optimizer'] / MIB:.2f} | {(m['parameters'] + m['optimizer']) / MIB:.2f} (x{both:.2f}) | "
-                    f"{m['activations_peak'] / MIB:.2f} |")
+                    f"{m['optimizer'] / MIB:.2f} | {both / MIB:.2f} (x{both / whole:.2f}) | "
+                    f"{largest / MIB:.2f} (x{largest / whole:.2f}) | {m['activations_peak'] / MIB:.2f} |")
     return "\n".join(rows)
 
 

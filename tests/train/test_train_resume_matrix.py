@@ -4,7 +4,7 @@ fsdp dp2, pp2 x ep2 (1F1B), ep4 x fsdp, pp2 x DualPipeV x zero1} continues under
 pp2 x ep2 -> ep4 x fsdp and fsdp -> pp2 x ep2. Every step's loss, gradient norm and expert loads equal the
 uninterrupted one-process run's (fp32 rounding; loads exactly). The second chain ends with a resume that
 names no layout on one process, which cannot hold pp2 x ep2: it takes the nearest layout that fits and
-says so."""
+says so. (tests/train/test_train_reshard.py stops a pipeline run by SIGTERM and continues it in one process.)"""
 
 from __future__ import annotations
 
@@ -15,7 +15,9 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+import dsv3
 from dsv3.train.metrics import read_rows
 from dsv3.train.run import run_training
 
@@ -92,6 +94,9 @@ def test_every_layout_resumes_under_two_others_with_the_one_process_losses(chain
         assert b["loss"] == pytest.approx(a["loss"], rel=1e-5), (a["step"], name)
         assert b["grad_norm"] == pytest.approx(a["grad_norm"], rel=1e-4), (a["step"], name)
         assert b["expert_load"] == a["expert_load"], (a["step"], name)
+    ids = torch.randint(0, 300, (2, 16), generator=torch.Generator().manual_seed(0))
+    exported, expected = dsv3.load_pretrained(run / "latest"), dsv3.load_pretrained(reference / "latest")
+    torch.testing.assert_close(exported(ids), expected(ids), rtol=1e-4, atol=1e-4)  # one folder, every expert
     if layouts[-1] is None:  # the last resume named no layout: it says what it chose, and run.json has it
         assert "does not fit 1 process(es); resuming as dp=1, ep=1, dp_shard=none" in stderr
         saved = json.loads((run / "run.json").read_text())
