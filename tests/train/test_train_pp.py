@@ -143,6 +143,25 @@ def test_pp2_times_fsdp_matches_one_process_and_shards_each_stage(ep, single_run
     assert_same_logits(single_run, out, 5)
 
 
+def test_a_plans_train_args_run_as_dsv3_train(pp_argv, torchrun, tmp_path):
+    """The `dsv3 train` flags `dsv3 plan train` gives for a 4-GPU plan (pp2 x DualPipeV x EP2 x ZeRO-1), its
+    micro-batches scaled down to the test's batch, run on 4 processes as the plan's layout."""
+    from dataclasses import replace
+
+    from dsv3.analysis.plan import paper_setup, plan_train, planned_layout
+
+    arch, cluster, *_ = paper_setup()
+    plan = plan_train(arch, replace(cluster, gpus=4), planned_layout(4, 2, 2, "zero1", "dualpipev"), 512, 16)
+    args = list(plan.train_args)
+    args[args.index("--micro-batches") + 1] = "4"
+    out = tmp_path / "planned"
+    summary = torchrun(4, pp_argv(out, "--steps", "1", "--batch-size", "8", "--eval-every", "100", *args))
+    assert summary["step"] == 1 and summary["world_size"] == 4
+    layout = json.loads((out / "run.json").read_text())["memory"]["layout"]
+    assert {k: layout[k] for k in ("pp", "dp", "ep", "dp_shard", "schedule", "gpus_per_node")} == \
+        {"pp": 2, "dp": 2, "ep": 2, "dp_shard": "zero1", "schedule": "dualpipev", "gpus_per_node": 2}
+
+
 def test_pp_without_enough_processes_is_refused(make_opts):
     with pytest.raises(DSV3Error, match="--pp 2 needs a multiple of 2 processes"):
         run_training(make_opts("pp1", pp=2), show_progress=False, plots=False)
