@@ -178,8 +178,9 @@ def _mlp_weights(mlp: MLP) -> ExpertWeights | None:
                                   w.dtype) for w in parts))
 
 
-class Layout:
-    """What decode plans depend on besides tensor values: which modules a model (or a block) is made of
+class ModuleSnapshot:
+    """What decode plans depend on besides tensor values (not a parallel layout): which modules a model (or a
+    block) is made of
     (a layer made expert-parallel or quantized after the engine was built swaps some), the dispatchers'
     combine formats, and whether any module has a hook (a hooked block runs through its modules).
     Checked before every step, so the check is a few C-level passes: each parent module's ``_modules``
@@ -201,7 +202,7 @@ class Layout:
         return list(map(_combine_format, self.dispatchers))
 
     def holds(self) -> bool:
-        """Whether the modules are still as they were when this layout was taken."""
+        """Whether the modules are still as they were when this snapshot was taken."""
         return (any(self.hook_dicts) == self.hooked and self._children() == self.children
                 and self._formats() == self.formats)
 
@@ -216,15 +217,15 @@ class BlockPlan:
 
     def __init__(self, block: Block, dtype: torch.dtype):
         self.block, self.dtype = block, dtype
-        self.layout = Layout(block.modules())
+        self.snapshot = ModuleSnapshot(block.modules())
         self.attn = AttentionPlan(block.self_attn, dtype)
         self.ffn = FeedForwardPlan(block.mlp)
-        self.ok = self.attn.ok and self.ffn.ok and not self.layout.hooked
+        self.ok = self.attn.ok and self.ffn.ok and not self.snapshot.hooked
         self.kernel = BlockKernel.of(self)
 
     def current(self) -> BlockPlan:
         """This plan, or a new one when the block's modules changed since it was made."""
-        return self if self.layout.holds() else BlockPlan(self.block, self.dtype)
+        return self if self.snapshot.holds() else BlockPlan(self.block, self.dtype)
 
     def __call__(self, x, rot, cos_sin, cache, start_pos, bias, use_kernels):
         """The per-op path: x [B, T, D] -> the block's output."""
@@ -420,7 +421,7 @@ class FastDecode:
         self.rope = RopeTable(model)
         self._eh: dict[int, tuple[nn.Module, Weight | None]] = {}
         self._step_kernel: StepKernel | None = None
-        self._layout: Layout | None = None  # of the whole model, when the step kernel was made
+        self._snapshot: ModuleSnapshot | None = None  # of the whole model, when the step kernel was made
         # per (rows, T, threads): the cache tensors and RoPE table a reusable step descriptor points into
         self._table_steps: dict[tuple, tuple] = {}
 
@@ -512,11 +513,11 @@ class FastDecode:
 
     def _whole_step(self, step: Step) -> StepKernel | None:
         """The step kernel for the model as it is now, or None when this step or a part cannot use it. One
-        check of the whole model's layout per step; the blocks are planned again only when it changed."""
+        check of the whole model's module snapshot per step; the blocks are planned again only when it changed."""
         if step.kernel is None or not self.step_kernel:
             return None
-        if self._layout is None or not self._layout.holds():
-            self._layout = Layout(self.model.modules())
+        if self._snapshot is None or not self._snapshot.holds():
+            self._snapshot = ModuleSnapshot(self.model.modules())
             plans = [self._plan(i) for i in range(self.model.config.num_hidden_layers)]
             self._step_kernel = StepKernel.of(plans, self.model, self.head, self.dtype)
         kernel = self._step_kernel
