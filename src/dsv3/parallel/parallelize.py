@@ -112,8 +112,8 @@ def shard_data_parallel(model: nn.Module, mesh: ParallelMesh, pipe: PipelinePara
 
 
 def fsdp_units(model: nn.Module, pipe: PipelineParallel | None) -> list[nn.Module]:
-    """What FSDP2 shards as one unit each, inner first: every Block held here, then the rest. One process of
-    a stage-less layout has one root (the model: embedding, final norm, head and the MTP modules, which read
+    """What FSDP2 shards as one unit each, inner first: every Block held here, then the rest. Without a
+    pipeline the rest is one root, the model (embedding, final norm, head and the MTP modules, which read
     the embedding and head); a pipeline rank shards each of its remaining modules on its own, since two
     stages on one rank (the V schedules) share the embedding."""
     blocks = [m for m in model.main_layers if not isinstance(m, Elsewhere)]
