@@ -16,6 +16,7 @@ import time
 
 REPLY_FILE_ENV = "TORCHELASTIC_ERROR_FILE"  # set by torch's launcher agent for each process it starts
 UNSAID = "dsv3_unsaid"  # marks a reply file's message as a line its process did not print
+SAID = "dsv3_said"  # marks it as the line the run's speaker printed (the launcher must not repeat one)
 
 
 class DSV3Error(Exception):
@@ -36,10 +37,16 @@ def speaks_for_the_run() -> bool:
 def report(exc: DSV3Error) -> None:
     """``error: ...`` on stderr, once per run: by rank 0 alone, unless the error is this rank's own; the
     other ranks leave it to their launcher."""
-    if isinstance(exc, RankError) or speaks_for_the_run():
+    speaks = isinstance(exc, RankError) or speaks_for_the_run()
+    _reply(str(exc), SAID if speaks else UNSAID)  # first: the launcher may stop this process at any time
+    if speaks:
         print(f"error: {exc}", file=sys.stderr)
-    elif os.environ.get(REPLY_FILE_ENV):
-        reply = {"message": str(exc), "timestamp": int(time.time()), UNSAID: True}  # torch's reply format
+
+
+def _reply(message: str, mark: str) -> None:
+    """The line, marked said or unsaid, in this process's launcher reply file (none without a launcher)."""
+    if os.environ.get(REPLY_FILE_ENV):
+        reply = {"message": message, "timestamp": int(time.time()), mark: True}  # torch's reply format
         with contextlib.suppress(OSError), open(os.environ[REPLY_FILE_ENV], "w") as f:
             json.dump(reply, f)
 
@@ -47,3 +54,8 @@ def report(exc: DSV3Error) -> None:
 def unsaid_message(reply: dict) -> str | None:
     """The error line a process left unprinted in its launcher reply file (as `report` writes it), if any."""
     return reply.get("message") if reply.get(UNSAID) else None
+
+
+def was_said(reply: dict) -> bool:
+    """Whether a process printed the run's error line itself (`report` marks its reply file so)."""
+    return bool(reply.get(SAID))

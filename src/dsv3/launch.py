@@ -27,7 +27,7 @@ from pathlib import Path
 
 import typer
 
-from dsv3.errors import DSV3Error, unsaid_message
+from dsv3.errors import DSV3Error, unsaid_message, was_said
 
 REPORTED_STATUSES = (2, 130)  # a dsv3 process that exits so has said why (an error: line, "interrupted")
 # The agent handles these itself (stopping the workers); SIGINT and SIGTERM are passed on to them instead.
@@ -87,6 +87,9 @@ def failed_status(exc) -> int:
     failures = exc.failures
     if 0 in failures and failures[0].exitcode in REPORTED_STATUSES:
         return failures[0].exitcode
+    said = [f for f in failures.values() if was_said(f.error_file_data)]
+    if said:  # printed by a process the agent then stopped (its status is the signal's, not dsv3's)
+        return 2
     unsaid = [f for f in failures.values() if unsaid_message(f.error_file_data)]
     if unsaid:
         print(f"error: {unsaid_message(unsaid[0].error_file_data)}", file=sys.stderr)
