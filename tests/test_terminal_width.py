@@ -26,7 +26,7 @@ COMMANDS = [
     ["study", "fp8", "--tokens", "256", "--dim", "256", "--outlier-scales", "0,100"],
     ["study", "logfmt", "--numel", "4096"],
 ]
-HELP = [["train"], ["analyze"], ["paper"], ["study"], ["study", "accumulation"], ["study", "fp8"],
+HELP = [[], ["train"], ["analyze"], ["paper"], ["study"], ["study", "accumulation"], ["study", "fp8"],
         ["study", "logfmt"], ["net"], ["net", "topology"], ["net", "cost"], ["net", "simulate"], ["net", "sweep"],
         ["launch"]]
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import sys
+import textwrap
 
 from dsv3.errors import DSV3Error, report, speaks_for_the_run
 
@@ -31,11 +32,15 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
-def _usage() -> str:
+def _usage(columns: int = 80) -> str:
+    """The top-level help, each command's line folded to ``columns`` under its own description."""
     width = max(len(name) for name in COMMANDS)
+    indent = " " * (width + 4)
     lines = ["usage: dsv3 COMMAND [ARGS]...", "", "DeepSeek-V3 as one readable PyTorch codebase.", "", "commands:"]
-    lines += [f"  {name:<{width}}  {help_}" for name, (_, help_) in COMMANDS.items()]
-    lines += ["", "Run `dsv3 COMMAND --help` for a command's options, `dsv3 --version` for the version."]
+    lines += [textwrap.fill(help_, columns, initial_indent=f"  {name:<{width}}  ", subsequent_indent=indent)
+              for name, (_, help_) in COMMANDS.items()]
+    lines += ["", "Run `dsv3 COMMAND --help` for a command's options, `dsv3 --version` for the",
+              "version."]
     return "\n".join(lines)
 
 
