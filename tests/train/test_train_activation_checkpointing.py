@@ -127,3 +127,20 @@ def test_full_recomputation_under_fp8_and_ep_is_bit_for_bit_and_keeps_less(two_p
     assert _rows(full) == _rows(none)
     for kept, recomputed in zip(_memory(none), _memory(full), strict=True):
         assert 0 < recomputed["activations_peak"] < 0.5 * kept["activations_peak"], (kept, recomputed)
+
+
+def test_the_meter_counts_what_a_checkpoint_region_keeps_its_inputs():
+    """Inside a region torch's checkpoint saves nothing (its own hooks keep a placeholder); the region's
+    inputs are saved outside it, where the meter sees them."""
+    from torch.utils.checkpoint import checkpoint
+
+    from dsv3.parallel.memory import SavedTensorMeter
+
+    x = torch.randn(8, 16, requires_grad=True)
+    w = torch.nn.Parameter(torch.randn(16, 32))
+    meter = SavedTensorMeter()
+    with meter.active():
+        loss = checkpoint(lambda t: (t @ w).relu(), x, use_reentrant=False).sum()
+    assert meter.peak == meter.live == 8 * 16 * 4  # x, not relu's output (8 x 32): that is recomputed
+    loss.backward()
+    assert meter.live == 0
