@@ -44,9 +44,10 @@ class Block(nn.Module):
 
 def module_steps(module: nn.Module, *args) -> Steps:
     """Generator: ``module(*args)`` through the module's own ``steps`` when it has them and nothing hooks
-    its call (forward hooks, FSDP's class swap, a stand-in module must see the call): then it yields while
-    an exchange is in flight; otherwise the plain call, which never yields."""
-    hooked = module._forward_hooks or module._forward_pre_hooks
+    its call (forward hooks, FSDP's class swap, a replaced forward such as activation checkpointing's, a
+    stand-in module must see the call): then it yields while an exchange is in flight; otherwise the plain
+    call, which never yields."""
+    hooked = module._forward_hooks or module._forward_pre_hooks or "forward" in vars(module)
     if type(module) in (Block, MoE) and not hooked:
         return (yield from module.steps(*args))
     return module(*args)

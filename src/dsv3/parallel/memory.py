@@ -6,7 +6,10 @@ buffers and temporaries are not counted).
 Activations: a ``saved_tensors_hooks`` pack hook wraps every tensor autograd saves for backward (parameters
 and their views excluded: they are counted once as parameters) in a small holder that counts its storage
 while alive; autograd frees the holders as backward consumes them, so the running total's maximum is the
-peak of the saved-for-backward bytes over the step. Views of one storage count once.
+peak of the saved-for-backward bytes over the step. Views of one storage count once. Under activation
+checkpointing (``dsv3 train --ac``) torch's checkpoint hooks take the place of these inside a region: what
+the meter counts there is what the region keeps, its inputs; the tensors a region's recomputation saves while
+its backward runs (one region at a time) are not counted.
 """
 
 from __future__ import annotations

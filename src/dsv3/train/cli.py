@@ -86,6 +86,10 @@ def train(
         None, "--micro-batches", help="Micro-batches per pipeline step with --pp (default: one per stage: P, or 2P for "
         "interleaved, zbv and dualpipev)."
     ),
+    ac: str = typer.Option(
+        None, help="Activation checkpointing: recompute in the backward instead of keeping activations. selective: "
+        "the RMSNorms and MLA (V3's choice); full: every block. Same losses, less memory (default: none).",
+    ),
     save_every: int = typer.Option(None, help="Checkpoint every N steps (default: 200)."),
     eval_every: int = typer.Option(None, help="Evaluate every N steps (default: 100)."),
     keep_last: int = typer.Option(None, help="Checkpoints kept (default: 3)."),

@@ -1,7 +1,8 @@
 """`TrainOptions`: everything that defines a training run, saved as RUN_DIR/run.json.
 
 A resumed run reads its options back from run.json, so it continues the same run; only the
-operational knobs (how often to save, evaluate, log), the total number of steps and the layout (``--ep``,
+operational knobs (how often to save, evaluate, log; what to recompute, ``--ac``, which changes memory and not
+the numbers), the total number of steps and the layout (``--ep``,
 ``--pp``, ``--dp-shard``, and the number of processes) may change.
 """
 
@@ -21,6 +22,7 @@ from dsv3.layout import SCHEDULES
 from dsv3.layout import SHARDINGS as DP_SHARDS
 
 PRECISIONS = ("fp32", "bf16", "fp8")
+AC_MODES = ("none", "selective", "full")  # what --ac recomputes (dsv3.train.activation_checkpointing)
 
 # May differ between the original run and a resumption without changing what is computed.
 OPERATIONAL = {
@@ -37,6 +39,7 @@ OPERATIONAL = {
     "device",
     "threads",
     "dist_timeout",
+    "ac",  # activation checkpointing recomputes the same numbers: losses are bit for bit those without it
 }
 # How the processes split the work: a checkpoint is resharded on load, so a resumption may change these too
 # (the losses then agree with the original layout's to fp32 rounding).
@@ -85,6 +88,7 @@ class TrainOptions:
     device: str = "auto"
     threads: int = 0  # torch intra-op threads; 0: torch's default (torchrun sets 1 per process)
     dist_timeout: float = 600.0  # seconds a collective waits for a process that died or hung
+    ac: str = "none"  # activation checkpointing: none, selective (RMSNorms and MLA) or full (every block)
 
     @property
     def warmup_steps(self) -> int:
@@ -121,6 +125,8 @@ class TrainOptions:
         if self.ep is not None and self.ep < 1:
             raise DSV3Error(f"--ep must be at least 1, got {self.ep}")
         self._check_pipeline()
+        if self.ac not in AC_MODES:
+            raise DSV3Error(f"--ac must be one of {', '.join(AC_MODES)}, got {self.ac!r}")
         if self.dp_shard not in DP_SHARDS:
             raise DSV3Error(f"--dp-shard must be one of {', '.join(DP_SHARDS)}, got {self.dp_shard!r}")
         if not self.dist_timeout > 0:

@@ -34,6 +34,7 @@ from dsv3.parallel.memory import SavedTensorMeter, gather_memory, rank_memory
 from dsv3.parallel.parallelize import Parallelized, parallelize
 from dsv3.run_dir import SHARDED_DIR
 from dsv3.train import checkpoints as ckpt
+from dsv3.train.activation_checkpointing import apply_activation_checkpointing
 from dsv3.train.distributed import World, peer_failures, setup_world, teardown_world, training_layout
 from dsv3.train.evaluate import eval_windows, evaluate
 from dsv3.train.loop import RunState, StepRunner
@@ -134,6 +135,7 @@ def build_model(cfg: ModelConfig, opts: TrainOptions, world: World, layout: Layo
     model = Transformer(cfg).to(world.device).train()
     if opts.precision == "fp8":
         apply_fp8(model)
+    apply_activation_checkpointing(model, opts.ac)
     return parallelize(model, layout or training_layout(opts, world))
 
 
