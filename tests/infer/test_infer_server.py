@@ -354,3 +354,45 @@ def test_ignore_eos_generates_exactly_max_tokens(model, tokenizer):
         assert full["choices"][0]["finish_reason"] == "length" and full["usage"]["completion_tokens"] == 6
         bad = httpx.post(url + "/v1/completions", json={**body, "ignore_eos": "yes"}, timeout=30)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "ignore_eos"
+
+
+def test_a_malformed_body_gets_one_plain_message(server):
+    """Before: '1: JSON decode error' with param '1', and 'Input should be a valid dictionary' for a body sent
+    without its Content-Type."""
+    url = server[0] + "/v1/completions"
+    bad_json = httpx.post(url, content=b"{not json", headers={"content-type": "application/json"}, timeout=10)
+    error = bad_json.json()["error"]
+    assert bad_json.status_code == 400 and error["param"] is None
+    assert error["message"].startswith("the request body is not valid JSON at character 1")
+    no_type = httpx.post(url, content=json.dumps({"prompt": "hi"}).encode(), timeout=10)
+    assert no_type.status_code == 400
+    assert no_type.json()["error"]["message"] == ("send the body as a JSON object with 'Content-Type: "
+                                                  "application/json' (the request has no Content-Type)")
+    text = httpx.post(url, content=b"hi", headers={"content-type": "text/plain"}, timeout=10)
+    assert "got Content-Type 'text/plain'" in text.json()["error"]["message"]
+    a_list = httpx.post(url, json=[1, 2], timeout=10)
+    assert a_list.json()["error"]["message"] == "the request body must be a JSON object (with the request's " \
+                                                "fields), not list"
+
+
+def test_an_api_key_guards_the_v1_routes_with_openai_s_401(model, tokenizer):
+    app = create_app(Engine(model, tokenizer), model_name="tiny", api_key="sesame")
+    with serving(app) as url:
+        good = openai.OpenAI(base_url=url + "/v1", api_key="sesame", max_retries=0, timeout=30)
+        assert good.completions.create(model="tiny", prompt="hi", max_tokens=2).choices[0].text is not None
+        wrong = openai.OpenAI(base_url=url + "/v1", api_key="guess", max_retries=0, timeout=30)
+        with pytest.raises(openai.AuthenticationError) as err:
+            wrong.models.list()
+        assert err.value.status_code == 401 and err.value.body["code"] == "invalid_api_key"
+        assert httpx.get(url + "/v1/models", timeout=10).status_code == 401  # no key at all
+        assert httpx.get(url + "/health", timeout=10).status_code == 200  # probes and scrapes stay open
+        assert httpx.get(url + "/metrics", timeout=10).status_code == 200
+
+
+def test_prefix_cache_flags_with_ep_are_refused_not_ignored(capsys):
+    """`serve --ep N` has no prefix cache yet: asking for one is one error line, not a flag silently dropped."""
+    from dsv3.cli import main
+
+    assert main(["serve", "--model", "no-such-model", "--ep", "2", "--prefix-cache-bytes", "512M"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("error: --ep N serves without a prefix cache for now")

@@ -301,7 +301,10 @@ def serve(
     cache_dtype: str = CACHE_DTYPE,
     threads: int = THREADS,
     quiet: bool = typer.Option(False, "--quiet", metavar="", help="No access log line per request."),
-    prefix_cache_bytes: str = typer.Option("1G", "--prefix-cache-bytes", metavar="SIZE", show_default=False,
+    api_key: str | None = typer.Option(None, "--api-key", metavar="KEY", envvar="DSV3_API_KEY", show_default=False,
+                                       show_envvar=False, help="Answer /v1 requests only with 'Authorization: "
+                                                               "Bearer KEY' (default: $DSV3_API_KEY, or open)."),
+    prefix_cache_bytes: str | None = typer.Option(None, "--prefix-cache-bytes", metavar="SIZE", show_default=False,
                                            help="Memory for cached prompt prefixes, e.g. 512M; 0 turns the "
                                                 "cache off (default: 1G)."),
     prefix_block_tokens: int = typer.Option(16, "--prefix-block-tokens", metavar="N", show_default=False,
@@ -339,10 +342,14 @@ def serve(
     if ep is not None:
         from dsv3.infer.cluster.serve import GroupOptions, serve_group
 
+        if prefix_cache_bytes is not None or prefix_cache_dir is not None:
+            raise DSV3Error("--ep N serves without a prefix cache for now: drop --prefix-cache-bytes and "
+                            "--prefix-cache-dir (they would be ignored)")
+
         engine_args = dict(dtype=dtype, weights=weights, cache_dtype=cache_dtype, speculative=speculative,
                            threads=threads, draft_vocab=draft_vocab)
         opts = GroupOptions(ep, prefill_ranks, dispatch, combine, redundant_experts, eplb_every, micro_batches)
-        serve_group(opts, model, host, port, max_batch, engine_args, quiet)
+        serve_group(opts, model, host, port, max_batch, engine_args, quiet, api_key)
         return
     if prefill_ranks or dispatch != "native" or combine != "native" or redundant_experts or eplb_every or \
             micro_batches != 1:
@@ -351,9 +358,10 @@ def serve(
     folder = resolve_checkpoint(model)
     engine = build_engine(str(folder), dtype, weights, cache_dtype, speculative, threads=threads,
                           draft_vocab=draft_vocab)
-    attach_prefix_cache(engine, prefix_cache_bytes, prefix_block_tokens, prefix_cache_dir)
+    attach_prefix_cache(engine, prefix_cache_bytes or "1G", prefix_block_tokens, prefix_cache_dir)
     name = _model_name(model)
-    app = create_app(engine, model_name=name, max_batch=max_batch, access_log=None if quiet else _log_line)
+    app = create_app(engine, model_name=name, max_batch=max_batch, access_log=None if quiet else _log_line,
+                     api_key=api_key)
     sock = listen(host, port)
     bound_host, bound_port = sock.getsockname()[:2]
     where = f"[{bound_host}]" if ":" in bound_host else bound_host

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -114,11 +115,12 @@ class GenerationError(Exception):
 
 def create_app(engine: Engine, model_name: str = "dsv3", max_batch: int = 8,
                access_log: Callable[[str], None] | None = None, metrics: ServingMetrics | None = None,
-               scheduler: Scheduler | None = None) -> FastAPI:
+               scheduler: Scheduler | None = None, api_key: str | None = None) -> FastAPI:
     """The API over one engine; the decode worker runs while the app is up. ``access_log`` receives one
     line per request (method, path, status, tokens generated, milliseconds). ``metrics``: where /metrics
     reads from (by default one whose expert load counts this process's routers). ``scheduler``: another
-    scheduler with the same interface (a multi-process serving group's front end; /metrics reads its own)."""
+    scheduler with the same interface (a multi-process serving group's front end; /metrics reads its own).
+    ``api_key``: the /v1 routes answer only requests that carry it (``Authorization: Bearer KEY``)."""
     if scheduler is None:
         if metrics is None:
             metrics = ServingMetrics()
@@ -137,6 +139,8 @@ def create_app(engine: Engine, model_name: str = "dsv3", max_batch: int = 8,
     app = FastAPI(title="dsv3", lifespan=lifespan)
     app.state.scheduler = scheduler
     _install_error_handlers(app)
+    if api_key:
+        _require_key(app, api_key)
     if access_log is not None:
         app.add_middleware(AccessLog, write=access_log)
 
@@ -450,12 +454,28 @@ class AccessLog:
 
 # ---- errors ------------------------------------------------------------------------------------
 
-def _error_body(message: str, kind: str = "invalid_request_error", param: str | None = None) -> dict:
-    return {"error": {"message": message, "type": kind, "param": param, "code": None}}
+def _error_body(message: str, kind: str = "invalid_request_error", param: str | None = None,
+                code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None) -> JSONResponse:
-    return JSONResponse(_error_body(message, kind, param), status_code=status)
+def _error(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
+           code: str | None = None) -> JSONResponse:
+    return JSONResponse(_error_body(message, kind, param, code), status_code=status)
+
+
+def _require_key(app: FastAPI, key: str) -> None:
+    """The /v1 routes answer 401 with OpenAI's error body unless the request carries ``key`` as a bearer
+    token (as OpenAI's clients send ``api_key``); /health and /metrics stay open, as in vLLM."""
+    expected = f"Bearer {key}".encode()
+
+    @app.middleware("http")
+    async def check_key(request: Request, call_next):
+        given = request.headers.get("authorization", "").encode()
+        if request.url.path.startswith("/v1/") and not secrets.compare_digest(given, expected):
+            return _error(401, "Incorrect API key provided: send the server's key as 'Authorization: Bearer "
+                               "KEY' (the OpenAI clients' api_key)", code="invalid_api_key")
+        return await call_next(request)
 
 
 def _field(loc: tuple) -> str:
@@ -466,10 +486,30 @@ def _field(loc: tuple) -> str:
     return ".".join(parts)
 
 
+def _body_problem(request: Request, error: dict) -> str | None:
+    """What is wrong with the body as a whole, said plainly, when it is not a JSON object at all (pydantic
+    would name a character offset as the field, or ask for "a valid dictionary"); None for a field's error."""
+    loc = tuple(error.get("loc", ()))
+    if error.get("type") == "json_invalid":
+        at = f" at character {loc[1]}" if len(loc) > 1 else ""
+        return f"the request body is not valid JSON{at}: {error.get('ctx', {}).get('error', 'cannot parse it')}"
+    if loc == ("body",):
+        kind = request.headers.get("content-type")
+        if kind is None or not kind.split(";")[0].strip().endswith("json"):
+            got = f"got Content-Type {kind!r}" if kind else "the request has no Content-Type"
+            return f"send the body as a JSON object with 'Content-Type: application/json' ({got})"
+        return "the request body must be a JSON object (with the request's fields), not " \
+               f"{type(error.get('input')).__name__}"
+    return None
+
+
 def _install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def invalid(_, exc: RequestValidationError):
+    async def invalid(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
+        body_problem = _body_problem(request, first)
+        if body_problem is not None:
+            return _error(400, body_problem)
         where = _field(tuple(first.get("loc", ())))
         message = first.get("msg", "invalid request")
         return _error(400, f"{where}: {message}" if where else message, param=where or None)

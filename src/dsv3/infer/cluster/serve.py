@@ -90,18 +90,18 @@ def log(line: str) -> None:
 
 
 def serve_group(opts: GroupOptions, model: str, host: str, port: int, max_batch: int, engine_args: dict,
-                quiet: bool = False) -> None:
+                quiet: bool = False, api_key: str | None = None) -> None:
     """Load, spread the experts, and serve: rank 0 runs the HTTP front end, the other ranks follow it."""
     check_options(opts, engine_args.get("weights", "native"))
     rank, world = init_group(opts.ep)
     try:
-        _serve(opts, rank, world, model, host, port, max_batch, engine_args, quiet)
+        _serve(opts, rank, world, model, host, port, max_batch, engine_args, quiet, api_key)
     finally:
         dist.destroy_process_group()
 
 
 def _serve(opts: GroupOptions, rank: int, world: int, model: str, host: str, port: int, max_batch: int,
-           engine_args: dict, quiet: bool) -> None:
+           engine_args: dict, quiet: bool, api_key: str | None = None) -> None:
     from dsv3.infer.cli import build_engine, listen
     from dsv3.infer.cluster.frontend import worker_loop
     from dsv3.infer.cluster.lockstep import make_lockstep, use_micro_batches
@@ -124,11 +124,11 @@ def _serve(opts: GroupOptions, rank: int, world: int, model: str, host: str, por
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise RankError(f"rank {rank}: the serving group lost a rank, stopping ({reason})") from None
         return
-    _front_end(opts, engine, worker, world, sock, model, folder, max_batch, quiet, summary)
+    _front_end(opts, engine, worker, world, sock, model, folder, max_batch, quiet, summary, api_key)
 
 
 def _front_end(opts: GroupOptions, engine, worker, world: int, sock, model: str, folder, max_batch: int,
-               quiet: bool, summary: str) -> None:
+               quiet: bool, summary: str, api_key: str | None = None) -> None:
     import uvicorn
 
     from dsv3.infer.cli import _model_name
@@ -141,7 +141,7 @@ def _front_end(opts: GroupOptions, engine, worker, world: int, sock, model: str,
     scheduler = ClusterScheduler(engine, worker, world, max_batch, eplb_every=opts.eplb_every, **sides)
     name = _model_name(model)
     app = create_app(engine, model_name=name, max_batch=max_batch, access_log=None if quiet else log,
-                     scheduler=scheduler)
+                     scheduler=scheduler, api_key=api_key)
     install_unavailable(app, scheduler)
     bound_host, bound_port = sock.getsockname()[:2]
     where = f"[{bound_host}]" if ":" in bound_host else bound_host
