@@ -233,3 +233,18 @@ def test_step_benchmark_times_both_sides_at_each_batch_size():
     bad = subprocess.run([sys.executable, str(bench), "--dtypes", "int4"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip().splitlines() == ["error: --dtypes: each one of fp32, bf16, fp8, got 'int4'"]
+
+
+def test_the_build_s_structures_are_checked_against_their_ctypes_mirrors():
+    """`dsv3_struct_layout` reports C's sizes and field offsets; the load refuses a build that differs from the
+    Python mirrors. Here a mirror that lost BlockLinear's ``scale`` pointer (a field added on one side only)."""
+    import ctypes
+
+    lib = dk._load()[0]
+    assert dk.struct_layout_mismatch(lib) is None and dk.kernel_status() == "ok"
+
+    class BlockLinear(ctypes.Structure):
+        _fields_ = [("w", ctypes.c_void_p), ("kind", ctypes.c_int64), ("n", ctypes.c_int64), ("k", ctypes.c_int64)]
+
+    stale = (BlockLinear, dk.BlockExperts, dk.BlockDesc, dk.BlockStep, dk.StepDesc)
+    assert dk.struct_layout_mismatch(lib, stale) == "BlockLinear is 40 bytes in C, 32 in Python"

@@ -16,6 +16,7 @@
 #include <immintrin.h>
 #include <math.h>
 #include <omp.h>
+#include <stddef.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -1746,4 +1747,47 @@ int dsv3_scan_logits(const void *x, int kind, int64_t M, int64_t n, int64_t ld, 
             if (blk_load(x, kind, off + i) == best) idx[m] = i;
     }
     return 0;
+}
+
+
+/* The layout of the structures decode_kernels.py mirrors with ctypes (BlockLinear, BlockExperts, BlockDesc,
+   BlockStep, StepDesc), so that Python refuses a build whose layout is not its own (a field added on one
+   side only, another compiler's padding) instead of handing it pointers into the wrong places: each
+   structure's size, then the offset of each of its fields in declaration order. Writes at most ``cap``
+   values into ``out``; returns how many there are. */
+int64_t dsv3_struct_layout(int64_t *out, int64_t cap) {
+    int64_t n = 0;
+#define PUT(v) do { if (n < cap) out[n] = (int64_t)(v); n++; } while (0)
+#define SIZE(T) PUT(sizeof(T))
+#define AT(T, f) PUT(offsetof(T, f))
+    SIZE(BlkLinear);
+    AT(BlkLinear, w); AT(BlkLinear, scale); AT(BlkLinear, kind); AT(BlkLinear, n); AT(BlkLinear, k);
+    SIZE(BlkExperts);
+    AT(BlkExperts, gate); AT(BlkExperts, up); AT(BlkExperts, down); AT(BlkExperts, gate_scale);
+    AT(BlkExperts, up_scale); AT(BlkExperts, down_scale); AT(BlkExperts, kind); AT(BlkExperts, n_experts);
+    AT(BlkExperts, inter); AT(BlkExperts, dim);
+    SIZE(BlkDesc);
+    AT(BlkDesc, akind); AT(BlkDesc, dim); AT(BlkDesc, layer); AT(BlkDesc, input_norm); AT(BlkDesc, post_norm);
+    AT(BlkDesc, q_norm); AT(BlkDesc, kv_norm); AT(BlkDesc, input_eps); AT(BlkDesc, post_eps);
+    AT(BlkDesc, q_eps); AT(BlkDesc, kv_eps); AT(BlkDesc, q_a); AT(BlkDesc, q_b); AT(BlkDesc, kv_a);
+    AT(BlkDesc, o); AT(BlkDesc, w_uk); AT(BlkDesc, w_uv); AT(BlkDesc, uk_hstride); AT(BlkDesc, uk_rstride);
+    AT(BlkDesc, uv_hstride); AT(BlkDesc, uv_rstride); AT(BlkDesc, heads); AT(BlkDesc, nope);
+    AT(BlkDesc, rope); AT(BlkDesc, v_dim); AT(BlkDesc, kv_rank); AT(BlkDesc, softmax_scale);
+    AT(BlkDesc, router); AT(BlkDesc, router_bias); AT(BlkDesc, softmax); AT(BlkDesc, n_group);
+    AT(BlkDesc, topk_group); AT(BlkDesc, group_sum); AT(BlkDesc, topk); AT(BlkDesc, normalize);
+    AT(BlkDesc, route_scale); AT(BlkDesc, routed); AT(BlkDesc, shared); AT(BlkDesc, w_kind);
+    SIZE(BlkStep);
+    AT(BlkStep, rows); AT(BlkStep, T); AT(BlkStep, start); AT(BlkStep, cos); AT(BlkStep, sin);
+    AT(BlkStep, rot_bstride); AT(BlkStep, kv); AT(BlkStep, pe); AT(BlkStep, ckind); AT(BlkStep, kv_lstride);
+    AT(BlkStep, kv_bstride); AT(BlkStep, kv_sstride); AT(BlkStep, pe_lstride); AT(BlkStep, pe_bstride);
+    AT(BlkStep, pe_sstride); AT(BlkStep, bias); AT(BlkStep, bias_bstride); AT(BlkStep, nthreads);
+    AT(BlkStep, positions); AT(BlkStep, pos_bstride); AT(BlkStep, table_cos); AT(BlkStep, table_sin);
+    AT(BlkStep, table_len); AT(BlkStep, half);
+    SIZE(StepDesc);
+    AT(StepDesc, akind); AT(StepDesc, dim); AT(StepDesc, vocab); AT(StepDesc, n_blocks); AT(StepDesc, embed);
+    AT(StepDesc, blocks); AT(StepDesc, norm); AT(StepDesc, norm_eps); AT(StepDesc, head);
+#undef AT
+#undef SIZE
+#undef PUT
+    return n;
 }

@@ -107,6 +107,9 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         if not target.exists():
             _build(target)
         lib = _declare(ctypes.CDLL(str(target)))
+        mismatch = struct_layout_mismatch(lib)
+        if mismatch:
+            return None, f"the built kernels' structures differ from decode_kernels.py's: {mismatch}"
         lib.dsv3_bf16_dots.argtypes, lib.dsv3_bf16_dots.restype = [ctypes.c_int], ctypes.c_int
         lib.dsv3_bf16_dots(0 if os.environ.get("DSV3_DECODE_BF16_DOTS", "1") == "0" else 1)
         return lib, "ok"
@@ -390,6 +393,39 @@ class BlockStep(ctypes.Structure):
 class StepDesc(ctypes.Structure):
     _fields_ = [("akind", _i64), ("dim", _i64), ("vocab", _i64), ("n_blocks", _i64), ("embed", _p), ("blocks", _p),
                 ("norm", _p), ("norm_eps", _f32), ("head", BlockLinear)]
+
+
+MIRRORED = ("BlockLinear", "BlockExperts", "BlockDesc", "BlockStep", "StepDesc")  # in dsv3_struct_layout's order
+
+
+def mirrored_layout(structs: tuple[type[ctypes.Structure], ...] | None = None) -> list[int]:
+    """The layout Python gives the mirrored structures, as ``dsv3_struct_layout`` writes C's: each one's size,
+    then each field's offset, in declaration order."""
+    out: list[int] = []
+    for cls in structs or tuple(globals()[name] for name in MIRRORED):
+        out += [ctypes.sizeof(cls), *(getattr(cls, name).offset for name, _ in cls._fields_)]
+    return out
+
+
+def struct_layout_mismatch(lib: ctypes.CDLL, structs: tuple[type[ctypes.Structure], ...] | None = None) -> str | None:
+    """Where the C build's structures and their ctypes mirrors (``structs``, default this module's) part, in
+    one phrase, or None when they agree field for field (checked at load: a build that disagrees is refused
+    and the PyTorch path runs)."""
+    want = mirrored_layout(structs)
+    fn = lib.dsv3_struct_layout
+    fn.argtypes, fn.restype = [_p, _i64], _i64
+    buf = (_i64 * (len(want) + 64))()
+    count = fn(buf, len(buf))
+    got = list(buf[: min(count, len(buf))])
+    if got == want:
+        return None
+    what = [f"{cls.__name__} is {{}} bytes" if i == 0 else f"{cls.__name__}.{cls._fields_[i - 1][0]} is at offset {{}}"
+            for cls in structs or tuple(globals()[name] for name in MIRRORED)
+            for i in range(len(cls._fields_) + 1)]
+    for i, (g, w) in enumerate(zip(got, want, strict=False)):
+        if g != w:
+            return f"{what[i].format(g)} in C, {w} in Python"
+    return f"C describes {count} sizes and offsets, Python {len(want)}"
 
 
 @functools.cache
