@@ -329,6 +329,7 @@ def test_counted_routing_keeps_the_kernels_and_counts_what_the_modules_route(pre
     counts = RouterCounts(model)
     calls = count_kernel_calls(monkeypatch)
     got = ragged_logits(model, fast, PROMPTS, T=T)
+    assert [p.moe_kernel is not None for p in fast.blocks] == [p.ffn.routed is not None for p in fast.blocks]
     for g, w in zip(got, want, strict=True):  # FP8 experts over several rows: the per-op path rounds apart too
         assert close(g, w, torch.bfloat16) if precision == "fp8" else same_roundings(g, w)
     steps, blocks = 3, model.config.num_hidden_layers + 1  # the MTP layer's block too

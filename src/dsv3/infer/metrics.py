@@ -72,10 +72,10 @@ class Histogram:
 
 
 class ExpertCounts:
-    """Routed tokens per expert of one MoE layer: a counter for ``MoE.routed_counters``. A call keeps the
-    chosen experts' index tensor and returns (a decode step's interpreter time is what the fast path
-    saves: two tensor operations per layer per step were a tenth of it); every ``FOLD`` calls, and on
-    each read, they are added into the counts in one bincount. The worker thread calls, the HTTP thread
+    """Routed tokens per expert of one MoE layer: a counter for ``MoE.routed_counters``. A call only keeps
+    the chosen experts' index tensor (it runs in every decode step of every MoE layer, where each tensor
+    operation costs interpreter time between the kernels); every ``FOLD`` calls, and on each read, the
+    kept tensors are added into the counts in one bincount. The worker thread calls, the HTTP thread
     reads: folding holds a lock, appending needs none (a list append is atomic)."""
 
     FOLD = 256
