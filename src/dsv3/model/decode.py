@@ -585,11 +585,12 @@ class FastDecode:
             positions = torch.arange(start_pos, start_pos + T, device=input_ids.device)[None]
         return self._hidden(input_ids, self._step(positions, T, start_pos, mask, cache, B))
 
-    def _hidden(self, input_ids: torch.Tensor, step: Step) -> torch.Tensor:
-        """The final-normed hidden states of ``step``, block by block (``_run``)."""
+    def _hidden(self, input_ids: torch.Tensor, step: Step, planned: bool = False) -> torch.Tensor:
+        """The final-normed hidden states of ``step``, block by block (``_run``). ``planned``: the whole
+        model's layout was checked this step (``_whole_step``), so every block's plan is current."""
         x = self.model.model.embed_tokens(input_ids)
         for i in range(self.model.config.num_hidden_layers):
-            x = self._run(self._plan(i), x, step)
+            x = self._run(self.blocks[i] if planned else self._plan(i), x, step)
         return self._norm(self.model.model.norm, x)
 
     def hidden_and_logits(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
@@ -611,7 +612,8 @@ class FastDecode:
                     step.with_rope_rows()
                     dk.decode_step(kernel.address, step.address, ids, h, logits)
                 return h, logits
-            h = self._hidden(input_ids, step)  # block by block, on the step already set up
+            # block by block, on the step already set up (and planned, when _whole_step checked the layout)
+            h = self._hidden(input_ids, step, planned=step.kernel is not None and self.step_kernel)
         else:
             h = self.hidden_states(input_ids, positions, cache, start_pos, mask, absorb)
         return h, self.lm_head(h)
