@@ -226,8 +226,8 @@ class BlockPlan:
 
     An MoE layer that counts its routed tokens (``MoE.routed_counters``, a server's expert load) cannot
     run in the block kernel, which keeps its routing to itself: its block runs the attention half in the
-    block kernel (``attention_kernel``) and the MoE half as the per-op plan does (``moe_kernel``: the same
-    kernel calls with their arguments made once), which routes in Python's sight and counts."""
+    block kernel (``attention_kernel``) and the MoE half in separate kernel calls (``moe_kernel``, else
+    the per-op plan), which route in Python's sight and count."""
 
     def __init__(self, block: Block, dtype: torch.dtype):
         self.block, self.dtype = block, dtype
@@ -260,12 +260,12 @@ class BlockPlan:
 
 
 class MoEHalfKernel:
-    """A counted MoE block's second half, x + moe(norm(x)), as the per-op path computes it (the same
-    kernels on the same tensors in the same order), with the kernels' arguments made once per plan: it
-    runs for every MoE layer in every decode step, and the per-call checks and conversions of ``rms_norm``,
-    ``route`` and ``swiglu_experts`` were about a quarter of its time on the small shape. The router's
-    choices go to the layer's counters (``MoE.count_routed``). Holds the views the block kernel reads
-    (``route_constants``, ``block_experts``)."""
+    """A counted MoE block's second half, x + moe(norm(x)), as the block kernel computes it (the same
+    kernels over the same views, ``route_constants`` and ``block_experts``, in the same order, so the
+    same numbers to the bit) but in separate calls, with their arguments made once per plan: it runs for
+    every MoE layer in every decode step, and the per-call checks and conversions of the per-op path's
+    ``rms_norm``, ``route`` and ``swiglu_experts`` were about a quarter of its time on the small shape.
+    The router's choices go to the layer's counters (``MoE.count_routed``)."""
 
     def __init__(self, plan: BlockPlan, router: tuple[dict, list], routed: dk.BlockExperts,
                  shared: dk.BlockExperts | None):
