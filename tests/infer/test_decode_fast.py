@@ -12,6 +12,7 @@ import torch
 
 from dsv3.infer.engine import Engine, Request
 from dsv3.infer.fp8_weights import to_fp8_weights
+from dsv3.infer.metrics import RouterCounts
 from dsv3.model import decode_kernels as dk
 from dsv3.model.decode import FastDecode, Step
 from dsv3.precision.fp8 import quantize_weight_blocks
@@ -308,6 +309,35 @@ def test_ragged_batches_and_the_mtp_layer_equal_the_module_path(precision, T, bf
         got = ragged_logits(model, decoder_in(model, mode), PROMPTS, T=T)
         for g, r in zip(got, ref, strict=True):
             assert (g - r).abs().max() / r.abs().max() < limit, mode
+
+
+@needs_kernels
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("T", [1, 2])
+def test_counted_routing_keeps_the_kernels_and_counts_what_the_modules_route(precision, T, monkeypatch):
+    """A server counts every MoE layer's routed tokens (``RouterCounts``, its /metrics expert load). Then
+    each MoE block runs its attention half in the block kernel and its MoE half in separate kernel calls:
+    the block kernels' numbers (to the bit in bf16 and FP8), no block through its modules, the same
+    counts per layer and expert as the module path's over the same tokens (prefill included), and the
+    step kernel back once the counting stops."""
+    model = model_in(precision, against_modules=True)
+    fast = decoder_in(model, "step kernel")
+    want = ragged_logits(model, decoder_in(model, "block kernel"), PROMPTS, T=T)
+    by_modules = RouterCounts(model)
+    ragged_logits(model, model, PROMPTS, T=T)
+    by_modules.remove()
+    counts = RouterCounts(model)
+    calls = count_kernel_calls(monkeypatch)
+    got = ragged_logits(model, fast, PROMPTS, T=T)
+    assert [p.moe_kernel is not None for p in fast.blocks] == [p.ffn.routed is not None for p in fast.blocks]
+    assert all(same_roundings(g, w) for g, w in zip(got, want, strict=True))
+    steps, blocks = 3, model.config.num_hidden_layers + 1  # the MTP layer's block too
+    assert len(calls["block"]) == steps * blocks and not calls["step"]
+    assert counts() == by_modules() and all(sum(layer) for layer in counts()[0])
+    counts.remove()
+    calls["block"].clear()
+    ragged_logits(model, fast, PROMPTS, T=T)
+    assert len(calls["step"]) == steps and len(calls["block"]) == steps  # the MTP layer's block alone
 
 
 SHAPES = {"q_lora, softmax routing, no shared expert": dict(q_lora_rank=48, n_shared_experts=0, scoring_func="softmax",

@@ -336,6 +336,74 @@ def test_metrics_count_requests_tokens_and_each_experts_load(server, model):
     assert delta("dsv3_rank_expert_tokens_total", rank=0) == k * fed * n_main
 
 
+def test_metrics_keep_the_fast_decode_path_and_count_what_the_module_path_routes(tokenizer, monkeypatch):
+    """/metrics counts expert load where a decode step routes, not with forward hooks (a hooked MoE block
+    runs through its modules, several times slower): while serving, every decode step runs every block in
+    the C block kernel (an MoE block's attention half, then its MoE half on the per-op path, which counts),
+    and the per-expert loads /metrics reports equal what the module path's routers choose for the same
+    request (a copy of the model, counted by hooks, generating through its modules)."""
+    from dsv3.model import decode_kernels as dk
+
+    from .conftest import tiny_model
+    from .prometheus_text import parse
+
+    model = tiny_model(seed=3)
+    reference = copy.deepcopy(model)
+    blocks = []
+    real = dk.decode_block
+    monkeypatch.setattr(dk, "decode_block", lambda *args: (blocks.append(1), real(*args))[1])
+    prompt, new = [5, 6, 7, 8, 9], 6
+    body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True}
+    with serving(create_app(Engine(model, tokenizer), model_name="tiny")) as url:
+        reply = httpx.post(url + "/v1/completions", json=body, timeout=30).json()
+        samples = parse(httpx.get(url + "/metrics", timeout=10).text)
+    if dk.kernels_available():
+        assert len(blocks) == (new - 1) * model.config.num_hidden_layers
+    served = {(int(dict(labels)["layer"]), int(dict(labels)["expert"])): value
+              for (name, labels), value in samples.items() if name == "dsv3_expert_tokens_total"}
+
+    routed = [torch.zeros(moe.n_experts, dtype=torch.long) for moe in reference.moe_layers()]
+
+    def counter(counts):
+        def hook(_module, _inputs, out) -> None:
+            counts.add_(torch.bincount(out[0].flatten(), minlength=counts.numel()))
+        return hook
+
+    for counts, moe in zip(routed, reference.moe_layers(), strict=True):
+        moe.gate.register_forward_hook(counter(counts))
+    want = Engine(reference, tokenizer, fast=False).generate([Request(prompt, new, ignore_eos=True)])[0]
+    assert reply["choices"][0]["text"] == want.text
+    assert served == {(layer, e): n for layer, c in enumerate(routed) for e, n in enumerate(c.tolist())}
+    n_moe = sum(1 for i in range(model.config.num_hidden_layers) if model.config.is_moe_layer(i))
+    assert sum(served.values()) == model.config.num_experts_per_tok * (len(prompt) + new - 1) * n_moe
+
+
+def test_expert_counts_fold_every_call_once_while_read_from_another_thread():
+    """``ExpertCounts`` keeps each call's chosen experts and adds them up in batches (every FOLD calls, and
+    on each read): a reader thread scraping all along never sees a count go down, and the final counts are
+    the bincount of everything given, each call once."""
+    from dsv3.infer.metrics import ExpertCounts
+
+    counts = ExpertCounts(8, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    given = [torch.randint(0, 8, (3, 2), generator=generator) for _ in range(3 * ExpertCounts.FOLD + 5)]
+    seen, done = [], threading.Event()
+
+    def scrape() -> None:
+        while not done.is_set():
+            seen.append(counts.tolist())
+
+    reader = threading.Thread(target=scrape)
+    reader.start()
+    for idx in given:
+        counts(idx)
+    done.set()
+    reader.join()
+    assert counts.tolist() == torch.bincount(torch.cat(given).flatten(), minlength=8).tolist()
+    assert all(a <= b for before, after in zip(seen, seen[1:], strict=False)
+               for a, b in zip(before, after, strict=True))
+
+
 def test_model_card_reports_context_and_vocabulary(server, model):
     card = httpx.get(server[0] + "/v1/models", timeout=10).json()["data"][0]
     assert card["max_model_len"] == model.config.max_position_embeddings

@@ -6,13 +6,14 @@ not need one. The scheduler's worker thread records; the HTTP thread renders. Va
 numbers updated under the GIL, so a scrape sees each one whole.
 
 Expert load: ``expert_load`` is a hook returning, per rank, every MoE layer's routed-token counts.
-One process counts them with forward hooks on the routers (:class:`RouterCounts`); a multi-process
-server sets the hook to gather its ranks' counts.
+One process counts them where its MoE layers route (:class:`RouterCounts`); a multi-process server sets
+the hook to gather its ranks' counts.
 """
 
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Callable
 
@@ -70,33 +71,66 @@ class Histogram:
         return out + [f"{name}_sum {_number(self.sum)}", f"{name}_count {self.count}"]
 
 
+class ExpertCounts:
+    """Routed tokens per expert of one MoE layer: a counter for ``MoE.routed_counters``. A call only keeps
+    the chosen experts' index tensor (it runs in every decode step of every MoE layer, where each tensor
+    operation costs interpreter time between the kernels); every ``FOLD`` calls, and on each read, the
+    kept tensors are added into the counts in one bincount. The worker thread calls, the HTTP thread
+    reads: folding holds a lock, appending needs none (a list append is atomic)."""
+
+    FOLD = 256
+
+    def __init__(self, n_experts: int, device: torch.device):
+        self.n_experts = n_experts
+        self.counts = torch.zeros(n_experts, dtype=torch.long, device=device)
+        self.pending: list[torch.Tensor] = []
+        self.lock = threading.Lock()
+
+    def __deepcopy__(self, memo) -> ExpertCounts:
+        """The same counter: a copy of a counted model counts into it too (as a forward hook's copy did)."""
+        return self
+
+    def __call__(self, idx: torch.Tensor) -> None:
+        self.pending.append(idx)
+        if len(self.pending) >= self.FOLD:
+            self.fold()
+
+    def fold(self) -> None:
+        with self.lock:
+            n = len(self.pending)
+            if not n:
+                return
+            chosen = torch.cat([i.reshape(-1).to(self.counts.device) for i in self.pending[:n]])
+            del self.pending[:n]  # calls made meanwhile appended after the first n
+            self.counts += torch.bincount(chosen, minlength=self.n_experts)[: self.n_experts]
+
+    def tolist(self) -> list[int]:
+        self.fold()
+        return self.counts.tolist()
+
+
 class RouterCounts:
-    """Routed tokens per (MoE layer, expert) in one process, counted by forward hooks on the routers
-    (the model counts its load only in training). Counts live on the router's device (no sync per step)
-    and are made here, outside inference mode, so that any forward may add to them."""
+    """Routed tokens per (MoE layer, expert) in one process, counted wherever each layer routes: an
+    :class:`ExpertCounts` in every layer's ``MoE.routed_counters``, which the module path (``MoE.route``)
+    and the fast decode path (its per-op MoE half, ``decode.FeedForwardPlan``) call with the chosen
+    experts. Not a forward hook: a hooked layer would run every decode step through its modules, several
+    times slower. Counts live on the router's device (no sync per step) and are made here, outside
+    inference mode, so that any forward may add to them."""
 
     def __init__(self, model):
-        self.counts: list[torch.Tensor] = []
-        self.handles = []
-        for moe in model.moe_layers():
-            device = next(moe.gate.parameters(), torch.empty(0)).device
-            counts = torch.zeros(moe.n_experts, dtype=torch.long, device=device)
-            self.counts.append(counts)
-            self.handles.append(moe.gate.register_forward_hook(self._hook(counts)))
-
-    @staticmethod
-    def _hook(counts: torch.Tensor):
-        def hook(_module, _inputs, output) -> None:
-            n = counts.numel()
-            counts.add_(torch.bincount(output[0].flatten(), minlength=n)[:n].to(counts.device))
-        return hook
+        self.layers = model.moe_layers()
+        self.counts = [ExpertCounts(moe.n_experts, next(moe.gate.parameters(), torch.empty(0)).device)
+                       for moe in self.layers]
+        for moe, counts in zip(self.layers, self.counts, strict=True):
+            moe.routed_counters.append(counts)
 
     def __call__(self) -> dict[int, list[list[int]]]:
         return {0: [c.tolist() for c in self.counts]}
 
     def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
+        """Stop counting (the layers' other counters, if any, go on)."""
+        for moe, counts in zip(self.layers, self.counts, strict=True):
+            moe.routed_counters[:] = [c for c in moe.routed_counters if c is not counts]
 
 
 class _Timing:

@@ -24,9 +24,11 @@ weight once plus a fixed cost per call; the module path makes about 4,000 PyTorc
 
 A layer the kernels cannot run (forward hooks, an expert-parallel dispatcher or a simulated combine
 format, experts of another kind, linear layers of another kind) runs through its own module, so the
-result is always the model's. ``FastDecode(model, block_kernel=False)`` stops at the per-op path and
-``FastDecode(model, use_kernels=False)`` runs it with PyTorch matmuls in place of the C kernels (tests
-compare all of them).
+result is always the model's. An MoE layer that counts its routed tokens (``MoE.routed_counters``: a
+server's expert load) runs its attention half in the block kernel and its MoE half on the per-op path,
+where the chosen experts are seen and counted. ``FastDecode(model, block_kernel=False)`` stops at the
+per-op path and ``FastDecode(model, use_kernels=False)`` runs it with PyTorch matmuls in place of the C
+kernels (tests compare all of them).
 """
 
 from __future__ import annotations
@@ -141,6 +143,7 @@ class FeedForwardPlan:
         out = None
         if self.routed is not None:
             idx, weights = route(flat, self.mlp.gate, use_kernels)
+            self.mlp.count_routed(idx)
             out = swiglu_experts(flat, idx, weights, self.routed, use_kernel=use_kernels)
         if self.shared is not None:
             one, gate = self._everyone(flat.shape[0], flat.device)
@@ -180,11 +183,12 @@ def _mlp_weights(mlp: MLP) -> ExpertWeights | None:
 
 class ModuleSnapshot:
     """What decode plans depend on besides tensor values (not a parallel layout): which modules a model (or a
-    block) is made of
-    (a layer made expert-parallel or quantized after the engine was built swaps some), the dispatchers'
-    combine formats, and whether any module has a hook (a hooked block runs through its modules).
-    Checked before every step, so the check is a few C-level passes: each parent module's ``_modules``
-    against a snapshot of its values, and the truth of every hook dict (no module walk, no Python loop)."""
+    block) is made of (a layer made expert-parallel or quantized after the engine was built swaps some), the
+    dispatchers' combine formats, whether any module has a hook (a hooked block runs through its modules) and which
+    MoE layers count their routed tokens (``MoE.routed_counters``: such a block's MoE half runs where its
+    routing can be counted). Checked before every step, so the check is a few C-level passes: each parent
+    module's ``_modules`` against a snapshot of its values, and the truth of every hook dict and counter
+    list (no module walk)."""
 
     def __init__(self, modules: Iterable[nn.Module]):
         modules = list(modules)
@@ -194,6 +198,8 @@ class ModuleSnapshot:
         self.hooked = any(self.hook_dicts)
         self.dispatchers = [m for m in modules if isinstance(m, TokenDispatcher)]
         self.formats = self._formats()
+        self.moes = [m for m in modules if isinstance(m, MoE)]
+        self.counting = self._counting()
 
     def _children(self) -> list[nn.Module]:
         return list(chain.from_iterable(map(dict.values, self.parents)))
@@ -201,10 +207,13 @@ class ModuleSnapshot:
     def _formats(self) -> list:
         return list(map(_combine_format, self.dispatchers))
 
+    def _counting(self) -> list[bool]:
+        return [bool(m.routed_counters) for m in self.moes]
+
     def holds(self) -> bool:
         """Whether the modules are still as they were when this snapshot was taken."""
         return (any(self.hook_dicts) == self.hooked and self._children() == self.children
-                and self._formats() == self.formats)
+                and self._formats() == self.formats and self._counting() == self.counting)
 
 
 def _combine_format(dispatcher: TokenDispatcher):
@@ -213,7 +222,12 @@ def _combine_format(dispatcher: TokenDispatcher):
 
 class BlockPlan:
     """One block's decode step: through the block kernel (``kernel``, one C call) when it can run it, else
-    through the per-op plans (``attn``, ``ffn``), else (``ok`` False) through the block's own modules."""
+    through the per-op plans (``attn``, ``ffn``), else (``ok`` False) through the block's own modules.
+
+    An MoE layer that counts its routed tokens (``MoE.routed_counters``, a server's expert load) cannot
+    run in the block kernel, which keeps its routing to itself: its block runs the attention half in the
+    block kernel (``attention_kernel``) and the MoE half in separate kernel calls (``moe_kernel``, else
+    the per-op plan), which route in Python's sight and count."""
 
     def __init__(self, block: Block, dtype: torch.dtype):
         self.block, self.dtype = block, dtype
@@ -221,7 +235,10 @@ class BlockPlan:
         self.attn = AttentionPlan(block.self_attn, dtype)
         self.ffn = FeedForwardPlan(block.mlp)
         self.ok = self.attn.ok and self.ffn.ok and not self.snapshot.hooked
-        self.kernel = BlockKernel.of(self)
+        counted = any(self.snapshot.counting)
+        self.kernel = None if counted else BlockKernel.of(self)
+        self.attention_kernel = BlockKernel.of(self, feed_forward=False) if counted else None
+        self.moe_kernel = MoEHalfKernel.of(self) if self.attention_kernel is not None else None
 
     def current(self) -> BlockPlan:
         """This plan, or a new one when the block's modules changed since it was made."""
@@ -232,7 +249,74 @@ class BlockPlan:
         b = self.block
         h = rms_norm(b.input_layernorm, x, use_kernels)
         x = x + self.attn(h, rot, cos_sin, cache, start_pos, bias, use_kernels)
-        return x + self.ffn(rms_norm(b.post_attention_layernorm, x, use_kernels), use_kernels)
+        return self.feed_forward_half(x, use_kernels)
+
+    def feed_forward_half(self, x: torch.Tensor, use_kernels: bool) -> torch.Tensor:
+        """x + ffn(norm(x)): the block's second residual branch on the per-op path (through ``moe_kernel``
+        when it has one and x fits it)."""
+        if self.moe_kernel is not None and use_kernels and self.moe_kernel.fits(x):
+            return self.moe_kernel(x)
+        return x + self.ffn(rms_norm(self.block.post_attention_layernorm, x, use_kernels), use_kernels)
+
+
+class MoEHalfKernel:
+    """A counted MoE block's second half, x + moe(norm(x)), as the block kernel computes it (the same
+    kernels over the same views, ``route_constants`` and ``block_experts``, in the same order, so the
+    same numbers to the bit) but in separate calls, with their arguments made once per plan: it runs for
+    every MoE layer in every decode step, and the per-call checks and conversions of the per-op path's
+    ``rms_norm``, ``route`` and ``swiglu_experts`` were about a quarter of its time on the small shape.
+    The router's choices go to the layer's counters (``MoE.count_routed``)."""
+
+    def __init__(self, plan: BlockPlan, router: tuple[dict, list], routed: dk.BlockExperts,
+                 shared: dk.BlockExperts | None):
+        norm, moe = plan.block.post_attention_layernorm, plan.ffn.mlp
+        self.moe, self.dtype, self.akind = moe, plan.dtype, dk.A_KIND[plan.dtype]
+        self.dim, self.top_k, self.n_experts = norm.weight.shape[0], moe.gate.top_k, moe.gate.n_experts
+        self.keep = [norm.weight.detach(), router[1], routed, shared, plan.ffn.routed, plan.ffn.shared]
+        self.norm = (norm.weight.data_ptr(), norm.eps)
+        r = router[0]
+        self.route = (r["softmax"], r["n_group"], r["topk_group"], r["group_sum"], r["topk"], r["normalize"],
+                      r["route_scale"])
+        self.router = (r["router"], r["router_bias"])
+        self.routed = dk.experts_arguments(routed)
+        self.shared = None if shared is None else dk.experts_arguments(shared)
+        self.functions = dk.moe_functions()
+        self._everyone: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    @classmethod
+    def of(cls, plan: BlockPlan) -> MoEHalfKernel | None:
+        """The block's MoE half in kernel calls, or None when a part cannot run in them (the per-op path
+        then runs it)."""
+        f, norm = plan.ffn, plan.block.post_attention_layernorm
+        if f.routed is None or plan.dtype not in dk.A_KIND or dk.moe_functions() is None or not _norm_ok(
+                norm, plan.dtype):
+            return None
+        router, routed = dk.route_constants(f.mlp.gate), dk.block_experts(f.routed)
+        shared = dk.block_experts(f.shared) if f.shared is not None else None
+        if router is None or routed is None or (f.shared is not None and shared is None):
+            return None
+        return cls(plan, router, routed, shared)
+
+    def fits(self, x: torch.Tensor) -> bool:
+        return (x.dtype == self.dtype and x.is_contiguous() and x.device.type == "cpu"
+                and x.numel() // self.dim <= dk.MAX_KERNEL_ROWS)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        norm, route, experts = self.functions
+        M, D, K, ak, nt = x.numel() // self.dim, self.dim, self.top_k, self.akind, torch.get_num_threads()
+        h = torch.empty(M, D, dtype=self.dtype)
+        norm(x.data_ptr(), self.norm[0], self.norm[1], ak, M, D, h.data_ptr())
+        idx, gates = torch.empty(M, K, dtype=torch.long), torch.empty(M, K)
+        route(*self.router, self.n_experts, D, h.data_ptr(), ak, M, *self.route[:4], K, *self.route[5:],
+              idx.data_ptr(), gates.data_ptr(), nt)
+        self.moe.count_routed(idx)
+        out = torch.empty(M, D, dtype=self.dtype)
+        experts(*self.routed, h.data_ptr(), ak, M, idx.data_ptr(), gates.data_ptr(), K, out.data_ptr(), ak, 0, nt)
+        if self.shared is not None:
+            one, gate = self._everyone.get(M) or self._everyone.setdefault(
+                M, (torch.zeros(M, 1, dtype=torch.long), torch.ones(M, 1)))
+            experts(*self.shared, h.data_ptr(), ak, M, one.data_ptr(), gate.data_ptr(), 1, out.data_ptr(), ak, 1, nt)
+        return x + out.view(x.shape)
 
 
 def _norm_ok(norm: RMSNorm, dtype: torch.dtype) -> bool:
@@ -251,9 +335,10 @@ class BlockKernel:
         self.layer = desc.layer  # the cache layer it writes: a step's cache must have it
 
     @classmethod
-    def of(cls, plan: BlockPlan) -> BlockKernel | None:
+    def of(cls, plan: BlockPlan, feed_forward: bool = True) -> BlockKernel | None:
         """The plan's block kernel, or None when the C kernels are not built or cannot read one of its
-        tensors (that block then runs the per-op path)."""
+        tensors (that block then runs the per-op path). ``feed_forward=False``: the attention half alone,
+        x + attn(norm(x)), for a block whose MoE half runs on the per-op path (see ``BlockPlan``)."""
         if not plan.ok or plan.dtype not in dk.A_KIND or not dk.block_kernel_available():
             return None
         b, a, f = plan.block, plan.attn, plan.ffn
@@ -262,13 +347,17 @@ class BlockKernel:
         norms += [m.q_a_layernorm] if len(a.q) == 2 else []
         linears = [dk.block_linear(w) for w in (*a.q, a.kv_a, a.o)]
         w_uk, w_uv = a.w_uk, a.w_uv
-        routed = dk.block_experts(f.routed) if f.routed is not None else dk.BlockExperts()
-        shared = dk.block_experts(f.shared) if f.shared is not None else dk.BlockExperts()
-        router = dk.route_constants(f.mlp.gate) if f.routed is not None else ({}, [])
+        zero = None if feed_forward else _zero_feed_forward(b.input_layernorm.weight.shape[0], plan.dtype)
+        if zero is None:
+            routed = dk.block_experts(f.routed) if f.routed is not None else dk.BlockExperts()
+            shared = dk.block_experts(f.shared) if f.shared is not None else dk.BlockExperts()
+            router = dk.route_constants(f.mlp.gate) if f.routed is not None else ({}, [])
+        else:
+            routed, shared, router = dk.BlockExperts(), dk.block_experts(zero), ({}, [])
         if (not all(_norm_ok(n, plan.dtype) for n in norms) or None in linears or routed is None or shared is None
                 or router is None or any(w.device.type != "cpu" or w.stride(-1) != 1 for w in (w_uk, w_uv))):
             return None
-        keep = [n.weight.detach() for n in norms] + router[1]
+        keep = [n.weight.detach() for n in norms] + router[1] + ([] if zero is None else [zero])
         q_a, q_b = linears[:-2] if len(a.q) == 2 else (dk.BlockLinear(), linears[0])
         desc = dk.BlockDesc(
             akind=dk.A_KIND[plan.dtype], dim=b.input_layernorm.weight.shape[0], layer=m.layer_idx,
@@ -281,6 +370,15 @@ class BlockKernel:
             uv_rstride=w_uv.stride(1), w_kind=dk.A_KIND[w_uk.dtype], heads=m.n_heads, nope=m.nope, rope=m.rope,
             v_dim=m.v_dim, kv_rank=m.kv_rank, softmax_scale=m.scale, routed=routed, shared=shared, **router[0])
         return cls(desc, keep)
+
+
+def _zero_feed_forward(dim: int, dtype: torch.dtype) -> ExpertWeights:
+    """A feed-forward that adds exactly zero: one SwiGLU expert of inner size 1 whose weights are all zero
+    (silu(0) * 0 times 0). The block kernel always runs a feed-forward half; with this one its result is
+    x + attn(norm(x)) to the bit, which is how a block runs its attention half alone without a kernel of
+    its own (``BlockKernel.of(..., feed_forward=False)``)."""
+    gate_up = torch.zeros(1, 1, dim, dtype=dtype)
+    return ExpertWeights(Weight(gate_up), Weight(gate_up), Weight(torch.zeros(1, dim, 1, dtype=dtype)))
 
 
 class StepKernel:
@@ -459,13 +557,15 @@ class FastDecode:
         return dk.retarget(made[3], step.start_pos, positions, step.bias)
 
     def _run(self, plan: BlockPlan, x: torch.Tensor, step: Step) -> torch.Tensor:
-        """One block: the block kernel (in place on x), the per-op path, or the block's modules."""
-        if (step.kernel is not None and plan.kernel is not None and plan.kernel.layer < step.cache.kv.shape[0]
+        """One block: the block kernel (in place on x), the attention kernel then the per-op MoE half, the
+        per-op path, or the block's modules."""
+        kernel = plan.kernel or plan.attention_kernel
+        if (step.kernel is not None and kernel is not None and kernel.layer < step.cache.kv.shape[0]
                 and x.dtype == plan.dtype and x.is_contiguous()):
-            if not dk.decode_block(plan.kernel.address, step.address, x):
+            if not dk.decode_block(kernel.address, step.address, x):
                 step.with_rope_rows()
-                dk.decode_block(plan.kernel.address, step.address, x)
-            return x
+                dk.decode_block(kernel.address, step.address, x)
+            return x if kernel is plan.kernel else plan.feed_forward_half(x, self.use_kernels)
         if plan.ok:
             return plan(x, step.rot, step.cos_sin, step.cache, step.start_pos, step.bias, self.use_kernels)
         return plan.block(x, *step.cos_sin, step.cache, step.start_pos, step.mask, True)
@@ -483,10 +583,14 @@ class FastDecode:
         B, T = input_ids.shape
         if positions is None:
             positions = torch.arange(start_pos, start_pos + T, device=input_ids.device)[None]
-        step = self._step(positions, T, start_pos, mask, cache, B)
+        return self._hidden(input_ids, self._step(positions, T, start_pos, mask, cache, B))
+
+    def _hidden(self, input_ids: torch.Tensor, step: Step, planned: bool = False) -> torch.Tensor:
+        """The final-normed hidden states of ``step``, block by block (``_run``). ``planned``: the whole
+        model's layout was checked this step (``_whole_step``), so every block's plan is current."""
         x = self.model.model.embed_tokens(input_ids)
         for i in range(self.model.config.num_hidden_layers):
-            x = self._run(self._plan(i), x, step)
+            x = self._run(self.blocks[i] if planned else self._plan(i), x, step)
         return self._norm(self.model.model.norm, x)
 
     def hidden_and_logits(self, input_ids: torch.Tensor, positions: torch.Tensor | None = None,
@@ -508,7 +612,10 @@ class FastDecode:
                     step.with_rope_rows()
                     dk.decode_step(kernel.address, step.address, ids, h, logits)
                 return h, logits
-        h = self.hidden_states(input_ids, positions, cache, start_pos, mask, absorb)
+            # block by block, on the step already set up (and planned, when _whole_step checked the layout)
+            h = self._hidden(input_ids, step, planned=step.kernel is not None and self.step_kernel)
+        else:
+            h = self.hidden_states(input_ids, positions, cache, start_pos, mask, absorb)
         return h, self.lm_head(h)
 
     def _whole_step(self, step: Step) -> StepKernel | None:

@@ -9,6 +9,8 @@ FP8 training GEMMs or resident FP8, ``experts.py``). Any dispatcher works with a
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -105,6 +107,11 @@ class MoE(nn.Module):
         # reads; a data-parallel trainer sums it over ranks before the update).
         self.register_buffer("expert_load", torch.zeros(cfg.n_routed_experts), persistent=False)
         self.aux_loss: torch.Tensor | None = None
+        # Counters of the routed tokens kept in any mode (a server's /metrics, ``dsv3.infer.metrics``):
+        # every path that routes this layer's tokens calls each with the chosen experts. Counting here
+        # rather than in a forward hook keeps the fast decode path usable (a hook forces a layer through
+        # its modules).
+        self.routed_counters: list[Callable[[torch.Tensor], None]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [B, T, D] -> [B, T, D]. Under an expert-parallel dispatcher every rank must call it."""
@@ -126,10 +133,17 @@ class MoE(nn.Module):
     def route(self, flat: torch.Tensor, B: int, T: int) -> Routing:
         """The router's choice for flat [B*T, D]; in training also counts the load and the balance loss."""
         idx, weights, scores = self.gate(flat)
+        self.count_routed(idx)
         if self.training:
             self.expert_load += torch.bincount(idx.flatten(), minlength=self.n_experts).to(self.expert_load)
             self.aux_loss = self._sequence_balance_loss(idx.view(B, T, -1), scores.view(B, T, -1))
         return Routing(idx, weights)
+
+    def count_routed(self, idx: torch.Tensor) -> None:
+        """Give the experts chosen in ``idx`` (expert indices of any shape) to every counter in
+        ``routed_counters``."""
+        for count in self.routed_counters:
+            count(idx)
 
     def _sequence_balance_loss(self, idx: torch.Tensor, scores: torch.Tensor) -> torch.Tensor | None:
         """alpha * sum_i f_i P_i per sequence, averaged over the batch (V3 eqs. 17-20)."""
