@@ -100,3 +100,18 @@ def test_collective_layouts_give_every_rank_as_many_eval_windows():
     assert ep.windows_for_eval([7]) == [7, 7, 7, 7]
     ep.layout, ep.pipe = Layout(pp=2, dp=2, ep=2), object()  # a pipeline evaluates on the gathered model
     assert ep.windows_for_eval([7]) == [7]
+
+
+def test_a_layout_fitted_to_another_world_keeps_what_still_fits():
+    """`Layout.fitted`: what a resume without layout flags takes when the saved layout does not fit."""
+    pp2_ep2 = Layout(pp=2, dp=2, ep=2, gpus_per_node=2, schedule="dualpipev", microbatches=4)
+    assert pp2_ep2.fitted(8, n_experts=8) == Layout(pp=2, dp=4, ep=2, gpus_per_node=2, schedule="dualpipev",
+                                                    microbatches=4)  # stages kept, more replicas
+    assert pp2_ep2.fitted(1, n_experts=8) == Layout()  # one process: nothing left to split
+    assert pp2_ep2.fitted(3, n_experts=8) == Layout(dp=3)  # 2 stages do not divide 3; ep2 does not divide 3
+    ep4_fsdp = Layout(dp=4, ep=4, dp_shard="fsdp", gpus_per_node=2)
+    assert ep4_fsdp.fitted(2, n_experts=8) == Layout(dp=2, ep=2, dp_shard="fsdp", gpus_per_node=2)
+    assert ep4_fsdp.fitted(6, n_experts=8) == Layout(dp=6, ep=2, dp_shard="fsdp", gpus_per_node=2)
+    assert Layout(dp=4, ep=4, gpus_per_node=1).fitted(6, n_experts=9) == Layout(dp=6, ep=3)  # 3 | 9 and 3 | 6
+    for world in range(1, 9):
+        assert pp2_ep2.fitted(world, 8).check(world).world == world
