@@ -38,6 +38,7 @@ INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 FP8_BLOCK = fp8.TILE
 _EXPERT = re.compile(r"^(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+_EXPERT_INDEX = re.compile(r"^model\.layers\.\d+\.mlp\.experts\.(\d+)\.")  # its weights and FP8 scales
 _MTP_COPIES = ("embed_tokens.weight", "shared_head.head.weight")
 # safetensors dtype names: the weights we accept, and readable names for the error message.
 FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
@@ -308,12 +309,15 @@ def check_values(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def read_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of every file, one at a time."""
+def read_tensors(files: list[Path], experts: set[int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of every file, one at a time; with ``experts``, of the routed experts only those (the
+    others are never read from the file)."""
     for f in files:
         with open_safetensors(f) as handle:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                m = _EXPERT_INDEX.match(name)
+                if experts is None or m is None or int(m[1]) in experts:
+                    yield name, handle.get_tensor(name)
 
 
 def dequantized(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -345,8 +349,10 @@ def _paired(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, to
         raise DSV3Error(f"FP8 tensors without a weight_scale_inv: {', '.join(sorted(leftover)[:5])}")
 
 
-def to_model_names(items: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """Checkpoint names -> model state-dict names: experts stacked, stale rotary buffers dropped."""
+def to_model_names(items: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig,
+                   held: list[int] | None = None) -> dict[str, torch.Tensor]:
+    """Checkpoint names -> model state-dict names: experts stacked (all in order, or the ``held`` ones in
+    that order), stale rotary buffers dropped."""
     out: dict[str, torch.Tensor] = {}
     experts: dict[str, dict[int, torch.Tensor]] = {}
     for name, t in items:
@@ -359,22 +365,27 @@ def to_model_names(items: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig) 
             out[name] = t
     for name, by_index in experts.items():
         n = cfg.n_routed_experts
-        missing = sorted(set(range(n)) - set(by_index))
-        if missing or len(by_index) != n:
+        order = list(range(n)) if held is None else held
+        missing = sorted(set(order) - set(by_index))
+        if missing or (held is None and len(by_index) != n):
             raise DSV3Error(f"checkpoint has experts {sorted(by_index)[:3]}... for {name} "
                             f"but the config says {n}; missing: {missing[:8]}")
         shapes = {tuple(t.shape) for t in by_index.values()}
         if len(shapes) != 1:
             raise DSV3Error(f"experts of {name} have different shapes: {sorted(shapes)}")
-        out[name] = torch.stack([by_index[i] for i in range(n)])
+        out[name] = torch.stack([by_index[i] for i in order])
     return out
 
 
-def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu"):
+def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+                    experts: list[int] | None = None):
     """A :class:`Transformer` from a DeepSeek/HF-layout checkpoint folder (any dtype, FP8 included).
 
     ``dtype=None`` keeps the stored floating dtype (FP8 weights become bfloat16); the router weight and
-    the correction bias always stay float32, as DeepSeek keeps them."""
+    the correction bias always stay float32, as DeepSeek keeps them. ``experts``: of every MoE layer's
+    routed experts read and keep only these (logical ids, in slot order; `MoE.hold_experts`), for a rank
+    about to join an expert-parallel group that holds them there; the model then runs only once it has
+    (a training checkpoint's sharded folder is read whole and split when the rank joins)."""
     from dsv3.model import Transformer
 
     path = Path(path)
@@ -386,9 +397,13 @@ def load_pretrained(path: str | os.PathLike, dtype: torch.dtype | None = None, d
         return _load_sharded(path, cfg, dtype, device)
     files = checkpoint_files(path)
     cfg = check_checkpoint(cfg, files)  # from the headers, before any weight is read
-    tensors = to_model_names(dequantized(read_tensors(files)), cfg)
+    tensors = to_model_names(dequantized(read_tensors(files, None if experts is None else set(experts))), cfg,
+                             experts)
+    held = None if experts is None else torch.tensor(experts, dtype=torch.long)
     with torch.device("meta"):
         model = Transformer(cfg)
+        for moe in model.moe_layers() if held is not None else ():
+            moe.hold_experts(held)
     _attach_distinct_mtp_copies(model, tensors)
     target_dtype = dtype or _stored_dtype(tensors)
     _check_names_and_shapes(model, tensors)

@@ -129,3 +129,22 @@ def test_lossless_wire_format_is_the_compute_dtype():
     model = tiny_model(layers=1)
     assert native_format(model) == "fp32"
     assert native_format(model.to(torch.bfloat16)) == "bf16"
+
+
+def test_each_rank_knows_its_experts_before_loading():
+    """`rank_experts`: the experts a rank reads from the checkpoint are the slots its EP group's placement
+    gives it (contiguous, per group under --prefill-ranks, with EPLB's replicas under --redundant-experts)."""
+    from dsv3.config import preset
+    from dsv3.infer.cluster.lockstep import group_placement
+    from dsv3.infer.cluster.serve import GroupOptions, rank_experts
+
+    cfg = preset("nano").replace(n_routed_experts=8)
+    assert [rank_experts(GroupOptions(ep=4), 4, r, cfg) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    split = GroupOptions(ep=4, prefill_ranks=2)  # two groups of two: each holds every expert
+    assert [rank_experts(split, 4, r, cfg) for r in range(4)] == [[0, 1, 2, 3], [4, 5, 6, 7]] * 2
+    spare = GroupOptions(ep=4, redundant_experts=4)
+    placement = group_placement(8, 4, 4)
+    assert [rank_experts(spare, 4, r, cfg) for r in range(4)] == [placement.rank_experts(r).tolist() for r in range(4)]
+    slots = [e for r in range(4) for e in rank_experts(spare, 4, r, cfg)]
+    assert len(slots) == 12 and set(slots) == set(range(8))  # every expert once, 4 of them twice
+    assert rank_experts(GroupOptions(ep=2), 2, 0, cfg.replace(n_routed_experts=None)) is None

@@ -411,3 +411,38 @@ def test_generation_stops_at_any_of_a_list_of_eos_ids(model):
     assert eos_ids(listed, None) == frozenset({other, first})
     result = Engine(listed).generate([Request([1, 2, 3], 6)])[0]
     assert result.token_ids == [first] and result.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8-blocks"])
+def test_an_expert_parallel_rank_reads_only_its_experts(model, tmp_path, monkeypatch, fp8):
+    """`load_pretrained(..., experts=[3, 1])` keeps exactly those experts of every MoE layer, in that order,
+    and never reads the others from the files (their weights and FP8 scales); the rest is the whole model."""
+    import dsv3.checkpoint as ckpt
+
+    model.save_pretrained(tmp_path, dtype=torch.bfloat16, fp8=fp8)
+    read: list[str] = []
+    real_open = ckpt.open_safetensors
+
+    @contextlib.contextmanager
+    def counting_open(f):
+        with real_open(f) as handle:
+            class Counting:
+                keys, get_slice = handle.keys, handle.get_slice  # the headers: no weight read
+
+                def get_tensor(self, name):
+                    read.append(name)
+                    return handle.get_tensor(name)
+
+            yield Counting()
+
+    whole = ckpt.load_pretrained(tmp_path)
+    monkeypatch.setattr(ckpt, "open_safetensors", counting_open)
+    part = ckpt.load_pretrained(tmp_path, experts=[3, 1])
+    experts_read = {int(n.split(".experts.")[1].split(".")[0]) for n in read if ".experts." in n}
+    assert experts_read == {1, 3}
+    for a, b in zip(whole.moe_layers(), part.moe_layers(), strict=True):
+        assert b.held_experts.tolist() == [3, 1]
+        for name in ("gate_proj", "up_proj", "down_proj"):
+            assert torch.equal(getattr(b.experts, name), getattr(a.experts, name)[[3, 1]])
+    rest = {n: t for n, t in whole.state_dict().items() if ".experts." not in n}
+    assert all(torch.equal(part.state_dict()[n], t) for n, t in rest.items())

@@ -35,10 +35,11 @@ def at_least(value: int | float | None, low: int | float, flag: str) -> None:
 
 def build_engine(model_dir: str, dtype: str, weights: str, cache_dtype: str, speculative: str,
                  ignore_eos: bool = False, tokenizer_needed_for: str | None = None, threads: int = 0,
-                 draft_vocab: int = 0):
+                 draft_vocab: int = 0, experts: list[int] | None = None):
     """Model, tokenizer and engine from the shared command-line options. ``tokenizer_needed_for`` says
     why a tokenizer is required (the error names it), or None when it is optional. ``draft_vocab`` K > 0
-    drafts over the checkpoint's K most frequent tokens (``draft_vocab.json``)."""
+    drafts over the checkpoint's K most frequent tokens (``draft_vocab.json``). ``experts``: the routed
+    experts an expert-parallel rank loads (the others are never read)."""
     import torch
 
     at_least(threads, 0, "--threads")
@@ -57,7 +58,7 @@ def build_engine(model_dir: str, dtype: str, weights: str, cache_dtype: str, spe
     cache = parse_dtype(cache_dtype, "--cache-dtype", ("fp32", "bf16", "fp8"))
     folder = resolve_checkpoint(model_dir)
     tokenizer = load_tokenizer(folder, needed_for=tokenizer_needed_for)
-    model = load_model(folder, compute, weights)
+    model = load_model(folder, compute, weights, experts)
     eos = frozenset() if ignore_eos else eos_ids(model, tokenizer)
     vocab = None
     if draft_vocab:
@@ -388,10 +389,11 @@ def _log_line(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _describe(engine) -> str:
+def _describe(engine, params: int | None = None) -> str:
+    """One line about the served model; ``params``: the whole model's count when this process holds part."""
     from dsv3.infer.units import fmt_bytes, fmt_count
 
-    params = sum(p.numel() for p in engine.model.parameters())
+    params = params if params is not None else sum(p.numel() for p in engine.model.parameters())
     dtype = str(next(engine.model.parameters()).dtype).replace("torch.", "")
     context = f"context {engine.context}" if engine.context else "no context limit in config.json"
     spec = ", MTP speculation" if engine.speculative else ""

@@ -25,15 +25,17 @@ def parse_dtype(name: str, what: str, allowed: tuple[str, ...]) -> torch.dtype |
     return DTYPES[name]
 
 
-def load_model(path: str | Path, dtype: torch.dtype | None = None, weights: str = "native") -> Transformer:
+def load_model(path: str | Path, dtype: torch.dtype | None = None, weights: str = "native",
+               experts: list[int] | None = None) -> Transformer:
     """``weights="fp8"`` keeps the projections resident in FP8 blocks (exactly as stored when the
-    checkpoint is FP8, quantized at load otherwise); ``dtype`` is the compute dtype."""
-    import dsv3
+    checkpoint is FP8, quantized at load otherwise); ``dtype`` is the compute dtype. ``experts``: read and
+    keep only these routed experts of every MoE layer (an expert-parallel rank's share, `load_pretrained`)."""
+    from dsv3.checkpoint import load_pretrained
 
     if weights not in ("native", "fp8"):
         raise DSV3Error(f"unknown weights format {weights!r}; choose native or fp8")
     path = resolve_checkpoint(path)
-    model = dsv3.load_pretrained(path, dtype=dtype)
+    model = load_pretrained(path, dtype=dtype, experts=experts)
     if weights == "fp8":
         to_fp8_weights(model, stored_fp8(path))
     return model.eval()

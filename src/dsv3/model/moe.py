@@ -107,6 +107,9 @@ class MoE(nn.Module):
         # reads; a data-parallel trainer sums it over ranks before the update).
         self.register_buffer("expert_load", torch.zeros(cfg.n_routed_experts), persistent=False)
         self.aux_loss: torch.Tensor | None = None
+        # The logical experts that ``experts`` holds, in slot order, when a loader kept only a future
+        # expert-parallel rank's share (`hold_experts`); None: every expert, in order.
+        self.held_experts: torch.Tensor | None = None
         # Counters of the routed tokens kept in any mode (a server's /metrics, ``dsv3.infer.metrics``):
         # every path that routes this layer's tokens calls each with the chosen experts. Counting here
         # rather than in a forward hook keeps the fast decode path usable (a hook forces a layer through
@@ -129,6 +132,13 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return out
+
+    def hold_experts(self, ids: torch.Tensor) -> None:
+        """Keep only the experts ``ids`` (logical ids, in slot order): what a rank loads when it will join an
+        expert-parallel group that gives it exactly those (`dsv3.parallel.ep.make_expert_parallel`). Until
+        then the layer cannot run: its local dispatcher expects every expert."""
+        self.experts = self.experts.select(ids)
+        self.held_experts = ids
 
     def route(self, flat: torch.Tensor, B: int, T: int) -> Routing:
         """The router's choice for flat [B*T, D]; in training also counts the load and the balance loss."""

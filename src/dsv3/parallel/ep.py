@@ -226,12 +226,18 @@ def make_expert_parallel(
     dispatch: str = "bf16",
     combine: str = "bf16",
 ) -> MoE:
-    """Make one (full, single-process) `MoE` expert-parallel in place: the two-hop dispatcher, and of its
-    experts only this rank's slots (copies, of the same kind). Returns the layer."""
+    """Make one `MoE` expert-parallel in place: the two-hop dispatcher, and of its experts only this rank's
+    slots (copies, of the same kind): selected from a full single-process layer, or already all that a
+    loader kept (`MoE.hold_experts`), which must be exactly those slots. Returns the layer."""
     dim = moe.experts.gate_proj.shape[2]
     dispatcher = ExpertParallelDispatcher(moe.n_experts, dim, groups, placement, dispatch, combine)
     moe.dispatcher = dispatcher.to(moe.expert_load.device)
-    moe.experts = moe.experts.select(moe.dispatcher.expert_ids)
+    ids = moe.dispatcher.expert_ids
+    if moe.held_experts is None:
+        moe.experts = moe.experts.select(ids)
+    elif not torch.equal(moe.held_experts.cpu(), ids.cpu()):
+        raise DSV3Error(f"this rank loaded experts {moe.held_experts.tolist()} but its EP slots hold {ids.tolist()}")
+    moe.held_experts = None  # the dispatcher's expert_ids say which experts are here from now on
     return moe
 
 

@@ -281,18 +281,23 @@ def make_lockstep(model: torch.nn.Module, partitions: list[list[int]], dispatch:
         raise DSV3Error(f"rank {dist.get_rank()} is in no serving group")
     group, groups = mine
     lockstep = Lockstep(layers, group, compute_dtype(model))
-    placement = None
-    if redundant:
-        size = groups.layout.world
-        n = layers[0].n_experts
-        if (n + redundant) % size:
-            raise DSV3Error(f"--redundant-experts {redundant}: {n} experts + {redundant} replicas cannot be "
-                            f"spread evenly over an EP group of {size} ranks")
-        placement = Placement(global_policy(torch.ones(n), n + redundant, size), size)
+    placement = group_placement(layers[0].n_experts, groups.layout.world, redundant)
     for i, moe in enumerate(layers):
         make_expert_parallel(moe, groups, placement, dispatch, combine)
         moe.dispatcher = LockstepDispatcher(lockstep, i, moe.dispatcher)
     return lockstep
+
+
+def group_placement(n_experts: int, size: int, redundant: int = 0) -> Placement:
+    """Where the ``n_experts`` routed experts (plus ``redundant`` replicas, placed by EPLB's global policy
+    for a uniform load) sit over an EP group of ``size`` ranks: pure arithmetic, so that a rank knows which
+    experts to load before the group exists."""
+    if not redundant:
+        return Placement.contiguous(n_experts, size)
+    if (n_experts + redundant) % size:
+        raise DSV3Error(f"--redundant-experts {redundant}: {n_experts} experts + {redundant} replicas cannot be "
+                        f"spread evenly over an EP group of {size} ranks")
+    return Placement(global_policy(torch.ones(n_experts), n_experts + redundant, size), size)
 
 
 def use_micro_batches(engine: Any, lockstep: Lockstep, n: int) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from dsv3.config import ModelConfig
 from dsv3.errors import DSV3Error, RankError
 
 GROUP_TIMEOUT_S = 60.0  # a collective that waits longer than this (a rank hung) takes the group down
@@ -108,10 +109,12 @@ def _serve(opts: GroupOptions, rank: int, world: int, model: str, host: str, por
     from dsv3.run_dir import resolve_checkpoint
 
     folder = resolve_checkpoint(model)
-    engine = agree(lambda: build_engine(str(folder), **engine_args))
+    cfg = ModelConfig.from_json(folder / "config.json")
+    experts = rank_experts(opts, world, rank, cfg)
+    engine = agree(lambda: build_engine(str(folder), experts=experts, **engine_args))
     from dsv3.infer.cli import _describe
 
-    summary = _describe(engine)  # the whole model, before its experts are spread
+    summary = _describe(engine, whole_parameter_count(cfg))
     lockstep = agree(lambda: make_lockstep(engine.model, partitions(opts, world), opts.dispatch, opts.combine,
                                                 opts.redundant_experts))
     use_micro_batches(engine, lockstep, opts.micro_batches if rank >= opts.prefill_ranks else 1)
@@ -171,6 +174,28 @@ def describe_group(opts: GroupOptions, engine) -> str:
         f"{slots} of {d.n_experts} routed experts per rank and layer"
     dual = ", dual micro-batch decode" if opts.micro_batches == 2 else ""
     return f"{held}, dispatch {dispatch}, combine {combine}, attention data-parallel{dual}"
+
+
+def rank_experts(opts: GroupOptions, world: int, rank: int, cfg: ModelConfig) -> list[int] | None:
+    """The routed experts this rank will hold in its EP group (the group's placement, `group_placement`),
+    so that it reads only those from the checkpoint; None for a model without routed experts."""
+    from dsv3.infer.cluster.lockstep import group_placement
+
+    if not cfg.n_routed_experts:
+        return None
+    members = next(group for group in partitions(opts, world) if rank in group)
+    placement = group_placement(cfg.n_routed_experts, len(members), opts.redundant_experts)
+    return [int(e) for e in placement.rank_experts(members.index(rank)).tolist()]
+
+
+def whole_parameter_count(cfg: ModelConfig) -> int:
+    """The whole model's parameters (built on the meta device: no memory), which no rank holds."""
+    import torch
+
+    from dsv3.model.transformer import Transformer
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in Transformer(cfg).parameters())
 
 
 def partitions(opts: GroupOptions, world: int) -> list[list[int]]:
