@@ -309,15 +309,42 @@ def check_values(name: str, t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                      "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64,
+                      "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+
+
 def read_tensors(files: list[Path], experts: set[int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of every file, one at a time; with ``experts``, of the routed experts only those (the
-    others are never read from the file)."""
+    others are never read from the file). Read with plain reads into memory of their own, not through a
+    memory map: the pages of the file a process touched would count in its resident memory as long as the
+    map lives, twice the weights at the peak of a load."""
     for f in files:
-        with open_safetensors(f) as handle:
-            for name in handle.keys():
+        with open_safetensors(f):  # the header's checks, one clear error for a corrupt file
+            pass
+        with open(f, "rb") as stream:
+            header_len = int.from_bytes(stream.read(8), "little")
+            header = json.loads(stream.read(header_len))
+            for name, info in header.items():
                 m = _EXPERT_INDEX.match(name)
-                if experts is None or m is None or int(m[1]) in experts:
-                    yield name, handle.get_tensor(name)
+                if name != "__metadata__" and (experts is None or m is None or int(m[1]) in experts):
+                    yield name, _read_one(stream, f, name, info, 8 + header_len)
+
+
+def _read_one(stream, f: Path, name: str, info: dict, data_start: int) -> torch.Tensor:
+    """Tensor ``name`` of an open safetensors file, read in place into a new tensor."""
+    dtype = SAFETENSORS_DTYPES.get(info["dtype"])
+    if dtype is None:
+        raise DSV3Error(f"{f}: tensor {name} has dtype {info['dtype']}, which dsv3 does not read")
+    begin, end = info["data_offsets"]
+    t = torch.empty(info["shape"], dtype=dtype)
+    raw = t.view(-1).view(torch.uint8).numpy() if t.numel() else bytearray()
+    if len(raw) != end - begin:
+        raise DSV3Error(f"cannot read {f}: tensor {name} holds {end - begin} bytes for {len(raw)}")
+    stream.seek(data_start + begin)
+    if stream.readinto(raw) != end - begin:
+        raise DSV3Error(f"cannot read {f}: corrupt or truncated safetensors file (tensor {name} ends early)")
+    return t
 
 
 def dequantized(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -352,28 +379,40 @@ def _paired(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, to
 def to_model_names(items: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig,
                    held: list[int] | None = None) -> dict[str, torch.Tensor]:
     """Checkpoint names -> model state-dict names: experts stacked (all in order, or the ``held`` ones in
-    that order), stale rotary buffers dropped."""
+    that order), stale rotary buffers dropped. Each expert is copied into its stack as it is read, so the
+    experts are in memory once, not once apart and once stacked."""
+    order = list(range(cfg.n_routed_experts or 0)) if held is None else list(held)
+    slots: dict[int, list[int]] = {}
+    for i, e in enumerate(order):
+        slots.setdefault(e, []).append(i)
     out: dict[str, torch.Tensor] = {}
-    experts: dict[str, dict[int, torch.Tensor]] = {}
+    stacks: dict[str, torch.Tensor] = {}
+    seen: dict[str, set[int]] = {}
     for name, t in items:
         if name.endswith("rotary_emb.inv_freq"):
             continue
         m = _EXPERT.match(name)
-        if m:
-            experts.setdefault(f"{m[1]}.{m[3]}", {})[int(m[2])] = t
-        else:
+        if not m:
             out[name] = t
-    for name, by_index in experts.items():
+            continue
+        key, expert = f"{m[1]}.{m[3]}", int(m[2])
+        seen.setdefault(key, set()).add(expert)
+        if expert not in slots:
+            continue
+        if key not in stacks:
+            stacks[key] = t.new_empty(len(order), *t.shape)
+        stack = stacks[key]
+        if stack.shape[1:] != t.shape:
+            raise DSV3Error(f"experts of {key} have different shapes: {list(stack.shape[1:])} and {list(t.shape)}")
+        for i in slots[expert]:
+            stack[i].copy_(t)
+    for key, got in seen.items():
         n = cfg.n_routed_experts
-        order = list(range(n)) if held is None else held
-        missing = sorted(set(order) - set(by_index))
-        if missing or (held is None and len(by_index) != n):
-            raise DSV3Error(f"checkpoint has experts {sorted(by_index)[:3]}... for {name} "
+        missing = sorted(set(order) - got)
+        if missing or (held is None and len(got) != n):
+            raise DSV3Error(f"checkpoint has experts {sorted(got)[:3]}... for {key} "
                             f"but the config says {n}; missing: {missing[:8]}")
-        shapes = {tuple(t.shape) for t in by_index.values()}
-        if len(shapes) != 1:
-            raise DSV3Error(f"experts of {name} have different shapes: {sorted(shapes)}")
-        out[name] = torch.stack([by_index[i] for i in order])
+        out[key] = stacks[key]
     return out
 
 
