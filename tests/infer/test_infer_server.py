@@ -329,6 +329,8 @@ def test_metrics_count_requests_tokens_and_each_experts_load(server, model):
     assert delta("dsv3_prompt_tokens_total") == 4 and delta("dsv3_generation_tokens_total") == generated
     assert delta("dsv3_time_to_first_token_seconds_count") == 1
     assert delta("dsv3_request_latency_seconds_count") == 1
+    assert delta("dsv3_request_queue_time_seconds_count") == 1
+    assert delta("dsv3_spec_decode_draft_tokens_total") == delta("dsv3_spec_decode_accepted_tokens_total") == 0
     k, fed = model.config.num_experts_per_tok, 4 + generated - 1
     n_main = sum(1 for i in range(model.config.num_hidden_layers) if model.config.is_moe_layer(i))
     per_layer = [delta("dsv3_expert_tokens_total", rank=0, layer=i) for i in range(len(model.moe_layers()))]
@@ -464,3 +466,24 @@ def test_prefix_cache_flags_with_ep_are_refused_not_ignored(capsys):
     assert main(["serve", "--model", "no-such-model", "--ep", "2", "--prefix-cache-bytes", "512M"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: --ep N serves without a prefix cache for now")
+
+
+def test_metrics_report_mtp_acceptance_as_the_engine_counts_it(model, tokenizer):
+    """With MTP speculation, /metrics counts the draft tokens each decode step verified and how many it
+    accepted: the same numbers the engine's own counters give for the same greedy request."""
+    from .prometheus_text import parse, total
+
+    prompt = [4, 5, 6, 7]
+    direct = Engine(model, tokenizer, speculative=True)
+    direct.generate([Request(prompt, 12, ignore_eos=True)])
+    expected = direct.last_stats
+    app = create_app(Engine(model, tokenizer, speculative=True), model_name="tiny")
+    with serving(app) as url:
+        httpx.post(url + "/v1/completions", json={"prompt": prompt, "max_tokens": 12, "temperature": 0,
+                                                  "ignore_eos": True}, timeout=60).raise_for_status()
+        scraped = parse(httpx.get(url + "/metrics", timeout=10).text)
+    drafted = total(scraped, "dsv3_spec_decode_draft_tokens_total")
+    accepted = total(scraped, "dsv3_spec_decode_accepted_tokens_total")
+    assert drafted > 0 and 0 <= accepted <= drafted
+    assert total(scraped, "dsv3_generation_tokens_total") == 12
+    assert (drafted, accepted) == (expected.drafted, expected.accepted)

@@ -155,6 +155,9 @@ class ServingMetrics:
         self.tpot = Histogram(TPOT_BUCKETS)
         self.latency = Histogram(LATENCY_BUCKETS)
         self.batch_size = Histogram(BATCH_BUCKETS)
+        self.queue_time = Histogram(TTFT_BUCKETS)
+        self.drafted = 0  # MTP: draft tokens verified, and how many of them were accepted
+        self.accepted = 0
         self.timings: dict[int, _Timing] = {}
         self.running: Callable[[], int] = lambda: 0
         self.waiting: Callable[[], int] = lambda: 0
@@ -164,6 +167,17 @@ class ServingMetrics:
     # ---- recording (the worker thread) ----------------------------------------------------------
     def arrived(self, request) -> None:
         self.timings[id(request)] = _Timing(self.clock())
+
+    def admitted(self, request) -> None:
+        """The request leaves the queue for its prefill."""
+        t = self.timings.get(id(request))
+        if t is not None:
+            self.queue_time.observe(self.clock() - t.arrived)
+
+    def speculated(self, drafted: int, accepted: int) -> None:
+        """A decode step verified ``drafted`` MTP draft tokens and accepted ``accepted`` of them."""
+        self.drafted += drafted
+        self.accepted += accepted
 
     def event(self, request, n_tokens: int, finish_reason: str | None) -> None:
         """A request's event: ``n_tokens`` new tokens, finished when ``finish_reason`` is set."""
@@ -220,6 +234,13 @@ class ServingMetrics:
                self.latency.lines("request_latency_seconds"))
         family("batch_size", "histogram", "Requests in the batch at each decode step.",
                self.batch_size.lines("batch_size"))
+        family("request_queue_time_seconds", "histogram", "From arrival to the start of the request's prefill.",
+               self.queue_time.lines("request_queue_time_seconds"))
+        family("spec_decode_draft_tokens", "counter", "MTP draft tokens verified by decode steps.",
+               [f"spec_decode_draft_tokens_total {self.drafted}"])
+        family("spec_decode_accepted_tokens", "counter",
+               "MTP draft tokens accepted (acceptance rate: accepted / draft tokens).",
+               [f"spec_decode_accepted_tokens_total {self.accepted}"])
         family("requests_running", "gauge", "Requests being decoded.", [f"requests_running {self.running()}"])
         family("requests_waiting", "gauge", "Requests queued, not yet prefilled.",
                [f"requests_waiting {self.waiting()}"])

@@ -69,7 +69,11 @@ class Scheduler:
                 continue
             try:
                 self.metrics.step(len(self.batch.rows))
-                self._send(self.batch.step())
+                stats = self.batch.stats
+                drafted, accepted = stats.drafted, stats.accepted
+                events = self.batch.step()
+                self.metrics.speculated(stats.drafted - drafted, stats.accepted - accepted)
+                self._send(events)
             except Exception as exc:  # a failing step must not kill the server: fail its requests
                 self._fail([r.request for r in self.batch.rows], exc)
                 self.batch = None
@@ -95,6 +99,7 @@ class Scheduler:
             return
         for r, d in new:
             self.listeners[id(r)] = d
+            self.metrics.admitted(r)
         for fresh in self._prefill([r for r, _ in new]):
             self._join(fresh)
 
