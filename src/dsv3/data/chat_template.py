@@ -215,13 +215,32 @@ def _namespace_class():
     return SafeNamespace
 
 
+def _generation_tag():
+    """``{% generation %}...{% endgeneration %}``, which some templates wrap around the assistant's text for
+    transformers' assistant masks: rendered as its body (dsv3 finds the assistant's tokens itself,
+    ``dsv3.data.chat_sft``)."""
+    import jinja2.ext
+    import jinja2.nodes
+
+    class GenerationTag(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.Scope(body).set_lineno(lineno)
+
+    return GenerationTag
+
+
 @lru_cache(maxsize=32)
 def _compiled(source: str):
     import jinja2
     import jinja2.ext
     from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[_generation_tag(), jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals.update(raise_exception=_raise_exception, strftime_now=_strftime_now, dict=_SafeDict(),
                        namespace=_namespace_class())
