@@ -162,3 +162,19 @@ def test_a_vocabulary_smaller_than_the_tokenizer_is_one_clear_error(chat_setup, 
     assert main(_argv(chat_setup, cache_dir, tmp_path / "out", "--steps", "1", "--vocab-size", str(size - 1))) == 2
     err = capsys.readouterr().err
     assert err.startswith("error:") and f"has {size} token ids" in err and not (tmp_path / "out").exists()
+
+
+def test_text_records_are_bos_text_eos(chat_setup, tmp_path):
+    """{"text": ...} lines with a checkpoint's tokenizer: each document is its BOS, its tokens, its EOS,
+    every token a label (no mask without chats)."""
+    data = tmp_path / "notes.jsonl"
+    data.write_text(json.dumps({"text": "the weather in paris"}) + "\n" + json.dumps({"text": "sunny today"}) + "\n")
+    encoding = load_tokenizer_folder(chat_setup[0])
+    corpus = load_corpus([str(data)], 0.5)
+    streams = tokenize_corpus(corpus, encoding, tmp_path / "cache")
+    tok = encoding.tokenizer
+    bos, eos = tok.token_to_id("<｜begin▁of▁sentence｜>"), tok.token_to_id("<｜end▁of▁sentence｜>")
+    for stream, docs in ((streams.train, corpus.train), (streams.val, corpus.val)):
+        want = [t for d in docs for t in [bos, *tok.encode(d.text, add_special_tokens=False).ids, eos]]
+        assert stream.tolist() == want
+    assert streams.train_mask is None and streams.val_mask is None

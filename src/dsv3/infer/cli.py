@@ -60,7 +60,8 @@ def build_engine(model_dir: str, dtype: str, weights: str, cache_dtype: str, spe
     cache = parse_dtype(cache_dtype, "--cache-dtype", ("fp32", "bf16", "fp8"))
     folder = resolve_checkpoint(model_dir)
     tokenizer = load_tokenizer(folder, needed_for=tokenizer_needed_for)
-    template = load_chat_template(folder, tokenizer, chat_template).checked()  # a bad file fails before loading
+    # a bad template fails here, before the weights load (without a tokenizer there is no chat to template)
+    template = load_chat_template(folder, tokenizer, chat_template).checked() if tokenizer is not None else None
     model = load_model(folder, compute, weights, experts)
     eos = frozenset() if ignore_eos else eos_ids(model, tokenizer)
     vocab = None
