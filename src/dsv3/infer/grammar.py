@@ -6,9 +6,9 @@ backends): it reads the checkpoint's ``tokenizer.json`` (or dsv3's own byte-leve
 multi-byte and special ones included, is judged by the bytes it stands for. A grammar ends with one of the
 model's end-of-sequence tokens, which ends the request with finish_reason "stop".
 
-JSON whitespace. The grammar allows JSON's whitespace between tokens, but at most ``MAX_BLANKS`` characters
-in a row: a model cannot spend its whole budget on blanks, and pretty-printed JSON (a newline and its
-indentation) still fits.
+JSON layout. The grammar writes JSON on one line with ", " between items and ": " after keys, as Python's
+``json.dumps`` does: what models write unprompted, and no freedom to spend the token budget on blanks (a
+grammar that allows any whitespace lets an unsure model pad without end).
 """
 
 from __future__ import annotations
@@ -20,8 +20,7 @@ import torch
 
 from dsv3.errors import DSV3Error
 
-MAX_BLANKS = 16
-JSON_OPTIONS = {"whitespace_pattern": rf"[\x20\x0A\x0D\x09]{{0,{MAX_BLANKS}}}"}
+JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 class Grammars:
