@@ -144,6 +144,21 @@ def test_the_budget_running_out_ends_with_length_and_a_prefix_of_valid_json(tiny
     assert out.finish_reason == "length" and out.text.startswith('{"name": "')
 
 
+def test_dsv3_s_own_tokenizer_works_too():
+    from dsv3.data.tokenizer import _train_bpe
+
+    tok = _train_bpe(["the cat sat on the mat", "hello world", '{"city": "Paris", "unit": "c"}'] * 4, 300)
+    model = tiny_model(300)
+    eos = eos_ids(model, tok)  # its <|end_of_text|>
+    grammars = Grammars(tok, 300, eos)
+    for seed in range(3):
+        request = Request(tok.encode("hello").ids, BUDGET, SamplingParams(HOT, seed=seed),
+                          logits_processors=(grammars.json_schema(WEATHER, "rf"),))
+        out = Engine(model, tok, eos_token_ids=eos).generate([request])[0]
+        assert out.finish_reason == "stop" and out.token_ids[-1] in eos
+        jsonschema.validate(json.loads(out.text), WEATHER)
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema"),
@@ -155,11 +170,13 @@ def test_the_budget_running_out_ends_with_length_and_a_prefix_of_valid_json(tiny
     ({"tools": TOOLS, "parallel_tool_calls": False}, "parallel_tool_calls"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
+    ({"tools": TOOLS, "tool_choice": "required", "can_constrain": False}, "tool_choice"),
 ])
 def test_bad_fields_are_named(tiny, fields, param):
     with pytest.raises(structured.FieldError) as info:
         structured.plan(tiny[3], fields.get("response_format"), fields.get("tools"), fields.get("tool_choice"),
-                        fields.get("parallel_tool_calls"), fields.get("ignore_eos", False))
+                        fields.get("parallel_tool_calls"), fields.get("ignore_eos", False),
+                        fields.get("can_constrain", True))
     assert info.value.param == param and str(info.value).startswith(param)
 
 
