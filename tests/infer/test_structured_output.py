@@ -41,6 +41,8 @@ WEATHER = {"type": "object", "additionalProperties": False, "required": ["city",
            "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}}}
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_pet", "parameters": PET}}]
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+NAMED = {"type": "function", "function": {"name": "get_pet"}}
 HOT = 1.0
 MODEL = "tiny"  # the checkpoint folder's name, which the server serves
 BUDGET = 160  # tokens: the tiny random model writes PET's longest instance in about 100
@@ -83,23 +85,6 @@ def test_a_stream_cut_at_every_point_parses_as_the_whole(text):
     for cut in range(len(text) + 1):
         assert streamed(text, [cut]) == want, cut
     assert streamed(text, list(range(1, len(text)))) == want  # one character at a time
-
-
-def test_history_with_tool_calls_and_results_renders_as_deepseek_v3_writes_it():
-    tok = deepseek_tokenizer()
-    calls = [{"id": "a", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "P"}'}},
-             {"id": "b", "type": "function", "function": {"name": "get_pet", "arguments": "{}"}}]
-    messages = [{"role": "system", "content": "S"}, {"role": "user", "content": "U"},
-                {"role": "assistant", "content": None, "tool_calls": calls},
-                {"role": "tool", "content": "sunny"}, {"role": "tool", "content": "a cat"}]
-    want = ("<｜begin▁of▁sentence｜>S<｜User｜>U<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function"
-            "<｜tool▁sep｜>get_weather\n```json\n{\"city\": \"P\"}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>"
-            "function<｜tool▁sep｜>get_pet\n```json\n{}\n```<｜tool▁call▁end｜><｜tool▁calls▁end｜>"
-            "<｜end▁of▁sentence｜><｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>sunny<｜tool▁output▁end｜>"
-            "<｜tool▁output▁begin｜>a cat<｜tool▁output▁end｜><｜tool▁outputs▁end｜>")
-    assert chat_template.render(messages, tok) == want
-    answered = messages + [{"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "V"}]
-    assert chat_template.render(answered, tok) == want + "Sunny.<｜end▁of▁sentence｜><｜User｜>V<｜Assistant｜>"
 
 
 # ---- the grammar in the engine ----------------------------------------------------------------
@@ -159,6 +144,34 @@ def test_dsv3_s_own_tokenizer_works_too():
         jsonschema.validate(json.loads(out.text), WEATHER)
 
 
+def test_a_call_sent_back_with_its_result_reaches_the_chat_template_with_the_tools(tiny):
+    """The assistant's tool_calls (as the openai client returns them) and a tool result in the history, with
+    the tools, are rendered by the chat template into exactly the prompt the server then decodes."""
+    from dsv3.infer.server import create_app
+    from dsv3.testing.http import serving
+
+    model, tok, eos, _ = tiny
+    with serving(create_app(Engine(model, tok, eos_token_ids=eos), model_name=MODEL)) as url:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        first = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=NAMED,
+                                               temperature=0, max_tokens=BUDGET).choices[0].message
+        (call,) = first.tool_calls
+        history = [*ASK, first.model_dump(exclude_none=True),
+                   {"role": "tool", "tool_call_id": call.id, "content": "a cat"}]
+        reply = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, temperature=0,
+                                               max_tokens=8)
+    calls = [{"id": call.id, "type": "function", "function": {"name": "get_pet", "arguments": call.function.arguments}}]
+    rendered = [*ASK, {"role": "assistant", "content": None, "tool_calls": calls},
+                {"role": "tool", "content": "a cat", "tool_call_id": call.id}]
+    prompt = chat_template.render(rendered, tok, tools=TOOLS)
+    assert "<｜tool▁sep｜>get_pet\n```json\n" + call.function.arguments in prompt and "a cat" in prompt
+    ids = chat_template.encode_prompt(tok, prompt)
+    assert reply.usage.prompt_tokens == len(ids)
+    want = Engine(model, tok, eos_token_ids=eos).generate(
+        [Request(ids, 8, GREEDY, stop_strings=chat_template.stop_strings(tok), skip_special_tokens=False)])[0]
+    assert reply.choices[0].message.content == tool_calls.parse(want.text).content
+
+
 @pytest.mark.parametrize("fields, param", [
     ({"response_format": {"type": "xml"}}, "response_format"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {}}}}, "response_format.json_schema"),
@@ -211,10 +224,6 @@ def server(tmp_path_factory):
 @pytest.fixture()
 def client(server):
     return openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=120)
-
-
-ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-NAMED = {"type": "function", "function": {"name": "get_pet"}}
 
 
 def test_named_tool_choice_gives_valid_calls_20_of_20(client):

@@ -190,10 +190,12 @@ def create_app(engine: Engine, model_name: str = "dsv3", max_batch: int = 8,
             raise DSV3Error("this model has no tokenizer.json, so it cannot chat; use /v1/completions with token ids")
         plan = structured.plan(grammars, body.response_format, body.tools, body.tool_choice,
                                body.parallel_tool_calls, body.ignore_eos, can_constrain=_constrains(scheduler))
-        prompt = chat_template.render(_messages(body.messages), engine.tokenizer)
+        prompt = chat_template.render(_messages(body.messages), engine.tokenizer, engine.chat_template,
+                                      tools=body.tools or None)
         n_top = (body.top_logprobs or 0) if body.logprobs else None
-        request = _request(engine, body, _encode(engine, prompt), body.max_completion_tokens or body.max_tokens,
-                           256, chat_template.stop_strings(engine.tokenizer), n_top, plan)
+        ids = chat_template.encode_prompt(engine.tokenizer, prompt)
+        request = _request(engine, body, ids, body.max_completion_tokens or body.max_tokens,
+                           256, chat_template.stop_strings(engine.tokenizer, engine.chat_template), n_top, plan)
         shape = _ChatShape(model_name, engine.tokenizer, body.logprobs, tools=plan.tool_calls)
         return await _respond(scheduler, http, request, body, shape)
 
@@ -241,7 +243,8 @@ def _messages(messages: list[Message]) -> list[dict[str, Any]]:
                 parts.append(part.text)
             content = "".join(parts)
         out.append({"role": "system" if m.role == "developer" else m.role, "content": content,
-                    **({"tool_calls": calls} if calls else {})})
+                    **({"tool_calls": calls} if calls else {}),
+                    **({"tool_call_id": m.tool_call_id} if m.tool_call_id is not None else {})})
     return out
 
 
@@ -443,8 +446,9 @@ class _ChatShape(_CompletionShape):
 
     def final(self, text: str, reason: str, logprobs: list[TokenLogprob]) -> dict:
         message: dict[str, Any] = {"role": "assistant", "content": text}
-        if self.tool_stream is not None:
+        if self.tool_stream is not None:  # what a stream of the same text gives: the call section is not content
             parsed = parse(text)
+            message["content"] = parsed.content
             if parsed.calls:
                 message = {"role": "assistant", "content": parsed.content or None,
                            "tool_calls": message_calls(parsed.calls)}
