@@ -264,6 +264,20 @@ def test_named_tool_choice_streamed_gives_valid_calls_20_of_20(client):
         jsonschema.validate(json.loads(args), PET)
 
 
+def test_a_streamed_call_equals_the_same_seed_s_whole_response(client):
+    for seed in range(3):
+        kwargs = dict(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required", temperature=HOT,
+                      max_tokens=BUDGET, seed=seed)
+        whole = client.chat.completions.create(**kwargs).choices[0]
+        calls: dict[int, list[str]] = {}
+        for chunk in client.chat.completions.create(**kwargs, stream=True):
+            for d in chunk.choices[0].delta.tool_calls or []:
+                name, args = calls.setdefault(d.index, ["", ""])
+                calls[d.index] = [name + (d.function.name or ""), args + (d.function.arguments or "")]
+        assert [[c.function.name, c.function.arguments] for c in whole.message.tool_calls] == \
+            [calls[i] for i in sorted(calls)]
+
+
 def test_required_with_one_call_only_calls_one_of_the_tools(client):
     for i in range(4):
         r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice="required",
