@@ -323,3 +323,10 @@ def test_json_object_and_bad_fields_over_http(client, server):
     bad = httpx.post(server + "/v1/chat/completions", json=body, timeout=30)
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tool_choice"
     assert "no tool named 'nope'" in bad.json()["error"]["message"]
+    completion = {"prompt": "the cat", "max_tokens": 4, "tools": TOOLS}  # tools are for chat only
+    bad = httpx.post(server + "/v1/completions", json=completion, timeout=30)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools"
+    fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
+    ok = httpx.post(server + "/v1/completions", json={**completion, "tools": None, "response_format": fmt,
+                                                      "temperature": 0, "max_tokens": 40}, timeout=60).json()
+    jsonschema.validate(json.loads(ok["choices"][0]["text"]), WEATHER)

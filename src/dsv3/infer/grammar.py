@@ -1,8 +1,8 @@
 """Grammar-constrained decoding: a request's output held to a JSON schema (``response_format``) or to a tool
 call (``tool_choice``), by a logits processor that masks every token the grammar forbids at each step.
 
-The token masks come from llguidance (the grammar engine behind vLLM's, SGLang's and llama.cpp's "guidance"
-backends): it reads the checkpoint's ``tokenizer.json`` (or dsv3's own byte-level tokenizer), so every token,
+The token masks come from llguidance (the grammar engine vLLM and SGLang offer as their "guidance"
+backend): it reads the checkpoint's ``tokenizer.json`` (or dsv3's own byte-level tokenizer), so every token,
 multi-byte and special ones included, is judged by the bytes it stands for. A grammar ends with one of the
 model's end-of-sequence tokens, which ends the request with finish_reason "stop".
 
