@@ -42,7 +42,7 @@ WEATHER = {"type": "object", "additionalProperties": False, "required": ["city",
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
          {"type": "function", "function": {"name": "get_pet", "parameters": PET}}]
 ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
-NAMED = {"type": "function", "function": {"name": "get_pet"}}
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
 HOT = 1.0
 MODEL = "tiny"  # the checkpoint folder's name, which the server serves
 BUDGET = 160  # tokens: the tiny random model writes PET's longest instance in about 100
@@ -160,11 +160,12 @@ def test_a_call_sent_back_with_its_result_reaches_the_chat_template_with_the_too
                    {"role": "tool", "tool_call_id": call.id, "content": "a cat"}]
         reply = client.chat.completions.create(model=MODEL, messages=history, tools=TOOLS, temperature=0,
                                                max_tokens=8)
-    calls = [{"id": call.id, "type": "function", "function": {"name": "get_pet", "arguments": call.function.arguments}}]
+    calls = [{"id": call.id, "type": "function", "function": {"name": "get_weather",
+                                                              "arguments": call.function.arguments}}]
     rendered = [*ASK, {"role": "assistant", "content": None, "tool_calls": calls},
                 {"role": "tool", "content": "a cat", "tool_call_id": call.id}]
     prompt = chat_template.render(rendered, tok, tools=TOOLS)
-    assert "<｜tool▁sep｜>get_pet\n```json\n" + call.function.arguments in prompt and "a cat" in prompt
+    assert "<｜tool▁sep｜>get_weather\n```json\n" + call.function.arguments in prompt and "a cat" in prompt
     ids = chat_template.encode_prompt(tok, prompt)
     assert reply.usage.prompt_tokens == len(ids)
     want = Engine(model, tok, eos_token_ids=eos).generate(
@@ -237,8 +238,8 @@ def test_named_tool_choice_gives_valid_calls_20_of_20(client):
     for c in choices:
         assert c.finish_reason == "tool_calls" and c.message.content is None
         (call,) = c.message.tool_calls
-        assert call.type == "function" and call.function.name == "get_pet" and call.id.startswith("call_")
-        jsonschema.validate(json.loads(call.function.arguments), PET)
+        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
 
 
 def test_named_tool_choice_streamed_gives_valid_calls_20_of_20(client):
@@ -260,8 +261,8 @@ def test_named_tool_choice_streamed_gives_valid_calls_20_of_20(client):
     with ThreadPoolExecutor(8) as pool:
         results = list(pool.map(ask, range(20)))
     for heads, args, reasons, content in results:
-        assert len(heads) == 1 and heads[0][1] == "get_pet" and reasons == ["tool_calls"] and content == ""
-        jsonschema.validate(json.loads(args), PET)
+        assert len(heads) == 1 and heads[0][1] == "get_weather" and reasons == ["tool_calls"] and content == ""
+        jsonschema.validate(json.loads(args), WEATHER)
 
 
 def test_a_streamed_call_equals_the_same_seed_s_whole_response(client):
