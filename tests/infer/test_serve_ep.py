@@ -154,6 +154,13 @@ def test_ep4_greedy_completions_of_concurrent_requests_equal_one_process(ep4, re
     assert "4 of 16 routed experts per rank and layer, dispatch fp32, combine fp32" in banner
 
 
+def test_ep4_refuses_constrained_output_by_name_rather_than_ignoring_it(ep4):
+    body = {"prompt": "the cat", "max_tokens": 4, "response_format": {"type": "json_object"}}
+    r = httpx.post(ep4.url + "/v1/completions", json=body, timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    assert "not supported by serve --ep" in r.json()["error"]["message"]
+
+
 def test_ep4_streams_and_a_bad_request_harms_no_one(ep4, reference):
     """A streamed chat, a request refused (400), and one whose client goes away mid-stream, all while the
     concurrent greedy requests run: those still get the single-process answers."""

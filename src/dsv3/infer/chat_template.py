@@ -9,7 +9,7 @@ from __future__ import annotations
 from dsv3.data.chat_template import ChatTemplate, default_for
 from dsv3.errors import DSV3Error
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")
 
 
 def render(messages: list[dict], tokenizer=None, template: ChatTemplate | None = None,

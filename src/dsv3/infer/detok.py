@@ -12,8 +12,9 @@ from functools import cache
 class TextStream:
     """Feeds token ids one at a time; returns the new text that is safe to show."""
 
-    def __init__(self, tokenizer=None, stop_strings: tuple[str, ...] = ()):
+    def __init__(self, tokenizer=None, stop_strings: tuple[str, ...] = (), skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
         self.stops = tuple(s for s in stop_strings if s)
         self.ids: list[int] = []
         self.text = ""
@@ -24,7 +25,7 @@ class TextStream:
         self.ids.append(token_id)
         if self.tokenizer is None:
             return "", False
-        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        self.text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
         cut = self._stop_index()
         if cut is not None:
             return self._release(cut), True

@@ -33,6 +33,7 @@ from dsv3.data.chat_template import ChatTemplate
 from dsv3.errors import DSV3Error
 from dsv3.infer.detok import TextStream
 from dsv3.infer.draft_vocab import DraftVocab
+from dsv3.infer.logits_processors import LogitsProcessor, process
 from dsv3.infer.sampling import GREEDY, SamplingParams, all_finite, draw, greedy_tokens, probabilities
 from dsv3.infer.speculative import verify
 from dsv3.model import huge_pages
@@ -46,7 +47,9 @@ from dsv3.parallel.overlap import run_interleaved
 @dataclass
 class Request:
     """One generation request. ``cancelled`` may be set from another thread; the row is then dropped.
-    ``logprobs``: None for none; N >= 0 for the chosen token's log-probability and the N most likely."""
+    ``logprobs``: None for none; N >= 0 for the chosen token's log-probability and the N most likely.
+    ``logits_processors``: this request's own changes to its logits (``dsv3.infer.logits_processors``).
+    ``skip_special_tokens``: False keeps special tokens in the text (a tool call's markers, say)."""
 
     prompt_ids: list[int]
     max_new_tokens: int
@@ -57,6 +60,8 @@ class Request:
     logprobs: int | None = None
     ignore_eos: bool = False  # only max_new_tokens, stop ids and stop strings end it (benchmarks)
     cached_tokens: int = 0  # prompt tokens the prefix cache served (set at prefill; see prefix_cache.py)
+    logits_processors: tuple[LogitsProcessor, ...] = ()
+    skip_special_tokens: bool = True
 
     def __post_init__(self) -> None:
         if not self.prompt_ids:
@@ -156,7 +161,8 @@ class Row:
         self.params = request.sampling
         self.gen = request.sampling.generator()
         self.stop_ids = request.stop_token_ids | (frozenset() if request.ignore_eos else eos_ids)
-        self.stream = TextStream(tokenizer, request.stop_strings)
+        self.stream = TextStream(tokenizer, request.stop_strings, request.skip_special_tokens)
+        self.processors = request.logits_processors
         self.generated: list[int] = []
         self.finish_reason: str | None = None
         self.last = 0  # newest token: sampled, not yet in the cache
@@ -187,6 +193,17 @@ class Row:
         self.last = tokens[-1]
         return Event(self.request, kept, "".join(text), self.finish_reason,
                      logprobs=logprobs[: len(kept)] if logprobs is not None else None)
+
+    def processed(self, logits: torch.Tensor, draft: int | None = None) -> torch.Tensor:
+        """A copy of logits [T, V] (fp32) after the request's processors: row 0 follows the generated tokens,
+        row 1 (T = 2, verifying ``draft``) the draft too. Row 1 is processed only when row 0 allows the draft;
+        otherwise verification rejects the draft whatever row 1 holds, and it is left a copy of row 0."""
+        out = logits.float().clone()
+        out[0] = process(self.processors, self.generated, out[0])
+        if out.shape[0] > 1:
+            allowed = draft is not None and bool(torch.isfinite(out[0, draft]))
+            out[1] = process(self.processors, self.generated + [draft], out[1]) if allowed else out[0]
+        return out
 
     def fail(self, message: str) -> Event:
         """End this request alone with an error (it leaves the batch at the next drop)."""
@@ -482,6 +499,9 @@ class Batch:
         ``best``: the step's scan of these logits (``_scan``), when it ran."""
         if best is None or -1 in best:
             finite_logits(logits, row)
+        raw = logits
+        if row.processors:
+            logits, best = row.processed(logits, row.draft if verifying else None), None
         if row.params.greedy:
             new, accepted = greedy_verify(logits, row.draft if verifying else None, best)
         elif verifying:  # each target row's distribution made only when verify reads it (none after a rejection)
@@ -494,7 +514,7 @@ class Batch:
             self.stats.accepted += accepted
         row.new = new
         n_top = row.request.logprobs
-        return row.commit(new, token_logprobs(logits, new, n_top) if n_top is not None else None)
+        return row.commit(new, token_logprobs(raw, new, n_top) if n_top is not None else None)
 
     # ---- decode ----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -597,6 +617,8 @@ class Batch:
         if best is None or best < 0:
             finite_logits(logits, row, "MTP draft logits")
         vocab = self.engine.draft_vocab
+        if row.processors and vocab is None:  # over a draft vocabulary only verification applies them
+            logits, best = row.processed(logits[None])[0], None
         if row.params.greedy:
             j, row.draft_q = (greedy_tokens(logits)[0] if best is None else best), None
         else:

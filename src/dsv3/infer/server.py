@@ -1,6 +1,10 @@
 """OpenAI-compatible HTTP API on FastAPI: /v1/models, /v1/completions, /v1/chat/completions, and
 /metrics (Prometheus text format: requests, tokens, latencies, batch size, prefix cache, expert load).
 
+``response_format`` (JSON object or schema) and ``tools`` with ``tool_choice`` follow OpenAI's API: see
+``dsv3.infer.structured`` for what each asks, ``dsv3.infer.grammar`` for the constrained decoding and
+``dsv3.infer.tool_calls`` for the DeepSeek-V3 tool-call format read into ``message.tool_calls``.
+
 ``stream: true`` answers with server-sent events (``data: {chunk}`` lines, then ``data: [DONE]``).
 ``usage.prompt_tokens_details.cached_tokens`` says how many prompt tokens the prefix cache served, as
 OpenAI reports it. ``ignore_eos: true`` (vLLM's extension) generates exactly ``max_tokens`` tokens
@@ -32,13 +36,15 @@ from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from dsv3.errors import DSV3Error
-from dsv3.infer import chat_template
+from dsv3.infer import chat_template, structured
 from dsv3.infer.detok import token_text_and_bytes
 from dsv3.infer.engine import Engine, Event, TokenLogprob
 from dsv3.infer.engine import Request as GenRequest
+from dsv3.infer.grammar import Grammars
 from dsv3.infer.metrics import RouterCounts, ServingMetrics
 from dsv3.infer.sampling import MAX_SEED, SamplingParams
 from dsv3.infer.scheduler import Scheduler
+from dsv3.infer.tool_calls import ToolCallStream, message_calls, parse
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
 MAX_STOPS, MAX_STOP_CHARS = 16, 512
@@ -46,15 +52,14 @@ STRICT = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)  # "0.5" is
 
 # OpenAI fields this server does not implement, with the values that mean "not used" (accepted).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
-    "tools": (None, []), "tool_choice": (None, "none"), "functions": (None, []), "function_call": (None, "none"),
-    "response_format": (None, {"type": "text"}), "logit_bias": (None, {}), "presence_penalty": (None, 0),
+    "tools": (None, []), "tool_choice": (None, "none"),  # chat only: refused on /v1/completions
+    "functions": (None, []), "function_call": (None, "none"), "logit_bias": (None, {}), "presence_penalty": (None, 0),
     "frequency_penalty": (None, 0), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
     "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
     "web_search_options": (None,), "n": (None, 1),
 }
 # Fields that do not change what is generated (bookkeeping for the client's side): accepted and unused.
-HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "parallel_tool_calls", "safety_identifier",
-                      "prompt_cache_key"})
+HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
 
 
 class StreamOptions(BaseModel):
@@ -74,6 +79,7 @@ class _Common(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension (vLLM's): only max_tokens and stop strings end the request
+    response_format: dict[str, Any] | None = None  # checked by dsv3.infer.structured
 
 
 class CompletionBody(_Common):
@@ -90,8 +96,10 @@ class ContentPart(BaseModel):
 class Message(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     role: str
-    content: str | list[ContentPart]
+    content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, as this server returns them
+    tool_call_id: str | None = None  # a tool result's call
 
 
 class ChatBody(_Common):
@@ -99,6 +107,9 @@ class ChatBody(_Common):
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    tools: list[Any] | None = None  # checked by dsv3.infer.structured
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class RequestError(DSV3Error):
@@ -137,6 +148,7 @@ def create_app(engine: Engine, model_name: str = "dsv3", max_batch: int = 8,
             metrics.expert_load.remove()  # the model may outlive the app (tests, notebooks)
 
     app = FastAPI(title="dsv3", lifespan=lifespan)
+    grammars = Grammars(engine.tokenizer, engine.model.config.vocab_size, engine.eos_ids)
     app.state.scheduler = scheduler
     _install_error_handlers(app)
     if api_key:
@@ -162,7 +174,9 @@ def create_app(engine: Engine, model_name: str = "dsv3", max_batch: int = 8,
     async def completions(body: CompletionBody, http: Request):
         _check_body(body, model_name)
         ids = body.prompt if isinstance(body.prompt, list) else _encode(engine, body.prompt)
-        request = _request(engine, body, ids, body.max_tokens, 16, (), body.logprobs)
+        plan = structured.plan(grammars, body.response_format, ignore_eos=body.ignore_eos,
+                               can_constrain=_constrains(scheduler))
+        request = _request(engine, body, ids, body.max_tokens, 16, (), body.logprobs, plan)
         offset = len(body.prompt) if isinstance(body.prompt, str) else 0
         shape = _CompletionShape(model_name, engine.tokenizer, body.logprobs is not None, offset)
         return await _respond(scheduler, http, request, body, shape)
@@ -174,12 +188,15 @@ def create_app(engine: Engine, model_name: str = "dsv3", max_batch: int = 8,
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
         if engine.tokenizer is None:
             raise DSV3Error("this model has no tokenizer.json, so it cannot chat; use /v1/completions with token ids")
-        prompt = chat_template.render(_messages(body.messages), engine.tokenizer, engine.chat_template)
+        plan = structured.plan(grammars, body.response_format, body.tools, body.tool_choice,
+                               body.parallel_tool_calls, body.ignore_eos, can_constrain=_constrains(scheduler))
+        prompt = chat_template.render(_messages(body.messages), engine.tokenizer, engine.chat_template,
+                                      tools=body.tools or None)
         n_top = (body.top_logprobs or 0) if body.logprobs else None
         ids = chat_template.encode_prompt(engine.tokenizer, prompt)
         request = _request(engine, body, ids, body.max_completion_tokens or body.max_tokens,
-                           256, chat_template.stop_strings(engine.tokenizer, engine.chat_template), n_top)
-        shape = _ChatShape(model_name, engine.tokenizer, body.logprobs)
+                           256, chat_template.stop_strings(engine.tokenizer, engine.chat_template), n_top, plan)
+        shape = _ChatShape(model_name, engine.tokenizer, body.logprobs, tools=plan.tool_calls)
         return await _respond(scheduler, http, request, body, shape)
 
     return app
@@ -201,14 +218,18 @@ def _check_body(body: _Common, served: str) -> None:
             raise RequestError(f"{name}: not supported by this server", name)
 
 
-def _messages(messages: list[Message]) -> list[dict[str, str]]:
+def _messages(messages: list[Message]) -> list[dict[str, Any]]:
     """Plain role/content dicts for the chat template: text parts joined, other parts refused by name;
-    "developer" is OpenAI's newer name for "system"."""
+    "developer" is OpenAI's newer name for "system"; an assistant's ``tool_calls`` kept (content may then
+    be null)."""
     out = []
     for i, m in enumerate(messages):
         if m.role not in (*chat_template.ROLES, "developer"):
-            raise RequestError(f"messages.{i}.role: {m.role!r} is not supported (use system, user or assistant)",
-                               f"messages.{i}.role")
+            raise RequestError(f"messages.{i}.role: {m.role!r} is not supported (use system, user, assistant or "
+                               "tool)", f"messages.{i}.role")
+        calls = _history_calls(m, i)
+        if m.content is None and not calls:
+            raise RequestError(f"messages.{i}.content: a {m.role} message needs content", f"messages.{i}.content")
         content = m.content
         if isinstance(content, list):
             parts = []
@@ -221,8 +242,27 @@ def _messages(messages: list[Message]) -> list[dict[str, str]]:
                     raise RequestError(f"{where}.text: a text part needs a string 'text'", f"{where}.text")
                 parts.append(part.text)
             content = "".join(parts)
-        out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+        out.append({"role": "system" if m.role == "developer" else m.role, "content": content,
+                    **({"tool_calls": calls} if calls else {}),
+                    **({"tool_call_id": m.tool_call_id} if m.tool_call_id is not None else {})})
     return out
+
+
+def _history_calls(m: Message, i: int) -> list[dict] | None:
+    """An assistant message's tool calls, each checked: ``{"type": "function", "function": {"name": str,
+    "arguments": str}}`` (an ``id`` may come along)."""
+    if m.tool_calls is None:
+        return None
+    if m.role != "assistant":
+        raise RequestError(f"messages.{i}.tool_calls: only an assistant message has tool calls",
+                           f"messages.{i}.tool_calls")
+    for j, call in enumerate(m.tool_calls):
+        fn = call.get("function")
+        if call.get("type", "function") != "function" or not isinstance(fn, dict) or \
+                not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments"), str):
+            raise RequestError(f"messages.{i}.tool_calls.{j}: must be {{'type': 'function', 'function': {{'name': "
+                               "str, 'arguments': str}}}}", f"messages.{i}.tool_calls.{j}")
+    return m.tool_calls
 
 
 def _encode(engine: Engine, text: str) -> list[int]:
@@ -239,8 +279,15 @@ def _context(engine: Engine) -> int:
     return engine.context
 
 
+def _constrains(scheduler: Scheduler) -> bool:
+    """Whether the scheduler's engine can take a request's logits processors (``serve --ep`` sends requests
+    to other processes as plain data, and a grammar's matcher does not travel)."""
+    return getattr(scheduler, "takes_logits_processors", True)
+
+
 def _request(engine: Engine, body: _Common, ids: list[int], max_tokens: int | None, default_max: int,
-             extra_stops: tuple[str, ...], logprobs: int | None) -> GenRequest:
+             extra_stops: tuple[str, ...], logprobs: int | None,
+             plan: structured.Plan = structured.UNCONSTRAINED) -> GenRequest:
     """The engine request, after every check that could otherwise fail inside the shared batch."""
     vocab, context = engine.model.config.vocab_size, _context(engine)
     if not ids:
@@ -263,7 +310,8 @@ def _request(engine: Engine, body: _Common, ids: list[int], max_tokens: int | No
         raise RequestError("stop strings need a tokenizer; this model has none", "stop")
     params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
     return GenRequest(ids, max_tokens, params, stop_strings=tuple(stops) + extra_stops, logprobs=logprobs,
-                      ignore_eos=body.ignore_eos)
+                      ignore_eos=body.ignore_eos, logits_processors=plan.processors,
+                      skip_special_tokens=not plan.tool_calls)
 
 
 async def _events(scheduler: Scheduler, http: Request, request: GenRequest) -> AsyncIterator[Event]:
@@ -388,16 +436,33 @@ class _ChatShape(_CompletionShape):
 
     prefix = "chatcmpl"
 
+    def __init__(self, model: str, tokenizer=None, logprobs: bool = False, tools: bool = False):
+        super().__init__(model, tokenizer, logprobs)
+        self.tool_stream = ToolCallStream() if tools else None  # tool calls read out of the text
+
     def head(self, rid: str, created: int, final: bool) -> dict:
         kind = "chat.completion" if final else "chat.completion.chunk"
         return {"id": rid, "object": kind, "created": created, "model": self.model}
 
     def final(self, text: str, reason: str, logprobs: list[TokenLogprob]) -> dict:
-        return {"index": 0, "message": {"role": "assistant", "content": text}, "finish_reason": reason,
-                "logprobs": self._logprobs(logprobs)}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.tool_stream is not None:  # what a stream of the same text gives: the call section is not content
+            parsed = parse(text)
+            message["content"] = parsed.content
+            if parsed.calls:
+                message = {"role": "assistant", "content": parsed.content or None,
+                           "tool_calls": message_calls(parsed.calls)}
+                reason = "tool_calls" if reason == "stop" else reason
+        return {"index": 0, "message": message, "finish_reason": reason, "logprobs": self._logprobs(logprobs)}
 
     def delta(self, text: str, reason: str | None, first: bool, logprobs: list[TokenLogprob] | None) -> dict:
-        delta = {"role": "assistant", "content": text} if first else {"content": text}
+        calls = []
+        if self.tool_stream is not None:  # content before the calls, then OpenAI's tool-call deltas
+            text, calls = self.tool_stream.push(text, final=reason is not None)
+            reason = "tool_calls" if reason == "stop" and self.tool_stream.called else reason
+        delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
+        if calls:
+            delta["tool_calls"] = calls
         return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": self._logprobs(logprobs or [])}
 
     def _entry(self, token_id: int, logprob: float) -> dict:
