@@ -27,15 +27,16 @@ class WireRequest:
     stop_token_ids: frozenset[int]
     stop_strings: tuple[str, ...]
     logprobs: int | None
+    ignore_eos: bool = False
 
     @classmethod
     def of(cls, rid: int, r: Request) -> WireRequest:
         return cls(rid, list(r.prompt_ids), r.max_new_tokens, r.sampling, r.stop_token_ids, r.stop_strings,
-                   r.logprobs)
+                   r.logprobs, r.ignore_eos)
 
     def request(self) -> Request:
         return Request(self.prompt_ids, self.max_new_tokens, self.sampling, self.stop_token_ids,
-                       self.stop_strings, logprobs=self.logprobs)
+                       self.stop_strings, logprobs=self.logprobs, ignore_eos=self.ignore_eos)
 
 
 @dataclass(frozen=True)
