@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from dsv3.infer.cluster.lockstep import Lockstep, LockstepBroken
 from dsv3.infer.engine import Batch, Engine, Event, Request, TokenLogprob, merged
+from dsv3.infer.prefix_cache import CacheSnapshot
 from dsv3.infer.sampling import SamplingParams
 
 
@@ -49,6 +50,7 @@ class WireEvent:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int = 0  # prompt tokens the rank's prefix cache served (known from the prefill on)
 
     def event(self, request: Request) -> Event:
         return Event(request, self.token_ids, self.text, self.finish_reason, self.error, self.logprobs)
@@ -99,6 +101,7 @@ class Report:
     kv_bytes: int = 0
     kv_tokens: int = 0
     expert_load: list[list[int]] | None = None  # [MoE layer][expert] routed tokens so far, when asked
+    prefix_cache: CacheSnapshot | None = None  # the rank's prefix cache, when it has one and was asked
 
 
 class RankWorker:
@@ -192,7 +195,8 @@ class RankWorker:
         out = []
         for ev in events:
             rid = self.rids[id(ev.request)]
-            out.append(WireEvent(rid, ev.token_ids, ev.text, ev.finish_reason, ev.error, ev.logprobs))
+            out.append(WireEvent(rid, ev.token_ids, ev.text, ev.finish_reason, ev.error, ev.logprobs,
+                                 ev.request.cached_tokens))
             if ev.finish_reason and rid in self.requests:
                 self.rids.pop(id(self.requests.pop(rid)), None)
         return out
