@@ -5,6 +5,7 @@ exactly as one process does; the on-disk tier is shared by the ranks."""
 
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -38,6 +39,17 @@ def _complete(url: str, prompt: list[int]) -> dict:
     return r.json()
 
 
+@contextmanager
+def _rank_0_busy(url: str):
+    """A long streamed request decoding on rank 0 (an idle group's least loaded rank) while the block runs;
+    cancelled at its end (the client hangs up)."""
+    with httpx.stream("POST", url + "/v1/completions", timeout=120,
+                      json={"prompt": [5, 6, 7], "max_tokens": 500, "stream": True, "ignore_eos": True}) as r:
+        lines = r.iter_lines()  # kept: a dropped iterator closes the stream, which cancels the request
+        next(lines)  # its first token: it is on rank 0
+        yield
+
+
 def _wait_idle(url: str) -> None:
     deadline = time.time() + 60
     while any(httpx.get(url + "/cluster", timeout=10).json()["in_flight"]):
@@ -61,10 +73,7 @@ def _check_second_request_is_served_by_the_cache(url: str, reference: list[str],
     the second comes when all ranks are idle, when the least loaded rank would be rank 0 again: only routing
     by prefix sends it where its prefix is cached."""
     if busy_rank_0:
-        with httpx.stream("POST", url + "/v1/completions", timeout=120,
-                          json={"prompt": [5, 6, 7], "max_tokens": 500, "stream": True, "ignore_eos": True}) as r:
-            lines = r.iter_lines()  # kept: a dropped iterator closes the stream, which cancels the request
-            next(lines)  # it is decoding on rank 0
+        with _rank_0_busy(url):
             first = _complete(url, PROMPT)
         _wait_idle(url)
     else:
@@ -95,6 +104,27 @@ def test_ep4_prefix_cache_with_a_disk_tier_serves_the_second_request(checkpoint,
         assert total(samples, "dsv3_prefix_cache_disk_reads_total") >= 25 - 8
         assert total(samples, "dsv3_prefix_cache_capacity_bytes") == 4 * 8 * block_bytes  # four ranks' budgets
     assert len(list(folder.glob("*.blk"))) >= 25 - 8
+
+
+def test_the_ranks_share_the_disk_tier_across_restarts(checkpoint, reference, tmp_path):  # noqa: F811
+    """A budget of one byte sends every block to the folder. The first group's rank 0 writes them; a group
+    started later over the same folder serves the prompt from another rank (rank 0 busy), which reads them:
+    the ranks name blocks by the group's fingerprint, not by their own share of the experts."""
+    folder = tmp_path / "blocks"
+    flags = ("--prefix-cache-bytes", "1", "--prefix-block-tokens", str(BLOCK), "--prefix-cache-dir", str(folder))
+    with serve_group(checkpoint, 4, *flags, torchrun=False) as group:
+        _complete(group.url, PROMPT)
+        assert httpx.get(group.url + "/cluster").json()["assigned"] == [1, 0, 0, 0]
+    assert len(list(folder.glob("*.blk"))) == 25
+    with serve_group(checkpoint, 4, *flags, torchrun=False) as group:
+        with _rank_0_busy(group.url):
+            second = _complete(group.url, PROMPT + [11, 12])
+        assert httpx.get(group.url + "/cluster").json()["assigned"][:2] == [1, 1]
+        samples = _prefix_metrics(group.url, CACHED)
+    assert second["usage"]["prompt_tokens_details"]["cached_tokens"] == CACHED
+    assert second["choices"][0]["text"] == reference[1]
+    assert total(samples, "dsv3_prefix_cache_disk_reads_total") == 25
+    assert total(samples, "dsv3_prefix_cache_disk_rejected_total") == 0
 
 
 def test_ep4_prefill_ranks_2_prefix_cache_serves_the_second_request(checkpoint, reference):  # noqa: F811
