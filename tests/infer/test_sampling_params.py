@@ -2,6 +2,7 @@
 min_tokens, checked against a direct forward of the model with each definition applied by hand."""
 
 import json
+import time
 
 import httpx
 import pytest
@@ -21,8 +22,9 @@ PENALTIES = {"presence_penalty": 0.7, "frequency_penalty": 0.9, "repetition_pena
 @pytest.fixture(scope="module")
 def server(model, tokenizer):
     engine = Engine(model, tokenizer)
-    with serving(create_app(engine, model_name="tiny", max_batch=8)) as url:
-        yield url, engine
+    app = create_app(engine, model_name="tiny", max_batch=8)
+    with serving(app) as url:
+        yield url, engine, app.state.scheduler
 
 
 def _post(url: str, body: dict, path: str = "/v1/completions") -> httpx.Response:
@@ -111,6 +113,30 @@ def test_n_choices_repeat_with_the_same_seed_and_differ_from_each_other(server):
         choice = json.loads(line)["choices"][0]
         parts[choice["index"]] += choice["text"]
     assert [parts[i] for i in range(4)] == texts
+
+
+def test_in_a_batch_each_request_gets_what_it_gets_alone(server):
+    """A penalised greedy request, a plain greedy one and four seeded choices, sent at once (decoded together):
+    each answer equals the same body's answer alone."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    bodies = [{"prompt": [5, 6, 7, 5, 6], "max_tokens": 60, "temperature": 0, "ignore_eos": True, **PENALTIES},
+              {"prompt": [9, 10], "max_tokens": 70, "temperature": 0, "ignore_eos": True},
+              {"prompt": [3, 4, 5], "max_tokens": 50, "temperature": 1.5, "n": 4, "seed": 5, "ignore_eos": True,
+               "min_tokens": 3, "presence_penalty": 1.0}]
+
+    def texts(body: dict) -> list[str]:
+        return [c["text"] for c in _post(server[0], body).json()["choices"]]
+
+    alone = [texts(b) for b in bodies]
+    scheduler, peak = server[2], 0
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        jobs = [pool.submit(texts, b) for b in bodies]
+        while not all(j.done() for j in jobs):
+            peak = max(peak, scheduler.active)
+            time.sleep(0.001)
+    assert [j.result() for j in jobs] == alone
+    assert peak >= 3  # decoded together
 
 
 def test_choices_of_one_prompt_share_its_prefill(model, tokenizer):
