@@ -21,15 +21,16 @@ from __future__ import annotations
 
 import torch
 
+from dsv3.infer.sampling import SamplingParams
+
 
 class LogitsRules:
     """The changes one request asks for, with what they need to remember: which ids the prompt holds,
     and how often each id has been generated. Built only when the request asks for at least one
     (``for_row``), so plain requests pay nothing."""
 
-    def __init__(self, params, prompt_ids: list[int], stop_ids: frozenset[int], vocab: int):
+    def __init__(self, params: SamplingParams, prompt_ids: list[int], stop_ids: frozenset[int], vocab: int):
         self.params = params
-        self.vocab = vocab
         self.counts = torch.zeros(vocab, dtype=torch.float32)  # generated so far, per id
         self.generated = 0
         self.seen = torch.zeros(vocab, dtype=torch.bool)  # prompt or generated: what repetition_penalty reads
@@ -40,7 +41,8 @@ class LogitsRules:
         self.bias_values = torch.tensor(values, dtype=torch.float32)
 
     @classmethod
-    def for_row(cls, params, prompt_ids: list[int], stop_ids: frozenset[int], vocab: int) -> LogitsRules | None:
+    def for_row(cls, params: SamplingParams, prompt_ids: list[int], stop_ids: frozenset[int],
+                vocab: int) -> LogitsRules | None:
         """The rules of a request, or None when it asks for none of them."""
         return cls(params, prompt_ids, stop_ids, vocab) if params.changes_logits else None
 
