@@ -307,7 +307,7 @@ def serve(
                                                                "Bearer KEY' (default: $DSV3_API_KEY, or open)."),
     prefix_cache_bytes: str | None = typer.Option(None, "--prefix-cache-bytes", metavar="SIZE", show_default=False,
                                            help="Memory for cached prompt prefixes, e.g. 512M; 0 turns the "
-                                                "cache off (default: 1G)."),
+                                                "cache off (default: 1G; with --ep, per prefilling rank)."),
     prefix_block_tokens: int = typer.Option(16, "--prefix-block-tokens", metavar="N", show_default=False,
                                             help="Tokens per prefix-cache block (default: 16)."),
     prefix_cache_dir: str | None = typer.Option(None, "--prefix-cache-dir", metavar="DIR",
