@@ -159,6 +159,22 @@ def test_choices_of_one_prompt_share_its_prefill(model, tokenizer):
     assert mixed[1].token_ids == engine.generate([Request([1, 2], 6)])[0].token_ids
 
 
+def test_shared_prefill_with_mtp_and_the_prefix_cache_decodes_each_row_as_alone(tokenizer):
+    """With speculation (each row then drafts from its own first token) and a prefix cache (which stores the
+    shared prompt once): three rows of one prompt and one other, greedy, each equal to its prompt alone."""
+    from dsv3.infer.prefix_cache import PrefixCache
+
+    model = tiny_model(vocab=12, gain=3.0)
+    prompt, other = [1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [4, 5]
+    engine = Engine(model, speculative=True)
+    PrefixCache.for_engine(engine, 1 << 20, block_tokens=4)
+    together = engine.generate([Request(prompt, 20), Request(other, 20), Request(prompt, 20), Request(prompt, 20)])
+    alone = Engine(model, speculative=True).generate([Request(prompt, 20)])[0].token_ids
+    assert [r.token_ids for r in together] == [alone, Engine(model).generate([Request(other, 20)])[0].token_ids,
+                                               alone, alone]
+    assert len(engine.prefix_cache.blocks) == 2  # the prompt's 2 usable blocks, stored once
+
+
 def test_min_tokens_holds_back_end_of_sequence_until_reached(model, tokenizer):
     """With the first greedy token as end-of-sequence a request stops at once; min_tokens 4 makes it
     draw the best other token instead, until 4 tokens are out."""
