@@ -8,6 +8,8 @@ busy machine slows both alike. Requests go one at a time (``--concurrency``), so
 plus one step, not queueing.
 
     .venv/bin/python benchmarks/serve_prefix_cache.py --json
+    .venv/bin/python benchmarks/serve_prefix_cache.py --ep 4 --json                     # 4 processes (torchrun)
+    .venv/bin/python benchmarks/serve_prefix_cache.py --ep 4 --prefill-ranks 2 --json   # ranks 0-1 prefill
 
 The same figures by hand, against a running server:
 
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
+import signal
 import statistics
 import subprocess
 import sys
@@ -33,10 +37,20 @@ from dsv3.infer.bench_serve import make_prompts, model_card, run
 from dsv3.model import Transformer
 
 
-def start_server(folder: Path, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+def server_command(folder: Path, threads: int, ep: int, prefill_ranks: int) -> list[str]:
+    """One process, or ``ep`` under torchrun (``--ep``, with ``--prefill-ranks`` when given)."""
+    serve = ["-m", "dsv3", "serve", "--model", str(folder), "--port", "0", "--threads", str(threads), "--quiet"]
+    if not ep:
+        return [sys.executable, *serve]
+    group = ["--ep", str(ep)] + (["--prefill-ranks", str(prefill_ranks)] if prefill_ranks else [])
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ep), *serve,
+            *group]
+
+
+def start_server(command: list[str], threads: int, log: Path) -> tuple[subprocess.Popen, str]:
     err = open(log, "w")  # noqa: SIM115 - the child writes to it for its whole life
-    proc = subprocess.Popen([sys.executable, "-m", "dsv3", "serve", "--model", str(folder), "--port", "0",
-                             "--threads", str(threads), "--quiet"], stdout=subprocess.DEVNULL, stderr=err)
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=err, env=env, start_new_session=True)
     deadline = time.time() + 300
     while time.time() < deadline:
         found = re.search(r"listening on (http://127\.0\.0\.1:\d+)/v1", log.read_text())
@@ -45,8 +59,18 @@ def start_server(folder: Path, threads: int, log: Path) -> tuple[subprocess.Pope
         if proc.poll() is not None:
             raise SystemExit(f"serve exited: {log.read_text()}")
         time.sleep(0.2)
-    proc.kill()
+    stop_server(proc)
     raise SystemExit("serve did not start in 300 s")
+
+
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM to the server's session (torchrun's ranks too), then SIGKILL when it lingers."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
 
 
 def main() -> None:
@@ -58,14 +82,17 @@ def main() -> None:
     ap.add_argument("--requests", type=int, default=6, help="per round")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--concurrency", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=1, help="the server's torch threads")
+    ap.add_argument("--threads", type=int, default=1, help="the server's torch threads (per process)")
+    ap.add_argument("--ep", type=int, default=0, help="serve over this many processes (serve --ep N)")
+    ap.add_argument("--prefill-ranks", type=int, default=0, help="with --ep: the first P ranks prefill")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         torch.manual_seed(0)
         Transformer(preset(args.preset)).save_pretrained(Path(tmp) / args.preset)
-        proc, url = start_server(Path(tmp) / args.preset, args.threads, Path(tmp) / "serve.log")
+        command = server_command(Path(tmp) / args.preset, args.threads, args.ep, args.prefill_ranks)
+        proc, url = start_server(command, args.threads, Path(tmp) / "serve.log")
         try:
             card = model_card(url)
             rows = []
@@ -76,8 +103,7 @@ def main() -> None:
                     out = run(url, card["id"], prompts, args.gen_len, args.concurrency, timeout=600)
                     rows.append({"round": r, "shared_prefix": shared, **out})
         finally:
-            proc.terminate()
-            proc.wait(timeout=60)
+            stop_server(proc)
 
     def median(key: str, sub: str, shared: int) -> float:
         values = [row[key][sub] for row in rows if row["shared_prefix"] == shared and row[key][sub] is not None]
@@ -87,13 +113,17 @@ def main() -> None:
     warm = median("ttft_ms_cached", "p50", args.shared_prefix)
     result = {"preset": args.preset, "prompt_len": args.prompt_len, "shared_prefix": args.shared_prefix,
               "gen_len": args.gen_len, "requests_per_round": args.requests, "rounds": args.rounds,
-              "concurrency": args.concurrency, "server_threads": args.threads,
+              "concurrency": args.concurrency, "server_threads": args.threads, "ep": args.ep,
+              "prefill_ranks": args.prefill_ranks,
               "ttft_p50_ms_no_shared_prefix": cold, "ttft_p50_ms_prefix_cached": warm,
               "ttft_p50_ms_first_of_prefix": median("ttft_ms_uncached", "p50", args.shared_prefix),
               "ttft_ratio_cached_over_uncached": warm / cold,
               "tpot_p50_ms_no_shared_prefix": median("tpot_ms", "p50", 0),
               "tpot_p50_ms_shared_prefix": median("tpot_ms", "p50", args.shared_prefix),
-              "cached_token_share": [row["cached_token_share"] for row in rows], "runs": rows}
+              "cached_token_share": [row["cached_token_share"] for row in rows],
+              "cached_tokens_min_of_cached_requests": min(
+                  (n for row in rows if row["shared_prefix"] for n in row["cached_tokens_per_request"] if n),
+                  default=0), "runs": rows}
     if args.json:
         print(json.dumps(result))
         return
@@ -102,6 +132,7 @@ def main() -> None:
     print(f"  TTFT p50, nothing shared:             {cold:8.1f} ms")
     print(f"  TTFT p50, {args.shared_prefix}-token prefix cached:  {warm:8.1f} ms  ({warm / cold:.1%})")
     print(f"  TTFT, first request of each prefix:   {result['ttft_p50_ms_first_of_prefix']:8.1f} ms")
+    print(f"  cached tokens, least of the cached requests: {result['cached_tokens_min_of_cached_requests']}")
 
 
 if __name__ == "__main__":

@@ -220,8 +220,7 @@ def test_every_field_is_checked_before_admission(server, field, value):
 
 
 @pytest.mark.parametrize("field, value", [
-    ("functions", [{"name": "f"}]), ("n", 2),
-    ("logit_bias", {"5": 10}), ("presence_penalty", 0.5), ("min_p", 0.1),
+    ("functions", [{"name": "f"}]), ("best_of", 2), ("min_p", 0.1),
 ])
 def test_unsupported_fields_are_refused_by_name(server, field, value):
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: value}
@@ -458,13 +457,16 @@ def test_an_api_key_guards_the_v1_routes_with_openai_s_401(model, tokenizer):
         assert httpx.get(url + "/metrics", timeout=10).status_code == 200
 
 
-def test_prefix_cache_flags_with_ep_are_refused_not_ignored(capsys):
-    """`serve --ep N` has no prefix cache yet: asking for one is one error line, not a flag silently dropped."""
+def test_bad_prefix_cache_flags_with_ep_are_one_error_line_before_any_process_group(capsys):
+    """`serve --ep N` takes the prefix-cache flags (tests/infer/test_serve_ep_prefix.py); a wrong value is
+    one error line naming the flag, found before the ranks start waiting for each other."""
     from dsv3.cli import main
 
-    assert main(["serve", "--model", "no-such-model", "--ep", "2", "--prefix-cache-bytes", "512M"]) == 2
+    assert main(["serve", "--model", "no-such-model", "--ep", "2", "--prefix-cache-bytes", "512Q"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and err.startswith("error: --ep N serves without a prefix cache for now")
+    assert err.count("\n") == 1 and err.startswith("error: --prefix-cache-bytes")
+    assert main(["serve", "--model", "x", "--ep", "2", "--prefix-cache-bytes", "0", "--prefix-cache-dir", "d"]) == 2
+    assert capsys.readouterr().err.startswith("error: --prefix-cache-dir needs a prefix cache")
 
 
 def test_metrics_report_mtp_acceptance_as_the_engine_counts_it(model, tokenizer):

@@ -103,6 +103,26 @@ def test_a_seeded_sampled_row_keeps_its_random_stream_across_the_move():
     assert got == want
 
 
+def test_a_row_with_penalties_keeps_their_counts_and_ignore_eos_across_the_move():
+    """The penalties count the tokens generated before the move (its first token, from the prefill rank), and
+    ``ignore_eos`` travels with the request: the moved row decodes as one process does."""
+    engine = Engine(tiny_model(layers=2), eos_token_ids=frozenset({209}))  # its second token here
+    params = SamplingParams(temperature=0, frequency_penalty=2.0, presence_penalty=2.0, repetition_penalty=1.5)
+    request = Request([1, 2, 3], 16, params, ignore_eos=True)  # without the penalty, its first token comes twice
+    want = engine.generate([Request([1, 2, 3], 16, params, ignore_eos=True)])[0].token_ids
+    assert 209 in want
+    batch = engine.start([request])
+    wire = WireRequest.of(3, request)
+    parcel = pack_row(engine, batch, 0, RowState.of(wire, batch.rows[0]))
+    state = unpack_state(parcel)
+    assert state.request.request().ignore_eos
+    moved = batch_from_cache(engine, state.row(engine, state.request.request()), parcel.kv, parcel.pe)
+    got = list(state.generated)
+    while moved.rows:
+        got += [t for ev in moved.step() for t in ev.token_ids]
+    assert got == want and len(got) == 16
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--ep", "4"], "start it with dsv3 launch --nproc 4 serve"),
     (["--ep", "0"], "--ep must be >= 1"),

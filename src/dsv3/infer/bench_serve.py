@@ -178,6 +178,7 @@ def summarize(outcomes: list[Outcome], duration: float) -> dict:
         "output_tokens_per_s": out_tokens / duration if duration > 0 else None,
         "total_prompt_tokens": prompt_tokens, "total_output_tokens": out_tokens, "cached_tokens": cached,
         "cached_token_share": cached / prompt_tokens if prompt_tokens else None,
+        "cached_tokens_per_request": [o.cached_tokens for o in done],
         "ttft_ms": _ms([o.ttft for o in done]),
         "ttft_ms_cached": _ms([o.ttft for o in done if o.cached_tokens]),
         "ttft_ms_uncached": _ms([o.ttft for o in done if not o.cached_tokens]),

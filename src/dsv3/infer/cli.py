@@ -312,7 +312,7 @@ def serve(
                                                                "Bearer KEY' (default: $DSV3_API_KEY, or open)."),
     prefix_cache_bytes: str | None = typer.Option(None, "--prefix-cache-bytes", metavar="SIZE", show_default=False,
                                            help="Memory for cached prompt prefixes, e.g. 512M; 0 turns the "
-                                                "cache off (default: 1G)."),
+                                                "cache off (default: 1G; with --ep, per prefilling rank)."),
     prefix_block_tokens: int = typer.Option(16, "--prefix-block-tokens", metavar="N", show_default=False,
                                             help="Tokens per prefix-cache block (default: 16)."),
     prefix_cache_dir: str | None = typer.Option(None, "--prefix-cache-dir", metavar="DIR",
@@ -348,13 +348,11 @@ def serve(
     if ep is not None:
         from dsv3.infer.cluster.serve import GroupOptions, serve_group
 
-        if prefix_cache_bytes is not None or prefix_cache_dir is not None:
-            raise DSV3Error("--ep N serves without a prefix cache for now: drop --prefix-cache-bytes and "
-                            "--prefix-cache-dir (they would be ignored)")
-
+        check_prefix_flags(prefix_cache_bytes or "1G", prefix_block_tokens, prefix_cache_dir)
         engine_args = dict(dtype=dtype, weights=weights, cache_dtype=cache_dtype, speculative=speculative,
                            threads=threads, draft_vocab=draft_vocab, chat_template=chat_template)
-        opts = GroupOptions(ep, prefill_ranks, dispatch, combine, redundant_experts, eplb_every, micro_batches)
+        opts = GroupOptions(ep, prefill_ranks, dispatch, combine, redundant_experts, eplb_every, micro_batches,
+                            prefix_cache_bytes or "1G", prefix_block_tokens, prefix_cache_dir)
         serve_group(opts, model, host, port, max_batch, engine_args, quiet, api_key)
         return
     if prefill_ranks or dispatch != "native" or combine != "native" or redundant_experts or eplb_every or \
@@ -377,17 +375,24 @@ def serve(
     server.run(sockets=[sock])
 
 
-def attach_prefix_cache(engine, size: str, block_tokens: int, directory: str | None) -> None:
-    """Give ``engine`` a prefix cache of ``size`` bytes (none for 0; a folder without memory is refused)."""
-    from dsv3.infer.prefix_cache import PrefixCache, parse_size
+def check_prefix_flags(size: str, block_tokens: int, directory: str | None) -> int:
+    """The prefix cache's budget in bytes from its flags, or the error that names the wrong one."""
+    from dsv3.infer.prefix_cache import parse_size
 
     at_least(block_tokens, 1, "--prefix-block-tokens")
     max_bytes = parse_size(size, "--prefix-cache-bytes")
-    if max_bytes == 0:
-        if directory is not None:
-            raise DSV3Error("--prefix-cache-dir needs a prefix cache: --prefix-cache-bytes must be > 0")
-        return
-    PrefixCache.for_engine(engine, max_bytes, block_tokens, directory)
+    if max_bytes == 0 and directory is not None:
+        raise DSV3Error("--prefix-cache-dir needs a prefix cache: --prefix-cache-bytes must be > 0")
+    return max_bytes
+
+
+def attach_prefix_cache(engine, size: str, block_tokens: int, directory: str | None) -> None:
+    """Give ``engine`` a prefix cache of ``size`` bytes (none for 0; a folder without memory is refused)."""
+    from dsv3.infer.prefix_cache import PrefixCache
+
+    max_bytes = check_prefix_flags(size, block_tokens, directory)
+    if max_bytes:
+        PrefixCache.for_engine(engine, max_bytes, block_tokens, directory)
 
 
 def _log_line(line: str) -> None:

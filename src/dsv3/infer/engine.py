@@ -34,6 +34,7 @@ from dsv3.errors import DSV3Error
 from dsv3.infer.detok import TextStream
 from dsv3.infer.draft_vocab import DraftVocab
 from dsv3.infer.logits_processors import LogitsProcessor, process
+from dsv3.infer.penalties import LogitsRules
 from dsv3.infer.sampling import GREEDY, SamplingParams, all_finite, draw, greedy_tokens, probabilities
 from dsv3.infer.speculative import verify
 from dsv3.model import huge_pages
@@ -74,8 +75,9 @@ class Request:
 
 @dataclass(frozen=True)
 class TokenLogprob:
-    """log p(token) under the model's raw distribution (log-softmax of the logits, before temperature,
-    top-k or top-p, as OpenAI reports it), and the ``top`` most likely (token, logprob) pairs."""
+    """log p(token) under the model's distribution (log-softmax of the logits, before temperature, top-k or
+    top-p, as OpenAI reports it; after the request's penalties and biases, ``dsv3.infer.penalties``), and the
+    ``top`` most likely (token, logprob) pairs. A token the request ruled out reads ``LOGPROB_FLOOR``."""
 
     token_id: int
     logprob: float
@@ -142,9 +144,12 @@ def finite_logits(logits: torch.Tensor, row: Row, what: str = "logits") -> torch
     return logits
 
 
+LOGPROB_FLOOR = -9999.0  # for -inf (min_tokens holding back end-of-sequence): JSON has no infinity
+
+
 def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[TokenLogprob]:
     """logits [n >= len(tokens), V]: the log-probability of tokens[j] under row j, with the ``top`` best."""
-    lp = logits[: len(tokens)].float().log_softmax(-1)
+    lp = logits[: len(tokens)].float().log_softmax(-1).clamp(min=LOGPROB_FLOOR)
     best = lp.topk(min(top, lp.shape[-1]), dim=-1) if top else None
     out = []
     for j, tok in enumerate(tokens):
@@ -154,13 +159,15 @@ def token_logprobs(logits: torch.Tensor, tokens: list[int], top: int) -> list[To
 
 
 class Row:
-    """Decoding state of one request inside a batch."""
+    """Decoding state of one request inside a batch. ``vocab``: the model's vocabulary size (what the
+    request's logits rules, when it asks for any, keep counts over)."""
 
-    def __init__(self, request: Request, tokenizer, eos_ids: frozenset[int]):
+    def __init__(self, request: Request, tokenizer, eos_ids: frozenset[int], vocab: int):
         self.request = request
         self.params = request.sampling
         self.gen = request.sampling.generator()
         self.stop_ids = request.stop_token_ids | (frozenset() if request.ignore_eos else eos_ids)
+        self.rules = LogitsRules.for_row(self.params, request.prompt_ids, self.stop_ids, vocab)
         self.stream = TextStream(tokenizer, request.stop_strings, request.skip_special_tokens)
         self.processors = request.logits_processors
         self.generated: list[int] = []
@@ -177,6 +184,8 @@ class Row:
         for tok in tokens:
             kept.append(tok)
             self.generated.append(tok)
+            if self.rules is not None:
+                self.rules.observe(tok)
             if tok in self.stop_ids:
                 self.finish_reason = "stop"
                 break
@@ -204,6 +213,12 @@ class Row:
             allowed = draft is not None and bool(torch.isfinite(out[0, draft]))
             out[1] = process(self.processors, self.generated + [draft], out[1]) if allowed else out[0]
         return out
+
+    def resume(self, generated: list[int]) -> None:
+        """Take ``generated`` as the tokens already produced (a row moved from another rank)."""
+        self.generated = list(generated)
+        for tok in self.generated if self.rules is not None else ():
+            self.rules.observe(tok)
 
     def fail(self, message: str) -> Event:
         """End this request alone with an error (it leaves the batch at the next drop)."""
@@ -309,6 +324,20 @@ def greedy_verify(logits: torch.Tensor, draft: int | None, best: list[int] | Non
     return ([draft, best[1]], 1) if draft == best[0] else (best[:1], 0)
 
 
+def shared_prompts(prompts: list[list[int]]) -> tuple[list[int], torch.Tensor]:
+    """(the first row of each distinct prompt, in order; for every row, the index of its prompt in that
+    list): rows asking for several samples of one prompt (``n``) share its prefill."""
+    index: dict[tuple[int, ...], int] = {}
+    firsts, owner = [], []
+    for b, prompt in enumerate(prompts):
+        key = tuple(prompt)
+        if key not in index:
+            index[key] = len(firsts)
+            firsts.append(b)
+        owner.append(index[key])
+    return firsts, torch.tensor(owner, dtype=torch.long)
+
+
 class _Poisoned(Exception):
     """A batched prefill came out non-finite with padding present: redo it one request at a time."""
 
@@ -324,7 +353,7 @@ class Batch:
         failed = []
         for r in requests:
             try:
-                self.rows.append(Row(r, engine.tokenizer, engine.eos_ids))
+                self.rows.append(Row(r, engine.tokenizer, engine.eos_ids, engine.model.config.vocab_size))
             except Exception as exc:  # e.g. a seed torch cannot take: this request fails, not the batch
                 failed.append(Event(r, [], "", "error", error=f"cannot start this request: {exc}"))
         t0 = time.perf_counter()
@@ -459,8 +488,17 @@ class Batch:
         self.holes = bool(pads.any())
         positions = (torch.arange(L)[None, :] - pads[:, None]).clamp(min=0)  # [B, L]
         mask = self._mask(0, L)
-        h = self.model.hidden_states(ids.to(self.device), positions=positions.to(self.device), cache=self.cache,
-                                     start_pos=0, mask=mask)
+        firsts, owner = shared_prompts(prompts)
+        if len(firsts) < B:  # the same prompt on several rows (n choices): one forward, its cache copied
+            h = self.model.hidden_states(ids[firsts].to(self.device), positions=positions[firsts].to(self.device),
+                                         cache=self.cache, start_pos=0, mask=None if mask is None else mask[firsts])
+            on_device = owner.to(self.device)
+            self.cache.kv[:, :B] = self.cache.kv[:, on_device]
+            self.cache.pe[:, :B] = self.cache.pe[:, on_device]
+            h = h[on_device]
+        else:
+            h = self.model.hidden_states(ids.to(self.device), positions=positions.to(self.device), cache=self.cache,
+                                         start_pos=0, mask=mask)
         logits = self.model.lm_head(h[:, -1]).cpu()  # [B, V]
         self._check_poison(logits)
         events = [self._guarded(row, lambda row=row, b=b: self._sample(row, logits[b][None], False))
@@ -499,7 +537,9 @@ class Batch:
         ``best``: the step's scan of these logits (``_scan``), when it ran."""
         if best is None or -1 in best:
             finite_logits(logits, row)
-        raw = logits
+        if row.rules is not None:  # penalties, biases, min_tokens: the distribution to sample and verify
+            logits, best = row.rules.apply(logits, [row.draft] if verifying else []), None
+        shown = logits  # what logprobs report: the rules applied, a grammar's mask not
         if row.processors:
             logits, best = row.processed(logits, row.draft if verifying else None), None
         if row.params.greedy:
@@ -514,7 +554,7 @@ class Batch:
             self.stats.accepted += accepted
         row.new = new
         n_top = row.request.logprobs
-        return row.commit(new, token_logprobs(raw, new, n_top) if n_top is not None else None)
+        return row.commit(new, token_logprobs(shown, new, n_top) if n_top is not None else None)
 
     # ---- decode ----------------------------------------------------------------------------
     @torch.inference_mode()

@@ -161,7 +161,7 @@ class ServingMetrics:
         self.timings: dict[int, _Timing] = {}
         self.running: Callable[[], int] = lambda: 0
         self.waiting: Callable[[], int] = lambda: 0
-        self.prefix_cache = None  # a PrefixCache, when the engine has one
+        self.prefix_cache = None  # a PrefixCache when the engine has one (anything with its ``snapshot()``)
         self.expert_load: ExpertLoad | None = None
 
     # ---- recording (the worker thread) ----------------------------------------------------------
@@ -251,9 +251,9 @@ class ServingMetrics:
         return "\n".join(out) + "\n"
 
     def _prefix_lines(self, family) -> None:
-        cache = self.prefix_cache
+        cache = self.prefix_cache.snapshot()
         c = cache.counters
-        gauges = [("blocks", "Blocks resident in the prefix cache.", len(cache.blocks)),
+        gauges = [("blocks", "Blocks resident in the prefix cache.", cache.blocks),
                   ("bytes", "Bytes of the resident blocks.", cache.used_bytes),
                   ("capacity_bytes", "The prefix cache's byte budget.", cache.max_bytes),
                   ("block_tokens", "Tokens per block.", cache.block_tokens)]

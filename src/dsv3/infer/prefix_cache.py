@@ -96,6 +96,24 @@ class CacheCounters:
     disk_errors: list[str] = field(default_factory=list)  # the last few reasons, for debugging
 
 
+@dataclass(frozen=True)
+class CacheSnapshot:
+    """What /metrics shows of a prefix cache, or of several summed (the prefill ranks of ``serve --ep``)."""
+
+    blocks: int
+    used_bytes: int
+    max_bytes: int
+    block_tokens: int
+    counters: CacheCounters
+
+    @staticmethod
+    def total(parts: list[CacheSnapshot]) -> CacheSnapshot:
+        counted = ("queries", "hits", "inserted", "evicted", "disk_reads", "disk_writes", "disk_rejected")
+        counters = CacheCounters(**{name: sum(getattr(p.counters, name) for p in parts) for name in counted})
+        return CacheSnapshot(sum(p.blocks for p in parts), sum(p.used_bytes for p in parts),
+                             sum(p.max_bytes for p in parts), parts[0].block_tokens, counters)
+
+
 def model_fingerprint(model, dtype: torch.dtype, layers: int, block_tokens: int) -> str:
     """A digest of the config, the cache layout and a sample of every weight: blocks written by another
     model (or another layout) never match."""
@@ -144,6 +162,19 @@ class PrefixCache:
         cache = cls(engine.model, max_bytes, block_tokens, engine.speculative, engine.cache_dtype, directory, hasher)
         engine.prefix_cache = cache
         return cache
+
+    def snapshot(self) -> CacheSnapshot:
+        c = self.counters
+        return CacheSnapshot(len(self.blocks), self.used_bytes, self.max_bytes, self.block_tokens,
+                             CacheCounters(c.queries, c.hits, c.inserted, c.evicted, c.disk_reads, c.disk_writes,
+                                           c.disk_rejected))
+
+    def join_group(self, fingerprints: list[str]) -> None:
+        """Take the fingerprint of a whole serving group from every rank's own (each rank of ``serve --ep``
+        holds other experts, so its own fingerprint covers only its share of the weights): the ranks then
+        name blocks alike and share one ``--prefix-cache-dir``, and a group of other weights never matches."""
+        self.fingerprint = hashlib.sha256("|".join(fingerprints).encode()).hexdigest()
+        self.root = bytes.fromhex(self.fingerprint)[:16]
 
     # ---- lookup ------------------------------------------------------------------------------
     def usable_blocks(self, n_tokens: int) -> int:

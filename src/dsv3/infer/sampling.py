@@ -7,8 +7,9 @@ the argmax, and its residual is the argmax itself.
 
 from __future__ import annotations
 
+import hashlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -25,6 +26,12 @@ class SamplingParams:
     top_k: int = 0  # 0: no top-k filter
     top_p: float = 1.0
     seed: int | None = None
+    # Changes to the logits before the above (dsv3.infer.penalties says how each is defined and applied).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias) pairs
+    min_tokens: int = 0  # end-of-sequence and stop ids are held back until this many tokens are out
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < math.inf:
@@ -35,10 +42,34 @@ class SamplingParams:
             raise DSV3Error(f"top_p must be in (0, 1], got {self.top_p}")
         if self.seed is not None and not 0 <= self.seed <= MAX_SEED:
             raise DSV3Error(f"seed must be an integer in [0, 2**64 - 1], got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2 <= getattr(self, name) <= 2:
+                raise DSV3Error(f"{name} must be in [-2, 2], got {getattr(self, name)}")
+        if not 0 < self.repetition_penalty < math.inf:
+            raise DSV3Error(f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}")
+        if any(not -100 <= bias <= 100 for _, bias in self.logit_bias):
+            raise DSV3Error("logit_bias values must be in [-100, 100]")
+        if self.min_tokens < 0:
+            raise DSV3Error(f"min_tokens must be >= 0, got {self.min_tokens}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0
+
+    @property
+    def changes_logits(self) -> bool:
+        """Whether the logits are changed before sampling (penalties, biases, min_tokens)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias or self.min_tokens)
+
+    def for_choice(self, index: int) -> SamplingParams:
+        """The parameters of choice ``index`` of a request asking for several (``n``): its own random stream,
+        derived from the seed and the index, so that the same seed gives the same choices (choice 0 keeps
+        the seed itself: ``n`` = 1 samples as before)."""
+        if self.seed is None or index == 0:
+            return self
+        digest = hashlib.blake2b(f"{self.seed}:{index}".encode(), digest_size=8).digest()
+        return replace(self, seed=int.from_bytes(digest, "little"))
 
     def generator(self) -> torch.Generator:
         """A private random stream for this request (seeded when asked, so results repeat)."""

@@ -8,7 +8,9 @@
 ``stream: true`` answers with server-sent events (``data: {chunk}`` lines, then ``data: [DONE]``).
 ``usage.prompt_tokens_details.cached_tokens`` says how many prompt tokens the prefix cache served, as
 OpenAI reports it. ``ignore_eos: true`` (vLLM's extension) generates exactly ``max_tokens`` tokens
-unless a stop string ends it first: what ``dsv3 bench serve`` asks for.
+unless a stop string ends it first: what ``dsv3 bench serve`` asks for. ``n`` choices are ``n`` rows of
+the batch that share the prompt's prefill, choice i with its own random stream derived from ``seed`` and
+i; the penalties, ``logit_bias`` and ``min_tokens`` are defined in ``dsv3.infer.penalties``.
 Every error is a 4xx/5xx with OpenAI's JSON body ``{"error": {"message", "type", "param", "code"}}``.
 A client that disconnects cancels its request, and the scheduler drops it from the batch.
 
@@ -47,16 +49,16 @@ from dsv3.infer.scheduler import Scheduler
 from dsv3.infer.tool_calls import ToolCallStream, message_calls, parse
 
 MAX_LOGPROBS = 20  # alternatives per token, as OpenAI's chat API allows
+MAX_CHOICES = 16  # n: each choice is a row of the shared batch
 MAX_STOPS, MAX_STOP_CHARS = 16, 512
 STRICT = ConfigDict(extra="allow", strict=True, allow_inf_nan=False)  # "0.5" is not a number, nor true a 1
 
 # OpenAI fields this server does not implement, with the values that mean "not used" (accepted).
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "tools": (None, []), "tool_choice": (None, "none"),  # chat only: refused on /v1/completions
-    "functions": (None, []), "function_call": (None, "none"), "logit_bias": (None, {}), "presence_penalty": (None, 0),
-    "frequency_penalty": (None, 0), "best_of": (None, 1), "echo": (None, False), "suffix": (None, ""),
-    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,), "reasoning_effort": (None,),
-    "web_search_options": (None,), "n": (None, 1),
+    "functions": (None, []), "function_call": (None, "none"), "best_of": (None, 1), "echo": (None, False),
+    "suffix": (None, ""), "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    "reasoning_effort": (None,), "web_search_options": (None,),
 }
 # Fields that do not change what is generated (bookkeeping for the client's side): accepted and unused.
 HARMLESS = frozenset({"user", "metadata", "store", "service_tier", "safety_identifier", "prompt_cache_key"})
@@ -80,6 +82,12 @@ class _Common(BaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # extension (vLLM's): only max_tokens and stop strings end the request
     response_format: dict[str, Any] | None = None  # checked by dsv3.infer.structured
+    n: int = Field(1, ge=1, le=MAX_CHOICES)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0)  # extension (vLLM's)
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int = Field(0, ge=0)  # extension (vLLM's)
 
 
 class CompletionBody(_Common):
@@ -174,12 +182,13 @@ def create_app(engine: Engine, model_name: str = "dsv3", max_batch: int = 8,
     async def completions(body: CompletionBody, http: Request):
         _check_body(body, model_name)
         ids = body.prompt if isinstance(body.prompt, list) else _encode(engine, body.prompt)
-        plan = structured.plan(grammars, body.response_format, ignore_eos=body.ignore_eos,
-                               can_constrain=_constrains(scheduler))
-        request = _request(engine, body, ids, body.max_tokens, 16, (), body.logprobs, plan)
+        plans = _plans(body.n, lambda: structured.plan(grammars, body.response_format, ignore_eos=body.ignore_eos,
+                                                      can_constrain=_constrains(scheduler)))
+        requests = _requests(engine, body, ids, body.max_tokens, 16, (), body.logprobs, plans)
         offset = len(body.prompt) if isinstance(body.prompt, str) else 0
-        shape = _CompletionShape(model_name, engine.tokenizer, body.logprobs is not None, offset)
-        return await _respond(scheduler, http, request, body, shape)
+        shapes = [_CompletionShape(model_name, engine.tokenizer, body.logprobs is not None, offset, index=i)
+                  for i in range(body.n)]
+        return await _respond(scheduler, http, requests, body, shapes)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatBody, http: Request):
@@ -188,16 +197,18 @@ def create_app(engine: Engine, model_name: str = "dsv3", max_batch: int = 8,
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
         if engine.tokenizer is None:
             raise DSV3Error("this model has no tokenizer.json, so it cannot chat; use /v1/completions with token ids")
-        plan = structured.plan(grammars, body.response_format, body.tools, body.tool_choice,
-                               body.parallel_tool_calls, body.ignore_eos, can_constrain=_constrains(scheduler))
+        plans = _plans(body.n, lambda: structured.plan(grammars, body.response_format, body.tools, body.tool_choice,
+                                                      body.parallel_tool_calls, body.ignore_eos,
+                                                      can_constrain=_constrains(scheduler)))
         prompt = chat_template.render(_messages(body.messages), engine.tokenizer, engine.chat_template,
                                       tools=body.tools or None)
         n_top = (body.top_logprobs or 0) if body.logprobs else None
         ids = chat_template.encode_prompt(engine.tokenizer, prompt)
-        request = _request(engine, body, ids, body.max_completion_tokens or body.max_tokens,
-                           256, chat_template.stop_strings(engine.tokenizer, engine.chat_template), n_top, plan)
-        shape = _ChatShape(model_name, engine.tokenizer, body.logprobs, tools=plan.tool_calls)
-        return await _respond(scheduler, http, request, body, shape)
+        requests = _requests(engine, body, ids, body.max_completion_tokens or body.max_tokens, 256,
+                             chat_template.stop_strings(engine.tokenizer, engine.chat_template), n_top, plans)
+        shapes = [_ChatShape(model_name, engine.tokenizer, body.logprobs, index=i, tools=plans[0].tool_calls)
+                  for i in range(body.n)]
+        return await _respond(scheduler, http, requests, body, shapes)
 
     return app
 
@@ -285,10 +296,17 @@ def _constrains(scheduler: Scheduler) -> bool:
     return getattr(scheduler, "takes_logits_processors", True)
 
 
-def _request(engine: Engine, body: _Common, ids: list[int], max_tokens: int | None, default_max: int,
-             extra_stops: tuple[str, ...], logprobs: int | None,
-             plan: structured.Plan = structured.UNCONSTRAINED) -> GenRequest:
-    """The engine request, after every check that could otherwise fail inside the shared batch."""
+def _plans(n: int, plan: Callable[[], structured.Plan]) -> list[structured.Plan]:
+    """One generation plan per choice: a grammar's matcher follows one choice's tokens, so each choice
+    compiles its own (the first call checks the request's fields)."""
+    return [plan() for _ in range(n)]
+
+
+def _requests(engine: Engine, body: _Common, ids: list[int], max_tokens: int | None, default_max: int,
+              extra_stops: tuple[str, ...], logprobs: int | None, plans: list[structured.Plan]) -> list[GenRequest]:
+    """The engine requests, one per choice (``n``), after every check that could otherwise fail inside the
+    shared batch. Choice i samples from its own stream (``SamplingParams.for_choice``); all share the prompt,
+    so they are prefilled once when admitted together."""
     vocab, context = engine.model.config.vocab_size, _context(engine)
     if not ids:
         raise RequestError("the prompt is empty", "prompt")
@@ -308,38 +326,62 @@ def _request(engine: Engine, body: _Common, ids: list[int], max_tokens: int | No
         raise RequestError(f"stop: at most {MAX_STOPS} strings of at most {MAX_STOP_CHARS} characters", "stop")
     if stops and engine.tokenizer is None:
         raise RequestError("stop strings need a tokenizer; this model has none", "stop")
-    params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed)
-    return GenRequest(ids, max_tokens, params, stop_strings=tuple(stops) + extra_stops, logprobs=logprobs,
-                      ignore_eos=body.ignore_eos, logits_processors=plan.processors,
-                      skip_special_tokens=not plan.tool_calls)
+    if body.min_tokens > max_tokens:
+        raise RequestError(f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
+    params = SamplingParams(temperature=body.temperature, top_p=body.top_p, top_k=body.top_k, seed=body.seed,
+                            presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                            repetition_penalty=body.repetition_penalty, min_tokens=body.min_tokens,
+                            logit_bias=_logit_bias(body.logit_bias, vocab))
+    return [GenRequest(ids, max_tokens, params.for_choice(i), stop_strings=tuple(stops) + extra_stops,
+                       logprobs=logprobs, ignore_eos=body.ignore_eos, logits_processors=plan.processors,
+                       skip_special_tokens=not plan.tool_calls) for i, plan in enumerate(plans)]
 
 
-async def _events(scheduler: Scheduler, http: Request, request: GenRequest) -> AsyncIterator[Event]:
-    """The request's events; cancels it when the client goes away or the consumer stops early."""
-    queue = scheduler.submit(request)
+def _logit_bias(given: dict[str, float] | None, vocab: int) -> tuple[tuple[int, float], ...]:
+    """OpenAI's ``logit_bias`` (token id as a string -> bias in [-100, 100]) as sorted (id, bias) pairs."""
+    pairs = []
+    for key, bias in (given or {}).items():
+        if not key.isdigit() or not int(key) < vocab:
+            raise RequestError(f"logit_bias: {key!r} is not a token id in [0, {vocab})", "logit_bias")
+        if not -100 <= bias <= 100:
+            raise RequestError(f"logit_bias: the bias of token {key} must be in [-100, 100], got {bias}",
+                               "logit_bias")
+        pairs.append((int(key), float(bias)))
+    return tuple(sorted(pairs))
+
+
+async def _events(scheduler: Scheduler, http: Request, requests: list[GenRequest]) -> AsyncIterator[tuple[int, Event]]:
+    """(choice index, event) as each request's events arrive; cancels them all when the client goes away,
+    one fails, or the consumer stops early. All are queued before the first event is awaited, so the
+    scheduler admits the choices of one body together (and their prefill is shared)."""
+    queues = [scheduler.submit(r) for r in requests]
+    waiting = {asyncio.ensure_future(q.get()): i for i, q in enumerate(queues)}
     try:
-        while True:
-            try:
-                item = await asyncio.wait_for(queue.get(), timeout=0.5)
-            except TimeoutError:
-                if await http.is_disconnected():
-                    return
-                continue
-            if isinstance(item, BaseException):
-                raise GenerationError(f"generation failed: {item}") from item
-            if item.finish_reason == "error":
-                raise GenerationError(item.error or "generation failed")
-            yield item
-            if item.finish_reason:
+        while waiting:
+            done, _ = await asyncio.wait(waiting, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
+            if not done and await http.is_disconnected():
                 return
+            for task in sorted(done, key=waiting.__getitem__):
+                i, item = waiting.pop(task), task.result()
+                if isinstance(item, BaseException):
+                    raise GenerationError(f"generation failed: {item}") from item
+                if item.finish_reason == "error":
+                    raise GenerationError(item.error or "generation failed")
+                yield i, item
+                if not item.finish_reason:
+                    waiting[asyncio.ensure_future(queues[i].get())] = i
     finally:
-        request.cancelled = True  # a no-op when it already finished
+        for task in waiting:
+            task.cancel()
+        for r in requests:
+            r.cancelled = True  # a no-op for those already finished
 
 
-def _usage(request: GenRequest, count: int) -> dict:
-    return {"prompt_tokens": len(request.prompt_ids), "completion_tokens": count,
-            "total_tokens": len(request.prompt_ids) + count,
-            "prompt_tokens_details": {"cached_tokens": request.cached_tokens}}
+def _usage(requests: list[GenRequest], count: int) -> dict:
+    """OpenAI's usage: the prompt counted once however many choices; ``count`` tokens over all choices."""
+    prompt = len(requests[0].prompt_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": count, "total_tokens": prompt + count,
+            "prompt_tokens_details": {"cached_tokens": requests[0].cached_tokens}}
 
 
 def _count_tokens(http: Request, count: int) -> None:
@@ -349,41 +391,43 @@ def _count_tokens(http: Request, count: int) -> None:
         info["tokens"] = count
 
 
-async def _respond(scheduler: Scheduler, http: Request, request: GenRequest, body: _Common, shape):
-    rid, created = f"{shape.prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
+async def _respond(scheduler: Scheduler, http: Request, requests: list[GenRequest], body: _Common, shapes: list):
+    """The response to a body with one request per choice, and one response shape per choice."""
+    rid, created = f"{shapes[0].prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
     if body.stream:
         usage = body.stream_options is not None and body.stream_options.include_usage
-        return StreamingResponse(_sse(scheduler, http, request, shape, rid, created, usage),
+        return StreamingResponse(_sse(scheduler, http, requests, shapes, rid, created, usage),
                                  media_type="text/event-stream")
-    text, count, reason, logprobs = [], 0, "length", []
-    async for ev in _events(scheduler, http, request):
-        text.append(ev.text)
+    n = len(requests)
+    texts, reasons, logprobs, count = [[] for _ in range(n)], ["length"] * n, [[] for _ in range(n)], 0
+    async for i, ev in _events(scheduler, http, requests):
+        texts[i].append(ev.text)
         count += len(ev.token_ids)
         _count_tokens(http, count)
-        reason = ev.finish_reason or reason
-        logprobs += ev.logprobs or []
-    return {**shape.head(rid, created, final=True), "choices": [shape.final("".join(text), reason, logprobs)],
-            "usage": _usage(request, count)}
+        reasons[i] = ev.finish_reason or reasons[i]
+        logprobs[i] += ev.logprobs or []
+    choices = [shape.final("".join(texts[i]), reasons[i], logprobs[i]) for i, shape in enumerate(shapes)]
+    return {**shapes[0].head(rid, created, final=True), "choices": choices, "usage": _usage(requests, count)}
 
 
-async def _sse(scheduler, http, request, shape, rid, created, include_usage: bool) -> AsyncIterator[str]:
-    head = shape.head(rid, created, final=False)
-    first, count = True, 0
+async def _sse(scheduler, http, requests, shapes, rid, created, include_usage: bool) -> AsyncIterator[str]:
+    head = shapes[0].head(rid, created, final=False)
+    first, count = [True] * len(requests), 0
     try:
-        async for ev in _events(scheduler, http, request):
+        async for i, ev in _events(scheduler, http, requests):
             count += len(ev.token_ids)
             _count_tokens(http, count)
             reason = ev.finish_reason if ev.finish_reason in ("stop", "length") else None
-            if ev.text or reason or first or ev.logprobs:
-                chunk = shape.delta(ev.text, reason, first, ev.logprobs)
+            if ev.text or reason or first[i] or ev.logprobs:
+                chunk = shapes[i].delta(ev.text, reason, first[i], ev.logprobs)
                 yield f"data: {json.dumps({**head, 'choices': [chunk]})}\n\n"
-                first = False
+                first[i] = False
     except GenerationError as exc:  # the status line is sent already: the error travels in the stream
         yield f"data: {json.dumps(_error_body(str(exc), 'server_error'))}\n\n"
         yield "data: [DONE]\n\n"
         return
     if include_usage:
-        yield f"data: {json.dumps({**head, 'choices': [], 'usage': _usage(request, count)})}\n\n"
+        yield f"data: {json.dumps({**head, 'choices': [], 'usage': _usage(requests, count)})}\n\n"
     yield "data: [DONE]\n\n"
 
 
@@ -395,18 +439,18 @@ class _CompletionShape:
 
     prefix = "cmpl"
 
-    def __init__(self, model: str, tokenizer=None, logprobs: bool = False, offset: int = 0):
-        self.model, self.tokenizer, self.logprobs = model, tokenizer, logprobs
+    def __init__(self, model: str, tokenizer=None, logprobs: bool = False, offset: int = 0, index: int = 0):
+        self.model, self.tokenizer, self.logprobs, self.index = model, tokenizer, logprobs, index  # index: the choice
         self.offset = offset  # text_offset of the next token (counted from the prompt's start)
 
     def head(self, rid: str, created: int, final: bool) -> dict:
         return {"id": rid, "object": "text_completion", "created": created, "model": self.model}
 
     def final(self, text: str, reason: str, logprobs: list[TokenLogprob]) -> dict:
-        return {"index": 0, "text": text, "finish_reason": reason, "logprobs": self._logprobs(logprobs)}
+        return {"index": self.index, "text": text, "finish_reason": reason, "logprobs": self._logprobs(logprobs)}
 
     def delta(self, text: str, reason: str | None, first: bool, logprobs: list[TokenLogprob] | None) -> dict:
-        return {"index": 0, "text": text, "finish_reason": reason, "logprobs": self._logprobs(logprobs or [])}
+        return {"index": self.index, "text": text, "finish_reason": reason, "logprobs": self._logprobs(logprobs or [])}
 
     def _text(self, token_id: int) -> str:
         return token_text_and_bytes(self.tokenizer, token_id)[0]
@@ -436,8 +480,8 @@ class _ChatShape(_CompletionShape):
 
     prefix = "chatcmpl"
 
-    def __init__(self, model: str, tokenizer=None, logprobs: bool = False, tools: bool = False):
-        super().__init__(model, tokenizer, logprobs)
+    def __init__(self, model: str, tokenizer=None, logprobs: bool = False, index: int = 0, tools: bool = False):
+        super().__init__(model, tokenizer, logprobs, index=index)
         self.tool_stream = ToolCallStream() if tools else None  # tool calls read out of the text
 
     def head(self, rid: str, created: int, final: bool) -> dict:
@@ -453,7 +497,7 @@ class _ChatShape(_CompletionShape):
                 message = {"role": "assistant", "content": parsed.content or None,
                            "tool_calls": message_calls(parsed.calls)}
                 reason = "tool_calls" if reason == "stop" else reason
-        return {"index": 0, "message": message, "finish_reason": reason, "logprobs": self._logprobs(logprobs)}
+        return {"index": self.index, "message": message, "finish_reason": reason, "logprobs": self._logprobs(logprobs)}
 
     def delta(self, text: str, reason: str | None, first: bool, logprobs: list[TokenLogprob] | None) -> dict:
         calls = []
@@ -463,7 +507,8 @@ class _ChatShape(_CompletionShape):
         delta: dict[str, Any] = {"role": "assistant", "content": text} if first else {"content": text}
         if calls:
             delta["tool_calls"] = calls
-        return {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": self._logprobs(logprobs or [])}
+        return {"index": self.index, "delta": delta, "finish_reason": reason,
+                "logprobs": self._logprobs(logprobs or [])}
 
     def _entry(self, token_id: int, logprob: float) -> dict:
         text, raw = token_text_and_bytes(self.tokenizer, token_id)

@@ -42,8 +42,9 @@ class RowState:
                    (list(s.ids), s.text, s.sent))
 
     def row(self, engine: Engine, request) -> Row:
-        row = Row(request, engine.tokenizer, engine.eos_ids)
-        row.generated, row.last, row.next_pos = list(self.generated), self.last, self.next_pos
+        row = Row(request, engine.tokenizer, engine.eos_ids, engine.model.config.vocab_size)
+        row.resume(self.generated)
+        row.last, row.next_pos = self.last, self.next_pos
         row.draft, row.draft_q = self.draft, self.draft_q
         row.gen.set_state(self.rng)
         row.stream.ids, row.stream.text, row.stream.sent = list(self.stream[0]), self.stream[1], self.stream[2]

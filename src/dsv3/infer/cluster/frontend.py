@@ -19,8 +19,10 @@ import time
 import torch.distributed as dist
 
 from dsv3.errors import DSV3Error
+from dsv3.infer.cluster.affinity import PrefixAffinity
 from dsv3.infer.cluster.rank import Control, RankWorker, Ready, Report, Transfer, WireEvent, WireRequest
 from dsv3.infer.engine import Engine, Request
+from dsv3.infer.prefix_cache import CacheSnapshot
 from dsv3.infer.scheduler import Deliver, Scheduler
 
 IDLE_WAIT_S = 0.05  # how long an idle group waits for a request before stepping anyway
@@ -60,6 +62,8 @@ def step(worker: RankWorker, control: Control) -> Report:
     report = worker.step(control)
     if control.report_load:
         report.expert_load = worker.lockstep.routed_counts()
+        cache = worker.engine.prefix_cache
+        report.prefix_cache = cache.snapshot() if cache is not None else None
     return report
 
 
@@ -93,6 +97,20 @@ class ClusterScheduler(Scheduler):
         self.expert_counts = {r: zeros for r in range(world)} if zeros else {}  # rank -> [MoE layer][expert]
         self._load_asked, self._load_stale, self._load_at = False, False, 0.0
         self.metrics.expert_load = self.expert_load
+        self._prefix_setup(engine)
+
+    def _prefix_setup(self, engine: Engine) -> None:
+        """With prefix caches on the prefill ranks (rank 0 is one: it has a cache when they do), route
+        prompts by prefix (``affinity``) and show the caches' sum in /metrics, refreshed with the expert load."""
+        cache = engine.prefix_cache
+        self.affinity = PrefixAffinity(cache.block_tokens) if cache is not None else None
+        self.cache_snapshots = {r: cache.snapshot() for r in self.prefill} if cache is not None else {}
+        self.metrics.prefix_cache = self if cache is not None else None
+
+    def snapshot(self) -> CacheSnapshot:
+        """The prefill ranks' prefix caches summed, as last gathered (``ServingMetrics.prefix_cache``)."""
+        self._load_asked = True
+        return CacheSnapshot.total(list(self.cache_snapshots.values()))
 
     @property
     def active(self) -> int:
@@ -129,6 +147,8 @@ class ClusterScheduler(Scheduler):
             self.kv_tokens += report.kv_tokens
             if report.expert_load is not None:
                 self.expert_counts[rank] = report.expert_load
+            if report.prefix_cache is not None:
+                self.cache_snapshots[rank] = report.prefix_cache
         self.steps += 1
 
     # ---- expert load (/metrics) --------------------------------------------------------------------
@@ -159,6 +179,14 @@ class ClusterScheduler(Scheduler):
         rank = min(ranks, key=lambda r: self.load[r])
         return rank if self.load[rank] < self.max_batch else None
 
+    def _prefill_rank(self, request: Request) -> int | None:
+        """The prefill rank for a new request: by prefix when the ranks cache prefixes, else the least loaded;
+        None when no prefill rank has room."""
+        if self.affinity is None:
+            return self._room(self.prefill)
+        ranks = [r for r in self.prefill if self.load[r] < self.max_batch]
+        return self.affinity.choose(request.prompt_ids, ranks, self.load) if ranks else None
+
     def _assign(self) -> dict[int, list[WireRequest]]:
         """Waiting requests given to the least loaded ranks with room; the rest keep waiting."""
         self._take(block=not self.inflight and not self.waiting)
@@ -168,7 +196,7 @@ class ClusterScheduler(Scheduler):
             if request.cancelled:
                 self.metrics.finished(request, "cancelled")
                 continue
-            rank = self._room(self.prefill)
+            rank = self._prefill_rank(request)
             if rank is None:
                 keep.append((request, deliver))
                 continue
@@ -220,6 +248,8 @@ class ClusterScheduler(Scheduler):
             request, rank = self.inflight.get(wire.rid, (None, 0))
             if request is None:
                 continue
+            if wire.cached_tokens:  # from the prefill rank (a decode rank's copy never prefilled)
+                request.cached_tokens = wire.cached_tokens
             self.metrics.event(request, len(wire.token_ids), wire.finish_reason)
             deliver = self.listeners.get(wire.rid)
             if deliver is not None:

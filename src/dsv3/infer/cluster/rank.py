@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from dsv3.infer.cluster.lockstep import Lockstep, LockstepBroken
 from dsv3.infer.engine import Batch, Engine, Event, Request, TokenLogprob, merged
+from dsv3.infer.prefix_cache import CacheSnapshot
 from dsv3.infer.sampling import SamplingParams
 
 
@@ -28,15 +29,17 @@ class WireRequest:
     stop_strings: tuple[str, ...]
     logprobs: int | None
     skip_special_tokens: bool = True  # False for tool calls, whose markers are special tokens
+    ignore_eos: bool = False
 
     @classmethod
     def of(cls, rid: int, r: Request) -> WireRequest:
         return cls(rid, list(r.prompt_ids), r.max_new_tokens, r.sampling, r.stop_token_ids, r.stop_strings,
-                   r.logprobs, r.skip_special_tokens)
+                   r.logprobs, r.skip_special_tokens, r.ignore_eos)
 
     def request(self) -> Request:
         return Request(self.prompt_ids, self.max_new_tokens, self.sampling, self.stop_token_ids,
-                       self.stop_strings, logprobs=self.logprobs, skip_special_tokens=self.skip_special_tokens)
+                       self.stop_strings, logprobs=self.logprobs, skip_special_tokens=self.skip_special_tokens,
+                       ignore_eos=self.ignore_eos)
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,7 @@ class WireEvent:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None
+    cached_tokens: int = 0  # prompt tokens the rank's prefix cache served (known from the prefill on)
 
     def event(self, request: Request) -> Event:
         return Event(request, self.token_ids, self.text, self.finish_reason, self.error, self.logprobs)
@@ -99,6 +103,7 @@ class Report:
     kv_bytes: int = 0
     kv_tokens: int = 0
     expert_load: list[list[int]] | None = None  # [MoE layer][expert] routed tokens so far, when asked
+    prefix_cache: CacheSnapshot | None = None  # the rank's prefix cache, when it has one and was asked
 
 
 class RankWorker:
@@ -192,7 +197,8 @@ class RankWorker:
         out = []
         for ev in events:
             rid = self.rids[id(ev.request)]
-            out.append(WireEvent(rid, ev.token_ids, ev.text, ev.finish_reason, ev.error, ev.logprobs))
+            out.append(WireEvent(rid, ev.token_ids, ev.text, ev.finish_reason, ev.error, ev.logprobs,
+                                 ev.request.cached_tokens))
             if ev.finish_reason and rid in self.requests:
                 self.rids.pop(id(self.requests.pop(rid)), None)
         return out

@@ -34,6 +34,9 @@ class GroupOptions:
     redundant_experts: int = 0
     eplb_every: int = 0
     micro_batches: int = 1  # 2: dual micro-batch decode (the decode group's, with --prefill-ranks)
+    prefix_cache_bytes: str = "1G"  # each prefill rank's prefix cache ("0": none)
+    prefix_block_tokens: int = 16
+    prefix_cache_dir: str | None = None  # one folder, shared by the prefill ranks
 
 
 def check_options(opts: GroupOptions, weights: str = "native") -> None:
@@ -112,6 +115,7 @@ def _serve(opts: GroupOptions, rank: int, world: int, model: str, host: str, por
     cfg = ModelConfig.from_json(folder / "config.json")
     experts = rank_experts(opts, world, rank, cfg)
     engine = agree(lambda: build_engine(str(folder), experts=experts, **engine_args))
+    attach_prefix_caches(opts, engine, rank)
     from dsv3.infer.cli import _describe
 
     summary = _describe(engine, whole_parameter_count(cfg))
@@ -158,6 +162,22 @@ def _front_end(opts: GroupOptions, engine, worker, world: int, sock, model: str,
     log(f"listening on http://{where}:{bound_port}/v1 (OpenAI API); Ctrl-C stops")
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
     server.run(sockets=[sock])
+
+
+def attach_prefix_caches(opts: GroupOptions, engine, rank: int) -> None:
+    """The prefix cache of a single process on every rank that prefills (all, or the first
+    ``--prefill-ranks``; decode ranks never prefill). The ranks then agree on one fingerprint of the whole
+    group's weights (``PrefixCache.join_group``), so that they name blocks alike and share the on-disk tier."""
+    from dsv3.infer.cli import attach_prefix_cache
+
+    prefills = not opts.prefill_ranks or rank < opts.prefill_ranks
+    agree(lambda: attach_prefix_cache(engine, opts.prefix_cache_bytes, opts.prefix_block_tokens,
+                                      opts.prefix_cache_dir) if prefills else None)
+    cache = engine.prefix_cache
+    fingerprints = [None] * dist.get_world_size()
+    dist.all_gather_object(fingerprints, cache.fingerprint if cache is not None else None)
+    if cache is not None:
+        cache.join_group([f for f in fingerprints if f is not None])
 
 
 def describe_group(opts: GroupOptions, engine) -> str:
