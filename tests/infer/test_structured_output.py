@@ -331,3 +331,21 @@ def test_json_object_and_bad_fields_over_http(client, server):
     ok = httpx.post(server + "/v1/completions", json={**completion, "tools": None, "response_format": fmt,
                                                       "temperature": 0, "max_tokens": 40}, timeout=60).json()
     jsonschema.validate(json.loads(ok["choices"][0]["text"]), WEATHER)
+
+
+def test_n_choices_each_follow_their_own_grammar(client):
+    """n > 1: each choice has its own grammar state (a shared matcher would follow the tokens of several
+    choices at once and reject valid output), so every choice validates, whole and as tool calls."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "weather", "schema": WEATHER}}
+    r = client.chat.completions.create(model=MODEL, messages=ASK, response_format=fmt, temperature=HOT,
+                                       max_tokens=BUDGET, seed=7, n=3)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    for c in r.choices:
+        assert c.finish_reason == "stop"
+        jsonschema.validate(json.loads(c.message.content), WEATHER)
+    r = client.chat.completions.create(model=MODEL, messages=ASK, tools=TOOLS, tool_choice=NAMED,
+                                       temperature=HOT, max_tokens=BUDGET, seed=8, n=3)
+    for c in r.choices:
+        (call,) = c.message.tool_calls
+        assert c.finish_reason == "tool_calls" and call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)
