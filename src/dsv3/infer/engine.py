@@ -34,9 +34,9 @@ from dsv3.infer.detok import TextStream
 from dsv3.infer.draft_vocab import DraftVocab
 from dsv3.infer.sampling import GREEDY, SamplingParams, all_finite, draw, greedy_tokens, probabilities
 from dsv3.infer.speculative import verify
+from dsv3.kernels.decode import FastDecode
+from dsv3.kernels.decode_kernels import scan_logits
 from dsv3.model import huge_pages
-from dsv3.model.decode import FastDecode
-from dsv3.model.decode_kernels import scan_logits
 from dsv3.model.mla import LatentCache
 from dsv3.model.transformer import Transformer
 from dsv3.parallel.overlap import run_interleaved

@@ -15,7 +15,7 @@ new graph per position), the routed experts run on data-dependent row counts. He
 
 Everything else is the model's own modules (norms, projections, router, shared experts, head), and the
 attention is ``MLA.latent_attention``, the absorbed path's own code, so the step equals the module path
-(tests/model/test_static_decode.py). Plain decode only (no MTP drafting), on plain ``GroupedExperts`` with
+(tests/kernels/test_static_decode.py). Plain decode only (no MTP drafting), on plain ``GroupedExperts`` with
 the local dispatcher: the layouts a single GPU serves.
 """
 

@@ -7,8 +7,8 @@ import torch
 from dsv3.config import preset
 from dsv3.errors import DSV3Error
 from dsv3.infer.engine import Engine, Request
+from dsv3.kernels.static_decode import StaticDecode, greedy
 from dsv3.model import Transformer
-from dsv3.model.static_decode import StaticDecode, greedy
 
 CFG = preset("nano").replace(num_hidden_layers=2)  # one dense layer, one MoE layer
 

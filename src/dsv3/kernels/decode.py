@@ -41,8 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dsv3.model import decode_kernels as dk
-from dsv3.model.decode_kernels import ExpertWeights, Weight, kernel_status, linear, mla_decode, route, swiglu_experts
+from dsv3.kernels import decode_kernels as dk
+from dsv3.kernels.decode_kernels import ExpertWeights, Weight, kernel_status, linear, mla_decode, route, swiglu_experts
 from dsv3.model.dispatch import LocalDispatcher, TokenDispatcher
 from dsv3.model.experts import GroupedExperts, ResidentFP8Experts
 from dsv3.model.mla import MLA, LatentCache
