@@ -11,3 +11,7 @@ and below the inference engine (which picks a step per device).
 
 The model (``dsv3.model``) knows nothing of this layer (a ``lint-imports`` contract in pyproject.toml).
 """
+
+from dsv3.kernels import ops  # registers torch.ops.dsv3.* (the decode steps call them)
+
+__all__ = ["ops"]

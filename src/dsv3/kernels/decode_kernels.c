@@ -21,6 +21,13 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The version of this file's calling interface (its exported functions' arguments and structures), which
+ * decode_kernels.py checks at load (dsv3_abi): raise it with any change of a signature. */
+#ifndef DSV3_KERNELS_ABI
+#define DSV3_KERNELS_ABI 2
+#endif
+int64_t dsv3_abi(void) { return DSV3_KERNELS_ABI; }
+
 enum { W_F32 = 0, W_BF16 = 1, W_FP8 = 2 };
 enum { A_F32 = 0, A_BF16 = 1 };
 #define FP8_BLOCK 128

@@ -38,6 +38,7 @@ SOURCE = Path(__file__).with_name("decode_kernels.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 W_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 A_KIND = {torch.float32: 0, torch.bfloat16: 1}
+ABI = 2  # decode_kernels.c's DSV3_KERNELS_ABI: the calling interface this module's declarations (_declare) match
 MAX_KERNEL_ROWS = 64  # more rows than this: a real matmul (PyTorch's) is the better tool
 FP8_SCALE_SHIFT = 256.0  # the C side's FP8 scales are scale_inv * 256 (its powers of two do the rest exactly)
 
@@ -93,6 +94,25 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def library_path() -> Path:
+    """Where the build of this source (and these flags) is cached."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return cache_dir() / f"decode_kernels-{digest}.so"
+
+
+def abi_mismatch(lib: ctypes.CDLL) -> str | None:
+    """Why a loaded library's calling interface is not the one this module calls (``ABI``), or None. A library
+    of another interface would be handed arguments it reads otherwise (a stale build under the cached name, a
+    library copied from another version): it is refused, and the PyTorch references run."""
+    try:
+        fn = lib.dsv3_abi
+    except AttributeError:
+        return f"it has no dsv3_abi (a build older than ABI {ABI})"
+    fn.argtypes, fn.restype = [], ctypes.c_int64
+    got = fn()
+    return None if got == ABI else f"its ABI is {got}, this dsv3 calls ABI {ABI}"
+
+
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str]:
     """(the library, "ok") or (None, why not). Built once per source version, then reused."""
@@ -101,12 +121,15 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     reason = _cpu_supported()
     if reason:
         return None, reason
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = cache_dir() / f"decode_kernels-{digest}.so"
+    target = library_path()
     try:
         if not target.exists():
             _build(target)
-        lib = _declare(ctypes.CDLL(str(target)))
+        lib = ctypes.CDLL(str(target))
+        mismatch = abi_mismatch(lib)
+        if mismatch:
+            return None, f"refused {target.name}: {mismatch}"
+        lib = _declare(lib)
         mismatch = struct_layout_mismatch(lib)
         if mismatch:
             return None, f"the built kernels' structures differ from decode_kernels.py's: {mismatch}"
@@ -170,16 +193,10 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 
 def linear(x: torch.Tensor, weight: Weight, use_kernel: bool = True) -> torch.Tensor:
-    """x [..., K] @ W^T -> [..., N] in x's dtype."""
-    lib = _load()[0] if use_kernel else None
-    if lib is None or not weight.runs_in_kernel(x):
+    """x [..., K] @ W^T -> [..., N] in x's dtype: ``torch.ops.dsv3.linear``, or the reference without kernels."""
+    if not use_kernel:
         return linear_reference(x, weight)
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    N, K = weight.w.shape
-    out = x2.new_empty(x2.shape[0], N)
-    lib.dsv3_linear(weight.w.data_ptr(), _ptr(weight.kernel_scale), weight.kind, N, K, x2.data_ptr(),
-                    A_KIND[x.dtype], x2.shape[0], out.data_ptr(), A_KIND[x.dtype], torch.get_num_threads())
-    return out.view(*x.shape[:-1], N)
+    return torch.ops.dsv3.linear(x, weight.w, weight.scale_inv)
 
 
 def linear_reference(x: torch.Tensor, weight: Weight) -> torch.Tensor:
@@ -211,22 +228,12 @@ def _dense_expert(w: Weight, e: int) -> torch.Tensor:
 def swiglu_experts(x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, experts: ExpertWeights,
                    add_to: torch.Tensor | None = None, use_kernel: bool = True) -> torch.Tensor:
     """sum_j gates[m, j] * SwiGLU_{idx[m, j]}(x[m]) for x [M, D], idx/gates [M, K]; plus ``add_to`` [M, D]
-    when given (the kernel then adds in place into it)."""
-    lib = _load()[0] if use_kernel else None
-    w = experts.gate
-    if lib is None or not all(p.runs_in_kernel(x) for p in (experts.gate, experts.up, experts.down)):
+    when given: ``torch.ops.dsv3.swiglu_experts``, or the reference without kernels."""
+    if not use_kernel:
         out = swiglu_experts_reference(x, idx, gates, experts)
         return out if add_to is None else add_to + out
-    x = x.contiguous()
-    E, I, D = w.w.shape
-    out = add_to.contiguous() if add_to is not None else x.new_empty(x.shape)
-    idx, gates = idx.contiguous().long(), gates.contiguous().float()
-    lib.dsv3_swiglu_experts(w.w.data_ptr(), experts.up.w.data_ptr(), experts.down.w.data_ptr(),
-                            _ptr(w.kernel_scale), _ptr(experts.up.kernel_scale), _ptr(experts.down.kernel_scale),
-                            w.kind, E, I, D, x.data_ptr(), A_KIND[x.dtype], x.shape[0], idx.data_ptr(),
-                            gates.data_ptr(), idx.shape[1], out.data_ptr(), A_KIND[x.dtype], int(add_to is not None),
-                            torch.get_num_threads())
-    return out
+    g, u, d = experts.gate, experts.up, experts.down
+    return torch.ops.dsv3.swiglu_experts(x, idx, gates, g.w, u.w, d.w, g.scale_inv, u.scale_inv, d.scale_inv, add_to)
 
 
 def swiglu_experts_reference(x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor,
@@ -244,18 +251,14 @@ def swiglu_experts_reference(x: torch.Tensor, idx: torch.Tensor, gates: torch.Te
 
 def scan_logits(logits: torch.Tensor) -> list[int] | None:
     """For each row of logits [..., V] (fp32 or bf16, contiguous, CPU): the first index of its largest value
-    (``torch.argmax``'s choice), or -1 when the row holds a NaN or an infinity; in one C call, or None when
-    the kernels are not built or cannot read the tensor. The engine's check and greedy pick of a decode
-    step's logits (the fallback is ``sampling.all_finite`` and ``sampling.greedy_tokens`` per row)."""
-    lib = _load()[0]
-    if (lib is None or logits.dtype not in A_KIND or not logits.is_cpu or logits.dim() == 0
+    (``torch.argmax``'s choice), or -1 when the row holds a NaN or an infinity; in one C call
+    (``torch.ops.dsv3.scan_logits``), or None when the kernels are not built or cannot read the tensor. The
+    engine's check and greedy pick of a decode step's logits (the fallback is ``sampling.all_finite`` and
+    ``sampling.greedy_tokens`` per row)."""
+    if (_load()[0] is None or logits.dtype not in A_KIND or not logits.is_cpu or logits.dim() == 0
             or not logits.is_contiguous()):
         return None
-    V = logits.shape[-1]
-    rows = logits.numel() // V if V else 0
-    idx = (ctypes.c_int64 * rows)()
-    lib.dsv3_scan_logits(logits.data_ptr(), A_KIND[logits.dtype], rows, V, V, idx)
-    return idx[:]
+    return torch.ops.dsv3.scan_logits(logits).tolist()
 
 
 def latent_attention_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pe: torch.Tensor,
@@ -274,61 +277,31 @@ def latent_attention_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torc
 
 
 def route(x: torch.Tensor, router, use_kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """``Router.forward``'s (expert indices [M, K], gate values [M, K] fp32) for x [M, D], in one call: the
-    affinity scores, the group limit, the top-k and the gate normalisation (the kernel is used for the
-    scoring functions and top-k methods DeepSeek ships; anything else runs the router itself)."""
-    lib = _load()[0] if use_kernel else None
-    method, E, groups = router.method, router.n_experts, router.n_group
+    """``Router.forward``'s (expert indices [M, K], gate values [M, K] fp32) for x [M, D], in one call
+    (``torch.ops.dsv3.route``) for the scoring functions and top-k methods DeepSeek ships; anything else runs
+    the router itself."""
+    method, groups = router.method, router.n_group
     plain = (router.scoring in ("sigmoid", "softmax") and method in ("noaux_tc", "group_limited_greedy", "greedy")
-             and E % groups == 0 and router.weight.dtype == torch.float32 and router.weight.is_contiguous()
+             and router.n_experts % groups == 0 and router.weight.dtype == torch.float32
              and not router._forward_hooks and not router._forward_pre_hooks)
-    on_cpu = x.device.type == "cpu" and router.weight.device.type == "cpu"
-    if lib is None or not plain or x.dtype not in A_KIND or not on_cpu:
+    if not use_kernel or not plain:
         idx, weights, _ = router(x)
         return idx, weights
-    x = x.contiguous()
-    M, K = x.shape[0], router.top_k
-    idx = torch.empty(M, K, dtype=torch.long)
-    gates = torch.empty(M, K)
     bias = router.e_score_correction_bias if method == "noaux_tc" else None
-    lib.dsv3_route(router.weight.data_ptr(), _ptr(None if bias is None else bias.float().contiguous()), E,
-                   x.shape[1], x.data_ptr(), A_KIND[x.dtype], M, int(router.scoring == "softmax"),
-                   groups if method != "greedy" else 1, router.topk_group, int(method == "noaux_tc"), K,
-                   int(router.norm_topk_prob), float(router.route_scale), idx.data_ptr(), gates.data_ptr(),
-                   torch.get_num_threads())
-    return idx, gates
+    return torch.ops.dsv3.route(x, router.weight, bias, router.top_k, groups if method != "greedy" else 1,
+                                router.topk_group, router.scoring == "softmax", method == "noaux_tc",
+                                bool(router.norm_topk_prob), float(router.route_scale))
 
 
 def mla_decode(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
                kv: torch.Tensor, pe: torch.Tensor, bias: torch.Tensor | None, scale: float,
                use_kernel: bool = True) -> torch.Tensor:
-    """The absorbed MLA attention of a decode step, from the query projection to the heads' outputs.
-
-    q [B, T, H, nope + rope] (x's dtype); cos/sin [B|1, T, rope/2] fp32; W_UK [H, nope, r] and
-    W_UV [H, v, r] of one dtype, fp32 or bf16 (computed in fp32: bf16 weights are read in place, converted
-    exactly); kv [B, S, r], pe [B, S, rope] the cache's rows; bias [B|1, T, S] or None.
-    Returns [B, T, H * v] in q's dtype. One kernel call: absorb W_UK into the query, rope q_pe, attend
-    over the latent cache, apply W_UV."""
-    lib = _load()[0] if use_kernel else None
-    tensors = (q, cos, sin, w_uk, w_uv, kv, pe) + (() if bias is None else (bias,))
-    if (lib is None or q.dtype not in A_KIND or kv.dtype not in A_KIND or pe.dtype != kv.dtype
-            or any(t.device.type != "cpu" for t in tensors) or w_uk.dtype not in A_KIND
-            or w_uv.dtype != w_uk.dtype or any(t.stride(-1) != 1 for t in (kv, pe, w_uk, w_uv))):
+    """The absorbed MLA attention of a decode step (``torch.ops.dsv3.mla_decode``, whose docstring gives the
+    shapes), or the reference without kernels. W_UK/W_UV fp32 or bf16 are read in place (bf16 converted
+    exactly, so the numbers are those of an fp32 copy)."""
+    if not use_kernel:
         return mla_decode_reference(q, cos, sin, w_uk, w_uv, kv, pe, bias, scale)
-    B, T, H, _ = q.shape
-    nope, r, v, p = w_uk.shape[1], w_uk.shape[2], w_uv.shape[1], pe.shape[-1]
-    q, cos, sin = q.contiguous(), cos.float().contiguous(), sin.float().contiguous()
-    if bias is not None:
-        bias = bias.float().contiguous()
-    out = q.new_empty(B, T, H * v)
-    lib.dsv3_mla_decode(q.data_ptr(), A_KIND[q.dtype], cos.data_ptr(), sin.data_ptr(),
-                        0 if cos.shape[0] == 1 else cos.stride(0), w_uk.data_ptr(), w_uk.stride(0), w_uk.stride(1),
-                        w_uv.data_ptr(), w_uv.stride(0), w_uv.stride(1), A_KIND[w_uk.dtype], kv.data_ptr(),
-                        pe.data_ptr(), A_KIND[kv.dtype], B, T, H, kv.shape[1], nope, p, r, v, kv.stride(0),
-                        kv.stride(1), pe.stride(0), pe.stride(1), _ptr(bias),
-                        0 if bias is None or bias.shape[0] == 1 else bias.stride(0), scale, out.data_ptr(),
-                        torch.get_num_threads())
-    return out
+    return torch.ops.dsv3.mla_decode(q, cos, sin, w_uk, w_uv, kv, pe, bias, scale)
 
 
 def mla_decode_reference(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_uk: torch.Tensor,
@@ -556,9 +529,5 @@ def decode_step(desc: int, step: int, ids: torch.Tensor, h: torch.Tensor, logits
 
 def rms_norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x [..., n] with ``weight`` [n] of x's dtype (fp32 or bf16, contiguous, CPU), as
-    ``decode.rms_norm`` computes it."""
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    _block_functions()[1](x.data_ptr(), weight.data_ptr(), eps, A_KIND[x.dtype], x.numel() // x.shape[-1],
-                          x.shape[-1], out.data_ptr())
-    return out
+    ``decode.rms_norm`` computes it: ``torch.ops.dsv3.rms_norm``."""
+    return torch.ops.dsv3.rms_norm(x, weight, eps)
