@@ -12,7 +12,10 @@ attention over a bf16 cache take its bf16 dot products instead of AVX2 FMAs (``b
 depend on how many rows share the call (the summation order is fixed), so batched and single-row decode
 give the same numbers. ``benchmarks/decode_kernels_speed.py`` measures them against the read bandwidth.
 
-When the kernels cannot be used (not x86-64 Linux with AVX2/FMA, no C compiler, a failed build, the
+The single kernels are called as custom ops (``torch.ops.dsv3.*``, registered by ``dsv3.kernels.ops`` on
+import of ``dsv3.kernels``); the functions here wrap them for the decode paths' weight views (``Weight``,
+``ExpertWeights``), and this module keeps the loader and the block and step descriptors. When the kernels
+cannot be used (not x86-64 Linux with AVX2/FMA, no C compiler, a failed build, a build of another ABI, the
 tensors on another device, or ``DSV3_DECODE_KERNELS=0``) every function here computes the same thing
 with PyTorch ops; ``kernel_status()`` says which one runs and why.
 """
@@ -182,10 +185,6 @@ class Weight:
         if self.scale_inv is None:
             return self.w
         return dequantize_weight_blocks(self.w, self.scale_inv, self.dtype)
-
-    def runs_in_kernel(self, x: torch.Tensor) -> bool:
-        return (self.kind is not None and x.dtype in A_KIND and self.w.is_contiguous() and x.device.type == "cpu"
-                and self.w.device.type == "cpu" and 0 < x.numel() // x.shape[-1] <= MAX_KERNEL_ROWS)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
