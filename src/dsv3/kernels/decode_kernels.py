@@ -483,7 +483,7 @@ def retarget(step: Descriptor, start: int, positions: torch.Tensor, bias: torch.
 
 def decode_block(desc: int, step: int, x: torch.Tensor) -> bool:
     """Run one block on x [rows * T, dim] (contiguous, the block's activation dtype) in place; ``desc`` and
-    ``step`` are the addresses of a BlockDesc and a BlockStep. False (nothing done) when the step looks its
+    ``step`` are the addresses of a "block" and a "step" ``Descriptor``. False (nothing done) when the step looks its
     RoPE rows up in a table that lacks one of its positions."""
     return _block_functions()[0](desc, step, x.data_ptr()) == 0
 
@@ -491,7 +491,7 @@ def decode_block(desc: int, step: int, x: torch.Tensor) -> bool:
 def decode_step(desc: int, step: int, ids: torch.Tensor, h: torch.Tensor, logits: torch.Tensor) -> bool:
     """Run a whole decode step: ids [rows, T] (int64, contiguous) -> the final-normed hidden states h
     [rows, T, dim] and the head's logits [rows, T, N] (both contiguous, the activation dtype), written in
-    place; ``desc`` and ``step`` are the addresses of a StepDesc and a BlockStep. IndexError (and nothing
+    place; ``desc`` and ``step`` are the addresses of a "model" and a "step" ``Descriptor``. IndexError (and nothing
     computed) for an id outside the embedding, as ``nn.Embedding`` raises; False (nothing computed) as
     ``decode_block``."""
     status = _block_functions()[2](desc, step, ids.data_ptr(), h.data_ptr(), logits.data_ptr())
