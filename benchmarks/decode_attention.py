@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/decode_attention.py                  # the table
     .venv/bin/python benchmarks/decode_attention.py --contexts 256,4096 --threads 1,2 --json
 
-``dsv3_mla_decode`` (src/dsv3/model/decode_kernels.c) takes one layer's queries from the query projection to
+``dsv3_mla_decode`` (src/dsv3/kernels/decode_kernels.c) takes one layer's queries from the query projection to
 the heads' outputs: W_UK into the query, RoPE, attention over the latent cache, W_UV. For a bf16 model over
 a bf16 cache it runs in fp32 FMAs or, on CPUs with AVX512-BF16, in bf16 dot products (the queries and each
 tile's softmax weights rounded to bf16; ``decode_kernels.bf16_dots``). For the ``--preset``'s
@@ -34,7 +34,7 @@ import torch
 
 from dsv3.config import preset
 from dsv3.errors import DSV3Error
-from dsv3.model import decode_kernels as dk
+from dsv3.kernels import decode_kernels as dk
 from dsv3.model.mla import MLA
 from dsv3.model.rope import apply_rope
 

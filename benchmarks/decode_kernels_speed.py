@@ -1,4 +1,4 @@
-"""How close the decode GEMV kernels (src/dsv3/model/decode_kernels.c) come to the memory bandwidth.
+"""How close the decode GEMV kernels (src/dsv3/kernels/decode_kernels.c) come to the memory bandwidth.
 
 For the ``small`` preset's matrices (the lm_head, the attention projections, the dense MLP and one routed
 expert as ``dsv3_swiglu_experts`` runs them) in fp32, bf16 and FP8 (e4m3, 128x128 block scales), at 1 and
@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from dsv3.config import preset
 from dsv3.errors import DSV3Error
-from dsv3.model import decode_kernels as dk
+from dsv3.kernels import decode_kernels as dk
 from dsv3.model import huge_pages
 from dsv3.precision.fp8 import dequantize_weight_blocks, quantize_weight_blocks
 from serve_scaling import parse_ints  # the benchmarks folder is the script's sys.path[0]
@@ -101,11 +101,22 @@ def build_library(source: Path, out_dir: Path) -> ctypes.CDLL:
     return dk._declare(ctypes.CDLL(str(target)))
 
 
+def _show_kernels_source(rev: str) -> subprocess.CompletedProcess:
+    """``git show`` of the kernels' C source at ``rev``: in dsv3/kernels/, or in dsv3/model/ where it lived
+    before the kernels became a layer of their own."""
+    root = Path(__file__).resolve().parents[1]
+    for where in ("src/dsv3/kernels", "src/dsv3/model"):
+        shown = subprocess.run(["git", "show", f"{rev}:{where}/decode_kernels.c"], capture_output=True, text=True,
+                               cwd=root)
+        if shown.returncode == 0:
+            break
+    return shown
+
+
 def baseline_library(path: str | None, rev: str | None, work: Path) -> ctypes.CDLL | None:
     """The --baseline (.c or .so) or --baseline-rev library, or None."""
     if rev:
-        shown = subprocess.run(["git", "show", f"{rev}:src/dsv3/model/decode_kernels.c"], capture_output=True,
-                               text=True, cwd=Path(__file__).resolve().parents[1])
+        shown = _show_kernels_source(rev)
         if shown.returncode != 0:
             raise DSV3Error(f"--baseline-rev {rev}: {last_line(shown.stderr)}")
         source = work / "baseline.c"

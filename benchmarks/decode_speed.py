@@ -47,8 +47,8 @@ from dsv3.infer.bench import cache_precision
 from dsv3.infer.engine import Engine, Request
 from dsv3.infer.fp8_weights import resident_bytes
 from dsv3.infer.loading import load_model
+from dsv3.kernels.decode_kernels import bf16_dots, kernel_status
 from dsv3.model import Transformer, huge_pages
-from dsv3.model.decode_kernels import bf16_dots, kernel_status
 from dsv3.option_lists import parse_list
 
 

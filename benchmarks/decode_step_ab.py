@@ -68,7 +68,7 @@ def random_model(shape: str, dtype: str) -> Transformer:
 def profiling_kernels() -> object | None:
     """This side's kernels built with the phase timers (and used from now on), or None when its source
     has no timers."""
-    import dsv3.model.decode_kernels as dk
+    import dsv3.kernels.decode_kernels as dk
 
     if "DSV3_BLOCK_PROFILE" not in dk.SOURCE.read_text():
         return None

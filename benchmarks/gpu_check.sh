@@ -46,6 +46,7 @@ run_section accumulation
 run_section ep
 run_section decode
 run_section static_decode
+run_section graph_decode
 run_section seam
 
 if [ "${#failed[@]}" -gt 0 ]; then

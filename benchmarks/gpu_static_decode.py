@@ -1,4 +1,4 @@
-"""CUDA check of the static-shape decode step (``dsv3.model.static_decode``, gpt-fast's approach): compiled
+"""CUDA check of the static-shape decode step (``dsv3.kernels.static_decode``, gpt-fast's approach): compiled
 as one graph and, on CUDA, captured as a CUDA graph (``mode="reduce-overhead"``). Its greedy tokens must
 equal the engine's (tiny model, fp32, two rows); then its time per step on the `small` preset in bf16 at
 batch 1, context 2048, next to the memory roofline (weight + latent-cache bytes over the copy bandwidth).
@@ -16,8 +16,8 @@ import torch
 
 from dsv3.config import preset
 from dsv3.infer.engine import Engine, Request
+from dsv3.kernels.static_decode import StaticDecode, greedy
 from dsv3.model import Transformer
-from dsv3.model.static_decode import StaticDecode, greedy
 from gpu_decode import DEVICE, TINY, copy_bandwidth, sync  # benchmarks/ is on sys.path when a script runs
 from gpu_decode import emit as decode_emit
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from dsv3.infer.engine import Engine
-from dsv3.model import decode_kernels as dk
+from dsv3.kernels import decode_kernels as dk
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_decode_fast import PROMPTS, generate, greedy_up_to_ties  # noqa: E402

@@ -66,7 +66,7 @@ def bf16_path(request):
     """Both ways the decode kernels compute bf16 times bf16 (the GEMVs of bf16 activations by bf16 weights, the
     attention over a bf16 cache): AVX2 FMAs in fp32, or AVX512-BF16 dot products where the CPU has them
     (skipped elsewhere). Restores the process's setting after the test."""
-    from dsv3.model import decode_kernels as dk
+    from dsv3.kernels import decode_kernels as dk
 
     on = dk.bf16_dots()
     if request.param == "bf16 dots" and not on:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from dsv3.model import decode_kernels as dk
+from dsv3.kernels import decode_kernels as dk
 
 BENCH = Path(__file__).parents[2] / "benchmarks" / "decode_attention.py"
 

@@ -1,4 +1,4 @@
-"""The fast decode path (model/decode.py, model/decode_kernels.*) against the readable one: each C kernel
+"""The fast decode path (kernels/decode.py, kernels/decode_kernels.*) against the readable one: each C kernel
 against its PyTorch reference, and whole decode steps (logits, greedy tokens) against the modules, for
 fp32, bf16 and FP8 weights, batch 1 and ragged batches, with and without MTP speculation."""
 
@@ -13,8 +13,8 @@ import torch
 from dsv3.infer.engine import Engine, Request
 from dsv3.infer.fp8_weights import to_fp8_weights
 from dsv3.infer.metrics import RouterCounts
-from dsv3.model import decode_kernels as dk
-from dsv3.model.decode import FastDecode, Step
+from dsv3.kernels import decode_kernels as dk
+from dsv3.kernels.decode import FastDecode, Step
 from dsv3.precision.fp8 import quantize_weight_blocks
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -624,7 +624,7 @@ def test_bf16_dots_run_for_bf16_models_over_bf16_caches_only():
     assert not torch.equal(dots, fmas) and close(dots, fmas, torch.bfloat16)
     for q, kv, pe in ((q32, kv32.bfloat16(), pe32.bfloat16()), (q32.bfloat16(), kv32, pe32)):
         assert torch.equal(*both(q, kv, pe))
-    code = "from dsv3.model import decode_kernels as dk; print(dk.bf16_dots())"
+    code = "from dsv3.kernels import decode_kernels as dk; print(dk.bf16_dots())"
     env = {**os.environ, "DSV3_DECODE_BF16_DOTS": "0"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.stdout.strip() == "False", done.stderr
@@ -655,8 +655,8 @@ def test_rope_table_rows_equal_the_angles_of_each_position(preset_name):
     """FastDecode looks a step's cos/sin up in a table made once; every row must be what model.angles gives
     that position alone (bit for bit), for ragged positions, and past the table's size too."""
     from dsv3.config import preset
+    from dsv3.kernels.decode import RopeTable
     from dsv3.model import Transformer
-    from dsv3.model.decode import RopeTable
 
     model = Transformer(preset(preset_name))
     table = RopeTable(model)

@@ -8,7 +8,7 @@ they must give the single-row numbers."""
 import pytest
 import torch
 
-from dsv3.model import decode_kernels as dk
+from dsv3.kernels import decode_kernels as dk
 from dsv3.precision.fp8 import quantize_weight_blocks
 
 pytestmark = pytest.mark.skipif(not dk.kernels_available(), reason=f"C kernels: {dk.kernel_status()}")

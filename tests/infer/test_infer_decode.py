@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from dsv3.infer.engine import Engine, Request
-from dsv3.model import decode_kernels as dk
-from dsv3.model.decode import AttentionPlan
+from dsv3.kernels import decode_kernels as dk
+from dsv3.kernels.decode import AttentionPlan
 from dsv3.model.mla import MLA
 
 

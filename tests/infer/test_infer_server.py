@@ -342,7 +342,7 @@ def test_metrics_keep_the_fast_decode_path_and_count_what_the_module_path_routes
     the C block kernel (an MoE block's attention half, then its MoE half on the per-op path, which counts),
     and the per-expert loads /metrics reports equal what the module path's routers choose for the same
     request (a copy of the model, counted by hooks, generating through its modules)."""
-    from dsv3.model import decode_kernels as dk
+    from dsv3.kernels import decode_kernels as dk
 
     from .conftest import tiny_model
     from .prometheus_text import parse

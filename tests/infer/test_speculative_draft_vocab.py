@@ -18,7 +18,7 @@ from dsv3.infer.draft_vocab import DraftVocab
 from dsv3.infer.engine import Engine, Request, greedy_verify
 from dsv3.infer.sampling import SamplingParams, all_finite, greedy_tokens, probabilities
 from dsv3.infer.speculative import verify
-from dsv3.model.decode import FastDecode
+from dsv3.kernels.decode import FastDecode
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_infer_speculative import chi_square_p, exact_pair_distribution  # noqa: E402

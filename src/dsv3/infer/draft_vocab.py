@@ -136,7 +136,7 @@ class DraftVocab:
         None for a head the kernels cannot read: then None), made once per head tensor. An FP8-block head's
         rows are gathered dequantized (its 128-row scale blocks do not survive a row gather): the values the
         full head computes with, in its compute dtype."""
-        from dsv3.model.decode_kernels import Weight
+        from dsv3.kernels.decode_kernels import Weight
 
         if w is None:
             return None
@@ -151,7 +151,7 @@ class DraftVocab:
     def logits(self, decoder, depth: int, h_mtp: torch.Tensor) -> torch.Tensor:
         """Draft logits [..., K] from the MTP layer's hidden states: through ``FastDecode.mtp_logits`` with
         the gathered head, or the model's full head then the K columns (the readable path, same values)."""
-        from dsv3.model.decode import FastDecode
+        from dsv3.kernels.decode import FastDecode
 
         if isinstance(decoder, FastDecode):
             return decoder.mtp_logits(depth, h_mtp, vocab=self)

@@ -37,9 +37,10 @@ from dsv3.infer.logits_processors import LogitsProcessor, process
 from dsv3.infer.penalties import LogitsRules
 from dsv3.infer.sampling import GREEDY, SamplingParams, all_finite, draw, greedy_tokens, probabilities
 from dsv3.infer.speculative import verify
+from dsv3.kernels.decode import FastDecode
+from dsv3.kernels.decode_kernels import scan_logits
+from dsv3.kernels.graph_decode import GraphDecode, decode_step
 from dsv3.model import huge_pages
-from dsv3.model.decode import FastDecode
-from dsv3.model.decode_kernels import scan_logits
 from dsv3.model.mla import LatentCache
 from dsv3.model.transformer import Transformer
 from dsv3.parallel.overlap import run_interleaved
@@ -237,7 +238,7 @@ class Engine:
     """Generation over a :class:`Transformer`. ``speculative=True`` drafts with the first MTP layer;
     ``draft_vocab`` (token ids, or a :class:`DraftVocab`) restricts its drafts to those tokens, so that its
     head reads only their rows (``dsv3.infer.draft_vocab``; outputs unchanged, acceptance may drop).
-    ``fast=False`` runs decode steps through the model's modules instead of ``FastDecode`` (same results;
+    ``fast=False`` runs decode steps through the model's modules instead of ``decode_step``'s (same results;
     the readable reference path). On a CPU the model's weights are moved onto huge pages first (in place,
     values unchanged; ``dsv3.model.huge_pages``): decode steps stream them, and read them faster there."""
 
@@ -262,7 +263,8 @@ class Engine:
         self.context = context_limit(model)
         huge_pages.move_module(model)
         self.prefix_cache = None  # a dsv3.infer.prefix_cache.PrefixCache: prompts reuse cached latent blocks
-        self.decoder: Transformer | FastDecode = FastDecode(model) if fast else model  # decode steps only
+        # decode steps only: FastDecode on a CPU, CUDA graphs on a GPU (dsv3.kernels.graph_decode), or the modules
+        self.decoder: Transformer | FastDecode | GraphDecode = decode_step(model) if fast else model
         # Dual micro-batch decode: with 2, a decode step of two rows or more runs as two halves of its rows
         # whose forward generators ``drive`` interleaves (expert-parallel serving gives its lockstep's driver).
         self.micro_batches = 1

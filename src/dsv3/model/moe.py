@@ -68,27 +68,40 @@ class Router(nn.Module):
 
     def select(self, scores: torch.Tensor) -> torch.Tensor:
         """Expert indices [N, K]: top-k of the (biased) scores within the kept groups."""
-        choice = scores + self.e_score_correction_bias if self.method == "noaux_tc" else scores
-        if self.method != "greedy" and self.n_group > 1:
-            grouped = choice.unflatten(-1, (self.n_group, -1))  # [N, G, E/G]
-            if self.method == "noaux_tc":
-                group_score = grouped.topk(2, dim=-1).values.sum(-1)
-            else:
-                group_score = grouped.amax(dim=-1)
-            keep = group_score.topk(self.topk_group, dim=-1).indices  # [N, topk_group]
-            kept = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
-            choice = grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).flatten(1)
-        return choice.topk(self.top_k, dim=-1).indices
+        noaux = self.method == "noaux_tc"
+        return select_experts(scores, self.e_score_correction_bias if noaux else None,
+                              self.n_group if self.method != "greedy" else 1, self.topk_group, self.top_k, noaux)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """x [N, D] -> (expert indices [N, K], gate values [N, K] fp32, scores [N, E] fp32)."""
         scores = self.scores(x)
         with torch.no_grad():
             idx = self.select(scores.detach())
-        weights = scores.gather(1, idx)
-        if self.norm_topk_prob and self.top_k > 1:
-            weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-        return idx, weights * self.route_scale, scores
+        return idx, gate_values(scores, idx, self.norm_topk_prob, self.route_scale), scores
+
+
+def select_experts(scores: torch.Tensor, bias: torch.Tensor | None, n_group: int, topk_group: int, top_k: int,
+                   group_sum: bool) -> torch.Tensor:
+    """Expert indices [N, K]: the top-k of scores [N, E] (plus ``bias``, which only selects) among the
+    ``topk_group`` best of ``n_group`` groups, a group scored by its two best (``group_sum``, noaux_tc) or its
+    best. The router's selection as plain tensors, which the decode kernels' reference shares."""
+    choice = scores if bias is None else scores + bias
+    if n_group > 1:
+        grouped = choice.unflatten(-1, (n_group, -1))  # [N, G, E/G]
+        group_score = grouped.topk(2, dim=-1).values.sum(-1) if group_sum else grouped.amax(dim=-1)
+        keep = group_score.topk(topk_group, dim=-1).indices  # [N, topk_group]
+        kept = torch.zeros_like(group_score, dtype=torch.bool).scatter_(1, keep, True)
+        choice = grouped.masked_fill(~kept.unsqueeze(-1), float("-inf")).flatten(1)
+    return choice.topk(top_k, dim=-1).indices
+
+
+def gate_values(scores: torch.Tensor, idx: torch.Tensor, normalize: bool, route_scale: float) -> torch.Tensor:
+    """The gate values [N, K] fp32 of the chosen experts ``idx``: their unbiased scores, normalised to sum 1
+    (``normalize``, with more than one expert) and times ``route_scale``."""
+    weights = scores.gather(1, idx)
+    if normalize and idx.shape[-1] > 1:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * route_scale
 
 
 class MoE(nn.Module):

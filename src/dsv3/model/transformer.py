@@ -188,7 +188,7 @@ class Transformer(nn.Module):
 
     def hidden_and_logits(self, input_ids: torch.Tensor, **kwargs) -> tuple[torch.Tensor, torch.Tensor]:
         """(hidden_states, the head's logits of them): what a decode step needs (MTP drafts from the hidden
-        states). ``dsv3.model.decode.FastDecode`` computes the pair in one call."""
+        states). ``dsv3.kernels.decode.FastDecode`` computes the pair in one call."""
         h = self.hidden_states(input_ids, **kwargs)
         return h, self.lm_head(h)
 

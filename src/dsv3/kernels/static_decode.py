@@ -15,8 +15,14 @@ new graph per position), the routed experts run on data-dependent row counts. He
 
 Everything else is the model's own modules (norms, projections, router, shared experts, head), and the
 attention is ``MLA.latent_attention``, the absorbed path's own code, so the step equals the module path
-(tests/model/test_static_decode.py). Plain decode only (no MTP drafting), on plain ``GroupedExperts`` with
+(tests/kernels/test_static_decode.py). Plain decode only (no MTP drafting), on plain ``GroupedExperts`` with
 the local dispatcher: the layouts a single GPU serves.
+
+On the CPU the same step runs over the decode kernels' custom ops (``torch.ops.dsv3.*``, ``kernels/ops.py``):
+the projections, norms, router, experts, head and the absorbed attention each one op that reads the weights
+in place (the C kernels where they are built, else their PyTorch references), so the step compiles
+(``fullgraph=True``) into a graph of those ops, on the per-op path's weight views (``decode.AttentionPlan``,
+``decode.FeedForwardPlan``). A model they cannot read (a linear layer with a bias, a hook) runs the modules.
 """
 
 from __future__ import annotations
@@ -25,11 +31,15 @@ import torch
 from torch import nn
 
 from dsv3.errors import DSV3Error
+from dsv3.kernels import decode_kernels as dk
+from dsv3.kernels.decode import AttentionPlan, FeedForwardPlan, weight_of
 from dsv3.model.dispatch import LocalDispatcher
 from dsv3.model.experts import GroupedExperts
 from dsv3.model.kernels import gathered_swiglu
 from dsv3.model.mla import MLA, LatentCache
 from dsv3.model.moe import MoE
+from dsv3.model.norm import RMSNorm
+from dsv3.model.rope import apply_rope
 from dsv3.model.transformer import Transformer
 
 
@@ -62,6 +72,20 @@ class StaticDecode(nn.Module):
         self.register_buffer("kv", cache.kv.to(model.inv_freq.device), persistent=False)  # [L, B, S, r]
         self.register_buffer("pe", cache.pe.to(model.inv_freq.device), persistent=False)  # [L, B, S, rope]
         self.register_buffer("slots", torch.arange(max_len, device=model.inv_freq.device), persistent=False)
+        # on the CPU: each block's weights as the ops read them, and the head's (None: the modules run)
+        self.plans = self._kernel_plans() if self.kv.device.type == "cpu" else None
+        self.head = weight_of(model.lm_head)
+
+    def _kernel_plans(self) -> list[tuple[AttentionPlan, FeedForwardPlan]] | None:
+        """Each block's weights as the CPU ops read them, or None when one of them (or the head) cannot be read."""
+        m = self.model
+        dtype = m.model.embed_tokens.weight.dtype
+        plans = [(AttentionPlan(layer.self_attn, dtype), FeedForwardPlan(layer.mlp)) for layer in m.main_layers]
+        norms = [n for layer in m.main_layers for n in layer.modules() if isinstance(n, RMSNorm)]
+        if (weight_of(m.lm_head) is None or not all(a.ok and f.ok for a, f in plans)
+                or any(type(n) is not RMSNorm for n in [*norms, m.model.norm])):
+            return None
+        return plans
 
     @property
     def cache(self) -> LatentCache:
@@ -86,6 +110,8 @@ class StaticDecode(nn.Module):
         cos, sin = m.angles(positions_B1)
         allowed_B1S = (valid_BS & (self.slots <= slot))[:, None]
         x = m.model.embed_tokens(ids_B1)
+        if self.plans is not None:
+            return self._kernel_step(x, cos, sin, slot, allowed_B1S)
         for layer in m.main_layers:
             x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, slot, allowed_B1S)
             x = x + self._feed_forward(layer.mlp, layer.post_attention_layernorm(x))
@@ -101,6 +127,31 @@ class StaticDecode(nn.Module):
         out = mla.latent_attention(q_nope, q_pe, kv.to(x.dtype), pe.to(x.dtype), allowed)
         return mla.o_proj(out.flatten(2))
 
+    def _kernel_step(self, x: torch.Tensor, cos, sin, slot: torch.Tensor, allowed_B1S: torch.Tensor) -> torch.Tensor:
+        """``forward`` from the embeddings x [B, 1, D] on, over the CPU ops: the logits [B, V]."""
+        bias = torch.zeros(allowed_B1S.shape).masked_fill(~allowed_B1S, float("-inf"))
+        for layer, (attention, feed_forward) in zip(self.model.main_layers, self.plans, strict=True):
+            x = x + self._kernel_attention(attention, _norm(layer.input_layernorm, x), cos, sin, slot, bias)
+            x = x + _kernel_feed_forward(feed_forward, _norm(layer.post_attention_layernorm, x))
+        return dk.linear(_norm(self.model.model.norm, x), self.head)[:, -1]
+
+    def _kernel_attention(self, plan: AttentionPlan, x: torch.Tensor, cos, sin, slot: torch.Tensor,
+                          bias: torch.Tensor) -> torch.Tensor:
+        """MLA's absorbed decode over the static cache in ops: the projections, the latent written at
+        ``slot``, one ``dsv3::mla_decode`` over every slot (``bias`` hides the ones not allowed)."""
+        mla, (B, T, _) = plan.mla, x.shape
+        if len(plan.q) == 2:
+            q = dk.linear(_norm(mla.q_a_layernorm, dk.linear(x, plan.q[0])), plan.q[1])
+        else:
+            q = dk.linear(x, plan.q[0])
+        c_kv, k_pe = dk.linear(x, plan.kv_a).split([mla.kv_rank, mla.rope], dim=-1)
+        kv, pe = self.kv[mla.layer_idx, :B], self.pe[mla.layer_idx, :B]
+        kv.index_copy_(1, slot.view(1), _norm(mla.kv_a_layernorm, c_kv).to(kv.dtype))
+        pe.index_copy_(1, slot.view(1), apply_rope(k_pe.unsqueeze(2), cos, sin).squeeze(2).to(pe.dtype))
+        out = dk.mla_decode(q.view(B, T, mla.n_heads, mla.nope + mla.rope), cos, sin, plan.w_uk, plan.w_uv, kv, pe,
+                            bias, mla.scale)
+        return dk.linear(out, plan.o)
+
     @staticmethod
     def _feed_forward(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
         if not isinstance(mlp, MoE):
@@ -114,6 +165,25 @@ class StaticDecode(nn.Module):
     def compiled(self, mode: str | None = None):
         """The step compiled as one graph (``fullgraph``: a graph break is an error, not a slow path)."""
         return torch.compile(self, fullgraph=True, dynamic=False, mode=mode)
+
+
+def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+    return torch.ops.dsv3.rms_norm(x, norm.weight, norm.eps)
+
+
+def _kernel_feed_forward(plan: FeedForwardPlan, h: torch.Tensor) -> torch.Tensor:
+    """The dense MLP or the MoE layer on h [B, T, D] in ops: the router, then the routed experts and the shared
+    ones (a dense MLP is one shared "expert" of gate 1), added in one rounding as the kernels do."""
+    flat = h.flatten(0, 1)
+    out = None
+    if plan.routed is not None:
+        idx, gates = dk.route(flat, plan.mlp.gate)
+        out = dk.swiglu_experts(flat, idx, gates, plan.routed)
+    if plan.shared is not None:
+        rows = flat.shape[0]
+        everyone = torch.zeros(rows, 1, dtype=torch.long), torch.ones(rows, 1)
+        out = dk.swiglu_experts(flat, *everyone, plan.shared, add_to=out)
+    return out.view_as(h)
 
 
 @torch.no_grad()

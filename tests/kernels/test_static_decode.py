@@ -7,8 +7,8 @@ import torch
 from dsv3.config import preset
 from dsv3.errors import DSV3Error
 from dsv3.infer.engine import Engine, Request
+from dsv3.kernels.static_decode import StaticDecode, greedy
 from dsv3.model import Transformer
-from dsv3.model.static_decode import StaticDecode, greedy
 
 CFG = preset("nano").replace(num_hidden_layers=2)  # one dense layer, one MoE layer
 
@@ -81,3 +81,29 @@ def test_compiled_step_is_one_graph_for_every_step(model, monkeypatch):
     monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     assert torch.equal(greedy(step, static, prompts, 8), eager)
     assert torch.equal(first, eager[:, :2])
+
+
+def test_the_compiled_cpu_step_is_a_graph_of_the_kernel_ops_with_the_module_paths_greedy_tokens(model):
+    """On the CPU the static step runs over torch.ops.dsv3.* (kernels/ops.py): compiled with fullgraph=True, its
+    one graph calls every kind of op (the C kernels or their references run inside them), and its greedy
+    tokens are the engine's module path's, three prompts together."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    graphs = []
+
+    def recording(gm, example_inputs):
+        graphs.append({str(node.target).removesuffix(".default") for node in gm.graph.nodes
+                       if node.op == "call_function"})
+        return gm.forward
+
+    prompts = torch.randint(0, CFG.vocab_size, (3, 6))
+    engine = Engine(model, fast=False, eos_token_ids=frozenset())
+    want = [r.token_ids for r in engine.generate([Request(p, 10) for p in prompts.tolist()])]
+    static = StaticDecode(model, 3, 32)
+    assert static.plans is not None
+    step = torch.compile(static, fullgraph=True, dynamic=False, backend=recording)
+    assert greedy(step, static, prompts, 10).tolist() == want
+    assert len(graphs) == 1
+    ops = {"dsv3.linear", "dsv3.rms_norm", "dsv3.route", "dsv3.swiglu_experts", "dsv3.mla_decode"}
+    assert ops <= graphs[0], ops - graphs[0]

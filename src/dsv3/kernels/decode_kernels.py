@@ -12,7 +12,10 @@ attention over a bf16 cache take its bf16 dot products instead of AVX2 FMAs (``b
 depend on how many rows share the call (the summation order is fixed), so batched and single-row decode
 give the same numbers. ``benchmarks/decode_kernels_speed.py`` measures them against the read bandwidth.
 
-When the kernels cannot be used (not x86-64 Linux with AVX2/FMA, no C compiler, a failed build, the
+The single kernels are called as custom ops (``torch.ops.dsv3.*``, registered by ``dsv3.kernels.ops`` on
+import of ``dsv3.kernels``); the functions here wrap them for the decode paths' weight views (``Weight``,
+``ExpertWeights``), and this module keeps the loader and the block and step descriptors. When the kernels
+cannot be used (not x86-64 Linux with AVX2/FMA, no C compiler, a failed build, a build of another ABI, the
 tensors on another device, or ``DSV3_DECODE_KERNELS=0``) every function here computes the same thing
 with PyTorch ops; ``kernel_status()`` says which one runs and why.
 """
@@ -27,6 +30,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
@@ -38,6 +42,7 @@ SOURCE = Path(__file__).with_name("decode_kernels.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 W_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 A_KIND = {torch.float32: 0, torch.bfloat16: 1}
+ABI = 3  # decode_kernels.c's DSV3_KERNELS_ABI: the calling interface this module's declarations (_declare) match
 MAX_KERNEL_ROWS = 64  # more rows than this: a real matmul (PyTorch's) is the better tool
 FP8_SCALE_SHIFT = 256.0  # the C side's FP8 scales are scale_inv * 256 (its powers of two do the rest exactly)
 
@@ -93,6 +98,25 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
+def library_path() -> Path:
+    """Where the build of this source (and these flags) is cached."""
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
+    return cache_dir() / f"decode_kernels-{digest}.so"
+
+
+def abi_mismatch(lib: ctypes.CDLL) -> str | None:
+    """Why a loaded library's calling interface is not the one this module calls (``ABI``), or None. A library
+    of another interface would be handed arguments it reads otherwise (a stale build under the cached name, a
+    library copied from another version): it is refused, and the PyTorch references run."""
+    try:
+        fn = lib.dsv3_abi
+    except AttributeError:
+        return f"it has no dsv3_abi (a build older than ABI {ABI})"
+    fn.argtypes, fn.restype = [], ctypes.c_int64
+    got = fn()
+    return None if got == ABI else f"its ABI is {got}, this dsv3 calls ABI {ABI}"
+
+
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str]:
     """(the library, "ok") or (None, why not). Built once per source version, then reused."""
@@ -101,15 +125,15 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
     reason = _cpu_supported()
     if reason:
         return None, reason
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    target = cache_dir() / f"decode_kernels-{digest}.so"
+    target = library_path()
     try:
         if not target.exists():
             _build(target)
-        lib = _declare(ctypes.CDLL(str(target)))
-        mismatch = struct_layout_mismatch(lib)
+        lib = ctypes.CDLL(str(target))
+        mismatch = abi_mismatch(lib)
         if mismatch:
-            return None, f"the built kernels' structures differ from decode_kernels.py's: {mismatch}"
+            return None, f"refused {target.name}: {mismatch}"
+        lib = _declare(lib)
         lib.dsv3_bf16_dots.argtypes, lib.dsv3_bf16_dots.restype = [ctypes.c_int], ctypes.c_int
         lib.dsv3_bf16_dots(0 if os.environ.get("DSV3_DECODE_BF16_DOTS", "1") == "0" else 1)
         return lib, "ok"
@@ -160,26 +184,16 @@ class Weight:
             return self.w
         return dequantize_weight_blocks(self.w, self.scale_inv, self.dtype)
 
-    def runs_in_kernel(self, x: torch.Tensor) -> bool:
-        return (self.kind is not None and x.dtype in A_KIND and self.w.is_contiguous() and x.device.type == "cpu"
-                and self.w.device.type == "cpu" and 0 < x.numel() // x.shape[-1] <= MAX_KERNEL_ROWS)
-
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
 def linear(x: torch.Tensor, weight: Weight, use_kernel: bool = True) -> torch.Tensor:
-    """x [..., K] @ W^T -> [..., N] in x's dtype."""
-    lib = _load()[0] if use_kernel else None
-    if lib is None or not weight.runs_in_kernel(x):
+    """x [..., K] @ W^T -> [..., N] in x's dtype: ``torch.ops.dsv3.linear``, or the reference without kernels."""
+    if not use_kernel:
         return linear_reference(x, weight)
-    x2 = x.reshape(-1, x.shape[-1]).contiguous()
-    N, K = weight.w.shape
-    out = x2.new_empty(x2.shape[0], N)
-    lib.dsv3_linear(weight.w.data_ptr(), _ptr(weight.kernel_scale), weight.kind, N, K, x2.data_ptr(),
-                    A_KIND[x.dtype], x2.shape[0], out.data_ptr(), A_KIND[x.dtype], torch.get_num_threads())
-    return out.view(*x.shape[:-1], N)
+    return torch.ops.dsv3.linear(x, weight.w, weight.scale_inv)
 
 
 def linear_reference(x: torch.Tensor, weight: Weight) -> torch.Tensor:
@@ -211,22 +225,12 @@ def _dense_expert(w: Weight, e: int) -> torch.Tensor:
 def swiglu_experts(x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, experts: ExpertWeights,
                    add_to: torch.Tensor | None = None, use_kernel: bool = True) -> torch.Tensor:
     """sum_j gates[m, j] * SwiGLU_{idx[m, j]}(x[m]) for x [M, D], idx/gates [M, K]; plus ``add_to`` [M, D]
-    when given (the kernel then adds in place into it)."""
-    lib = _load()[0] if use_kernel else None
-    w = experts.gate
-    if lib is None or not all(p.runs_in_kernel(x) for p in (experts.gate, experts.up, experts.down)):
+    when given: ``torch.ops.dsv3.swiglu_experts``, or the reference without kernels."""
+    if not use_kernel:
         out = swiglu_experts_reference(x, idx, gates, experts)
         return out if add_to is None else add_to + out
-    x = x.contiguous()
-    E, I, D = w.w.shape
-    out = add_to.contiguous() if add_to is not None else x.new_empty(x.shape)
-    idx, gates = idx.contiguous().long(), gates.contiguous().float()
-    lib.dsv3_swiglu_experts(w.w.data_ptr(), experts.up.w.data_ptr(), experts.down.w.data_ptr(),
-                            _ptr(w.kernel_scale), _ptr(experts.up.kernel_scale), _ptr(experts.down.kernel_scale),
-                            w.kind, E, I, D, x.data_ptr(), A_KIND[x.dtype], x.shape[0], idx.data_ptr(),
-                            gates.data_ptr(), idx.shape[1], out.data_ptr(), A_KIND[x.dtype], int(add_to is not None),
-                            torch.get_num_threads())
-    return out
+    g, u, d = experts.gate, experts.up, experts.down
+    return torch.ops.dsv3.swiglu_experts(x, idx, gates, g.w, u.w, d.w, g.scale_inv, u.scale_inv, d.scale_inv, add_to)
 
 
 def swiglu_experts_reference(x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor,
@@ -244,18 +248,14 @@ def swiglu_experts_reference(x: torch.Tensor, idx: torch.Tensor, gates: torch.Te
 
 def scan_logits(logits: torch.Tensor) -> list[int] | None:
     """For each row of logits [..., V] (fp32 or bf16, contiguous, CPU): the first index of its largest value
-    (``torch.argmax``'s choice), or -1 when the row holds a NaN or an infinity; in one C call, or None when
-    the kernels are not built or cannot read the tensor. The engine's check and greedy pick of a decode
-    step's logits (the fallback is ``sampling.all_finite`` and ``sampling.greedy_tokens`` per row)."""
-    lib = _load()[0]
-    if (lib is None or logits.dtype not in A_KIND or not logits.is_cpu or logits.dim() == 0
+    (``torch.argmax``'s choice), or -1 when the row holds a NaN or an infinity; in one C call
+    (``torch.ops.dsv3.scan_logits``), or None when the kernels are not built or cannot read the tensor. The
+    engine's check and greedy pick of a decode step's logits (the fallback is ``sampling.all_finite`` and
+    ``sampling.greedy_tokens`` per row)."""
+    if (_load()[0] is None or logits.dtype not in A_KIND or not logits.is_cpu or logits.dim() == 0
             or not logits.is_contiguous()):
         return None
-    V = logits.shape[-1]
-    rows = logits.numel() // V if V else 0
-    idx = (ctypes.c_int64 * rows)()
-    lib.dsv3_scan_logits(logits.data_ptr(), A_KIND[logits.dtype], rows, V, V, idx)
-    return idx[:]
+    return torch.ops.dsv3.scan_logits(logits).tolist()
 
 
 def latent_attention_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torch.Tensor, pe: torch.Tensor,
@@ -274,61 +274,31 @@ def latent_attention_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torc
 
 
 def route(x: torch.Tensor, router, use_kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """``Router.forward``'s (expert indices [M, K], gate values [M, K] fp32) for x [M, D], in one call: the
-    affinity scores, the group limit, the top-k and the gate normalisation (the kernel is used for the
-    scoring functions and top-k methods DeepSeek ships; anything else runs the router itself)."""
-    lib = _load()[0] if use_kernel else None
-    method, E, groups = router.method, router.n_experts, router.n_group
+    """``Router.forward``'s (expert indices [M, K], gate values [M, K] fp32) for x [M, D], in one call
+    (``torch.ops.dsv3.route``) for the scoring functions and top-k methods DeepSeek ships; anything else runs
+    the router itself."""
+    method, groups = router.method, router.n_group
     plain = (router.scoring in ("sigmoid", "softmax") and method in ("noaux_tc", "group_limited_greedy", "greedy")
-             and E % groups == 0 and router.weight.dtype == torch.float32 and router.weight.is_contiguous()
+             and router.n_experts % groups == 0 and router.weight.dtype == torch.float32
              and not router._forward_hooks and not router._forward_pre_hooks)
-    on_cpu = x.device.type == "cpu" and router.weight.device.type == "cpu"
-    if lib is None or not plain or x.dtype not in A_KIND or not on_cpu:
+    if not use_kernel or not plain:
         idx, weights, _ = router(x)
         return idx, weights
-    x = x.contiguous()
-    M, K = x.shape[0], router.top_k
-    idx = torch.empty(M, K, dtype=torch.long)
-    gates = torch.empty(M, K)
     bias = router.e_score_correction_bias if method == "noaux_tc" else None
-    lib.dsv3_route(router.weight.data_ptr(), _ptr(None if bias is None else bias.float().contiguous()), E,
-                   x.shape[1], x.data_ptr(), A_KIND[x.dtype], M, int(router.scoring == "softmax"),
-                   groups if method != "greedy" else 1, router.topk_group, int(method == "noaux_tc"), K,
-                   int(router.norm_topk_prob), float(router.route_scale), idx.data_ptr(), gates.data_ptr(),
-                   torch.get_num_threads())
-    return idx, gates
+    return torch.ops.dsv3.route(x, router.weight, bias, router.top_k, groups if method != "greedy" else 1,
+                                router.topk_group, router.scoring == "softmax", method == "noaux_tc",
+                                bool(router.norm_topk_prob), float(router.route_scale))
 
 
 def mla_decode(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
                kv: torch.Tensor, pe: torch.Tensor, bias: torch.Tensor | None, scale: float,
                use_kernel: bool = True) -> torch.Tensor:
-    """The absorbed MLA attention of a decode step, from the query projection to the heads' outputs.
-
-    q [B, T, H, nope + rope] (x's dtype); cos/sin [B|1, T, rope/2] fp32; W_UK [H, nope, r] and
-    W_UV [H, v, r] of one dtype, fp32 or bf16 (computed in fp32: bf16 weights are read in place, converted
-    exactly); kv [B, S, r], pe [B, S, rope] the cache's rows; bias [B|1, T, S] or None.
-    Returns [B, T, H * v] in q's dtype. One kernel call: absorb W_UK into the query, rope q_pe, attend
-    over the latent cache, apply W_UV."""
-    lib = _load()[0] if use_kernel else None
-    tensors = (q, cos, sin, w_uk, w_uv, kv, pe) + (() if bias is None else (bias,))
-    if (lib is None or q.dtype not in A_KIND or kv.dtype not in A_KIND or pe.dtype != kv.dtype
-            or any(t.device.type != "cpu" for t in tensors) or w_uk.dtype not in A_KIND
-            or w_uv.dtype != w_uk.dtype or any(t.stride(-1) != 1 for t in (kv, pe, w_uk, w_uv))):
+    """The absorbed MLA attention of a decode step (``torch.ops.dsv3.mla_decode``, whose docstring gives the
+    shapes), or the reference without kernels. W_UK/W_UV fp32 or bf16 are read in place (bf16 converted
+    exactly, so the numbers are those of an fp32 copy)."""
+    if not use_kernel:
         return mla_decode_reference(q, cos, sin, w_uk, w_uv, kv, pe, bias, scale)
-    B, T, H, _ = q.shape
-    nope, r, v, p = w_uk.shape[1], w_uk.shape[2], w_uv.shape[1], pe.shape[-1]
-    q, cos, sin = q.contiguous(), cos.float().contiguous(), sin.float().contiguous()
-    if bias is not None:
-        bias = bias.float().contiguous()
-    out = q.new_empty(B, T, H * v)
-    lib.dsv3_mla_decode(q.data_ptr(), A_KIND[q.dtype], cos.data_ptr(), sin.data_ptr(),
-                        0 if cos.shape[0] == 1 else cos.stride(0), w_uk.data_ptr(), w_uk.stride(0), w_uk.stride(1),
-                        w_uv.data_ptr(), w_uv.stride(0), w_uv.stride(1), A_KIND[w_uk.dtype], kv.data_ptr(),
-                        pe.data_ptr(), A_KIND[kv.dtype], B, T, H, kv.shape[1], nope, p, r, v, kv.stride(0),
-                        kv.stride(1), pe.stride(0), pe.stride(1), _ptr(bias),
-                        0 if bias is None or bias.shape[0] == 1 else bias.stride(0), scale, out.data_ptr(),
-                        torch.get_num_threads())
-    return out
+    return torch.ops.dsv3.mla_decode(q, cos, sin, w_uk, w_uv, kv, pe, bias, scale)
 
 
 def mla_decode_reference(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_uk: torch.Tensor,
@@ -352,80 +322,45 @@ def mla_decode_reference(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 # ---- a whole block's decode step in one call ------------------------------------------------------------
 # ``dsv3_decode_block`` runs what FastDecode's per-op path runs for one block (decode.BlockPlan), reading
 # a descriptor made once per plan (pointers to the block's own tensors, sizes, constants) and one made once
-# per step (rows, RoPE rotation, cache, mask). The structures mirror BlkLinear / BlkExperts / BlkDesc /
-# BlkStep in decode_kernels.c field for field.
+# per step (rows, RoPE rotation, cache, mask). The C side makes them and fills their fields by name
+# (``Descriptor``): Python holds their addresses and the values it set, never their layout.
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
-class BlockLinear(ctypes.Structure):
-    _fields_ = [("w", _p), ("scale", _p), ("kind", _i64), ("n", _i64), ("k", _i64)]
+class Descriptor:
+    """A C descriptor (``kind`` "block": one block's weights and constants, "step": one decode step, "model":
+    the model around its blocks), allocated by ``dsv3_desc_new``, its fields set by name, freed with this
+    object. Field values are ints, floats, tensor addresses or None (a null pointer), or dicts of them for the
+    nested linear layers and experts ("q_a", "routed"). ``fields`` keeps what was set; ``address`` is what the
+    kernels take. The caller keeps the tensors alive while the descriptor is used."""
+
+    KINDS = {"block": 0, "step": 1, "model": 2}
+
+    def __init__(self, kind: str, **fields):
+        lib = _load()[0]
+        self.kind = self.KINDS[kind]
+        self._set = _declare_block(lib)[3]
+        self.address = _declare_block(lib)[4](self.kind)
+        if not self.address:
+            raise MemoryError(f"no memory for a {kind} descriptor")
+        weakref.finalize(self, _declare_block(lib)[5], self.address)
+        self.fields: dict = {}
+        self.set(**fields)
+
+    def set(self, **fields) -> None:
+        for name, value in fields.items():
+            self.fields[name] = value
+            for path, v in _flatten(name, value):
+                if self._set(self.kind, self.address, path.encode(), 0 if v is None else int(v),
+                             0.0 if v is None else float(v)) != 0:
+                    raise RuntimeError(f"the kernels' descriptors have no field {path}")
 
 
-class BlockExperts(ctypes.Structure):
-    _fields_ = [("gate", _p), ("up", _p), ("down", _p), ("gate_scale", _p), ("up_scale", _p), ("down_scale", _p),
-                ("kind", _i64), ("n_experts", _i64), ("inter", _i64), ("dim", _i64)]
-
-
-class BlockDesc(ctypes.Structure):
-    _fields_ = [("akind", _i64), ("dim", _i64), ("layer", _i64),
-                ("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("kv_norm", _p),
-                ("input_eps", _f32), ("post_eps", _f32), ("q_eps", _f32), ("kv_eps", _f32),
-                ("q_a", BlockLinear), ("q_b", BlockLinear), ("kv_a", BlockLinear), ("o", BlockLinear),
-                ("w_uk", _p), ("w_uv", _p),
-                ("uk_hstride", _i64), ("uk_rstride", _i64), ("uv_hstride", _i64), ("uv_rstride", _i64),
-                ("heads", _i64), ("nope", _i64), ("rope", _i64), ("v_dim", _i64), ("kv_rank", _i64),
-                ("softmax_scale", _f32),
-                ("router", _p), ("router_bias", _p),
-                ("softmax", _i64), ("n_group", _i64), ("topk_group", _i64), ("group_sum", _i64), ("topk", _i64),
-                ("normalize", _i64), ("route_scale", _f32),
-                ("routed", BlockExperts), ("shared", BlockExperts), ("w_kind", _i64)]
-
-
-class BlockStep(ctypes.Structure):
-    _fields_ = [("rows", _i64), ("T", _i64), ("start", _i64), ("cos", _p), ("sin", _p), ("rot_bstride", _i64),
-                ("kv", _p), ("pe", _p), ("ckind", _i64), ("kv_lstride", _i64), ("kv_bstride", _i64),
-                ("kv_sstride", _i64), ("pe_lstride", _i64), ("pe_bstride", _i64), ("pe_sstride", _i64),
-                ("bias", _p), ("bias_bstride", _i64), ("nthreads", _i64), ("positions", _p), ("pos_bstride", _i64),
-                ("table_cos", _p), ("table_sin", _p), ("table_len", _i64), ("half", _i64)]
-
-
-class StepDesc(ctypes.Structure):
-    _fields_ = [("akind", _i64), ("dim", _i64), ("vocab", _i64), ("n_blocks", _i64), ("embed", _p), ("blocks", _p),
-                ("norm", _p), ("norm_eps", _f32), ("head", BlockLinear)]
-
-
-MIRRORED = ("BlockLinear", "BlockExperts", "BlockDesc", "BlockStep", "StepDesc")  # in dsv3_struct_layout's order
-
-
-def mirrored_layout(structs: tuple[type[ctypes.Structure], ...] | None = None) -> list[int]:
-    """The layout Python gives the mirrored structures, as ``dsv3_struct_layout`` writes C's: each one's size,
-    then each field's offset, in declaration order."""
-    out: list[int] = []
-    for cls in structs or tuple(globals()[name] for name in MIRRORED):
-        out += [ctypes.sizeof(cls), *(getattr(cls, name).offset for name, _ in cls._fields_)]
-    return out
-
-
-def struct_layout_mismatch(lib: ctypes.CDLL, structs: tuple[type[ctypes.Structure], ...] | None = None) -> str | None:
-    """Where the C build's structures and their ctypes mirrors (``structs``, default this module's) part, in
-    one phrase, or None when they agree field for field (checked at load: a build that disagrees is refused
-    and the PyTorch path runs)."""
-    want = mirrored_layout(structs)
-    fn = lib.dsv3_struct_layout
-    fn.argtypes, fn.restype = [_p, _i64], _i64
-    buf = (_i64 * (len(want) + 64))()
-    count = fn(buf, len(buf))
-    got = list(buf[: min(count, len(buf))])
-    if got == want:
-        return None
-    what = [f"{cls.__name__} is {{}} bytes" if i == 0 else f"{cls.__name__}.{cls._fields_[i - 1][0]} is at offset {{}}"
-            for cls in structs or tuple(globals()[name] for name in MIRRORED)
-            for i in range(len(cls._fields_) + 1)]
-    for i, (g, w) in enumerate(zip(got, want, strict=False)):
-        if g != w:
-            return f"{what[i].format(g)} in C, {w} in Python"
-    return f"C describes {count} sizes and offsets, Python {len(want)}"
+def _flatten(name: str, value) -> list[tuple[str, object]]:
+    if isinstance(value, dict):
+        return [(f"{name}.{k}", v) for k, v in value.items()]
+    return [(name, value)]
 
 
 @functools.cache
@@ -435,11 +370,15 @@ def _declare_block(lib: ctypes.CDLL) -> tuple:
     norm.argtypes = [_p, _p, _f32, ctypes.c_int, _i64, _i64, _p]
     step.argtypes = [_p, _p, _p, _p, _p]
     block.restype = norm.restype = step.restype = ctypes.c_int
-    return block, norm, step
+    new, free, set_field = lib.dsv3_desc_new, lib.dsv3_desc_free, lib.dsv3_desc_set
+    new.argtypes, new.restype = [ctypes.c_int], _p
+    free.argtypes, free.restype = [_p], None
+    set_field.argtypes, set_field.restype = [ctypes.c_int, _p, ctypes.c_char_p, _i64, ctypes.c_double], ctypes.c_int
+    return block, norm, step, set_field, new, free
 
 
 def _block_functions() -> tuple | None:
-    """(dsv3_decode_block, dsv3_rms_norm, dsv3_decode_step) with their argument types, or None without the C
+    """(dsv3_decode_block, dsv3_rms_norm, dsv3_decode_step, ...) with their argument types, or None without the C
     kernels."""
     lib = _load()[0]
     return None if lib is None else _declare_block(lib)
@@ -452,39 +391,42 @@ def moe_functions() -> tuple | None:
     return None if lib is None else (_declare_block(lib)[1], lib.dsv3_route, lib.dsv3_swiglu_experts)
 
 
-def experts_arguments(experts: BlockExperts) -> tuple:
-    """The leading arguments of ``dsv3_swiglu_experts`` for experts as the block kernel reads them: the
-    three weights, their FP8 scales, kind, count, inner and outer size."""
-    e = experts
-    return (e.gate, e.up, e.down, e.gate_scale, e.up_scale, e.down_scale, e.kind, e.n_experts, e.inter, e.dim)
+def experts_arguments(experts: dict) -> tuple:
+    """The leading arguments of ``dsv3_swiglu_experts`` for experts as the block kernel reads them
+    (``block_experts``): the three weights, their FP8 scales, kind, count, inner and outer size."""
+    return tuple(experts.get(k) for k in ("gate", "up", "down", "gate_scale", "up_scale", "down_scale", "kind",
+                                          "n_experts", "inter", "dim"))
 
 
 def block_kernel_available() -> bool:
     return _block_functions() is not None
 
 
-def block_linear(weight: Weight) -> BlockLinear | None:
-    """The block kernel's view of a linear layer, or None when the kernels cannot read it."""
+def block_linear(weight: Weight) -> dict | None:
+    """The block kernel's view of a linear layer (the fields of a descriptor's linear layer), or None when the
+    kernels cannot read it."""
     if weight.kind is None or not weight.w.is_contiguous() or weight.w.device.type != "cpu":
         return None
     N, K = weight.w.shape
-    return BlockLinear(weight.w.data_ptr(), _ptr(weight.kernel_scale), weight.kind, N, K)
+    return {"w": weight.w.data_ptr(), "scale": _ptr(weight.kernel_scale), "kind": weight.kind, "n": N, "k": K}
 
 
-def block_experts(experts: ExpertWeights) -> BlockExperts | None:
+def block_experts(experts: ExpertWeights) -> dict | None:
     """The block kernel's view of stacked experts (one weight kind for all three), or None."""
     parts = (experts.gate, experts.up, experts.down)
     if (any(p.kind is None or not p.w.is_contiguous() or p.w.device.type != "cpu" for p in parts)
             or len({p.kind for p in parts}) != 1):
         return None
     E, I, D = experts.gate.w.shape
-    return BlockExperts(*(p.w.data_ptr() for p in parts), *(_ptr(p.kernel_scale) for p in parts), experts.gate.kind,
-                        E, I, D)
+    return {"gate": parts[0].w.data_ptr(), "up": parts[1].w.data_ptr(), "down": parts[2].w.data_ptr(),
+            "gate_scale": _ptr(parts[0].kernel_scale), "up_scale": _ptr(parts[1].kernel_scale),
+            "down_scale": _ptr(parts[2].kernel_scale), "kind": experts.gate.kind, "n_experts": E, "inter": I,
+            "dim": D}
 
 
 def route_constants(router) -> tuple[dict, list[torch.Tensor]] | None:
-    """The router as ``dsv3_route`` reads it (the fields of BlockDesc) and the tensors they point to, or
-    None for a scoring function or top-k method the kernel does not implement. The weight and bias are
+    """The router as ``dsv3_route`` reads it (fields of the block descriptor) and the tensors they point to,
+    or None for a scoring function or top-k method the kernel does not implement. The weight and bias are
     read in place when fp32 (the dtype DeepSeek keeps them in), else through an fp32 copy (the router
     computes in fp32 anyway, so the scores are the same)."""
     method, groups = router.method, router.n_group
@@ -501,43 +443,47 @@ def route_constants(router) -> tuple[dict, list[torch.Tensor]] | None:
     return fields, tensors
 
 
+def _cache_fields(kv: torch.Tensor, pe: torch.Tensor) -> dict:
+    """A step descriptor's cache fields for the latent cache kv/pe [L, B, S, .] (last dim contiguous)."""
+    (kl, kb, ks), (pl, pb, ps) = kv.stride()[:3], pe.stride()[:3]
+    return {"kv": kv.data_ptr(), "pe": pe.data_ptr(), "ckind": A_KIND[kv.dtype], "kv_lstride": kl, "kv_bstride": kb,
+            "kv_sstride": ks, "pe_lstride": pl, "pe_bstride": pb, "pe_sstride": ps}
+
+
 def block_step(rows: int, T: int, start: int, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
-               pe: torch.Tensor, bias: torch.Tensor | None) -> BlockStep:
+               pe: torch.Tensor, bias: torch.Tensor | None) -> Descriptor:
     """The per-step descriptor with its RoPE rows: cos/sin [rows|1, T, rope/2] fp32 contiguous, the cache's
     kv/pe [L, B, S, .] (last dim contiguous), bias [rows|1, T, start + T] fp32 contiguous or None. The caller
     keeps the tensors alive while the step runs."""
-    return BlockStep(rows, T, start, cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else cos.stride(0),
-                     kv.data_ptr(), pe.data_ptr(), A_KIND[kv.dtype], *kv.stride()[:3], *pe.stride()[:3],
-                     _ptr(bias), 0 if bias is None or bias.shape[0] == 1 else bias.stride(0),
-                     torch.get_num_threads())
+    return Descriptor("step", rows=rows, T=T, start=start, cos=cos.data_ptr(), sin=sin.data_ptr(),
+                      rot_bstride=0 if cos.shape[0] == 1 else cos.stride(0), **_cache_fields(kv, pe),
+                      bias=_ptr(bias), bias_bstride=0 if bias is None or bias.shape[0] == 1 else bias.stride(0),
+                      nthreads=torch.get_num_threads())
 
 
 def table_step(rows: int, T: int, table_cos: torch.Tensor, table_sin: torch.Tensor, kv: torch.Tensor,
-               pe: torch.Tensor) -> BlockStep:
+               pe: torch.Tensor) -> Descriptor:
     """A per-step descriptor whose RoPE rows the kernels look up themselves, in the tables of cos and sin of
     positions [0, n) ([n, rope/2] fp32 contiguous), for the positions ``retarget`` points it at: made once
     for a cache and reused step after step, which saves the per-step indexing and descriptor (tens of
     microseconds of interpreter work a step)."""
-    step = BlockStep(rows, T, 0, None, None, 0, kv.data_ptr(), pe.data_ptr(), A_KIND[kv.dtype], *kv.stride()[:3],
-                     *pe.stride()[:3], None, 0, torch.get_num_threads())
-    step.table_cos, step.table_sin = table_cos.data_ptr(), table_sin.data_ptr()
-    step.table_len, step.half = table_cos.shape
-    return step
+    n, half = table_cos.shape
+    return Descriptor("step", rows=rows, T=T, **_cache_fields(kv, pe), nthreads=torch.get_num_threads(),
+                      table_cos=table_cos.data_ptr(), table_sin=table_sin.data_ptr(), table_len=n, half=half)
 
 
-def retarget(step: BlockStep, start: int, positions: torch.Tensor, bias: torch.Tensor | None) -> BlockStep:
+def retarget(step: Descriptor, start: int, positions: torch.Tensor, bias: torch.Tensor | None) -> Descriptor:
     """A ``table_step`` descriptor pointed at this step: its first cache slot, positions [rows|1, T] (int64,
     contiguous) and bias (as ``block_step``). The caller keeps the tensors alive while the step runs."""
-    step.start = start
-    step.positions, step.pos_bstride = positions.data_ptr(), 0 if positions.shape[0] == 1 else positions.shape[1]
-    step.bias = None if bias is None else bias.data_ptr()
-    step.bias_bstride = 0 if bias is None or bias.shape[0] == 1 else bias.stride(0)
+    step.set(start=start, positions=positions.data_ptr(),
+             pos_bstride=0 if positions.shape[0] == 1 else positions.shape[1], bias=_ptr(bias),
+             bias_bstride=0 if bias is None or bias.shape[0] == 1 else bias.stride(0))
     return step
 
 
 def decode_block(desc: int, step: int, x: torch.Tensor) -> bool:
     """Run one block on x [rows * T, dim] (contiguous, the block's activation dtype) in place; ``desc`` and
-    ``step`` are the addresses of a BlockDesc and a BlockStep. False (nothing done) when the step looks its
+    ``step`` are the addresses of a "block" and a "step" ``Descriptor``. False (nothing done) when the step looks its
     RoPE rows up in a table that lacks one of its positions."""
     return _block_functions()[0](desc, step, x.data_ptr()) == 0
 
@@ -545,7 +491,7 @@ def decode_block(desc: int, step: int, x: torch.Tensor) -> bool:
 def decode_step(desc: int, step: int, ids: torch.Tensor, h: torch.Tensor, logits: torch.Tensor) -> bool:
     """Run a whole decode step: ids [rows, T] (int64, contiguous) -> the final-normed hidden states h
     [rows, T, dim] and the head's logits [rows, T, N] (both contiguous, the activation dtype), written in
-    place; ``desc`` and ``step`` are the addresses of a StepDesc and a BlockStep. IndexError (and nothing
+    place; ``desc`` and ``step`` are the addresses of a "model" and a "step" ``Descriptor``. IndexError (and nothing
     computed) for an id outside the embedding, as ``nn.Embedding`` raises; False (nothing computed) as
     ``decode_block``."""
     status = _block_functions()[2](desc, step, ids.data_ptr(), h.data_ptr(), logits.data_ptr())
@@ -556,9 +502,5 @@ def decode_step(desc: int, step: int, ids: torch.Tensor, h: torch.Tensor, logits
 
 def rms_norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of x [..., n] with ``weight`` [n] of x's dtype (fp32 or bf16, contiguous, CPU), as
-    ``decode.rms_norm`` computes it."""
-    x = x.contiguous()
-    out = torch.empty_like(x)
-    _block_functions()[1](x.data_ptr(), weight.data_ptr(), eps, A_KIND[x.dtype], x.numel() // x.shape[-1],
-                          x.shape[-1], out.data_ptr())
-    return out
+    ``decode.rms_norm`` computes it: ``torch.ops.dsv3.rms_norm``."""
+    return torch.ops.dsv3.rms_norm(x, weight, eps)
