@@ -33,10 +33,11 @@ from dsv3.infer.bench_serve import make_prompts, model_card, run
 from dsv3.model import Transformer
 
 
-def start_server(folder: Path, threads: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(folder: Path, threads: int, log: Path, flags: tuple[str, ...] = ()) -> tuple[subprocess.Popen, str]:
+    """`dsv3 serve` on a free port (with more ``flags``); returns the process and its base URL."""
     err = open(log, "w")  # noqa: SIM115 - the child writes to it for its whole life
     proc = subprocess.Popen([sys.executable, "-m", "dsv3", "serve", "--model", str(folder), "--port", "0",
-                             "--threads", str(threads), "--quiet"], stdout=subprocess.DEVNULL, stderr=err)
+                             "--threads", str(threads), "--quiet", *flags], stdout=subprocess.DEVNULL, stderr=err)
     deadline = time.time() + 300
     while time.time() < deadline:
         found = re.search(r"listening on (http://127\.0\.0\.1:\d+)/v1", log.read_text())

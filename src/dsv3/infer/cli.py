@@ -287,7 +287,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 # serve's prefill budget between two decode steps, measured: benchmarks/chunked_prefill.py (docs/inference.md)
-MAX_PREFILL_TOKENS = 64
+MAX_PREFILL_TOKENS = 128
 
 
 @serve_app.command()
