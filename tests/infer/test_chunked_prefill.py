@@ -95,6 +95,34 @@ def test_running_streams_get_a_token_per_chunk_while_a_long_prompt_is_prefilled(
     assert order.index("long") >= 300 // 16 - 1, order.index("long")
 
 
+def test_a_request_cancelled_between_chunks_leaves_the_queue_and_frees_its_place(long_model):
+    """A client that goes away while its prompt is being chunked: the request is dropped at the next chunk,
+    counted as cancelled, and its place in the batch goes to the next request."""
+    engine = Engine(long_model, eos_token_ids=frozenset())
+    engine.max_prefill_tokens = 1
+    scheduler = Scheduler(engine, max_batch=1)
+    delivered: list[Event] = []
+    gone, waiting = Request(PROMPT, 4, GREEDY), Request([5, 6, 7], 3, GREEDY)
+    scheduler.start()
+    try:
+        for request in (gone, waiting):
+            scheduler.metrics.arrived(request)  # as Scheduler.submit does
+            scheduler.pending.put((request, delivered.append))
+        deadline = time.time() + 60
+        while not (scheduler.prefilling and isinstance(scheduler.prefilling[0], ChunkedPrefill)
+                   and scheduler.prefilling[0].done >= 8) and time.time() < deadline:
+            time.sleep(0.001)
+        gone.cancelled = True
+        while not any(ev.finish_reason for ev in delivered) and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        scheduler.stop()
+    assert all(ev.request is waiting for ev in delivered)  # the cancelled request gets no event
+    assert sum(len(ev.token_ids) for ev in delivered) == 3 and delivered[-1].finish_reason == "length"
+    assert {k: n for k, n in scheduler.metrics.requests.items() if n} == {"cancelled": 1, "length": 1}
+    assert not scheduler.prefilling and id(gone) not in scheduler.listeners
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--max-prefill-tokens", "-1"], "--max-prefill-tokens must be >= 0, got -1"),
     (["--ep", "2", "--max-prefill-tokens", "64"], "drop --max-prefill-tokens"),
