@@ -112,6 +112,7 @@ def test_a_request_cancelled_between_chunks_leaves_the_queue_and_frees_its_place
         while not (scheduler.prefilling and isinstance(scheduler.prefilling[0], ChunkedPrefill)
                    and scheduler.prefilling[0].done >= 8) and time.time() < deadline:
             time.sleep(0.001)
+        assert scheduler.metrics.waiting() == 2  # /metrics: the one being chunked and the one queued behind it
         gone.cancelled = True
         while not any(ev.finish_reason for ev in delivered) and time.time() < deadline:
             time.sleep(0.01)

@@ -37,7 +37,7 @@ class Scheduler:
         self._thread: threading.Thread | None = None
         self.metrics = metrics or ServingMetrics()
         self.metrics.running = lambda: self.active
-        self.metrics.waiting = self.pending.qsize
+        self.metrics.waiting = lambda: self.pending.qsize() + len(self.prefilling)  # none has its first token yet
         self.metrics.prefix_cache = engine.prefix_cache
 
     # ---- lifecycle --------------------------------------------------------------------------
