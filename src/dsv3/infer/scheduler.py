@@ -7,8 +7,8 @@ timing and every step's batch size go to ``metrics`` (``GET /metrics``).
 
 With ``engine.max_prefill_tokens`` set, at most that many prompt tokens are prefilled between two decode
 steps: admitted requests wait their turn in ``prefilling``, short prompts are prefilled together while
-their lengths fit the budget, and a longer prompt a chunk at a time (``dsv3.infer.chunked_prefill``), so
-that a long prompt never stalls the streams that are decoding.
+their lengths fit the budget, and a longer prompt a chunk at a time (``dsv3.infer.chunked_prefill``): the
+streams that are decoding wait for one chunk at a time, not for the whole prefill.
 """
 
 from __future__ import annotations
