@@ -37,9 +37,12 @@ from dsv3.infer.bench_serve import make_prompts, model_card, run
 from dsv3.model import Transformer
 
 
-def server_command(folder: Path, threads: int, ep: int, prefill_ranks: int) -> list[str]:
-    """One process, or ``ep`` under torchrun (``--ep``, with ``--prefill-ranks`` when given)."""
-    serve = ["-m", "dsv3", "serve", "--model", str(folder), "--port", "0", "--threads", str(threads), "--quiet"]
+def server_command(folder: Path, threads: int, ep: int = 0, prefill_ranks: int = 0,
+                   flags: tuple[str, ...] = ()) -> list[str]:
+    """`dsv3 serve` (with more ``flags``) in one process, or ``ep`` under torchrun (``--ep``, with
+    ``--prefill-ranks`` when given)."""
+    serve = ["-m", "dsv3", "serve", "--model", str(folder), "--port", "0", "--threads", str(threads), "--quiet",
+             *flags]
     if not ep:
         return [sys.executable, *serve]
     group = ["--ep", str(ep)] + (["--prefill-ranks", str(prefill_ranks)] if prefill_ranks else [])

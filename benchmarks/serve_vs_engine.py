@@ -39,7 +39,7 @@ import torch
 from dsv3.config import preset
 from dsv3.infer.bench_serve import make_prompts, model_card, run
 from dsv3.model import Transformer
-from serve_prefix_cache import start_server
+from serve_prefix_cache import server_command, start_server
 
 
 def save_checkpoint(folder: Path, layers: int) -> None:
@@ -122,7 +122,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "small-bf16"
         save_checkpoint(folder, args.layers)
-        proc, url = start_server(folder, args.threads, Path(tmp) / "serve.log")
+        proc, url = start_server(server_command(folder, args.threads), args.threads, Path(tmp) / "serve.log")
         try:
             card = model_card(url)
             run(url, card["id"], make_prompts(1, 8, 0, card["vocab_size"], 99), 4, 1, 600)  # warm-up

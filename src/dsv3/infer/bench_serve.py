@@ -19,6 +19,7 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -97,8 +98,11 @@ def make_prompts(n: int, length: int, shared: int, vocab: int, seed: int) -> lis
     return [prefix + [rng.randrange(vocab) for _ in range(length - shared)] for _ in range(n)]
 
 
-def stream_completion(base: str, model: str, prompt: list[int], gen_len: int, timeout: float) -> Outcome:
-    """One streamed completion, timed; failures become an Outcome with ``error``, never an exception."""
+def stream_completion(base: str, model: str, prompt: list[int], gen_len: int, timeout: float,
+                      on_token: Callable[[float], bool] | None = None) -> Outcome:
+    """One streamed completion, timed; failures become an Outcome with ``error``, never an exception.
+    ``on_token``: called with the arrival time (``time.perf_counter``) of every chunk that carries text; when
+    it returns False the stream is closed there (the server then cancels the request)."""
     body = {"model": model, "prompt": prompt, "max_tokens": gen_len, "temperature": 0.0, "stream": True,
             "stream_options": {"include_usage": True}, "ignore_eos": True}
     request = urllib.request.Request(base + "/v1/completions", data=json.dumps(body).encode(),
@@ -123,6 +127,8 @@ def stream_completion(base: str, model: str, prompt: list[int], gen_len: int, ti
                     first = now if first is None else first
                     last = now
                     chunks += 1
+                    if on_token is not None and not on_token(now):
+                        break
                 usage = chunk.get("usage") or usage
     except urllib.error.HTTPError as exc:
         return Outcome(False, error=f"HTTP {exc.code}: {_error_message(exc)}")

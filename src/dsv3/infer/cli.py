@@ -290,6 +290,10 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+# serve's prefill budget between two decode steps, measured: benchmarks/chunked_prefill.py (docs/inference.md)
+MAX_PREFILL_TOKENS = 128
+
+
 @serve_app.command()
 def serve(
     model: str = MODEL,
@@ -317,6 +321,11 @@ def serve(
                                             help="Tokens per prefix-cache block (default: 16)."),
     prefix_cache_dir: str | None = typer.Option(None, "--prefix-cache-dir", metavar="DIR",
                                                 help="Keep evicted prefix blocks in this folder and reuse them."),
+    max_prefill_tokens: int | None = typer.Option(None, "--max-prefill-tokens", metavar="N", show_default=False,
+                                                  help="Most prompt tokens prefilled between two decode steps: a "
+                                                       "longer prompt is prefilled in chunks of N, so streams "
+                                                       "that are decoding keep going; 0 prefills whole prompts "
+                                                       f"(default: {MAX_PREFILL_TOKENS})."),
     ep: int | None = typer.Option(None, "--ep", metavar="N", show_default=False,
                                   help="Expert parallel over N processes started by dsv3 launch --nproc N."),
     prefill_ranks: int = typer.Option(0, "--prefill-ranks", metavar="P", show_default=False,
@@ -343,11 +352,14 @@ def serve(
     from dsv3.run_dir import resolve_checkpoint
 
     at_least(max_batch, 1, "--max-batch")
+    at_least(max_prefill_tokens, 0, "--max-prefill-tokens")
     if not 0 <= port <= 65535:
         raise DSV3Error(f"--port must be in [0, 65535], got {port}")
     if ep is not None:
         from dsv3.infer.cluster.serve import GroupOptions, serve_group
 
+        if max_prefill_tokens is not None:
+            raise DSV3Error("--ep N prefills whole prompts for now: drop --max-prefill-tokens (it would be ignored)")
         check_prefix_flags(prefix_cache_bytes or "1G", prefix_block_tokens, prefix_cache_dir)
         engine_args = dict(dtype=dtype, weights=weights, cache_dtype=cache_dtype, speculative=speculative,
                            threads=threads, draft_vocab=draft_vocab, chat_template=chat_template)
@@ -363,6 +375,7 @@ def serve(
     engine = build_engine(str(folder), dtype, weights, cache_dtype, speculative, threads=threads,
                           draft_vocab=draft_vocab, chat_template=chat_template)
     attach_prefix_cache(engine, prefix_cache_bytes or "1G", prefix_block_tokens, prefix_cache_dir)
+    engine.max_prefill_tokens = (MAX_PREFILL_TOKENS if max_prefill_tokens is None else max_prefill_tokens) or None
     name = _model_name(model)
     app = create_app(engine, model_name=name, max_batch=max_batch, access_log=None if quiet else _log_line,
                      api_key=api_key)

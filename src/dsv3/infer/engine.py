@@ -263,6 +263,7 @@ class Engine:
         self.context = context_limit(model)
         huge_pages.move_module(model)
         self.prefix_cache = None  # a dsv3.infer.prefix_cache.PrefixCache: prompts reuse cached latent blocks
+        self.max_prefill_tokens: int | None = None  # the server's prefill budget per decode step (chunked_prefill.py)
         # decode steps only: FastDecode on a CPU, CUDA graphs on a GPU (dsv3.kernels.graph_decode), or the modules
         self.decoder: Transformer | FastDecode | GraphDecode = decode_step(model) if fast else model
         # Dual micro-batch decode: with 2, a decode step of two rows or more runs as two halves of its rows
@@ -509,6 +510,26 @@ class Batch:
         if self.engine.speculative:
             nxt = torch.cat([ids[:, 1:], torch.tensor([[r.last] for r in self.rows])], dim=1)
             events += self._draft(h, nxt.to(self.device), positions.to(self.device), 0, [L] * B)
+        return events
+
+    def _prefill_from(self, start: int) -> list[Event]:
+        """Prefill slots [start, L) of prompts that all have L tokens, into a cache that already holds
+        slots [0, start) (a cached prefix, or a long prompt's earlier chunks): no padding, positions
+        continuing from ``start``. Returns each row's first token, and drafts the first MTP token."""
+        prompts = [row.request.prompt_ids for row in self.rows]
+        B, L = len(prompts), len(prompts[0])
+        self.valid[:, :L] = True
+        positions = torch.arange(start, L, device=self.device)[None].expand(B, -1)
+        ids = torch.tensor([list(p[start:]) for p in prompts], device=self.device)
+        h = self.model.hidden_states(ids, positions=positions, cache=self.cache, start_pos=start)
+        logits = self.model.lm_head(h[:, -1]).cpu()  # [B, V]
+        events = [self._guarded(row, lambda row=row, b=b: self._sample(row, logits[b][None], False))
+                  for b, row in enumerate(self.rows)]
+        self.cur = L
+        if self.engine.speculative:
+            nxt = torch.tensor([list(p[start + 1 :]) + [row.last] for p, row in zip(prompts, self.rows, strict=True)],
+                               device=self.device)
+            events += self._draft(h, nxt, positions, start, [L - start] * B)
         return events
 
     def _check_poison(self, logits: torch.Tensor) -> None:

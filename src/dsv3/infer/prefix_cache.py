@@ -433,28 +433,14 @@ class PrefixBatch(CachingBatch):
         if not self.rows:  # no request could start (their error events are already out)
             self._alloc(0, 0)
             return []
-        prompts = [row.request.prompt_ids for row in self.rows]
-        B, L = len(prompts), len(prompts[0])
-        self._alloc(B, self._capacity_for(L))
+        self._alloc(len(self.rows), self._capacity_for(len(self.rows[0].request.prompt_ids)))
         for b, row in enumerate(self.rows):
             chain = self.chains[id(row.request)]
             row.request.cached_tokens = self.engine.prefix_cache.copy_into(self.cache.kv[:, b], self.cache.pe[:, b],
                                                                            chain)
         cached = self.rows[0].request.cached_tokens
-        self.valid[:, :L] = True
-        start = cached - 1 if self.engine.speculative else cached  # MTP's slot cached-1 reads token `cached`
-        positions = torch.arange(start, L, device=self.device)[None].expand(B, -1)
-        ids = torch.tensor([list(p[start:]) for p in prompts], device=self.device)
-        h = self.model.hidden_states(ids, positions=positions, cache=self.cache, start_pos=start)
-        logits = self.model.lm_head(h[:, -1]).cpu()  # [B, V]
-        events = [self._guarded(row, lambda row=row, b=b: self._sample(row, logits[b][None], None))
-                  for b, row in enumerate(self.rows)]
-        self.cur = L
-        if self.engine.speculative:
-            nxt = torch.tensor([list(p[start + 1 :]) + [row.last] for p, row in zip(prompts, self.rows, strict=True)],
-                               device=self.device)
-            events += self._draft(h, nxt, positions, start, [L - start] * B)
-        return events
+        # with MTP from slot cached - 1: the blocks lack its MTP entry (see the module docstring)
+        return self._prefill_from(cached - 1 if self.engine.speculative else cached)
 
 
 def parse_size(text: str, flag: str) -> int:

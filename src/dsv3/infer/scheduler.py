@@ -4,6 +4,11 @@ New requests are prefilled as their own batch and merged into the running one at
 request never waits for others to finish; a cancelled request (its client went away) is dropped from
 the batch at the next step, which frees its share of the compute and of the cache. Every request's
 timing and every step's batch size go to ``metrics`` (``GET /metrics``).
+
+With ``engine.max_prefill_tokens`` set, at most that many prompt tokens are prefilled between two decode
+steps: admitted requests wait their turn in ``prefilling``, short prompts are prefilled together while
+their lengths fit the budget, and a longer prompt a chunk at a time (``dsv3.infer.chunked_prefill``): the
+streams that are decoding wait for one chunk at a time, not for the whole prefill.
 """
 
 from __future__ import annotations
@@ -11,8 +16,10 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+from collections import deque
 from collections.abc import Callable
 
+from dsv3.infer.chunked_prefill import ChunkedPrefill
 from dsv3.infer.engine import Batch, Engine, Event, Request, merged
 from dsv3.infer.metrics import ServingMetrics
 
@@ -25,11 +32,12 @@ class Scheduler:
         self.pending: queue.Queue[tuple[Request, Deliver]] = queue.Queue()
         self.listeners: dict[int, Deliver] = {}
         self.batch: Batch | None = None
+        self.prefilling: deque[Request | ChunkedPrefill] = deque()  # admitted, prefill not finished (in order)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.metrics = metrics or ServingMetrics()
         self.metrics.running = lambda: self.active
-        self.metrics.waiting = self.pending.qsize
+        self.metrics.waiting = lambda: self.pending.qsize() + len(self.prefilling)  # none has its first token yet
         self.metrics.prefix_cache = engine.prefix_cache
 
     # ---- lifecycle --------------------------------------------------------------------------
@@ -82,26 +90,81 @@ class Scheduler:
                 self.batch = None
 
     def _admit(self) -> None:
-        room = self.max_batch - self.active
+        """Take queued requests while the batch has room, then run the next share of prefill work."""
+        room = self.max_batch - self.active - len(self.prefilling)
         new: list[tuple[Request, Deliver]] = []
         try:
-            if self.batch is None:
+            if self.batch is None and not self.prefilling:
                 new.append(self.pending.get(timeout=0.05))
             while len(new) < room:
                 new.append(self.pending.get_nowait())
         except queue.Empty:
             pass
-        for r, _ in new:
+        for r, d in new:
             if r.cancelled:
                 self.metrics.finished(r, "cancelled")
-        new = [(r, d) for r, d in new if not r.cancelled]
-        if not new:
-            return
-        for r, d in new:
+                continue
             self.listeners[id(r)] = d
+            self.prefilling.append(r)
+        self._prefill_next()
+
+    def _prefill_next(self) -> None:
+        """Prefill work up to the budget (``engine.max_prefill_tokens``; all of it when None): one chunk of
+        a long prompt, or the next prompts whose lengths fit together; each finished batch joins."""
+        self._drop_cancelled()
+        if not self.prefilling:
+            return
+        budget = self.engine.max_prefill_tokens
+        if isinstance(self.prefilling[0], ChunkedPrefill):
+            self._advance(self.prefilling[0])
+            return
+        take = self._fitting(budget)
+        if not take:  # the next prompt alone is over the budget: chunk it
+            request = self.prefilling[0]
+            self.metrics.admitted(request)
+            try:
+                self.prefilling[0] = ChunkedPrefill(self.engine, request, budget)
+            except Exception as exc:
+                self.prefilling.popleft()
+                self._fail([request], exc)
+                return
+            self._advance(self.prefilling[0])
+            return
+        for r in take:
             self.metrics.admitted(r)
-        for fresh in self._prefill([r for r, _ in new]):
+        for fresh in self._prefill(take):
             self._join(fresh)
+
+    def _fitting(self, budget: int | None) -> list[Request]:
+        """The waiting requests at the head of ``prefilling`` whose prompts fit ``budget`` tokens together
+        (all of them when None), taken off it."""
+        take, tokens = [], 0
+        while self.prefilling and isinstance(self.prefilling[0], Request):
+            tokens += len(self.prefilling[0].prompt_ids)
+            if budget is not None and tokens > budget:
+                break
+            take.append(self.prefilling.popleft())
+        return take
+
+    def _advance(self, work: ChunkedPrefill) -> None:
+        """The next chunk of the prompt at the head of ``prefilling``; its batch joins after the last."""
+        try:
+            fresh = work.advance()
+        except Exception as exc:  # this request fails alone
+            self.prefilling.popleft()
+            self._fail([work.request], exc)
+            return
+        if fresh is not None:
+            self.prefilling.popleft()
+            self._join(fresh)
+
+    def _drop_cancelled(self) -> None:
+        """Requests whose clients went away while they waited for (or were in) their prefill."""
+        for work in [w for w in self.prefilling if _request_of(w).cancelled]:
+            self.prefilling.remove(work)
+            request = _request_of(work)
+            self.listeners.pop(id(request), None)
+            self.metrics.finished(request, "cancelled")
 
     def _prefill(self, requests: list[Request]) -> list[Batch]:
         """The new requests prefilled together; when that fails, each alone, so that a request that
@@ -139,3 +202,7 @@ class Scheduler:
             deliver = self.listeners.pop(id(r), None)
             if deliver is not None:
                 deliver(exc)
+
+
+def _request_of(work: Request | ChunkedPrefill) -> Request:
+    return work.request if isinstance(work, ChunkedPrefill) else work

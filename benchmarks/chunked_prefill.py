@@ -1,0 +1,178 @@
+"""What a long prompt does to the streams that are decoding, with and without chunked prefill, through a
+real `dsv3 serve` process (`--max-prefill-tokens N`; 0 prefills whole prompts).
+
+A random-weight checkpoint (the ``small`` shape with ``--layers`` layers, no MTP layer, bf16, a context of
+8,192 positions) is saved to a temporary folder. For each N a server is started; ``--streams`` requests
+stream their replies (short prompts, every token's arrival timed); after ``--warmup-s`` seconds a
+``--long-prompt``-token prompt arrives. Its time to first token (TTFT) is timed, and the streams' time per
+output token (TPOT: the gap between two tokens of a stream) is summed up in two windows: before it arrived
+(the undisturbed decode) and from its arrival to its first token (while it is prefilled). The streams are
+closed ``--tail-s`` seconds after that first token.
+
+    .venv/bin/python benchmarks/chunked_prefill.py --json > /tmp/chunked.json
+
+writes docs/figures/chunked_prefill.png (TPOT and TTFT over time, one panel per N; docs/inference.md shows
+it) and prints the table, or the JSON for benchmarks/record_result.py (benchmarks/results/chunked_prefill.json).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from dsv3.config import preset
+from dsv3.infer.bench_serve import make_prompts, model_card, percentile, stream_completion
+from dsv3.infer.loading import TOKENIZER_FILE
+from dsv3.io import save_figure
+from dsv3.model import Transformer
+from dsv3.option_lists import parse_list
+from serve_prefix_cache import server_command, start_server
+
+ROOT = Path(__file__).resolve().parents[1]
+FIGURE = ROOT / "docs" / "figures" / "chunked_prefill.png"
+STREAM_TOKENS = 4000  # more than the streams live for (they are closed --tail-s after the long prompt's first token)
+
+
+def save_checkpoint(folder: Path, layers: int) -> None:
+    """The random checkpoint, with a tokenizer whose every token is a word ("t17"): the server streams a
+    chunk per token only when the token has text."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    torch.manual_seed(0)
+    cfg = dataclasses.replace(preset("small"), num_hidden_layers=layers, num_nextn_predict_layers=0,
+                              torch_dtype="bfloat16", max_position_embeddings=8192)
+    Transformer(cfg).to(torch.bfloat16).save_pretrained(folder)
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(cfg.vocab_size)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.save(str(folder / TOKENIZER_FILE))
+
+
+def one_run(url: str, args) -> dict:
+    """The streams, the long prompt arriving among them, and every token's arrival time (seconds after it)."""
+    card = model_card(url)
+    vocab, model = card["vocab_size"], card["id"]
+    short = make_prompts(args.streams, 16, 0, vocab, seed=1)
+    long_prompt = make_prompts(1, args.long_prompt, 0, vocab, seed=2)[0]
+    arrivals: list[list[float]] = [[] for _ in short]
+    errors: list[str] = []
+    stop_at = [float("inf")]
+
+    def stream(i: int) -> None:
+        def on_token(now: float) -> bool:
+            arrivals[i].append(now)
+            return now < stop_at[0]
+
+        out = stream_completion(url, model, short[i], STREAM_TOKENS, 600, on_token)
+        if not out.ok:
+            errors.append(out.error)
+
+    threads = [threading.Thread(target=stream, args=(i,), daemon=True) for i in range(len(short))]
+    for t in threads:
+        t.start()
+    while not all(arrivals):
+        if errors:
+            raise SystemExit(f"a stream failed: {errors[0]}")
+        time.sleep(0.01)
+    time.sleep(args.warmup_s)
+    sent = time.perf_counter()
+    long_tokens: list[float] = []
+    out = stream_completion(url, model, long_prompt, 4, 600, lambda now: long_tokens.append(now) or True)
+    if not out.ok:
+        raise SystemExit(f"the long prompt failed: {out.error}")
+    first = long_tokens[0]
+    stop_at[0] = first + args.tail_s
+    for t in threads:
+        t.join(timeout=600)
+    gaps = [(b - sent, 1000 * (b - a)) for times in arrivals for a, b in zip(times, times[1:], strict=False)]
+    return {"ttft_ms": 1000 * (first - sent), "gaps": gaps}
+
+
+def summary(run: dict) -> dict:
+    """TPOT before the long prompt arrived, and of the gaps that overlap its prefill (arrival to first token)."""
+    before = [ms for end, ms in run["gaps"] if end < 0]
+    during = [ms for end, ms in run["gaps"] if end > 0 and end - ms / 1000 < run["ttft_ms"] / 1000]  # overlaps it
+    median = statistics.median(before)
+    p99 = percentile(during, 99) or median
+    return {"ttft_ms": run["ttft_ms"], "tpot_ms_median_before": median, "tpot_ms_p99_during": p99,
+            "tpot_ms_max_during": max(during, default=median), "p99_during_over_median": p99 / median,
+            "tokens_during": len(during)}
+
+
+def plot(runs: dict[int, dict], path: Path, long_prompt: int) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs), 4.4), sharey=True, squeeze=False)
+    for ax, (n, run) in zip(axes[0], runs.items(), strict=True):
+        s = summary(run)
+        end, ms = (list(x) for x in zip(*run["gaps"], strict=True))
+        ax.hlines(ms, [e - m / 1000 for e, m in zip(end, ms, strict=True)], end, color="tab:blue", linewidth=2,
+                  label="TPOT of the decoding streams (each gap between two tokens)")
+        ax.axvspan(0, s["ttft_ms"] / 1000, color="tab:orange", alpha=0.15,
+                   label=f"long prompt's prefill: TTFT {s['ttft_ms']:,.0f} ms")
+        ax.axhline(3 * s["tpot_ms_median_before"], color="tab:red", linestyle="--", linewidth=1,
+                   label="3x the median TPOT before")
+        ax.set_yscale("log")
+        ax.set_title(f"--max-prefill-tokens {n}" + (" (whole prompts)" if n == 0 else "") +
+                     f"\nTPOT p99 while prefilled: {s['p99_during_over_median']:.1f}x the median")
+        ax.set_xlabel(f"seconds since the {long_prompt:,}-token prompt arrived")
+        ax.grid(alpha=0.3, which="both")
+        ax.set_ylim(bottom=1)  # two tokens read at once make a gap of microseconds: off the plot
+        ax.legend(loc="lower right", fontsize=8)
+    axes[0][0].set_ylabel("time per output token (ms, log scale)")
+    fig.tight_layout()
+    save_figure(fig, path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--chunks", default="0,128", help="--max-prefill-tokens values, comma-separated (default: 0,128)")
+    ap.add_argument("--layers", type=int, default=4, help="layers of the small shape (default: 4)")
+    ap.add_argument("--streams", type=int, default=4)
+    ap.add_argument("--long-prompt", type=int, default=4000)
+    ap.add_argument("--warmup-s", type=float, default=1.0)
+    ap.add_argument("--tail-s", type=float, default=1.0)
+    ap.add_argument("--threads", type=int, default=1, help="the server's torch threads")
+    ap.add_argument("--figure", type=Path, default=FIGURE)
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args()
+    chunks = parse_list(args.chunks, "--chunks", int)
+    runs, load = {}, os.getloadavg()[0]  # the machine is shared: say how busy it was
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = Path(tmp) / "model"
+        save_checkpoint(folder, args.layers)
+        for n in chunks:
+            proc, url = start_server(server_command(folder, args.threads, flags=("--max-prefill-tokens", str(n))),
+                                     args.threads, Path(tmp) / f"serve-{n}.log")
+            try:
+                runs[n] = one_run(url, args)
+            finally:
+                proc.terminate()
+                proc.wait(timeout=60)
+    plot(runs, args.figure, args.long_prompt)
+    result = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "figure")},
+              "load_average_1min_before": load,
+              "runs": {str(n): summary(run) for n, run in runs.items()}}
+    if args.json:
+        print(json.dumps(result, indent=2))
+        return
+    print(f"{'max-prefill-tokens':>18} {'TTFT ms':>9} {'TPOT p50 before':>16} {'TPOT p99 during':>16} "
+          f"{'p99/p50':>8} {'TPOT max during':>16}")
+    for n, s in result["runs"].items():
+        print(f"{n:>18} {s['ttft_ms']:>9,.0f} {s['tpot_ms_median_before']:>16.1f} {s['tpot_ms_p99_during']:>16.1f} "
+              f"{s['p99_during_over_median']:>8.1f} {s['tpot_ms_max_during']:>16.1f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,103 @@
+"""Chunked prefill: a long prompt prefilled a chunk at a time, between the running batch's decode steps.
+
+A prompt's prefill is one forward over all its tokens; on a CPU a 4,000-token prompt takes most of a
+second, and every stream that is decoding meanwhile gets no token. The server's scheduler therefore
+spends at most ``max_prefill_tokens`` prompt tokens of prefill between two decode steps: short prompts
+are prefilled together as before, and a longer one is cut into chunks of that many tokens (the
+``--max-prefill-tokens`` option of ``dsv3 serve``).
+
+A chunk is the prompt's tokens [s, e) run through the model at positions s.. with the cache already
+holding slots [0, s), so it attends to every earlier chunk: the same computation as one prefill, in
+pieces (the attention of later chunks reads the latent cache absorbed, as a decode step does, so the
+numbers may differ in the last bits, as a cached prefix's do). The last chunk is prefilled by the batch
+the request joins (``Batch._prefill_from``), which samples its first token; with MTP speculation each
+chunk also runs the MTP layer over its slots, whose next tokens are the prompt's own (the last chunk's
+last one is the first sampled token, as in a whole prefill). With a prefix cache, a prompt's cached
+blocks are copied in first and only the rest is chunked; the finished prompt's blocks are cached as a
+whole prefill's are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from dsv3.errors import DSV3Error
+from dsv3.infer.engine import Batch, Engine, Event, Request
+from dsv3.infer.prefix_cache import CachingBatch
+from dsv3.model.mla import LatentCache
+
+
+class ChunkedPrefill:
+    """One request's prompt being prefilled ``chunk_tokens`` at a time; ``advance`` runs the next chunk and,
+    after the last, returns the batch that holds the request (its first token in ``first_events``)."""
+
+    def __init__(self, engine: Engine, request: Request, chunk_tokens: int):
+        if chunk_tokens < 1:
+            raise DSV3Error(f"a prefill chunk must hold >= 1 token, got {chunk_tokens}")
+        self.engine, self.request, self.chunk_tokens = engine, request, chunk_tokens
+        prompt = request.prompt_ids
+        slots = len(prompt) + request.max_new_tokens + 2  # what the batch would allocate for one row, and a draft
+        self.cache: LatentCache = engine.model.new_cache(1, slots, dtype=engine.cache_dtype)
+        self.done = self._copy_cached_prefix()
+
+    @property
+    def remaining(self) -> int:
+        """Prompt tokens not prefilled yet."""
+        return len(self.request.prompt_ids) - self.done
+
+    def _copy_cached_prefix(self) -> int:
+        """Copy the prompt's cached blocks (if any) into the cache; returns the first slot left to prefill
+        (with MTP, the slot before the prefix's end: the cached blocks lack its MTP entry)."""
+        cache = self.engine.prefix_cache
+        if cache is None:
+            return 0
+        chain = cache.match(self.request.prompt_ids)
+        try:
+            n = cache.copy_into(self.cache.kv[:, 0], self.cache.pe[:, 0], chain) if chain else 0
+        finally:
+            cache.release(chain)
+        self.request.cached_tokens = n
+        return n - 1 if n and self.engine.speculative else n
+
+    @torch.inference_mode()
+    def advance(self) -> Batch | None:
+        """Prefill the next chunk; the request's batch once the prompt is all in, else None."""
+        if self.remaining <= self.chunk_tokens:
+            return PrefilledBatch(self.engine, self.request, self.cache, self.done)
+        self._chunk(self.done, self.done + self.chunk_tokens)
+        self.done += self.chunk_tokens
+        return None
+
+    def _chunk(self, start: int, end: int) -> None:
+        """Slots [start, end) of the main layers (and of the MTP layer, whose next tokens the prompt holds)."""
+        model, device, prompt = self.engine.model, self.engine.device, self.request.prompt_ids
+        ids = torch.tensor([prompt[start:end]], device=device)
+        positions = torch.arange(start, end, device=device)[None]
+        h = model.hidden_states(ids, positions=positions, cache=self.cache, start_pos=start)
+        if self.engine.speculative:
+            nxt = torch.tensor([prompt[start + 1 : end + 1]], device=device)
+            model.mtp_hidden(0, h, nxt, positions, cache=self.cache, start_pos=start)
+
+
+class PrefilledBatch(CachingBatch):
+    """The batch of one request whose cache already holds its prompt's slots [0, ``done``): it prefills the
+    rest (the last chunk) and samples the first token; its blocks go to the prefix cache when there is one."""
+
+    def __init__(self, engine: Engine, request: Request, cache: LatentCache, done: int):
+        self._given, self._done = cache, done
+        super().__init__(engine, [request])
+
+    @torch.inference_mode()
+    def _prefill(self) -> list[Event]:
+        self.cur, self.holes = 0, False
+        if not self.rows:  # the request could not start (its error event is already out)
+            self._alloc(0, 0)
+            return []
+        self.cache = self._given
+        self.valid = torch.zeros(1, self.cache.max_len, dtype=torch.bool)
+        self._record_cache()
+        return self._prefill_from(self._done)
+
+    def _prefilled(self) -> None:
+        if self.engine.prefix_cache is not None:
+            super()._prefilled()

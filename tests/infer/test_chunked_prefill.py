@@ -1,0 +1,136 @@
+"""Chunked prefill (`serve --max-prefill-tokens N`): a long prompt prefilled a chunk at a time between the
+running batch's decode steps gives the tokens a whole prefill gives, and lets the running streams go on."""
+
+import random
+import time
+
+import pytest
+
+from dsv3.cli import main
+from dsv3.infer.chunked_prefill import ChunkedPrefill
+from dsv3.infer.engine import Engine, Event, Request
+from dsv3.infer.prefix_cache import PrefixCache
+from dsv3.infer.sampling import GREEDY
+from dsv3.infer.scheduler import Scheduler
+
+from .conftest import tiny_model
+
+PROMPT = [random.Random(0).randrange(300) for _ in range(300)]
+
+
+@pytest.fixture(scope="module")
+def long_model():
+    """The tiny model with a context of 2048 positions (its weights do not depend on it)."""
+    net = tiny_model()
+    net.config = net.config.replace(max_position_embeddings=2048)
+    return net
+
+
+def chunked(engine: Engine, request: Request, chunk_tokens: int) -> tuple[list[int], int, int]:
+    """(tokens, chunks run before the last, MTP drafts accepted) of ``request`` prefilled ``chunk_tokens``
+    at a time, then decoded to the end."""
+    work, batch, chunks = ChunkedPrefill(engine, request, chunk_tokens), None, 0
+    while batch is None:
+        batch = work.advance()
+        chunks += batch is None
+    tokens = [t for ev in batch.first_events for t in ev.token_ids]
+    while batch.rows:
+        tokens += [t for ev in batch.step() for t in ev.token_ids]
+    return tokens, chunks, batch.stats.accepted
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "mtp"])
+def test_chunks_of_any_size_give_the_whole_prefills_greedy_tokens_and_drafts(long_model, speculative):
+    engine = Engine(long_model, speculative=speculative, eos_token_ids=frozenset())
+    whole = engine.stream([Request(PROMPT, 12, GREEDY)])
+    want = [t for ev in whole for t in ev.token_ids]
+    accepted = engine.last_stats.accepted
+    for size, chunks in ((1, 299), (7, 42), (64, 4), (299, 1), (300, 0)):
+        tokens, ran, got_accepted = chunked(engine, Request(PROMPT, 12, GREEDY), size)
+        assert (tokens, ran) == (want, chunks), size
+        if speculative:  # the MTP layer's cache entries of every chunk are the whole prefill's
+            assert got_accepted == accepted, size
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "mtp"])
+def test_a_cached_prefix_is_copied_and_only_the_rest_is_chunked(long_model, speculative):
+    engine = Engine(long_model, speculative=speculative, eos_token_ids=frozenset())
+    want = engine.generate([Request(PROMPT, 12, GREEDY)])[0].token_ids
+    PrefixCache.for_engine(engine, 1 << 30)
+    engine.generate([Request(PROMPT[:200] + [1, 2, 3], 2, GREEDY)])  # caches 12 blocks of 16 tokens
+    request = Request(PROMPT, 12, GREEDY)
+    tokens, chunks, _ = chunked(engine, request, 32)
+    assert request.cached_tokens == 192 and tokens == want
+    assert chunks == (300 - 192 - speculative - 1) // 32  # with MTP the prefix's last slot is prefilled again
+    again = Request(PROMPT, 12, GREEDY)  # the chunked prompt's own blocks were cached as a whole prefill's
+    assert chunked(engine, again, 32)[0] == want and again.cached_tokens == 288
+
+
+def test_running_streams_get_a_token_per_chunk_while_a_long_prompt_is_prefilled(long_model, tokenizer):
+    """The scheduler's events in the order it delivers them: between a long prompt's arrival and its first
+    token, the stream that was decoding gets about a token per chunk (without chunking the prefill is one
+    piece of work, and it gets at most the one step that was under way). The long prompt's reply is the one
+    a whole prefill gives."""
+    engine = Engine(long_model, tokenizer, eos_token_ids=frozenset())
+    want = engine.generate([Request(PROMPT, 4, GREEDY)])[0].token_ids
+    engine.max_prefill_tokens = 16
+    scheduler = Scheduler(engine, max_batch=4)
+    delivered: list[tuple[str, Event]] = []
+    running, long = Request([5, 6, 7], 1000, GREEDY), Request(PROMPT, 4, GREEDY)
+    scheduler.start()
+    try:
+        scheduler.pending.put((running, lambda ev: delivered.append(("running", ev))))
+        deadline = time.time() + 60
+        while not delivered and time.time() < deadline:
+            time.sleep(0.001)
+        arrived = len(delivered)
+        scheduler.pending.put((long, lambda ev: delivered.append(("long", ev))))
+        while not any(ev.finish_reason for who, ev in delivered if who == "long") and time.time() < deadline:
+            time.sleep(0.01)
+        running.cancelled = True
+    finally:
+        scheduler.stop()
+    order = [who for who, _ in delivered[arrived:]]
+    assert [t for who, ev in delivered if who == "long" for t in ev.token_ids] == want
+    assert order.index("long") >= 300 // 16 - 1, order.index("long")
+
+
+def test_a_request_cancelled_between_chunks_leaves_the_queue_and_frees_its_place(long_model):
+    """A client that goes away while its prompt is being chunked: the request is dropped at the next chunk,
+    counted as cancelled, and its place in the batch goes to the next request."""
+    engine = Engine(long_model, eos_token_ids=frozenset())
+    engine.max_prefill_tokens = 1
+    scheduler = Scheduler(engine, max_batch=1)
+    delivered: list[Event] = []
+    gone, waiting = Request(PROMPT, 4, GREEDY), Request([5, 6, 7], 3, GREEDY)
+    scheduler.start()
+    try:
+        for request in (gone, waiting):
+            scheduler.metrics.arrived(request)  # as Scheduler.submit does
+            scheduler.pending.put((request, delivered.append))
+        deadline = time.time() + 60
+        while not (scheduler.prefilling and isinstance(scheduler.prefilling[0], ChunkedPrefill)
+                   and scheduler.prefilling[0].done >= 8) and time.time() < deadline:
+            time.sleep(0.001)
+        assert scheduler.metrics.waiting() == 2  # /metrics: the one being chunked and the one queued behind it
+        gone.cancelled = True
+        while not any(ev.finish_reason for ev in delivered) and time.time() < deadline:
+            time.sleep(0.01)
+    finally:
+        scheduler.stop()
+    assert all(ev.request is waiting for ev in delivered)  # the cancelled request gets no event
+    assert sum(len(ev.token_ids) for ev in delivered) == 3 and delivered[-1].finish_reason == "length"
+    assert {k: n for k, n in scheduler.metrics.requests.items() if n} == {"cancelled": 1, "length": 1}
+    assert not scheduler.prefilling and id(gone) not in scheduler.listeners
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-prefill-tokens", "-1"], "--max-prefill-tokens must be >= 0, got -1"),
+    (["--ep", "2", "--max-prefill-tokens", "64"], "drop --max-prefill-tokens"),
+])
+def test_bad_max_prefill_tokens_is_one_error_line(flags, message, tmp_path, capsys, monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    tiny_model(layers=1).save_pretrained(tmp_path)
+    assert main(["serve", "--model", str(tmp_path), *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
