@@ -247,3 +247,20 @@ def test_out_of_range_values_get_one_400_naming_the_parameter(server, field, val
     r = _post(server[0], {"prompt": [1, 2], "max_tokens": 4, field: value})
     assert r.status_code == 400 and r.json()["error"]["param"] == field
     assert r.json()["error"]["message"].startswith(field)
+
+
+def test_chunked_prefill_gives_the_same_choices_and_penalised_tokens(model, tokenizer):
+    """A prompt longer than the prefill budget is prefilled in chunks: its n seeded choices and a penalised
+    request decode exactly as with whole prefills (the choices' shared prefill and the penalties' prompt
+    counts must not depend on how the prompt was cut)."""
+    prompt = [(7 * i + 3) % 50 for i in range(40)]
+    bodies = [{"prompt": prompt, "max_tokens": 12, "temperature": 1.2, "n": 3, "seed": 99, "ignore_eos": True},
+              {"prompt": prompt[:30], "max_tokens": 12, "temperature": 0, "ignore_eos": True, **PENALTIES}]
+    outputs = []
+    for budget in (None, 8):
+        engine = Engine(model, tokenizer)
+        engine.max_prefill_tokens = budget
+        with serving(create_app(engine, model_name="tiny", max_batch=8)) as url:
+            outputs.append([[c["text"] for c in _post(url, b).json()["choices"]] for b in bodies])
+    assert outputs[0] == outputs[1]
+    assert len(set(outputs[0][0])) > 1  # the choices differ from each other
