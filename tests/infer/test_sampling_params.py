@@ -3,6 +3,7 @@ min_tokens, checked against a direct forward of the model with each definition a
 
 import json
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -260,7 +261,11 @@ def test_chunked_prefill_gives_the_same_choices_and_penalised_tokens(model, toke
     for budget in (None, 8):
         engine = Engine(model, tokenizer)
         engine.max_prefill_tokens = budget
-        with serving(create_app(engine, model_name="tiny", max_batch=8)) as url:
+        with serving(create_app(engine, model_name="tiny", max_batch=8)) as url, ThreadPoolExecutor(1) as pool:
+            # a stream decoding meanwhile: the server chunks prompts only while others decode
+            running = pool.submit(_post, url, {"prompt": [1, 2], "max_tokens": 200, "ignore_eos": True})
+            time.sleep(0.5)
             outputs.append([[c["text"] for c in _post(url, b).json()["choices"]] for b in bodies])
+            assert running.result().status_code == 200
     assert outputs[0] == outputs[1]
     assert len(set(outputs[0][0])) > 1  # the choices differ from each other

@@ -109,12 +109,15 @@ class Scheduler:
         self._prefill_next()
 
     def _prefill_next(self) -> None:
-        """Prefill work up to the budget (``engine.max_prefill_tokens``; all of it when None): one chunk of
-        a long prompt, or the next prompts whose lengths fit together; each finished batch joins."""
+        """Prefill work up to the budget (``engine.max_prefill_tokens`` while a batch decodes; all of it when
+        None or when nothing decodes): one chunk of a long prompt, or the next prompts whose lengths fit
+        together; each finished batch joins."""
         self._drop_cancelled()
         if not self.prefilling:
             return
-        budget = self.engine.max_prefill_tokens
+        # a budget only while streams decode: chunks exist to let them go on, and with none running a whole
+        # prefill reaches the first token sooner (each chunk is a forward with its own fixed cost)
+        budget = self.engine.max_prefill_tokens if self.batch is not None else None
         if isinstance(self.prefilling[0], ChunkedPrefill):
             self._advance(self.prefilling[0])
             return
