@@ -28,8 +28,10 @@ from dsv3.data import (
 from dsv3.data.tokenizer import default_cache_dir
 from dsv3.errors import DSV3Error
 from dsv3.layout import Layout
+from dsv3.model.init import seeded_values
 from dsv3.model.transformer import Transformer
 from dsv3.parallel.checkpoint import whole_model
+from dsv3.parallel.materialize import materialize
 from dsv3.parallel.memory import SavedTensorMeter, gather_memory, rank_memory
 from dsv3.parallel.parallelize import Parallelized, parallelize
 from dsv3.run_dir import SHARDED_DIR
@@ -127,16 +129,20 @@ def _by_tensor_kind(params: list) -> list[list]:
 
 
 def build_model(cfg: ModelConfig, opts: TrainOptions, world: World, layout: Layout | None = None) -> Parallelized:
-    """The model to train, fresh from the seed, with the numerics the options ask for, spread by ``layout``
-    (default: the one the options ask for on this world; every rank builds the same full model before
-    `parallelize` spreads it); a resumed run then loads each rank's share from the checkpoint
-    (`Parallelized.load_state`), whatever layout wrote it."""
+    """The model to train, with the numerics the options ask for, spread by ``layout`` (default: the one the
+    options ask for on this world). The whole model is built on ``meta`` (no memory), laid out, then each rank
+    materializes only its share (`materialize`): fresh from the seed, every tensor from its own name
+    (`dsv3.model.init`), so any layout holds the values one process has. A resumed run then loads each rank's
+    share from the checkpoint (`Parallelized.load_state`), whatever layout wrote it."""
     torch.manual_seed(opts.seed)
-    model = Transformer(cfg).to(world.device).train()
+    with torch.device("meta"):
+        model = Transformer(cfg).train()
     if opts.precision == "fp8":
         apply_fp8(model)
     apply_activation_checkpointing(model, opts.ac)
-    return parallelize(model, layout or training_layout(opts, world))
+    parallel = parallelize(model, layout or training_layout(opts, world), device=world.device)
+    materialize(parallel.model, world.device, seeded_values(cfg.initializer_range, opts.seed))
+    return parallel
 
 
 def with_layout(opts: TrainOptions, layout: Layout) -> TrainOptions:
