@@ -50,6 +50,7 @@ LAYOUT = {"ep", "dp_shard", "gpus_per_node", "pp", "pp_schedule", "microbatches"
 class TrainOptions:
     preset: str = "nano"
     config: str | None = None  # a config.json (or checkpoint folder) instead of the preset
+    init_from: str | None = None  # a DeepSeek-format checkpoint: its config and weights (fine-tuning)
     data: list[str] = field(default_factory=list)  # empty: the Python standard library
     out: str = "runs/nano"
     steps: int = 1000  # the schedule's total number of optimizer steps
