@@ -6,6 +6,7 @@ and exit status 2, before the run folder exists."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -224,3 +225,19 @@ def test_a_dsv3_fp8_checkpoint_with_its_mtp_layer_trains_from_the_same_model(tmp
     expected = reference.loss(ids[:, :-1], ids[:, 1:])
     assert float(parts[2]) > 0 and float(parts[2]) == pytest.approx(float(expected.mtp_loss), rel=1e-5)
     assert float(parts[0]) == pytest.approx(float(expected.loss), rel=1e-5)
+
+
+def test_a_fine_tuning_run_resumes_from_its_own_checkpoint(single_run, checkpoints, corpus_dir, cache_dir, tmp_path,
+                                                           same_training_as):
+    """Stopped after 3 of 5 steps and resumed, a fine-tuning run continues from its own (DCP) checkpoint and
+    config, not from --init-from's weights: its steps are the uninterrupted run's."""
+    from dsv3.train.run import run_training
+
+    out = tmp_path / "run"
+    opts = TrainOptions(init_from=str(checkpoints["v3"]), data=[str(corpus_dir)], out=str(out), steps=3,
+                        batch_size=4, seq_len=32, lr=3e-3, warmup=0, min_lr_ratio=1.0, save_every=5, eval_every=5,
+                        eval_tokens=128, cache_dir=str(cache_dir), device="cpu", val_fraction=0.1)
+    run_training(opts, show_progress=False, plots=False)
+    resumed = run_training(dataclasses.replace(opts, steps=5), resume=True, show_progress=False, plots=False)
+    assert resumed["step"] == 5
+    same_training_as(single_run, out)
