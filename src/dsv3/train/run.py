@@ -33,7 +33,7 @@ from dsv3.model.init import seeded_values
 from dsv3.model.transformer import Transformer
 from dsv3.parallel.checkpoint import whole_model
 from dsv3.parallel.materialize import materialize
-from dsv3.parallel.memory import SavedTensorMeter, gather_memory, rank_memory
+from dsv3.parallel.memory import FIELDS, SavedTensorMeter, gather_memory, rank_memory, resident_peak
 from dsv3.parallel.parallelize import Parallelized, parallelize
 from dsv3.run_dir import SHARDED_DIR
 from dsv3.train import checkpoints as ckpt
@@ -332,13 +332,15 @@ class _Run:
 
     def _record_memory(self, activations_peak: int) -> None:
         """run.json's ``memory``: per-rank bytes of parameters, gradients, optimizer state and the peak of
-        activations saved for backward over one step (a collective)."""
-        mine = rank_memory(self.model, self.optimizer, activations_peak)
-        per_rank = gather_memory(mine, self.world.rank, self.world.size, self.world.device)
+        activations saved for backward over one step, and each rank's peak resident memory up to then (the
+        load, the step and the optimizer state it created; a collective)."""
+        mine = {**rank_memory(self.model, self.optimizer, activations_peak), "resident_peak": resident_peak()}
+        per_rank = gather_memory(mine, self.world.rank, self.world.size, self.world.device, (*FIELDS, "resident_peak"))
+        peaks = [rank.pop("resident_peak") for rank in per_rank]
         self.memory_recorded = True
         if self.world.is_main:
             layout = self.parallel.layout.to_dict()
-            memory = {"step": self.state.step, "layout": layout, "per_rank": per_rank}
+            memory = {"step": self.state.step, "layout": layout, "per_rank": per_rank, "resident_peak": peaks}
             self.opts.save(self.run_dir / "run.json", extra={"memory": memory})
 
     def _after_step(self, stop_requested: bool) -> None:
