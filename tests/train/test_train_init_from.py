@@ -241,3 +241,14 @@ def test_a_fine_tuning_run_resumes_from_its_own_checkpoint(single_run, checkpoin
     resumed = run_training(dataclasses.replace(opts, steps=5), resume=True, show_progress=False, plots=False)
     assert resumed["step"] == 5
     same_training_as(single_run, out)
+
+
+def test_init_from_with_a_config_is_refused_by_the_options_too(checkpoints, tmp_path, capsys):
+    from dsv3.errors import DSV3Error
+
+    with pytest.raises(DSV3Error, match="--init-from takes the model's config from the checkpoint"):
+        TrainOptions(init_from=str(checkpoints["v3"]), config=str(checkpoints["v3"])).check()
+    line = _refused(["train", "--init-from", str(checkpoints["v3"]), "--config", str(checkpoints["v3"]), "--out",
+                     str(tmp_path / "run")], capsys)
+    assert line == "error: --init-from takes the model's config from the checkpoint; drop --preset and --config"
+    assert not (tmp_path / "run").exists()

@@ -22,16 +22,23 @@ def tensor_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest, "little") & (2**63 - 1)
 
 
-def initial_value(name: str, shape: tuple[int, ...], std: float, seed: int,
-                  dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The fresh value of tensor ``name`` of ``shape``, as `Transformer.reset_parameters` initializes its kind:
-    Normal(0, ``std``) for a matrix, ones for a norm's weight, zeros for the rest (router biases); on the CPU."""
-    if len(shape) >= 2:
-        generator = torch.Generator().manual_seed(tensor_seed(seed, name))
-        return torch.empty(shape, dtype=torch.float32).normal_(0.0, std, generator=generator).to(dtype)
+@torch.no_grad()
+def init_(name: str, t: torch.Tensor, std: float, generator: torch.Generator | None = None) -> torch.Tensor:
+    """Initialize tensor ``name`` in place by its kind: Normal(0, ``std``) for a matrix (drawn from
+    ``generator``, default torch's global one), ones for a norm's weight, zeros for the rest (router
+    biases). The one rule of `Transformer.reset_parameters` and of `initial_value`."""
+    if t.dim() >= 2:
+        return t.normal_(0.0, std, generator=generator)
     if name.endswith("norm.weight") or "layernorm" in name:
-        return torch.ones(shape, dtype=dtype)
-    return torch.zeros(shape, dtype=dtype)
+        return t.fill_(1.0)
+    return t.zero_()
+
+
+def initial_value(name: str, shape: tuple[int, ...], std: float, seed: int) -> torch.Tensor:
+    """The fresh fp32 value of tensor ``name`` of ``shape`` in a run seeded with ``seed`` (`init_` from the
+    tensor's own generator), on the CPU."""
+    generator = torch.Generator().manual_seed(tensor_seed(seed, name)) if len(shape) >= 2 else None
+    return init_(name, torch.empty(shape, dtype=torch.float32), std, generator)
 
 
 def seeded_values(std: float, seed: int):

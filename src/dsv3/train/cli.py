@@ -185,7 +185,7 @@ def _options(given: dict[str, Any], resume: str | None) -> TrainOptions:
             raise DSV3Error("--out and --resume name different folders; --resume continues the run in place")
         return resumed_options(TrainOptions.load(resume), {**given, "out": resume}).check()
     chosen = {k: v for k, v in given.items() if v is not None}
-    if "init_from" in chosen and ("preset" in chosen or "config" in chosen):
+    if "init_from" in chosen and "preset" in chosen:  # TrainOptions has a default preset, so it says --config only
         raise DSV3Error("--init-from takes the model's config from the checkpoint; drop --preset and --config")
     if "out" not in chosen:
         name = chosen.get("preset", "nano") if not {"config", "init_from"} & set(chosen) else "custom"

@@ -123,6 +123,8 @@ class TrainOptions:
             raise DSV3Error(
                 f"--batch-size ({self.batch_size}) must be a multiple of --grad-accum ({self.grad_accum})"
             )
+        if self.init_from and self.config:
+            raise DSV3Error("--init-from takes the model's config from the checkpoint; drop --preset and --config")
         if self.ep is not None and self.ep < 1:
             raise DSV3Error(f"--ep must be at least 1, got {self.ep}")
         self._check_pipeline()
