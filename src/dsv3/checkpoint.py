@@ -321,15 +321,24 @@ def read_tensors(files: list[Path], experts: set[int] | None = None) -> Iterator
     memory map: the pages of the file a process touched would count in its resident memory as long as the
     map lives, twice the weights at the peak of a load."""
     for f in files:
-        with open_safetensors(f):  # the header's checks, one clear error for a corrupt file
-            pass
+        header, data_start = read_header(f)
         with open(f, "rb") as stream:
-            header_len = int.from_bytes(stream.read(8), "little")
-            header = json.loads(stream.read(header_len))
             for name, info in header.items():
                 m = _EXPERT_INDEX.match(name)
-                if name != "__metadata__" and (experts is None or m is None or int(m[1]) in experts):
-                    yield name, _read_one(stream, f, name, info, 8 + header_len)
+                if experts is None or m is None or int(m[1]) in experts:
+                    yield name, _read_one(stream, f, name, info, data_start)
+
+
+def read_header(f: Path) -> tuple[dict[str, dict], int]:
+    """(name -> dtype, shape and byte offsets of every tensor, where the data starts) of the safetensors file
+    ``f``, checked first by safetensors itself (one clear error for a corrupt file)."""
+    with open_safetensors(f):
+        pass
+    with open(f, "rb") as stream:
+        header_len = int.from_bytes(stream.read(8), "little")
+        header = json.loads(stream.read(header_len))
+    header.pop("__metadata__", None)
+    return header, 8 + header_len
 
 
 def _read_one(stream, f: Path, name: str, info: dict, data_start: int, rows: slice | None = None) -> torch.Tensor:
@@ -559,10 +568,8 @@ class CheckpointValues:
         self.where: dict[str, tuple[Path, dict, int]] = {}  # name -> (file, header entry, data start)
         self.bytes_read, self.names_read = 0, set()  # what this process read: its share, never the whole
         for f in checkpoint_files(path):
-            with open(f, "rb") as stream:
-                header_len = int.from_bytes(stream.read(8), "little")
-                header = json.loads(stream.read(header_len))
-            self.where.update({n: (f, info, 8 + header_len) for n, info in header.items() if n != "__metadata__"})
+            header, data_start = read_header(f)
+            self.where.update({name: (f, info, data_start) for name, info in header.items()})
         self.total_bytes = sum(info["data_offsets"][1] - info["data_offsets"][0] for _, info, _ in self.where.values())
         self.copies = {main: [f"model.layers.{cfg.num_hidden_layers + k}.{suffix}"
                               for k in range(cfg.num_nextn_predict_layers)]
