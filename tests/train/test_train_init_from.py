@@ -120,13 +120,15 @@ def _refused(argv: list[str], capsys) -> str:
 
     assert main(argv) == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert [line for line in lines if line.startswith("error:")] == lines[:1], lines  # one error, its details
-    assert not any("Traceback" in line for line in lines), lines
-    return lines[0]
+    errors = [line for line in lines if line.startswith("error:")]  # one error (its details may follow)
+    assert len(errors) == 1 and not any("Traceback" in line for line in lines), lines
+    return errors[0]
 
 
 def test_a_missing_partial_or_misfit_checkpoint_is_one_error_line_and_no_run_folder(
         checkpoints, corpus_dir, cache_dir, tmp_path, capsys):
+    from safetensors.torch import load_file, save_file
+
     out = tmp_path / "run"
     argv = lambda folder, *extra: init_argv(folder, corpus_dir, cache_dir, out, *extra)  # noqa: E731
     assert _refused(argv(tmp_path / "nowhere"), capsys).startswith("error: checkpoint folder not found")
@@ -142,6 +144,14 @@ def test_a_missing_partial_or_misfit_checkpoint_is_one_error_line_and_no_run_fol
     config = json.loads((checkpoints["v3"] / "config.json").read_text())
     (misfit / "config.json").write_text(json.dumps({**config, "hidden_size": 64}))
     assert _refused(argv(misfit), capsys).startswith("error: checkpoint does not match its config.json")
+    corrupt = tmp_path / "nan"
+    corrupt.mkdir()
+    tensors = load_file(str(checkpoints["v3"] / "model.safetensors"))
+    tensors["model.layers.2.mlp.experts.5.up_proj.weight"][3, 1] = float("nan")
+    save_file(tensors, str(corrupt / "model.safetensors"))
+    (corrupt / "config.json").write_text((checkpoints["v3"] / "config.json").read_text())
+    assert _refused(argv(corrupt), capsys) == ("error: tensor model.layers.2.mlp.experts.5.up_proj.weight holds NaN "
+                                               "or infinite values: the checkpoint is corrupt")
     line = _refused(["train", "--init-from", str(checkpoints["v3"]), "--preset", "nano", "--out", str(out)], capsys)
     assert line == "error: --init-from takes the model's config from the checkpoint; drop --preset and --config"
     assert not out.exists()
