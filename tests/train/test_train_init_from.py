@@ -262,3 +262,11 @@ def test_init_from_with_a_config_is_refused_by_the_options_too(checkpoints, tmp_
                      str(tmp_path / "run")], capsys)
     assert line == "error: --init-from takes the model's config from the checkpoint; drop --preset and --config"
     assert not (tmp_path / "run").exists()
+
+
+def test_run_json_records_each_ranks_resident_peak(single_run):
+    """run.json's memory.resident_peak: the process's VmHWM after the first step, above what it counted."""
+    memory = json.loads((single_run / "run.json").read_text())["memory"]
+    (peak,), (counted,) = memory["resident_peak"], memory["per_rank"]
+    assert peak > counted["parameters"] + counted["gradients"] + counted["optimizer"] > 0
+    assert "resident_peak" not in counted  # per_rank keeps the tensor counts only
