@@ -112,7 +112,7 @@ def test_the_export_loads_in_transformers_like_the_original(single_run, checkpoi
     assert not info["missing_keys"] and not info["unexpected_keys"]
     assert type(tuned) is type(original)
     moved = [n for n, p in original.state_dict().items() if not torch.equal(p, tuned.state_dict()[n])]
-    assert "model.layers.1.mlp.experts.gate_up_proj" in moved or any("experts" in n for n in moved)
+    assert any(".mlp.experts." in n for n in moved) and any("self_attn" in n for n in moved)
 
 
 def _refused(argv: list[str], capsys) -> str:
