@@ -16,6 +16,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -320,27 +321,43 @@ def read_tensors(files: list[Path], experts: set[int] | None = None) -> Iterator
     memory map: the pages of the file a process touched would count in its resident memory as long as the
     map lives, twice the weights at the peak of a load."""
     for f in files:
-        with open_safetensors(f):  # the header's checks, one clear error for a corrupt file
-            pass
+        header, data_start = read_header(f)
         with open(f, "rb") as stream:
-            header_len = int.from_bytes(stream.read(8), "little")
-            header = json.loads(stream.read(header_len))
             for name, info in header.items():
                 m = _EXPERT_INDEX.match(name)
-                if name != "__metadata__" and (experts is None or m is None or int(m[1]) in experts):
-                    yield name, _read_one(stream, f, name, info, 8 + header_len)
+                if experts is None or m is None or int(m[1]) in experts:
+                    yield name, _read_one(stream, f, name, info, data_start)
 
 
-def _read_one(stream, f: Path, name: str, info: dict, data_start: int) -> torch.Tensor:
-    """Tensor ``name`` of an open safetensors file, read in place into a new tensor."""
+def read_header(f: Path) -> tuple[dict[str, dict], int]:
+    """(name -> dtype, shape and byte offsets of every tensor, where the data starts) of the safetensors file
+    ``f``, checked first by safetensors itself (one clear error for a corrupt file)."""
+    with open_safetensors(f):
+        pass
+    with open(f, "rb") as stream:
+        header_len = int.from_bytes(stream.read(8), "little")
+        header = json.loads(stream.read(header_len))
+    header.pop("__metadata__", None)
+    return header, 8 + header_len
+
+
+def _read_one(stream, f: Path, name: str, info: dict, data_start: int, rows: slice | None = None) -> torch.Tensor:
+    """Tensor ``name`` of an open safetensors file (with ``rows``, only those rows of its first dimension: one
+    contiguous byte range of a row-major tensor), read in place into a new tensor."""
     dtype = SAFETENSORS_DTYPES.get(info["dtype"])
     if dtype is None:
         raise DSV3Error(f"{f}: tensor {name} has dtype {info['dtype']}, which dsv3 does not read")
     begin, end = info["data_offsets"]
-    t = torch.empty(info["shape"], dtype=dtype)
+    shape = list(info["shape"])
+    if end - begin != math.prod(shape) * dtype.itemsize:
+        raise DSV3Error(f"cannot read {f}: tensor {name} holds {end - begin} bytes for "
+                        f"{math.prod(shape) * dtype.itemsize}")
+    if rows is not None:
+        row_bytes = math.prod(shape[1:]) * dtype.itemsize
+        begin, shape[0] = begin + rows.start * row_bytes, rows.stop - rows.start
+        end = begin + shape[0] * row_bytes
+    t = torch.empty(shape, dtype=dtype)
     raw = t.view(-1).view(torch.uint8).numpy() if t.numel() else bytearray()
-    if len(raw) != end - begin:
-        raise DSV3Error(f"cannot read {f}: tensor {name} holds {end - begin} bytes for {len(raw)}")
     stream.seek(data_start + begin)
     if stream.readinto(raw) != end - begin:
         raise DSV3Error(f"cannot read {f}: corrupt or truncated safetensors file (tensor {name} ends early)")
@@ -524,3 +541,69 @@ def _check_names_and_shapes(model, tensors: dict[str, torch.Tensor]) -> None:
 
 def _few(names: list[str], n: int = 6) -> str:
     return ", ".join(names[:n]) + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+# ---- per-rank reads: a checkpoint as the source of a laid-out model's values --------------------
+
+def pretrained_config(path: str | os.PathLike) -> ModelConfig:
+    """The config of the HF-layout checkpoint folder ``path``, checked against its tensors' headers (names,
+    shapes, dtypes, FP8 scales) before any weight is read; without MTP layers when the checkpoint has none."""
+    path = Path(path)
+    if not path.is_dir():
+        raise DSV3Error(f"checkpoint folder not found: {path}")
+    path = resolve_checkpoint(path)
+    if not (path / "config.json").is_file():
+        raise DSV3Error(f"{path} holds no config.json: not a DeepSeek-format checkpoint")
+    return check_checkpoint(ModelConfig.from_json(path / "config.json"), checkpoint_files(path))
+
+
+class CheckpointValues:
+    """An HF-layout checkpoint as the source of `dsv3.parallel.materialize.materialize`: each piece a rank
+    asks for (a tensor, an expert, an FSDP shard's rows) is read alone with plain reads of its bytes (rows
+    of a row-major tensor are one byte range), FP8 blocks dequantized exactly; nothing else is read. The
+    MTP layer's copies of the embedding and head must equal the main ones (the model shares them)."""
+
+    def __init__(self, path: str | os.PathLike, cfg: ModelConfig):
+        path = resolve_checkpoint(Path(path))
+        self.where: dict[str, tuple[Path, dict, int]] = {}  # name -> (file, header entry, data start)
+        self.bytes_read, self.names_read = 0, set()  # what this process read: its share, never the whole
+        for f in checkpoint_files(path):
+            header, data_start = read_header(f)
+            self.where.update({name: (f, info, data_start) for name, info in header.items()})
+        self.total_bytes = sum(info["data_offsets"][1] - info["data_offsets"][0] for _, info, _ in self.where.values())
+        self.copies = {main: [f"model.layers.{cfg.num_hidden_layers + k}.{suffix}"
+                              for k in range(cfg.num_nextn_predict_layers)]
+                       for main, suffix in (("model.embed_tokens.weight", "embed_tokens.weight"),
+                                            ("lm_head.weight", "shared_head.head.weight"))}
+
+    def __call__(self, key: str, shape: tuple[int, ...], rows: slice | None) -> torch.Tensor:
+        name = key + ".weight" if _EXPERT.match(key + ".weight") else key
+        value = self.read(name, rows)
+        for copy in self.copies.get(name, ()):
+            if copy in self.where and not torch.equal(self.read(copy, rows), value):
+                raise DSV3Error(f"{copy} differs from {name}: dsv3 trains the MTP layer with the main model's "
+                                "embedding and head, which this checkpoint does not share")
+        return value
+
+    def read(self, name: str, rows: slice | None) -> torch.Tensor:
+        """Tensor ``name`` (its ``rows`` of dim 0, or all), dequantized when stored in FP8 blocks, checked."""
+        if name not in self.where:
+            raise DSV3Error(f"the checkpoint lacks tensor {name}")
+        scale = self.where.get(name + "_scale_inv")
+        if self.where[name][1]["dtype"] != FP8_DTYPE or scale is None:
+            return check_values(name, self._read(name, rows))
+        n = self.where[name][1]["shape"][0]
+        rows = rows or slice(0, n)
+        first, last = rows.start // FP8_BLOCK, -(-rows.stop // FP8_BLOCK)  # the blocks holding those rows
+        q = self._read(name, slice(first * FP8_BLOCK, min(last * FP8_BLOCK, n)))
+        s = self._read(name + "_scale_inv", slice(first, last))
+        value = dequantize_fp8_blocks(q, s)[rows.start - first * FP8_BLOCK: rows.stop - first * FP8_BLOCK]
+        return check_values(name, value)
+
+    def _read(self, name: str, rows: slice | None) -> torch.Tensor:
+        f, info, start = self.where[name]
+        with open(f, "rb") as stream:
+            t = _read_one(stream, f, name, info, start, rows)
+        self.bytes_read += t.numel() * t.element_size()
+        self.names_read.add(name)
+        return t

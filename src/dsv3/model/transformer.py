@@ -14,6 +14,7 @@ from torch import nn
 
 from dsv3.config import ModelConfig
 from dsv3.model.dispatch import Steps, run
+from dsv3.model.init import init_
 from dsv3.model.kernels import linear_cross_entropy, plain_cross_entropy
 from dsv3.model.mla import MLA, LatentCache
 from dsv3.model.moe import MLP, MoE
@@ -133,15 +134,10 @@ class Transformer(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
-        """Normal(0, initializer_range) for every matrix, ones for norms, zeros for router biases."""
-        std = self.config.initializer_range
+        """Normal(0, initializer_range) for every matrix, ones for norms, zeros for router biases (`init_`),
+        from torch's global generator. The trainer instead seeds each tensor by its name (`dsv3.model.init`)."""
         for name, p in self.named_parameters():
-            if p.dim() >= 2:
-                nn.init.normal_(p, 0.0, std)
-            elif name.endswith("norm.weight") or "layernorm" in name:
-                nn.init.ones_(p)
-            else:
-                nn.init.zeros_(p)
+            init_(name, p, self.config.initializer_range)
         for moe in self.moe_layers():
             if moe.gate.e_score_correction_bias is not None:
                 moe.gate.e_score_correction_bias.zero_()

@@ -107,11 +107,26 @@ def rank_memory(model: nn.Module, optimizer: torch.optim.Optimizer, activations_
     }
 
 
-def gather_memory(mine: dict[str, int], rank: int, world: int, device: torch.device) -> list[dict[str, int]]:
-    """Every rank's `rank_memory` (a collective when there are several ranks), in rank order."""
-    table = torch.zeros(world, len(FIELDS), dtype=torch.float64, device=device)
-    table[rank] = torch.tensor([float(mine[f]) for f in FIELDS], dtype=torch.float64)
+def resident_peak() -> int:
+    """This process's peak resident memory so far, in bytes (Linux's VmHWM: what the OS measured, allocator
+    caches, the Python interpreter and torch's libraries included); 0 where /proc does not say."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+def gather_memory(mine: dict[str, int], rank: int, world: int, device: torch.device,
+                  fields: tuple[str, ...] = FIELDS) -> list[dict[str, int]]:
+    """Every rank's ``fields`` of ``mine`` (default: `rank_memory`'s; a collective when there are several
+    ranks), in rank order."""
+    table = torch.zeros(world, len(fields), dtype=torch.float64, device=device)
+    table[rank] = torch.tensor([float(mine[f]) for f in fields], dtype=torch.float64)
     if world > 1:
         dist.all_reduce(table)
-    return [{"rank": r, **{f: int(v) for f, v in zip(FIELDS, row, strict=True)}} for r, row in
+    return [{"rank": r, **{f: int(v) for f, v in zip(fields, row, strict=True)}} for r, row in
             enumerate(table.cpu().tolist())]

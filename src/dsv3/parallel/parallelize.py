@@ -38,23 +38,28 @@ from dsv3.parallel.pipeline import Elsewhere, PipelineParallel, label_counts, pl
 from dsv3.parallel.pipeline_overlap import Overlap, run_concurrently
 
 
-def parallelize(model: nn.Module, layout: Layout | None = None, overlap: Overlap | None = None) -> Parallelized:
+def parallelize(model: nn.Module, layout: Layout | None = None, overlap: Overlap | None = None,
+                device: torch.device | None = None) -> Parallelized:
     """Apply ``layout`` (default: one process) to ``model`` (a `Transformer`, the same on every rank: same
     seed or checkpoint) in place and return the object that trains it. Every rank must call it.
     ``overlap``: how DualPipeV runs its overlapped forward-backward pairs (default: concurrently under EP,
-    V3's overlap; `pipeline_overlap.run_in_order` is the reference)."""
+    V3's overlap; `pipeline_overlap.run_in_order` is the reference). ``device``: where the model will run
+    (default: its parameters'); a model built on ``meta`` is laid out as it is, then given this rank's
+    tensors on ``device`` by `dsv3.parallel.materialize.materialize`."""
     layout = (layout or Layout()).check(_world_size())
-    mesh = ParallelMesh.build(layout, next(model.parameters()).device)
-    pipe = split_pipeline(model, mesh, overlap)
+    device = torch.device(device) if device is not None else next(model.parameters()).device
+    mesh = ParallelMesh.build(layout, device)
+    pipe = split_pipeline(model, mesh, overlap, device)
     place_experts(model, mesh, pipe)
     data = shard_data_parallel(model, mesh, pipe)
-    return Parallelized(model, layout, mesh, pipe, data)
+    return Parallelized(model, layout, mesh, pipe, data, device)
 
 
 # ---- the transforms ----------------------------------------------------------------------------
 
 
-def split_pipeline(model: nn.Module, mesh: ParallelMesh, overlap: Overlap | None = None) -> PipelineParallel | None:
+def split_pipeline(model: nn.Module, mesh: ParallelMesh, overlap: Overlap | None = None,
+                   device: torch.device | None = None) -> PipelineParallel | None:
     """Cut ``model`` into the layout's pipeline stages over the ``pp`` groups (None without a pipeline)."""
     layout = mesh.layout
     if layout.pp == 1:
@@ -64,7 +69,8 @@ def split_pipeline(model: nn.Module, mesh: ParallelMesh, overlap: Overlap | None
     elif overlap is None and layout.ep > 1:
         overlap = run_concurrently
     plan = plan_pipeline(model.config, layout.pp, layout.schedule, layout.pipeline_microbatches)
-    return PipelineParallel(model, plan, pp_group=mesh.group("pp"), dp_group=mesh.group("dp"), overlap=overlap)
+    return PipelineParallel(model, plan, pp_group=mesh.group("pp"), dp_group=mesh.group("dp"), overlap=overlap,
+                            device=device)
 
 
 def place_experts(model: nn.Module, mesh: ParallelMesh, pipe: PipelineParallel | None) -> None:
@@ -163,11 +169,12 @@ class LossStep(nn.Module):
 class Parallelized:
     """A model under a layout: whatever differs between layouts, behind one interface (`parallelize`)."""
 
-    def __init__(self, model: nn.Module, layout: Layout, mesh: ParallelMesh, pipe: PipelineParallel | None, data):
+    def __init__(self, model: nn.Module, layout: Layout, mesh: ParallelMesh, pipe: PipelineParallel | None, data,
+                 device: torch.device | None = None):
         self.model, self.layout, self.mesh, self.pipe, self.data = model, layout, mesh, pipe, data
         self.world = layout.world
         self.step = LossStep(model)
-        self.device = next(model.parameters()).device
+        self.device = device if device is not None else next(model.parameters()).device
 
     # ---- who does what ------------------------------------------------------------------------
     @property

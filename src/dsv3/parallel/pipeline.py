@@ -329,7 +329,8 @@ def _root_cause(err: BaseException) -> str:
 class PipelineParallel:
     """A `Transformer` split into pipeline stages, this rank's share of them, and one training step over
     a schedule. ``pp_group``: the ranks of this pipeline (default: all); ``dp_group``: the ranks holding
-    the same stages in the other data-parallel replicas (default: none). Every rank must construct it
+    the same stages in the other data-parallel replicas (default: none); ``device``: where the stages run
+    (default: the model's; a model on ``meta`` is materialized after the split). Every rank must construct it
     (it creates process groups). The model is pruned in place: modules of other ranks become `Elsewhere`,
     so ``model.parameters()`` and ``model.moe_layers()`` list this rank's own.
 
@@ -337,7 +338,8 @@ class PipelineParallel:
     ``optimizer.step()``, `reduce_expert_loads` then ``model.update_router_biases()``; or `train_step`."""
 
     def __init__(self, model: nn.Module, plan: PipelinePlan, pp_group: dist.ProcessGroup | None = None,
-                 dp_group: dist.ProcessGroup | None = None, overlap: Overlap | None = None):
+                 dp_group: dist.ProcessGroup | None = None, overlap: Overlap | None = None,
+                 device: torch.device | None = None):
         self.model, self.plan, self.overlap = model, plan, overlap
         if overlap is not None and plan.schedule != "dualpipev":
             raise DSV3Error(f"an overlapped forward-backward step needs --pp-schedule dualpipev, not {plan.schedule}")
@@ -346,7 +348,7 @@ class PipelineParallel:
             raise DSV3Error(f"the pipeline plan has {plan.ranks} ranks, its process group "
                             f"{dist.get_world_size(pp_group)}")
         self.pp_rank = dist.get_rank(pp_group)
-        self.device = next(model.parameters()).device
+        self.device = device if device is not None else next(model.parameters()).device  # meta: not yet
         self.tally = StepTally()
         every = [StageModule(model, plan, s, self.tally) for s in range(plan.num_stages)]
         self.stage_modules = [every[s] for s in plan.stages_on(self.pp_rank)]

@@ -475,6 +475,9 @@ def train_worker(rank: int, world: int, spec: TrainSpec) -> dict | None:
 def _as_the_trainer_builds_it(cfg: ModelConfig, spec: TrainSpec, rank: int, world: int, reference):
     """`dsv3 train --ep WORLD --precision P`'s model (its build_model, same seed) and the single-process
     reference with the same numerics."""
+    from dsv3.model.init import seeded_values
+    from dsv3.model.transformer import Transformer
+    from dsv3.parallel.materialize import materialize
     from dsv3.train.distributed import World
     from dsv3.train.options import TrainOptions
     from dsv3.train.precision import apply_fp8
@@ -482,8 +485,12 @@ def _as_the_trainer_builds_it(cfg: ModelConfig, spec: TrainSpec, rank: int, worl
 
     opts = TrainOptions(precision=spec.precision, ep=world, gpus_per_node=spec.gpus_per_node, seed=spec.seed)
     parallel = build_model(cfg, opts, World(rank, world, rank, torch.device("cpu")))
-    if reference is not None and spec.precision == "fp8":
-        apply_fp8(reference)
+    if reference is not None:  # the trainer's fresh values: each tensor seeded by its name
+        with torch.device("meta"):
+            reference = Transformer(cfg)
+        materialize(reference, torch.device("cpu"), seeded_values(cfg.initializer_range, spec.seed))
+        if spec.precision == "fp8":
+            apply_fp8(reference)
     return parallel, reference
 
 

@@ -32,6 +32,11 @@ def train(
     config: str = typer.Option(
         None, help="A model config.json (or a folder holding one) instead of --preset."
     ),
+    init_from: str = typer.Option(
+        None, help="Fine-tune a DeepSeek-format checkpoint (HF-layout safetensors and config.json: V2, V3, FP8 "
+        "blocks): the model's config and weights come from it, so --preset and --config cannot be given. Each "
+        "process reads only the tensors its layout gives it.",
+    ),
     data: list[str] = typer.Option(
         None,
         help="Text files, folders, globs, or JSONL of {\"text\": ...} or {\"messages\": [...]} chats "
@@ -184,7 +189,9 @@ def _options(given: dict[str, Any], resume: str | None) -> TrainOptions:
             raise DSV3Error("--out and --resume name different folders; --resume continues the run in place")
         return resumed_options(TrainOptions.load(resume), {**given, "out": resume}).check()
     chosen = {k: v for k, v in given.items() if v is not None}
+    if "init_from" in chosen and "preset" in chosen:  # TrainOptions has a default preset, so it says --config only
+        raise DSV3Error("--init-from takes the model's config from the checkpoint; drop --preset and --config")
     if "out" not in chosen:
-        name = chosen.get("preset", "nano") if "config" not in chosen else "custom"
+        name = chosen.get("preset", "nano") if not {"config", "init_from"} & set(chosen) else "custom"
         chosen["out"] = f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     return TrainOptions(**chosen).check()

@@ -50,6 +50,7 @@ LAYOUT = {"ep", "dp_shard", "gpus_per_node", "pp", "pp_schedule", "microbatches"
 class TrainOptions:
     preset: str = "nano"
     config: str | None = None  # a config.json (or checkpoint folder) instead of the preset
+    init_from: str | None = None  # a DeepSeek-format checkpoint: its config and weights (fine-tuning)
     data: list[str] = field(default_factory=list)  # empty: the Python standard library
     out: str = "runs/nano"
     steps: int = 1000  # the schedule's total number of optimizer steps
@@ -123,6 +124,8 @@ class TrainOptions:
             raise DSV3Error(
                 f"--batch-size ({self.batch_size}) must be a multiple of --grad-accum ({self.grad_accum})"
             )
+        if self.init_from and self.config:
+            raise DSV3Error("--init-from takes the model's config from the checkpoint; drop --preset and --config")
         if self.ep is not None and self.ep < 1:
             raise DSV3Error(f"--ep must be at least 1, got {self.ep}")
         self._check_pipeline()

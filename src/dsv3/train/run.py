@@ -15,6 +15,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
+from dsv3.checkpoint import CheckpointValues, pretrained_config
 from dsv3.config import ModelConfig, load_config, preset
 from dsv3.data import (
     PackedSequences,
@@ -27,9 +28,11 @@ from dsv3.data import (
 from dsv3.data.tokenizer import OWN, TrainingTokenizer, default_cache_dir, load_tokenizer_folder, own_tokenizer
 from dsv3.errors import DSV3Error
 from dsv3.layout import Layout
+from dsv3.model.init import seeded_values
 from dsv3.model.transformer import Transformer
 from dsv3.parallel.checkpoint import whole_model
-from dsv3.parallel.memory import SavedTensorMeter, gather_memory, rank_memory
+from dsv3.parallel.materialize import materialize
+from dsv3.parallel.memory import FIELDS, SavedTensorMeter, gather_memory, rank_memory, resident_peak
 from dsv3.parallel.parallelize import Parallelized, parallelize
 from dsv3.run_dir import SHARDED_DIR
 from dsv3.train import checkpoints as ckpt
@@ -60,8 +63,16 @@ class TrainingData:
         return self.encoding.tokenizer
 
 
-def model_config(opts: TrainOptions) -> ModelConfig:
-    cfg = load_config(opts.config) if opts.config else preset(opts.preset)
+def model_config(opts: TrainOptions, resume_from: Path | None = None) -> ModelConfig:
+    """The model's config: ``--init-from``'s checkpoint's (checked against its tensors; a resumed run's own
+    checkpoint's, which saved it), else ``--config``'s or the preset's."""
+    if opts.init_from:
+        if opts.vocab_size:
+            raise DSV3Error("--vocab-size cannot change the vocabulary of the --init-from checkpoint")
+        cfg = (ModelConfig.from_json(resume_from / "config.json") if resume_from is not None
+               else pretrained_config(opts.init_from))
+    else:
+        cfg = load_config(opts.config) if opts.config else preset(opts.preset)
     if opts.vocab_size:
         cfg = cfg.replace(vocab_size=opts.vocab_size)
     if opts.seq_len > cfg.max_position_embeddings:
@@ -141,17 +152,24 @@ def _by_tensor_kind(params: list) -> list[list]:
     return [sharded, plain] if sharded and plain else [params]
 
 
-def build_model(cfg: ModelConfig, opts: TrainOptions, world: World, layout: Layout | None = None) -> Parallelized:
-    """The model to train, fresh from the seed, with the numerics the options ask for, spread by ``layout``
-    (default: the one the options ask for on this world; every rank builds the same full model before
-    `parallelize` spreads it); a resumed run then loads each rank's share from the checkpoint
-    (`Parallelized.load_state`), whatever layout wrote it."""
+def build_model(cfg: ModelConfig, opts: TrainOptions, world: World, layout: Layout | None = None,
+                init_from: CheckpointValues | None = None) -> Parallelized:
+    """The model to train, with the numerics the options ask for, spread by ``layout`` (default: the one the
+    options ask for on this world). The whole model is built on ``meta`` (no memory), laid out, then each rank
+    materializes only its share (`materialize`): read from the checkpoint ``init_from`` (only the tensors,
+    experts and rows this rank holds), or fresh from the seed, every tensor from its own name
+    (`dsv3.model.init`), so any layout holds the values one process has. A resumed run then loads each rank's
+    share from its own checkpoint (`Parallelized.load_state`), whatever layout wrote it."""
     torch.manual_seed(opts.seed)
-    model = Transformer(cfg).to(world.device).train()
+    with torch.device("meta"):
+        model = Transformer(cfg).train()
     if opts.precision == "fp8":
         apply_fp8(model)
     apply_activation_checkpointing(model, opts.ac)
-    return parallelize(model, layout or training_layout(opts, world))
+    parallel = parallelize(model, layout or training_layout(opts, world), device=world.device)
+    values = init_from if init_from is not None else seeded_values(cfg.initializer_range, opts.seed)
+    materialize(parallel.model, world.device, values)
+    return parallel
 
 
 def with_layout(opts: TrainOptions, layout: Layout) -> TrainOptions:
@@ -200,10 +218,15 @@ class _Run:
         # Everything that can refuse the run (its folder, model, layout, data, checkpoint) comes before the
         # run folder is written, so that a refused start leaves nothing behind (nor rewrites a run.json).
         self.resume_from = self._checkpoint_to_resume(resume)
-        self.cfg = model_config(opts)
+        self.cfg = model_config(opts, self.resume_from)
         layout = self._layout(fit_layout)  # before the data, which may take minutes to prepare
         self.data = prepare_data(opts, self.cfg.vocab_size, world, self.progress)
-        self.parallel = build_model(self.cfg, self.opts, world, layout)
+        # a resumed run's weights come from its own checkpoint (`_restore`), not from --init-from's
+        init_from = CheckpointValues(opts.init_from, self.cfg) if opts.init_from and not self.resume_from else None
+        self.parallel = build_model(self.cfg, self.opts, world, layout, init_from)
+        if init_from is not None:
+            self.progress.note(f"weights from {opts.init_from}: this process read {init_from.bytes_read / 1e9:.3f} "
+                               f"GB of the checkpoint's {init_from.total_bytes / 1e9:.3f} GB (what its layout holds)")
         self.model = self.parallel.model
         self.n_params = self.parallel.parameter_count()
         self.optimizer, self.scheduler = build_optimizer(self.model, opts)
@@ -264,6 +287,10 @@ class _Run:
         this world cannot hold, the nearest one it can, said (run.json records it once the run starts)."""
         opts, world = self.opts, self.world
         layout = training_layout(opts, world, fit, self.cfg.n_routed_experts)
+        if layout.ep > 1 and self.cfg.n_routed_experts % layout.ep:
+            source = f"the checkpoint {opts.init_from}" if opts.init_from else "the model"
+            raise DSV3Error(f"--ep {layout.ep} must divide the routed experts, but {source} has "
+                            f"{self.cfg.n_routed_experts} per MoE layer")
         chosen = with_layout(opts, layout)
         if chosen != opts:
             self.progress.note(f"the run's layout ({_layout_flags(opts)}) does not fit {world.size} process(es); "
@@ -320,13 +347,15 @@ class _Run:
 
     def _record_memory(self, activations_peak: int) -> None:
         """run.json's ``memory``: per-rank bytes of parameters, gradients, optimizer state and the peak of
-        activations saved for backward over one step (a collective)."""
-        mine = rank_memory(self.model, self.optimizer, activations_peak)
-        per_rank = gather_memory(mine, self.world.rank, self.world.size, self.world.device)
+        activations saved for backward over one step, and each rank's peak resident memory up to then (the
+        load, the step and the optimizer state it created; a collective)."""
+        mine = {**rank_memory(self.model, self.optimizer, activations_peak), "resident_peak": resident_peak()}
+        per_rank = gather_memory(mine, self.world.rank, self.world.size, self.world.device, (*FIELDS, "resident_peak"))
+        peaks = [rank.pop("resident_peak") for rank in per_rank]
         self.memory_recorded = True
         if self.world.is_main:
             layout = self.parallel.layout.to_dict()
-            memory = {"step": self.state.step, "layout": layout, "per_rank": per_rank}
+            memory = {"step": self.state.step, "layout": layout, "per_rank": per_rank, "resident_peak": peaks}
             self.opts.save(self.run_dir / "run.json", extra={"memory": memory})
 
     def _after_step(self, stop_requested: bool) -> None:
