@@ -87,7 +87,7 @@ def init_argv(checkpoint: Path, corpus_dir: Path, cache_dir: Path, out: Path, *e
     return ["train", "--init-from", str(checkpoint), "--data", str(corpus_dir), "--out", str(out), "--cache-dir",
             str(cache_dir), "--device", "cpu", "--batch-size", "4", "--seq-len", "32", "--eval-tokens", "128",
             "--val-fraction", "0.1", "--steps", "5", "--lr", "3e-3", *CONSTANT_LR, "--save-every", "5",
-            "--eval-every", "5", *extra]
+            "--eval-every", "5", "--tokenizer", "dsv3", *extra]
 
 
 @pytest.mark.parametrize("nproc,layout", [
@@ -271,3 +271,30 @@ def test_run_json_records_each_ranks_resident_peak(single_run):
     (peak,), (counted,) = memory["resident_peak"], memory["per_rank"]
     assert peak > counted["parameters"] + counted["gradients"] + counted["optimizer"] > 0
     assert "resident_peak" not in counted  # per_rank keeps the tensor counts only
+
+
+def test_init_from_trains_with_the_checkpoint_s_tokenizer_and_exports_it(hf_tokenizer_dir, corpus_dir, cache_dir,
+                                                                        tmp_path, capsys):
+    """Without --tokenizer the checkpoint's own tokenizer (and chat template) is used and travels to the
+    export byte for byte; a checkpoint without one is one error line that names both choices."""
+    import shutil
+
+    from dsv3.cli import main
+
+    folder = write_hf_checkpoint(tmp_path / "ckpt", vocab_size=400)
+    bare = tmp_path / "run-bare"
+    argv = lambda out: ["train", "--init-from", str(folder), "--data", str(corpus_dir), "--out", str(out),  # noqa: E731
+                        "--cache-dir", str(cache_dir), "--device", "cpu", "--batch-size", "2", "--seq-len", "16",
+                        "--steps", "1", "--eval-tokens", "32", "--val-fraction", "0.1", "--save-every", "1",
+                        "--eval-every", "1"]
+    assert _refused(argv(bare), capsys) == (
+        f"error: --init-from {folder} has no tokenizer.json; pass --tokenizer DIR (a folder holding the "
+        "checkpoint's tokenizer) or --tokenizer dsv3 (train dsv3's own BPE on the data)")
+    assert not bare.exists()
+    tokenizer = hf_tokenizer_dir(chat_template="{{ messages[0]['content'] }}", name="ckpt-tok")
+    for f in tokenizer.iterdir():
+        shutil.copy(f, folder / f.name)
+    out = tmp_path / "run"
+    assert main(argv(out)) == 0
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        assert (out / "latest" / name).read_bytes() == (folder / name).read_bytes(), name

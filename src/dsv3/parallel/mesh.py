@@ -19,7 +19,7 @@ one; in a single process there is no mesh and every group is trivial.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ class ParallelMesh:
     layout: Layout
     mesh: DeviceMesh | None
     device_type: str = "cpu"
+    flattened: dict[str, DeviceMesh] = field(default_factory=dict)  # ``ep``, ``dp``: kept, not sliced from mesh
 
     @classmethod
     def build(cls, layout: Layout, device: torch.device | str = "cpu") -> ParallelMesh:
@@ -47,13 +48,14 @@ class ParallelMesh:
         if layout.world == 1:
             return cls(layout, None, device_type)
         mesh = init_device_mesh(device_type, mesh_shape(layout), mesh_dim_names=DIMS)
-        for name, dims in FLATTENED.items():
-            mesh[dims]._flatten(name)
-        return cls(layout, mesh, device_type)
+        flattened = {name: mesh[dims]._flatten(name) for name, dims in FLATTENED.items()}
+        return cls(layout, mesh, device_type, flattened)
 
     def sub(self, name: str) -> DeviceMesh | None:
         """The one-dimensional sub-mesh ``name`` (one of DIMS, or ``ep`` / ``dp``) holding this process."""
-        return None if self.mesh is None else self.mesh[name]
+        if self.mesh is None:
+            return None
+        return self.flattened[name] if name in self.flattened else self.mesh[name]
 
     def group(self, name: str) -> dist.ProcessGroup | None:
         sub = self.sub(name)
