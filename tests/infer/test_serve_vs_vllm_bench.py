@@ -24,7 +24,7 @@ def bench():
 
 @pytest.fixture
 def fake_vllm(tmp_path):
-    """An executable file where the benchmark expects vLLM (never run here)."""
+    """An executable file where the benchmark expects vLLM's python (never run here)."""
     path = tmp_path / "vllm"
     path.write_text("#!/bin/sh\nexit 1\n")
     path.chmod(0o755)
@@ -39,26 +39,27 @@ def fake_vllm(tmp_path):
     (["--concurrency", "0,8"], "--concurrency must list integers >= 1"),
     (["--requests", "0"], "--requests must be >= 1, got 0"),
     (["--prompt-len", "2000", "--new-tokens", "64"], "--prompt-len + --new-tokens must be at most 2048"),
-    (["--vllm", "/nonexistent/bin/vllm"], "--vllm /nonexistent/bin/vllm: not an executable (run: bash benchmarks/"),
+    (["--vllm-python", "/nonexistent/bin/python"], "--vllm-python /nonexistent/bin/python: not an executable (run: "
+                                                    "bash benchmarks/vllm_cpu_setup.sh)"),
 ])
 def test_bad_options_end_with_one_error_line_before_anything_starts(bench, fake_vllm, capsys, monkeypatch, argv,
                                                                      message):
     monkeypatch.setattr(bench, "measure", lambda args: pytest.fail("started despite a bad option"))
-    assert bench.main(["--vllm", str(fake_vllm), *argv]) == 2
+    assert bench.main(["--vllm-python", str(fake_vllm), *argv]) == 2
     out = capsys.readouterr()
     lines = out.err.strip().splitlines()
     assert out.out == "" and len(lines) == 1 and lines[0].startswith(f"error: {message}")
 
 
 def test_both_servers_get_the_same_cores_and_the_client_the_same_prompts(bench, fake_vllm):
-    args = bench.parse_args(["--vllm", str(fake_vllm), "--cores", "0-1", "--concurrency", "1,8"])
+    args = bench.parse_args(["--vllm-python", str(fake_vllm), "--cores", "0-1", "--concurrency", "1,8"])
     assert args.cores == [0, 1] and args.concurrency == [1, 8]
     dsv3, dsv3_env = bench.server_command("dsv3", Path("/ckpt/v3-random"), args, 8123)
     assert dsv3[1:] == ["-m", "dsv3", "serve", "--model", "/ckpt/v3-random", "--port", "8123", "--threads", "2",
                         "--quiet"]
     assert dsv3_env == {"OMP_NUM_THREADS": "2"}
     vllm, vllm_env = bench.server_command("vllm", Path("/ckpt/v3-random"), args, 8124)
-    assert vllm[:3] == [str(fake_vllm), "serve", "/ckpt/v3-random"]
+    assert vllm[:5] == [str(fake_vllm), "-m", "vllm.entrypoints.openai.api_server", "--model", "/ckpt/v3-random"]
     assert vllm[vllm.index("--served-model-name") + 1] == bench.MODEL_NAME == "v3-random"
     assert vllm_env["VLLM_CPU_OMP_THREADS_BIND"] == "0-1"
     client = bench.bench_command("http://127.0.0.1:8124", 8, args, seed=1008)
