@@ -37,6 +37,7 @@ def fake_vllm(tmp_path):
     (["--cores", "0-4096"], "--cores 0-4096: this machine has cores 0-"),
     (["--concurrency", "1,x"], "--concurrency must be comma-separated integers, got '1,x'"),
     (["--concurrency", "0,8"], "--concurrency must list integers >= 1"),
+    (["--servers", "dsv3,sglang"], "--servers: choose among dsv3, dsv3-passive, vllm, got dsv3,sglang"),
     (["--requests", "0"], "--requests must be >= 1, got 0"),
     (["--prompt-len", "2000", "--new-tokens", "64"], "--prompt-len + --new-tokens must be at most 2048"),
     (["--vllm-python", "/nonexistent/bin/python"], "--vllm-python /nonexistent/bin/python: not an executable (run: "
@@ -53,11 +54,13 @@ def test_bad_options_end_with_one_error_line_before_anything_starts(bench, fake_
 
 def test_both_servers_get_the_same_cores_and_the_client_the_same_prompts(bench, fake_vllm):
     args = bench.parse_args(["--vllm-python", str(fake_vllm), "--cores", "0-1", "--concurrency", "1,8"])
-    assert args.cores == [0, 1] and args.concurrency == [1, 8]
+    assert args.cores == [0, 1] and args.concurrency == [1, 8] and args.servers == ["dsv3", "dsv3-passive", "vllm"]
     dsv3, dsv3_env = bench.server_command("dsv3", Path("/ckpt/v3-random"), args, 8123)
     assert dsv3[1:] == ["-m", "dsv3", "serve", "--model", "/ckpt/v3-random", "--port", "8123", "--threads", "2",
                         "--quiet"]
     assert dsv3_env == {"OMP_NUM_THREADS": "2"}
+    passive, passive_env = bench.server_command("dsv3-passive", Path("/ckpt/v3-random"), args, 8123)
+    assert passive == dsv3 and passive_env == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "PASSIVE"}
     vllm, vllm_env = bench.server_command("vllm", Path("/ckpt/v3-random"), args, 8124)
     assert vllm[:5] == [str(fake_vllm), "-m", "vllm.entrypoints.openai.api_server", "--model", "/ckpt/v3-random"]
     assert vllm[vllm.index("--served-model-name") + 1] == bench.MODEL_NAME == "v3-random"
@@ -86,7 +89,7 @@ def test_each_figure_is_the_best_round_and_the_verdict_compares_tokens_per_s(ben
     ratios = bench.verdict(best, [1, 8])
     assert ratios["c1"]["held"] and not ratios["c8"]["held"]
     assert ratios["c8"]["dsv3_over_vllm"] == pytest.approx(0.75)
-    assert bench.table_lines(best, [1, 8]) == [
+    assert bench.table_lines(best, [1, 8], ["dsv3", "vllm"]) == [
         "| server | concurrency | output tokens/s | TPOT p50 / p99 (ms) | TTFT p50 (ms) |",
         "|---|---|---|---|---|",
         "| dsv3 | 1 | 125.0 | 8.0 / 16.0 | 51.0 |",
@@ -101,7 +104,7 @@ def test_each_figure_is_the_best_round_and_the_verdict_compares_tokens_per_s(ben
 def test_a_server_with_no_completed_round_shows_dashes_and_no_verdict(bench):
     rows = [_row("dsv3", 0, 1, 100.0), {**_row("vllm", 0, 1, 1.0), "completed": 0}]
     best = bench.best_rows(rows, [1])
-    assert bench.table_lines(best, [1])[-1] == "| vllm | 1 | - | - | - |"
+    assert bench.table_lines(best, [1], ["dsv3", "vllm"])[-1] == "| vllm | 1 | - | - | - |"
     assert bench.verdict(best, [1]) == {}
 
 
