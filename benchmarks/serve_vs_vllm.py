@@ -45,9 +45,9 @@ from dsv3.option_lists import parse_list
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_VLLM_PYTHON = ROOT / "vllm-cpu-bench" / "bin" / "python"
-# dsv3-passive: dsv3 with OMP_WAIT_POLICY=PASSIVE. Its decode kernels (the system's libgomp) and torch (its own
-# libgomp) keep two OpenMP thread pools that spin while idle; on cores other work also wants they take the
-# time from each other. Measured here to show what that costs; the verdict is about dsv3 as users start it.
+# dsv3-passive: dsv3 with OMP_WAIT_POLICY=PASSIVE, so that OpenMP threads waiting at a barrier sleep instead of
+# spinning (libgomp's default spins first): on cores that other processes also want, a spinning thread can hold
+# the core its partner needs. Measured to show what that costs; the verdict is about dsv3 as users start it.
 SERVERS = ("dsv3", "dsv3-passive", "vllm")
 SERVER_ENV = {"dsv3-passive": {"OMP_WAIT_POLICY": "PASSIVE"}}
 MODEL_NAME = "v3-random"
