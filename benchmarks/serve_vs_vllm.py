@@ -251,7 +251,8 @@ def bench_command(url: str, concurrency: int, args: argparse.Namespace, seed: in
 def bench(url: str, concurrency: int, args: argparse.Namespace, seed: int) -> dict:
     out = subprocess.run(bench_command(url, concurrency, args, seed), capture_output=True, text=True)
     if out.returncode != 0:
-        raise DSV3Error(f"dsv3 bench serve against {url} failed: {out.stderr.strip().splitlines()[-1:]}")
+        last = (out.stderr.strip().splitlines() or ["(no output)"])[-1]
+        raise DSV3Error(f"dsv3 bench serve against {url} failed: {last.removeprefix('error: ')}")
     return json.loads(out.stdout)
 
 

@@ -4,6 +4,7 @@ checkpoint it writes (loadable by dsv3 and transformers, in a shape vLLM's CPU M
 
 import importlib.util
 import json
+import socket
 import sys
 from pathlib import Path
 
@@ -140,3 +141,17 @@ def test_the_checkpoint_loads_in_dsv3_and_transformers_in_a_shape_vllm_accepts(b
     assert template.render(messages, add_generation_prompt=True) == text
     assert hf.decode(hf.encode("hello world", add_special_tokens=False)) == "hello world"
 
+
+
+def test_a_client_that_fails_becomes_one_error_naming_the_server(bench, fake_vllm):
+    from dsv3.errors import DSV3Error
+
+    with socket.socket() as s:  # a port that nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    args = bench.parse_args(["--vllm-python", str(fake_vllm)])
+    with pytest.raises(DSV3Error) as failure:
+        bench.bench(f"http://127.0.0.1:{port}", 1, args, seed=0)
+    assert str(failure.value).startswith(f"dsv3 bench serve against http://127.0.0.1:{port} failed: cannot reach "
+                                         f"a server at http://127.0.0.1:{port}: ")
+    assert "\n" not in str(failure.value)
