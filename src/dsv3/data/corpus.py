@@ -1,8 +1,11 @@
 """Documents to train on: the running Python's standard library by default, or user files and globs.
 
 Each document has a stable name (its path relative to the folder or glob it came from; ``path:line`` for
-a JSONL record). The held-out split is chosen by a hash of that name, so it does not move when files
-are added, and it is the same on every machine that has the same files.
+a JSONL record). A JSONL line is ``{"text": ...}`` (a document of plain text) or ``{"messages": [...]}``
+(a chat conversation in OpenAI's roles, with optional ``tools``: rendered by the chat template, the loss
+on the assistant's turns only; ``dsv3.data.chat_sft``). The held-out split is chosen by a hash of that
+name, so it does not move when files are added, and it is the same on every machine that has the same
+files.
 """
 
 from __future__ import annotations
@@ -20,10 +23,22 @@ GLOB_CHARS = set("*?[")
 SKIP_DIRS = {"site-packages", "dist-packages", "__pycache__"}
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")
+
+
+@dataclass(frozen=True)
+class Chat:
+    """A conversation to fine-tune on: OpenAI-style messages and the tools they may call."""
+
+    messages: list[dict]
+    tools: list[dict] | None = None
+
+
 @dataclass(frozen=True)
 class Document:
     name: str  # stable identifier: decides the split and the order
-    text: str
+    text: str  # a chat's text is its record as canonical JSON (what the fingerprint and BPE training read)
+    chat: Chat | None = None
 
 
 @dataclass(frozen=True)
@@ -121,12 +136,42 @@ def _jsonl_documents(path: Path, name: str):
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise DSV3Error(f"{path}:{line_no}: not valid JSON ({exc.msg})") from None
+            except (json.JSONDecodeError, RecursionError) as exc:
+                raise DSV3Error(f"{path}:{line_no}: not valid JSON ({getattr(exc, 'msg', exc)})") from None
+            if isinstance(record, dict) and "messages" in record:
+                chat = _chat_record(record, f"{path}:{line_no}")
+                canonical = json.dumps({"messages": chat.messages, "tools": chat.tools}, sort_keys=True,
+                                       ensure_ascii=False)
+                yield Document(f"{name}:{line_no}", canonical, chat)
+                continue
             if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise DSV3Error(f"{path}:{line_no}: a JSONL record needs a string field 'text'")
+                raise DSV3Error(f"{path}:{line_no}: a JSONL record needs a string field 'text' or a list "
+                                "'messages'")
             if record["text"]:
                 yield Document(f"{name}:{line_no}", record["text"])
+
+
+def _chat_record(record: dict, where: str) -> Chat:
+    """A ``{"messages": [...], "tools": [...]}`` record checked enough that the template sees what it
+    expects: a non-empty list of messages, each with a known role and a string content (null for an
+    assistant turn that only calls tools)."""
+    messages, tools = record["messages"], record.get("tools")
+    if not isinstance(messages, list) or not messages:
+        raise DSV3Error(f"{where}: 'messages' must be a non-empty list")
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise DSV3Error(f"{where}: messages[{i}] must be an object with 'role' and 'content'")
+        if m.get("role") not in CHAT_ROLES:
+            raise DSV3Error(f"{where}: messages[{i}] has role {m.get('role')!r}; use one of {', '.join(CHAT_ROLES)}")
+        content = m.get("content")
+        calls = m.get("tool_calls")
+        if not (isinstance(content, str) or content is None and m["role"] == "assistant" and calls):
+            raise DSV3Error(f"{where}: messages[{i}] needs a string 'content' (null only beside 'tool_calls')")
+        if calls is not None and (m["role"] != "assistant" or not isinstance(calls, list)):
+            raise DSV3Error(f"{where}: messages[{i}]: 'tool_calls' must be a list on an assistant message")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise DSV3Error(f"{where}: 'tools' must be a list of objects")
+    return Chat(messages, tools)
 
 
 def _read_text(path: Path) -> str:

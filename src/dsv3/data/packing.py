@@ -1,10 +1,12 @@
 """Packing: a token stream cut into fixed-length windows, served in a seed-determined order.
 
 Window i covers tokens [i*L, i*L + L] (L + 1 tokens: inputs are the first L, labels the last L), so
-consecutive windows share one token and every token of the stream is a label exactly once. Documents
-are packed back to back with their end-of-document token between them (no cross-document masking, as
-in V3). Each epoch visits every window once in a fresh permutation drawn from (seed, epoch); the whole
-position in the data is one integer, the number of samples consumed, so resuming mid-epoch is exact.
+consecutive windows share one token and every token of the stream is a label exactly once. Documents are
+packed back to back with their end-of-document token between them (no cross-document masking, as in V3).
+With a loss mask (chat fine-tuning: the assistant's tokens only), a label outside it is
+``IGNORE_INDEX``, which every loss skips; the mask travels with the tokens through the packing. Each
+epoch visits every window once in a fresh permutation drawn from (seed, epoch); the whole position in
+the data is one integer, the number of samples consumed, so resuming mid-epoch is exact.
 """
 
 from __future__ import annotations
@@ -12,16 +14,20 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dsv3.data.chat_sft import IGNORE_INDEX
 from dsv3.errors import DSV3Error
 
 
 class PackedSequences:
-    """Fixed-length windows over a 1-D token stream."""
+    """Fixed-length windows over a 1-D token stream; ``mask`` (bool, one per token, or None for all)
+    says which tokens are labels the loss covers."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int):
+    def __init__(self, tokens: np.ndarray, seq_len: int, mask: np.ndarray | None = None):
         if seq_len < 1:
             raise DSV3Error(f"--seq-len must be positive, got {seq_len}")
-        self.tokens, self.seq_len = tokens, seq_len
+        if mask is not None and len(mask) != len(tokens):
+            raise DSV3Error(f"the loss mask has {len(mask)} entries for {len(tokens)} tokens")
+        self.tokens, self.seq_len, self.mask = tokens, seq_len, mask
         self.n_windows = (len(tokens) - 1) // seq_len
         if self.n_windows < 1:
             raise DSV3Error(
@@ -38,9 +44,14 @@ class PackedSequences:
         return np.asarray(self.tokens[start : start + self.seq_len + 1], dtype=np.int64)
 
     def batch(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(input_ids [B, L], labels [B, L]) for the given windows."""
+        """(input_ids [B, L], labels [B, L]) for the given windows; labels outside the mask are IGNORE_INDEX."""
         rows = torch.from_numpy(np.stack([self.window(i) for i in indices]))
-        return rows[:, :-1], rows[:, 1:]
+        labels = rows[:, 1:]
+        if self.mask is not None:
+            starts = [i * self.seq_len + 1 for i in indices]
+            keep = torch.from_numpy(np.stack([np.asarray(self.mask[s : s + self.seq_len], dtype=bool) for s in starts]))
+            labels = labels.masked_fill(~keep, IGNORE_INDEX)
+        return rows[:, :-1], labels
 
 
 class SampleOrder:

@@ -16,7 +16,7 @@ from pathlib import Path
 import typer
 
 from dsv3.errors import DSV3Error
-from dsv3.infer.options import CACHE_DTYPE, DRAFT_VOCAB, DTYPE, SPECULATIVE, THREADS, WEIGHTS
+from dsv3.infer.options import CACHE_DTYPE, CHAT_TEMPLATE, DRAFT_VOCAB, DTYPE, SPECULATIVE, THREADS, WEIGHTS
 from dsv3.option_lists import parse_list
 
 generate_app = typer.Typer(add_completion=False, help="Generate text from a checkpoint (latent-cache decode, MTP).")
@@ -35,16 +35,18 @@ def at_least(value: int | float | None, low: int | float, flag: str) -> None:
 
 def build_engine(model_dir: str, dtype: str, weights: str, cache_dtype: str, speculative: str,
                  ignore_eos: bool = False, tokenizer_needed_for: str | None = None, threads: int = 0,
-                 draft_vocab: int = 0, experts: list[int] | None = None):
+                 draft_vocab: int = 0, experts: list[int] | None = None, chat_template: str | None = None):
     """Model, tokenizer and engine from the shared command-line options. ``tokenizer_needed_for`` says
     why a tokenizer is required (the error names it), or None when it is optional. ``draft_vocab`` K > 0
     drafts over the checkpoint's K most frequent tokens (``draft_vocab.json``). ``experts``: the routed
-    experts an expert-parallel rank loads (the others are never read)."""
+    experts an expert-parallel rank loads (the others are never read). ``chat_template``: a Jinja file
+    used instead of the checkpoint's chat template (``--chat-template``)."""
     import torch
 
     at_least(threads, 0, "--threads")
     if threads:
         torch.set_num_threads(threads)
+    from dsv3.data.chat_template import load_chat_template
     from dsv3.infer.engine import Engine
     from dsv3.infer.loading import eos_ids, load_model, load_tokenizer, parse_dtype
     from dsv3.run_dir import resolve_checkpoint
@@ -58,6 +60,8 @@ def build_engine(model_dir: str, dtype: str, weights: str, cache_dtype: str, spe
     cache = parse_dtype(cache_dtype, "--cache-dtype", ("fp32", "bf16", "fp8"))
     folder = resolve_checkpoint(model_dir)
     tokenizer = load_tokenizer(folder, needed_for=tokenizer_needed_for)
+    # a bad template fails here, before the weights load (without a tokenizer there is no chat to template)
+    template = load_chat_template(folder, tokenizer, chat_template).checked() if tokenizer is not None else None
     model = load_model(folder, compute, weights, experts)
     eos = frozenset() if ignore_eos else eos_ids(model, tokenizer)
     vocab = None
@@ -66,7 +70,7 @@ def build_engine(model_dir: str, dtype: str, weights: str, cache_dtype: str, spe
 
         vocab = load(folder, draft_vocab, model.config.vocab_size)
     return Engine(model, tokenizer, speculative=speculative == "mtp", cache_dtype=cache, eos_token_ids=eos,
-                  draft_vocab=vocab)
+                  draft_vocab=vocab, chat_template=template)
 
 
 def sampling_from_flags(greedy: bool, temperature: float | None, top_p: float | None, top_k: int | None,
@@ -212,6 +216,7 @@ def chat(
     dtype: str = DTYPE,
     weights: str = WEIGHTS,
     threads: int = THREADS,
+    chat_template: str | None = CHAT_TEMPLATE,
 ) -> None:
     """Talk to a model in the terminal. /reset forgets the conversation; /exit or Ctrl-D quits."""
     from rich.console import Console
@@ -221,7 +226,7 @@ def chat(
     at_least(max_new_tokens, 1, "--max-new-tokens")
     params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed)
     engine = build_engine(model, dtype, weights, "auto", speculative, tokenizer_needed_for="chat", threads=threads,
-                          draft_vocab=draft_vocab)
+                          draft_vocab=draft_vocab, chat_template=chat_template)
     console = Console(stderr=True)
     console.print(f"[bold]dsv3 chat[/bold] with {_model_name(model)}: /reset, /exit")
     base = [{"role": "system", "content": system}] if system else []
@@ -243,17 +248,16 @@ def chat(
 
 def _chat_turn(engine, history: list[dict[str, str]], params, max_new_tokens: int) -> str | None:
     """Answer the conversation, streaming; None when it no longer fits the context (nothing is kept)."""
-    from dsv3.infer.chat_template import render, stop_strings
+    from dsv3.infer.chat_template import encode_prompt, render, stop_strings
     from dsv3.infer.engine import Request
-    from dsv3.infer.loading import encode
 
-    ids = encode(engine.tokenizer, render(history, engine.tokenizer))
+    ids = encode_prompt(engine.tokenizer, render(history, engine.tokenizer, engine.chat_template))
     if engine.context is not None and len(ids) >= engine.context:
         print(f"the conversation ({len(ids)} tokens) no longer fits the model's context of {engine.context} "
               "tokens; /reset starts over", file=sys.stderr, flush=True)
         return None
     request = Request(ids, fit_context(engine, len(ids), max_new_tokens), params,
-                      stop_strings=stop_strings(engine.tokenizer))
+                      stop_strings=stop_strings(engine.tokenizer, engine.chat_template))
     sys.stdout.write("assistant> ")
     reply = []
     for ev in engine.stream([request]):
@@ -301,6 +305,7 @@ def serve(
     weights: str = WEIGHTS,
     cache_dtype: str = CACHE_DTYPE,
     threads: int = THREADS,
+    chat_template: str | None = CHAT_TEMPLATE,
     quiet: bool = typer.Option(False, "--quiet", metavar="", help="No access log line per request."),
     api_key: str | None = typer.Option(None, "--api-key", metavar="KEY", envvar="DSV3_API_KEY", show_default=False,
                                        show_envvar=False, help="Answer /v1 requests only with 'Authorization: "
@@ -348,7 +353,7 @@ def serve(
                             "--prefix-cache-dir (they would be ignored)")
 
         engine_args = dict(dtype=dtype, weights=weights, cache_dtype=cache_dtype, speculative=speculative,
-                           threads=threads, draft_vocab=draft_vocab)
+                           threads=threads, draft_vocab=draft_vocab, chat_template=chat_template)
         opts = GroupOptions(ep, prefill_ranks, dispatch, combine, redundant_experts, eplb_every, micro_batches)
         serve_group(opts, model, host, port, max_batch, engine_args, quiet, api_key)
         return
@@ -358,7 +363,7 @@ def serve(
                         "--micro-batches need --ep N (several processes)")
     folder = resolve_checkpoint(model)
     engine = build_engine(str(folder), dtype, weights, cache_dtype, speculative, threads=threads,
-                          draft_vocab=draft_vocab)
+                          draft_vocab=draft_vocab, chat_template=chat_template)
     attach_prefix_cache(engine, prefix_cache_bytes or "1G", prefix_block_tokens, prefix_cache_dir)
     name = _model_name(model)
     app = create_app(engine, model_name=name, max_batch=max_batch, access_log=None if quiet else _log_line,

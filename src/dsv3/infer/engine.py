@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dsv3.data.chat_template import ChatTemplate
 from dsv3.errors import DSV3Error
 from dsv3.infer.detok import TextStream
 from dsv3.infer.draft_vocab import DraftVocab
@@ -211,7 +212,8 @@ class Engine:
 
     def __init__(self, model: Transformer, tokenizer=None, speculative: bool = False,
                  cache_dtype: torch.dtype | None = None, eos_token_ids: frozenset[int] | None = None,
-                 fast: bool = True, draft_vocab: DraftVocab | torch.Tensor | list[int] | None = None):
+                 fast: bool = True, draft_vocab: DraftVocab | torch.Tensor | list[int] | None = None,
+                 chat_template: ChatTemplate | None = None):
         if speculative and not model.mtp_layers:
             raise DSV3Error("--speculative mtp needs a checkpoint with an MTP layer (num_nextn_predict_layers >= 1)")
         if draft_vocab is not None and not speculative:
@@ -221,6 +223,7 @@ class Engine:
         self.draft_vocab: DraftVocab | None = draft_vocab
         self.model = model.eval()
         self.tokenizer = tokenizer
+        self.chat_template = chat_template  # the checkpoint's; None: the tokenizer's default (infer.chat_template)
         self.speculative = speculative
         self.cache_dtype = cache_dtype or next(model.parameters()).dtype
         self.device = model.inv_freq.device  # inputs go where the weights are; sampling stays on the CPU

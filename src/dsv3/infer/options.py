@@ -18,3 +18,6 @@ THREADS = typer.Option(0, "--threads", metavar="N", show_default=False,
 DRAFT_VOCAB = typer.Option(0, "--draft-vocab", metavar="K", show_default=False,
                            help="With --speculative mtp: draft over the K most frequent tokens only (ranked in "
                                 "MODEL/draft_vocab.json by dsv3 draft-vocab); 0: the whole vocabulary (default).")
+CHAT_TEMPLATE = typer.Option(None, "--chat-template", metavar="FILE", show_default=False,
+                             help="Jinja chat template to use instead of the checkpoint's (default: its "
+                                  "chat_template, else DeepSeek-V3's or plain text).")

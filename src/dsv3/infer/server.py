@@ -174,10 +174,11 @@ def create_app(engine: Engine, model_name: str = "dsv3", max_batch: int = 8,
             raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
         if engine.tokenizer is None:
             raise DSV3Error("this model has no tokenizer.json, so it cannot chat; use /v1/completions with token ids")
-        prompt = chat_template.render(_messages(body.messages), engine.tokenizer)
+        prompt = chat_template.render(_messages(body.messages), engine.tokenizer, engine.chat_template)
         n_top = (body.top_logprobs or 0) if body.logprobs else None
-        request = _request(engine, body, _encode(engine, prompt), body.max_completion_tokens or body.max_tokens,
-                           256, chat_template.stop_strings(engine.tokenizer), n_top)
+        ids = chat_template.encode_prompt(engine.tokenizer, prompt)
+        request = _request(engine, body, ids, body.max_completion_tokens or body.max_tokens,
+                           256, chat_template.stop_strings(engine.tokenizer, engine.chat_template), n_top)
         shape = _ChatShape(model_name, engine.tokenizer, body.logprobs)
         return await _respond(scheduler, http, request, body, shape)
 

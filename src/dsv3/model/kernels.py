@@ -233,8 +233,9 @@ def _softmax_dtype(h: torch.Tensor) -> torch.dtype:
 
 
 def _chunked_loss(h, weight, labels, ignore_index, grads):
-    """Sum of per-token losses / number of labelled tokens; with ``grads = (grad_h, grad_w)`` also
-    writes d loss / d h [N, D] and d loss / d weight [V, D] (softmax dtype) into them."""
+    """Sum of per-token losses / number of labelled tokens (0 when none is labelled: a chat window without
+    an assistant token); with ``grads = (grad_h, grad_w)`` also writes d loss / d h [N, D] and d loss /
+    d weight [V, D] (softmax dtype) into them."""
     dtype, wide = compute_dtype(h), _softmax_dtype(h)
     x, w = h.to(dtype), weight.to(dtype)
     valid = labels != ignore_index
@@ -265,7 +266,7 @@ def _chunked_loss(h, weight, labels, ignore_index, grads):
                 grad_w.addmm_(d_logits.t(), x_scaled)
             else:
                 grad_w += d_logits.t() @ x_scaled
-    return total / count
+    return total / count.clamp(min=1)
 
 
 def _softmax_in_place(logits: torch.Tensor, targets: torch.Tensor, labelled: torch.Tensor) -> torch.Tensor:
@@ -284,9 +285,11 @@ def _softmax_in_place(logits: torch.Tensor, targets: torch.Tensor, labelled: tor
 
 
 def plain_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
-    """The unfused reference: ``F.cross_entropy`` on logits [..., V] in fp32 (or wider)."""
+    """The unfused reference: ``F.cross_entropy`` on logits [..., V] in fp32 (or wider); 0 when no
+    position is labelled (where F.cross_entropy's mean is 0/0)."""
     wide = logits.flatten(0, -2).to(torch.promote_types(logits.dtype, torch.float32))
-    return F.cross_entropy(wide, labels.flatten(), ignore_index=ignore_index)
+    total = F.cross_entropy(wide, labels.flatten(), ignore_index=ignore_index, reduction="sum")
+    return total / (labels != ignore_index).sum().clamp(min=1)
 
 
 # ==== attention =====================================================================================

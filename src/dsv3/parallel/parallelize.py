@@ -34,7 +34,7 @@ from dsv3.parallel.data_parallel import FSDP, Replicas, Replicate, Zero1, clip_b
 from dsv3.parallel.ep import ep_layers, logical_expert_weights, make_expert_parallel
 from dsv3.parallel.memory import local_tensor
 from dsv3.parallel.mesh import ParallelMesh
-from dsv3.parallel.pipeline import Elsewhere, PipelineParallel, plan_pipeline
+from dsv3.parallel.pipeline import Elsewhere, PipelineParallel, label_counts, plan_pipeline
 from dsv3.parallel.pipeline_overlap import Overlap, run_concurrently
 
 
@@ -132,19 +132,32 @@ def _world_size() -> int:
 
 
 class LossStep(nn.Module):
-    """``model.loss`` as a forward; returns the loss and its detached parts [total, lm, mtp, balance]."""
+    """``model.loss`` as a forward; returns the loss and its detached parts [total, lm, mtp, balance].
+
+    ``weights`` (one per head: the LM's, then each MTP depth's) scale each head's mean loss: a data-parallel
+    rank's share of the global micro-batch's labelled tokens times the number of ranks, so that averaging
+    the ranks' gradients gives the mean over every labelled token, as one process would (with a loss mask
+    the ranks' label counts differ). None: all 1."""
 
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                weights: list[float] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         out = self.model.loss(input_ids, labels)
         zero = out.loss.new_zeros(())
-        parts = torch.stack([out.loss.detach().float(), out.lm_loss.detach().float(),
-                             (out.mtp_loss if out.mtp_loss is not None else zero).detach().float(),
+        loss, lm, mtp = out.loss, out.lm_loss, out.mtp_loss
+        if weights is not None and any(w != 1.0 for w in weights):
+            lm = lm * weights[0]
+            mtp = torch.stack([m * w for m, w in zip(out.mtp_losses, weights[1:], strict=False)]).mean() \
+                if out.mtp_losses else None
+            loss = lm + (self.model.config.mtp_loss_weight * mtp if mtp is not None else 0.0) + \
+                (out.balance_loss if out.balance_loss is not None else 0.0)
+        parts = torch.stack([loss.detach().float(), lm.detach().float(),
+                             (mtp if mtp is not None else zero).detach().float(),
                              (out.balance_loss if out.balance_loss is not None else zero).detach().float()])
-        return out.loss, parts
+        return loss, parts
 
 
 class Parallelized:
@@ -197,12 +210,22 @@ class Parallelized:
             return self._pipeline_forward_backward(batches, autocast, grad_accum)
         sums = torch.zeros(4, dtype=torch.float64)
         for j, (inputs, labels) in enumerate(batches):
+            weights = self._label_weights(labels)
             with contextlib.nullcontext() if j == len(batches) - 1 else self.no_sync():
                 with autocast:
-                    loss, parts = self.step(inputs, labels)
+                    loss, parts = self.step(inputs, labels, weights)
                 (loss / grad_accum).backward()
             sums += parts.double().cpu()
         return (self.sum_(sums.to(self.device)).cpu() / (self.data_size * grad_accum)).tolist()
+
+    def _label_weights(self, labels: torch.Tensor) -> list[float] | None:
+        """Each head's weight for this rank's micro-batch (`LossStep`): its labelled tokens over the
+        global micro-batch's, times the data-parallel ranks; None with one rank (a collective)."""
+        if self.data_size == 1:
+            return None
+        mine = torch.tensor(label_counts(labels, len(self.model.mtp_layers)), dtype=torch.float64)
+        total = self.sum_(mine.clone().to(self.device)).cpu()
+        return [float(n * self.data_size / t) if t else 0.0 for n, t in zip(mine.tolist(), total.tolist(), strict=True)]
 
     def _pipeline_forward_backward(self, batches, autocast, grad_accum: int) -> list[float]:
         """One schedule per micro-step (each normalised by its own global token counts), then gradients

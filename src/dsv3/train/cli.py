@@ -34,8 +34,12 @@ def train(
     ),
     data: list[str] = typer.Option(
         None,
-        help="Text files, folders, globs, or JSONL with a 'text' field "
+        help="Text files, folders, globs, or JSONL of {\"text\": ...} or {\"messages\": [...]} chats "
         "(repeatable). Default: the running Python's standard library.",
+    ),
+    tokenizer: str = typer.Option(
+        None, metavar="DIR", help="A folder with tokenizer.json (and tokenizer_config.json: BOS, EOS, chat "
+        "template) to train with, or dsv3: a BPE trained on the data (default: dsv3).",
     ),
     out: str = typer.Option(
         None, help="Run folder for checkpoints, metrics and plots (default runs/PRESET-TIME)."

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dsv3.data.chat_sft import IGNORE_INDEX
 from dsv3.data.packing import PackedSequences
 from dsv3.train.distributed import World
 
@@ -44,19 +45,21 @@ def evaluate(
         with autocast:
             logits = model(inputs.to(world.device))
         nats += (
-            F.cross_entropy(logits.float().flatten(0, 1), labels.to(world.device).flatten(), reduction="sum")
+            F.cross_entropy(logits.float().flatten(0, 1), labels.to(world.device).flatten(), reduction="sum",
+                            ignore_index=IGNORE_INDEX)
             .double()
             .cpu()
         )
-        n_bytes += int(token_bytes[labels.numpy()].sum())
-        n_tokens += labels.numel()
+        labelled = labels[labels != IGNORE_INDEX].numpy()  # a chat's assistant tokens; every token of text
+        n_bytes += int(token_bytes[labelled].sum())
+        n_tokens += len(labelled)
     totals = world.sum_(
         torch.tensor([nats.item(), n_bytes, n_tokens], dtype=torch.float64, device=world.device)
     )
     model.train(was_training)
     nats_total, bytes_total, tokens_total = totals.tolist()
     return {
-        "val_loss": nats_total / tokens_total,
+        "val_loss": nats_total / max(tokens_total, 1.0),
         "val_bpb": nats_total / math.log(2) / max(bytes_total, 1.0),
         "val_tokens": int(tokens_total),
         "val_bytes": int(bytes_total),

@@ -66,6 +66,7 @@ class TrainOptions:
     precision: str = "fp32"
     seed: int = 0
     vocab_size: int | None = None  # default: the model config's
+    tokenizer: str = "dsv3"  # dsv3: a BPE trained on the data; else a folder holding tokenizer.json
     val_fraction: float = 0.01
     bpe_train_mb: float = 16.0  # BPE is trained on at most this much of the training split
     eval_tokens: int = 32768  # held-out tokens per evaluation

@@ -20,12 +20,11 @@ from dsv3.data import (
     PackedSequences,
     SampleOrder,
     load_corpus,
-    save_tokenizer_files,
     token_byte_lengths,
     tokenize_corpus,
     train_or_load_tokenizer,
 )
-from dsv3.data.tokenizer import default_cache_dir
+from dsv3.data.tokenizer import OWN, TrainingTokenizer, default_cache_dir, load_tokenizer_folder, own_tokenizer
 from dsv3.errors import DSV3Error
 from dsv3.layout import Layout
 from dsv3.model.transformer import Transformer
@@ -50,11 +49,15 @@ StepCallback = Callable[[dict[str, Any]], None]
 
 @dataclass
 class TrainingData:
-    tokenizer: Tokenizer
+    encoding: TrainingTokenizer  # the tokenizer, its BOS/EOS and chat template; saved with each checkpoint
     train: PackedSequences
     val: PackedSequences
     token_bytes: np.ndarray
     description: str
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        return self.encoding.tokenizer
 
 
 def model_config(opts: TrainOptions) -> ModelConfig:
@@ -75,27 +78,39 @@ def prepare_data(opts: TrainOptions, vocab_size: int, world: World, progress: Tr
     if not world.is_main:
         world.barrier()
     t0 = time.perf_counter()
+    checkpoint = load_tokenizer_folder(opts.tokenizer) if opts.tokenizer != OWN else None
+    if checkpoint is not None:
+        _check_vocab(checkpoint.tokenizer.get_vocab_size(), vocab_size, opts.tokenizer)
     corpus = load_corpus(opts.data or None, opts.val_fraction)
-    tokenizer = train_or_load_tokenizer(corpus, vocab_size, cache, int(opts.bpe_train_mb * 2**20))
-    streams = tokenize_corpus(corpus, tokenizer, cache)
+    encoding = checkpoint or own_tokenizer(
+        train_or_load_tokenizer(corpus, vocab_size, cache, int(opts.bpe_train_mb * 2**20)))
+    streams = tokenize_corpus(corpus, encoding, cache)
     if world.is_main:
         world.barrier()
+    kind = f"tokenizer {opts.tokenizer}" if checkpoint is not None else "BPE"
     progress.note(
         f"data: {corpus.description}; {len(corpus.train)} documents "
         f"({len(streams.train):,} tokens) for training, {len(corpus.val)} held out "
-        f"({len(streams.val):,} tokens); BPE vocab {tokenizer.get_vocab_size()}; "
+        f"({len(streams.val):,} tokens); {kind} vocab {encoding.tokenizer.get_vocab_size()}; "
         f"ready in {time.perf_counter() - t0:.1f}s (cache: {cache})"
     )
     val_len = min(opts.seq_len, len(streams.val) - 1)
     if val_len < 1:
         raise DSV3Error("the held-out split has fewer than 2 tokens; add data or raise --val-fraction")
     return TrainingData(
-        tokenizer,
-        PackedSequences(streams.train, opts.seq_len),
-        PackedSequences(streams.val, val_len),
-        token_byte_lengths(tokenizer),
+        encoding,
+        PackedSequences(streams.train, opts.seq_len, streams.train_mask),
+        PackedSequences(streams.val, val_len, streams.val_mask),
+        token_byte_lengths(encoding.tokenizer),
         corpus.description,
     )
+
+
+def _check_vocab(tokenizer_size: int, vocab_size: int, folder: str) -> None:
+    """The model's embedding must hold every id the tokenizer can produce."""
+    if tokenizer_size > vocab_size:
+        raise DSV3Error(f"--tokenizer {folder} has {tokenizer_size} token ids but the model's vocab_size is "
+                        f"{vocab_size}; use --vocab-size {tokenizer_size} (or more), or a config that holds them")
 
 
 def build_optimizer(model: torch.nn.Module, opts: TrainOptions):
@@ -387,7 +402,7 @@ class _Run:
                 whole_model(folder / SHARDED_DIR, self.cfg).save_pretrained(folder)
             else:
                 self.cfg.save_json(folder / "config.json")
-            save_tokenizer_files(self.data.tokenizer, folder, self.cfg.max_position_embeddings)
+            self.data.encoding.save(folder, self.cfg.max_position_embeddings)
 
         ckpt.publish_checkpoint(self.run_dir, step, trainer_state, summary, write_extras, self.opts.keep_last)
 
@@ -436,7 +451,8 @@ class _Run:
         from dsv3.train.sample import sample_text
 
         text = sample_text(
-            model, self.data.tokenizer, self.opts.sample_prompt, self.opts.sample_tokens, seed=self.opts.seed
+            model, self.data.tokenizer, self.opts.sample_prompt, self.opts.sample_tokens, seed=self.opts.seed,
+            eos_id=self.data.encoding.eos_id,
         )
         self.progress.note(f"sample (temperature 0.8, top-k 40):\n{self.opts.sample_prompt}{text}")
         return self.opts.sample_prompt + text

@@ -24,14 +24,15 @@ def sample_text(
     temperature: float = 0.8,
     top_k: int = 40,
     seed: int = 0,
+    eos_id: int | None = None,
 ) -> str:
     """The prompt's continuation (without the prompt). temperature 0 is greedy; stops at end-of-document."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    ids = tokenizer.encode(prompt, add_special_tokens=False).ids or [tokenizer.token_to_id(EOS_TOKEN)]
+    eos = tokenizer.token_to_id(EOS_TOKEN) if eos_id is None else eos_id
+    ids = tokenizer.encode(prompt, add_special_tokens=False).ids or [eos]
     tokens = torch.tensor([ids], device=device)
-    eos = tokenizer.token_to_id(EOS_TOKEN)
     limit = model.config.max_position_embeddings
     generator = torch.Generator(device="cpu").manual_seed(seed)
     new: list[int] = []
