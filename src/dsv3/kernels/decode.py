@@ -137,6 +137,7 @@ class FeedForwardPlan:
         else:
             self.shared = _mlp_weights(mlp) if type(mlp) is MLP else None
             self.ok = self.shared is not None
+        self.integer = isinstance(self.routed, IntExpertWeights) or isinstance(self.shared, IntExpertWeights)
 
     def __call__(self, x: torch.Tensor, use_kernels: bool) -> torch.Tensor:
         """x [B, T, D] -> the layer's output [B, T, D]."""
@@ -253,7 +254,9 @@ class BlockPlan:
         self.attn = AttentionPlan(block.self_attn, dtype)
         self.ffn = FeedForwardPlan(block.mlp)
         self.ok = self.attn.ok and self.ffn.ok and not self.snapshot.hooked
-        counted = any(self.snapshot.counting)
+        # integer experts (--weights int8|int4) are not the block kernel's: their MoE half runs per op, as a
+        # counted layer's does, after the attention half in the block kernel
+        counted = any(self.snapshot.counting) or self.ffn.integer
         self.kernel = None if counted else BlockKernel.of(self)
         self.attention_kernel = BlockKernel.of(self, feed_forward=False) if counted else None
         self.moe_kernel = MoEHalfKernel.of(self) if self.attention_kernel is not None else None
