@@ -51,7 +51,7 @@ def close(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=["fp32 x", "bf16 x"])
 def test_linear(threads, rows, kind, act):
     w, s, dense = weight(kind, 136, 200)  # FP8 blocks cut at N and K
-    x = torch.randn(rows, 200).to(act)
+    x = torch.randn(rows, 200, generator=torch.Generator().manual_seed(rows)).to(act)
     got = torch.ops.dsv3.linear(x, w, s)
     close(got, (x.float() @ dense.t()).to(act), act)
 
@@ -63,11 +63,12 @@ def test_linear(threads, rows, kind, act):
 def test_swiglu_experts(threads, rows, kind, act):
     (g, gs, gd), (u, us, ud), (d, ds, dd) = (weight(kind, 4, *shape, seed=i)
                                               for i, shape in enumerate([(24, 40), (24, 40), (40, 24)]))
-    x = torch.randn(rows, 40).to(act)
-    idx = torch.randint(0, 4, (rows, 2))
+    rng = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 40, generator=rng).to(act)
+    idx = torch.randint(0, 4, (rows, 2), generator=rng)
     idx[:, 1] = (idx[:, 0] + 1) % 4  # two distinct experts a row
-    gates = torch.rand(rows, 2)
-    add_to = torch.randn(rows, 40).to(act)
+    gates = torch.rand(rows, 2, generator=rng)
+    add_to = torch.randn(rows, 40, generator=rng).to(act)
     want = torch.zeros(rows, 40)
     for m in range(rows):
         for j in range(2):
@@ -90,10 +91,11 @@ def test_route_chooses_the_routers_experts(threads, rows, name):
     fields = dict(n_routed_experts=16, num_experts_per_tok=3, n_group=4, topk_group=2, routed_scaling_factor=2.5)
     cfg = preset("nano").replace(**{**fields, **ROUTERS[name]})
     router = Router(cfg)
-    torch.nn.init.normal_(router.weight)
+    g = torch.Generator().manual_seed(rows)  # fixed inputs, whatever ran before (a near-tie could part them)
+    router.weight.data = torch.randn(router.weight.shape, generator=g)
     if router.e_score_correction_bias is not None:
-        router.e_score_correction_bias.normal_(0, 0.1)
-    x = torch.randn(rows, cfg.hidden_size)
+        router.e_score_correction_bias.copy_(torch.randn(16, generator=g) * 0.1)
+    x = torch.randn(rows, cfg.hidden_size, generator=g)
     idx, gates = torch.ops.dsv3.route(
         x, router.weight, router.e_score_correction_bias, router.top_k,
         router.n_group if router.method != "greedy" else 1, router.topk_group, router.scoring == "softmax",
@@ -130,7 +132,8 @@ def test_mla_decode(threads, rows, dtype, masked):
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm(threads, rows, dtype):
-    x, w = torch.randn(rows, 72).to(dtype), torch.rand(72).to(dtype)
+    g = torch.Generator().manual_seed(rows)
+    x, w = torch.randn(rows, 72, generator=g).to(dtype), torch.rand(72, generator=g).to(dtype)
     want = w * F.rms_norm(x.float(), (72,), eps=1e-6).to(dtype)
     close(torch.ops.dsv3.rms_norm(x, w, 1e-6), want, dtype)
 
@@ -138,7 +141,7 @@ def test_rms_norm(threads, rows, dtype):
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_scan_logits_picks_the_first_largest_and_flags_rows_that_are_not_finite(dtype):
-    logits = torch.randn(5, 300).to(dtype)
+    logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(0)).to(dtype)
     logits[0, 7] = logits[0, 250] = 100  # a tie: the first
     logits[1, 3], logits[2, 9] = float("nan"), float("inf")
     want = logits.argmax(-1)

@@ -33,7 +33,6 @@ kernels (tests compare all of them).
 
 from __future__ import annotations
 
-import ctypes
 from collections.abc import Iterable
 from itertools import chain
 
@@ -168,7 +167,7 @@ def _swiglu(x, idx, gates, experts: ExpertWeights | IntExpertWeights, add_to, us
     return swiglu_experts(x, idx, gates, experts, add_to=add_to, use_kernel=use_kernels)
 
 
-def _block_experts(experts: ExpertWeights | IntExpertWeights) -> dk.BlockExperts | None:
+def _block_experts(experts: ExpertWeights | IntExpertWeights) -> dict | None:
     """The block kernel's view of the experts; None for integer ones (their block runs the per-op path)."""
     return None if isinstance(experts, IntExpertWeights) else dk.block_experts(experts)
 
@@ -288,8 +287,7 @@ class MoEHalfKernel:
     ``rms_norm``, ``route`` and ``swiglu_experts`` were about a quarter of its time on the small shape.
     The router's choices go to the layer's counters (``MoE.count_routed``)."""
 
-    def __init__(self, plan: BlockPlan, router: tuple[dict, list], routed: dk.BlockExperts,
-                 shared: dk.BlockExperts | None):
+    def __init__(self, plan: BlockPlan, router: tuple[dict, list], routed: dict, shared: dict | None):
         norm, moe = plan.block.post_attention_layernorm, plan.ffn.mlp
         self.moe, self.dtype, self.akind = moe, plan.dtype, dk.A_KIND[plan.dtype]
         self.dim, self.top_k, self.n_experts = norm.weight.shape[0], moe.gate.top_k, moe.gate.n_experts
@@ -350,10 +348,10 @@ class BlockKernel:
     tensors, made once) and those tensors, held so that the pointers stay valid even if the module's
     parameters are replaced later (``.to()`` swaps ``param.data``)."""
 
-    def __init__(self, desc: dk.BlockDesc, keep: list):
+    def __init__(self, desc: dk.Descriptor, keep: list):
         self.desc, self.keep = desc, keep
-        self.address = ctypes.addressof(desc)
-        self.layer = desc.layer  # the cache layer it writes: a step's cache must have it
+        self.address = desc.address
+        self.layer = desc.fields["layer"]  # the cache layer it writes: a step's cache must have it
 
     @classmethod
     def of(cls, plan: BlockPlan, feed_forward: bool = True) -> BlockKernel | None:
@@ -370,18 +368,18 @@ class BlockKernel:
         w_uk, w_uv = a.w_uk, a.w_uv
         zero = None if feed_forward else _zero_feed_forward(b.input_layernorm.weight.shape[0], plan.dtype)
         if zero is None:
-            routed = _block_experts(f.routed) if f.routed is not None else dk.BlockExperts()
-            shared = _block_experts(f.shared) if f.shared is not None else dk.BlockExperts()
+            routed = _block_experts(f.routed) if f.routed is not None else {}
+            shared = _block_experts(f.shared) if f.shared is not None else {}
             router = dk.route_constants(f.mlp.gate) if f.routed is not None else ({}, [])
         else:
-            routed, shared, router = dk.BlockExperts(), dk.block_experts(zero), ({}, [])
+            routed, shared, router = {}, dk.block_experts(zero), ({}, [])
         if (not all(_norm_ok(n, plan.dtype) for n in norms) or None in linears or routed is None or shared is None
                 or router is None or any(w.device.type != "cpu" or w.stride(-1) != 1 for w in (w_uk, w_uv))):
             return None
         keep = [n.weight.detach() for n in norms] + router[1] + ([] if zero is None else [zero])
-        q_a, q_b = linears[:-2] if len(a.q) == 2 else (dk.BlockLinear(), linears[0])
-        desc = dk.BlockDesc(
-            akind=dk.A_KIND[plan.dtype], dim=b.input_layernorm.weight.shape[0], layer=m.layer_idx,
+        q_a, q_b = linears[:-2] if len(a.q) == 2 else ({}, linears[0])
+        desc = dk.Descriptor(
+            "block", akind=dk.A_KIND[plan.dtype], dim=b.input_layernorm.weight.shape[0], layer=m.layer_idx,
             input_norm=keep[0].data_ptr(), post_norm=keep[1].data_ptr(), kv_norm=keep[2].data_ptr(),
             q_norm=keep[3].data_ptr() if len(a.q) == 2 else None,
             input_eps=b.input_layernorm.eps, post_eps=b.post_attention_layernorm.eps, kv_eps=m.kv_a_layernorm.eps,
@@ -406,9 +404,9 @@ class StepKernel:
     """The whole decode step as one ``dsv3_decode_step`` call: the embedding, the block kernels of ``plans`` in
     order, the final norm and the head, when every one of them can run in C."""
 
-    def __init__(self, desc: dk.StepDesc, keep: list):
+    def __init__(self, desc: dk.Descriptor, keep: list):
         self.desc, self.keep = desc, keep
-        self.address = ctypes.addressof(desc)
+        self.address = desc.address
         self.layers = 1 + max(k.layer for k in keep[0])  # cache layers a step's cache must have
 
     @classmethod
@@ -423,11 +421,11 @@ class StepKernel:
                 or embed.max_norm is not None or w.dtype != dtype or not w.is_contiguous() or w.device.type != "cpu"
                 or not _norm_ok(norm, dtype) or linear_head is None):
             return None
-        blocks = (ctypes.c_void_p * len(plans))(*(p.kernel.address for p in plans))
+        blocks = torch.tensor([p.kernel.address for p in plans], dtype=torch.int64)  # the blocks' descriptors
         keep = [[p.kernel for p in plans], blocks, w.detach(), norm.weight.detach(), head.w, head.kernel_scale]
-        desc = dk.StepDesc(akind=dk.A_KIND[dtype], dim=w.shape[1], vocab=w.shape[0], n_blocks=len(plans),
-                           embed=w.data_ptr(), blocks=ctypes.addressof(blocks), norm=norm.weight.data_ptr(),
-                           norm_eps=norm.eps, head=linear_head)
+        desc = dk.Descriptor("model", akind=dk.A_KIND[dtype], dim=w.shape[1], vocab=w.shape[0], n_blocks=len(plans),
+                             embed=w.data_ptr(), blocks=blocks.data_ptr(), norm=norm.weight.data_ptr(),
+                             norm_eps=norm.eps, head=linear_head)
         return cls(desc, keep)
 
 
@@ -470,11 +468,11 @@ class Step:
         self.mask, self.start_pos, self.cache = mask, start_pos, cache
         self.bias = self._bias(positions.device, T, start_pos, mask)
         self._rot = self._cos_sin = None
-        self.kernel: dk.BlockStep | None = None
+        self.kernel: dk.Descriptor | None = None
 
     @property
     def address(self) -> int:
-        return ctypes.addressof(self.kernel)
+        return self.kernel.address
 
     @property
     def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
@@ -485,7 +483,7 @@ class Step:
 
     def with_rope_rows(self) -> None:
         """Give the kernels' descriptor the RoPE rows themselves (for positions its table lacks)."""
-        self.kernel = dk.block_step(self.kernel.rows, self.T, self.start_pos, *self.cos_sin, self.cache.kv,
+        self.kernel = dk.block_step(self.kernel.fields["rows"], self.T, self.start_pos, *self.cos_sin, self.cache.kv,
                                     self.cache.pe, self.bias)
 
     @staticmethod
@@ -553,11 +551,11 @@ class FastDecode:
 
     def _step(self, positions: torch.Tensor, T: int, start_pos: int, mask, cache: LatentCache, rows: int) -> Step:
         step = Step(self.rope, positions, T, start_pos, mask, cache)
-        if self.block_kernel and start_pos + T <= cache.max_len:
+        if self.block_kernel and start_pos + T <= cache.max_len and dk.block_kernel_available():
             step.kernel = self._kernel_step(step, rows)
         return step
 
-    def _kernel_step(self, step: Step, rows: int) -> dk.BlockStep | None:
+    def _kernel_step(self, step: Step, rows: int) -> dk.Descriptor | None:
         """The kernels' descriptor of ``step`` (None when they cannot run it): the descriptor made for this
         cache, row count and RoPE table, pointed at this step's slot and positions (which the kernels look
         up in the table), or, for positions of another form, one with the RoPE rows themselves."""
@@ -626,8 +624,8 @@ class FastDecode:
             step = self._step(positions, T, start_pos, mask, cache, B)
             kernel = self._whole_step(step)
             if kernel is not None:
-                h = torch.empty(B, T, kernel.desc.dim, dtype=self.dtype)
-                logits = torch.empty(B, T, kernel.desc.head.n, dtype=self.dtype)
+                h = torch.empty(B, T, kernel.desc.fields["dim"], dtype=self.dtype)
+                logits = torch.empty(B, T, kernel.desc.fields["head"]["n"], dtype=self.dtype)
                 ids = input_ids.long().contiguous()
                 if not dk.decode_step(kernel.address, step.address, ids, h, logits):
                     step.with_rope_rows()

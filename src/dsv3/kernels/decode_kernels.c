@@ -24,7 +24,7 @@
 /* The version of this file's calling interface (its exported functions' arguments and structures), which
  * decode_kernels.py checks at load (dsv3_abi): raise it with any change of a signature. */
 #ifndef DSV3_KERNELS_ABI
-#define DSV3_KERNELS_ABI 2
+#define DSV3_KERNELS_ABI 3
 #endif
 int64_t dsv3_abi(void) { return DSV3_KERNELS_ABI; }
 
@@ -1757,44 +1757,83 @@ int dsv3_scan_logits(const void *x, int kind, int64_t M, int64_t n, int64_t ld, 
 }
 
 
-/* The layout of the structures decode_kernels.py mirrors with ctypes (BlockLinear, BlockExperts, BlockDesc,
-   BlockStep, StepDesc), so that Python refuses a build whose layout is not its own (a field added on one
-   side only, another compiler's padding) instead of handing it pointers into the wrong places: each
-   structure's size, then the offset of each of its fields in declaration order. Writes at most ``cap``
-   values into ``out``; returns how many there are. */
-int64_t dsv3_struct_layout(int64_t *out, int64_t cap) {
-    int64_t n = 0;
-#define PUT(v) do { if (n < cap) out[n] = (int64_t)(v); n++; } while (0)
-#define SIZE(T) PUT(sizeof(T))
-#define AT(T, f) PUT(offsetof(T, f))
-    SIZE(BlkLinear);
-    AT(BlkLinear, w); AT(BlkLinear, scale); AT(BlkLinear, kind); AT(BlkLinear, n); AT(BlkLinear, k);
-    SIZE(BlkExperts);
-    AT(BlkExperts, gate); AT(BlkExperts, up); AT(BlkExperts, down); AT(BlkExperts, gate_scale);
-    AT(BlkExperts, up_scale); AT(BlkExperts, down_scale); AT(BlkExperts, kind); AT(BlkExperts, n_experts);
-    AT(BlkExperts, inter); AT(BlkExperts, dim);
-    SIZE(BlkDesc);
-    AT(BlkDesc, akind); AT(BlkDesc, dim); AT(BlkDesc, layer); AT(BlkDesc, input_norm); AT(BlkDesc, post_norm);
-    AT(BlkDesc, q_norm); AT(BlkDesc, kv_norm); AT(BlkDesc, input_eps); AT(BlkDesc, post_eps);
-    AT(BlkDesc, q_eps); AT(BlkDesc, kv_eps); AT(BlkDesc, q_a); AT(BlkDesc, q_b); AT(BlkDesc, kv_a);
-    AT(BlkDesc, o); AT(BlkDesc, w_uk); AT(BlkDesc, w_uv); AT(BlkDesc, uk_hstride); AT(BlkDesc, uk_rstride);
-    AT(BlkDesc, uv_hstride); AT(BlkDesc, uv_rstride); AT(BlkDesc, heads); AT(BlkDesc, nope);
-    AT(BlkDesc, rope); AT(BlkDesc, v_dim); AT(BlkDesc, kv_rank); AT(BlkDesc, softmax_scale);
-    AT(BlkDesc, router); AT(BlkDesc, router_bias); AT(BlkDesc, softmax); AT(BlkDesc, n_group);
-    AT(BlkDesc, topk_group); AT(BlkDesc, group_sum); AT(BlkDesc, topk); AT(BlkDesc, normalize);
-    AT(BlkDesc, route_scale); AT(BlkDesc, routed); AT(BlkDesc, shared); AT(BlkDesc, w_kind);
-    SIZE(BlkStep);
-    AT(BlkStep, rows); AT(BlkStep, T); AT(BlkStep, start); AT(BlkStep, cos); AT(BlkStep, sin);
-    AT(BlkStep, rot_bstride); AT(BlkStep, kv); AT(BlkStep, pe); AT(BlkStep, ckind); AT(BlkStep, kv_lstride);
-    AT(BlkStep, kv_bstride); AT(BlkStep, kv_sstride); AT(BlkStep, pe_lstride); AT(BlkStep, pe_bstride);
-    AT(BlkStep, pe_sstride); AT(BlkStep, bias); AT(BlkStep, bias_bstride); AT(BlkStep, nthreads);
-    AT(BlkStep, positions); AT(BlkStep, pos_bstride); AT(BlkStep, table_cos); AT(BlkStep, table_sin);
-    AT(BlkStep, table_len); AT(BlkStep, half);
-    SIZE(StepDesc);
-    AT(StepDesc, akind); AT(StepDesc, dim); AT(StepDesc, vocab); AT(StepDesc, n_blocks); AT(StepDesc, embed);
-    AT(StepDesc, blocks); AT(StepDesc, norm); AT(StepDesc, norm_eps); AT(StepDesc, head);
-#undef AT
-#undef SIZE
-#undef PUT
-    return n;
+/* ---- descriptors made and filled by name ----
+ * Python never lays the block and step structures out: it asks for one (dsv3_desc_new) and sets its fields by
+ * name (dsv3_desc_set), and the name tables below, made by the compiler with offsetof, say where each lives. A
+ * field added on one side only is an unknown name (an error), never a pointer written into the wrong place. */
+
+enum { DESC_BLOCK = 0, DESC_STEP = 1, DESC_MODEL = 2 };
+enum { F_I64, F_F32, F_PTR };
+typedef struct { const char *name; size_t offset; int type; } DescField;
+
+#define FIELD(S, f, t) { #f, offsetof(S, f), t }
+#define LINEAR(S, l) FIELD(S, l.w, F_PTR), FIELD(S, l.scale, F_PTR), FIELD(S, l.kind, F_I64), \
+    FIELD(S, l.n, F_I64), FIELD(S, l.k, F_I64)
+#define EXPERTS(S, e) FIELD(S, e.gate, F_PTR), FIELD(S, e.up, F_PTR), FIELD(S, e.down, F_PTR), \
+    FIELD(S, e.gate_scale, F_PTR), FIELD(S, e.up_scale, F_PTR), FIELD(S, e.down_scale, F_PTR), \
+    FIELD(S, e.kind, F_I64), FIELD(S, e.n_experts, F_I64), FIELD(S, e.inter, F_I64), FIELD(S, e.dim, F_I64)
+
+static const DescField BLOCK_FIELDS[] = {
+    FIELD(BlkDesc, akind, F_I64), FIELD(BlkDesc, dim, F_I64), FIELD(BlkDesc, layer, F_I64),
+    FIELD(BlkDesc, input_norm, F_PTR), FIELD(BlkDesc, post_norm, F_PTR), FIELD(BlkDesc, q_norm, F_PTR),
+    FIELD(BlkDesc, kv_norm, F_PTR), FIELD(BlkDesc, input_eps, F_F32), FIELD(BlkDesc, post_eps, F_F32),
+    FIELD(BlkDesc, q_eps, F_F32), FIELD(BlkDesc, kv_eps, F_F32),
+    LINEAR(BlkDesc, q_a), LINEAR(BlkDesc, q_b), LINEAR(BlkDesc, kv_a), LINEAR(BlkDesc, o),
+    FIELD(BlkDesc, w_uk, F_PTR), FIELD(BlkDesc, w_uv, F_PTR), FIELD(BlkDesc, uk_hstride, F_I64),
+    FIELD(BlkDesc, uk_rstride, F_I64), FIELD(BlkDesc, uv_hstride, F_I64), FIELD(BlkDesc, uv_rstride, F_I64),
+    FIELD(BlkDesc, heads, F_I64), FIELD(BlkDesc, nope, F_I64), FIELD(BlkDesc, rope, F_I64),
+    FIELD(BlkDesc, v_dim, F_I64), FIELD(BlkDesc, kv_rank, F_I64), FIELD(BlkDesc, softmax_scale, F_F32),
+    FIELD(BlkDesc, router, F_PTR), FIELD(BlkDesc, router_bias, F_PTR), FIELD(BlkDesc, softmax, F_I64),
+    FIELD(BlkDesc, n_group, F_I64), FIELD(BlkDesc, topk_group, F_I64), FIELD(BlkDesc, group_sum, F_I64),
+    FIELD(BlkDesc, topk, F_I64), FIELD(BlkDesc, normalize, F_I64), FIELD(BlkDesc, route_scale, F_F32),
+    EXPERTS(BlkDesc, routed), EXPERTS(BlkDesc, shared), FIELD(BlkDesc, w_kind, F_I64),
+};
+static const DescField STEP_FIELDS[] = {
+    FIELD(BlkStep, rows, F_I64), FIELD(BlkStep, T, F_I64), FIELD(BlkStep, start, F_I64),
+    FIELD(BlkStep, cos, F_PTR), FIELD(BlkStep, sin, F_PTR), FIELD(BlkStep, rot_bstride, F_I64),
+    FIELD(BlkStep, kv, F_PTR), FIELD(BlkStep, pe, F_PTR), FIELD(BlkStep, ckind, F_I64),
+    FIELD(BlkStep, kv_lstride, F_I64), FIELD(BlkStep, kv_bstride, F_I64), FIELD(BlkStep, kv_sstride, F_I64),
+    FIELD(BlkStep, pe_lstride, F_I64), FIELD(BlkStep, pe_bstride, F_I64), FIELD(BlkStep, pe_sstride, F_I64),
+    FIELD(BlkStep, bias, F_PTR), FIELD(BlkStep, bias_bstride, F_I64), FIELD(BlkStep, nthreads, F_I64),
+    FIELD(BlkStep, positions, F_PTR), FIELD(BlkStep, pos_bstride, F_I64), FIELD(BlkStep, table_cos, F_PTR),
+    FIELD(BlkStep, table_sin, F_PTR), FIELD(BlkStep, table_len, F_I64), FIELD(BlkStep, half, F_I64),
+};
+static const DescField MODEL_FIELDS[] = {
+    FIELD(StepDesc, akind, F_I64), FIELD(StepDesc, dim, F_I64), FIELD(StepDesc, vocab, F_I64),
+    FIELD(StepDesc, n_blocks, F_I64), FIELD(StepDesc, embed, F_PTR), FIELD(StepDesc, blocks, F_PTR),
+    FIELD(StepDesc, norm, F_PTR), FIELD(StepDesc, norm_eps, F_F32), LINEAR(StepDesc, head),
+};
+#undef EXPERTS
+#undef LINEAR
+#undef FIELD
+
+static const struct { const DescField *fields; size_t count, size; } DESCS[] = {
+    {BLOCK_FIELDS, sizeof BLOCK_FIELDS / sizeof *BLOCK_FIELDS, sizeof(BlkDesc)},
+    {STEP_FIELDS, sizeof STEP_FIELDS / sizeof *STEP_FIELDS, sizeof(BlkStep)},
+    {MODEL_FIELDS, sizeof MODEL_FIELDS / sizeof *MODEL_FIELDS, sizeof(StepDesc)},
+};
+
+/* A zeroed descriptor of ``kind`` (DESC_BLOCK: BlkDesc, DESC_STEP: BlkStep, DESC_MODEL: StepDesc), freed with
+   dsv3_desc_free; NULL for an unknown kind or no memory. */
+void *dsv3_desc_new(int kind) {
+    return kind < 0 || kind > DESC_MODEL ? NULL : calloc(1, DESCS[kind].size);
+}
+
+void dsv3_desc_free(void *desc) { free(desc); }
+
+/* Set field ``name`` (a dotted path into a nested linear layer or experts: "q_a.w", "routed.n_experts") of a
+   descriptor of ``kind``: integers and addresses from ``i``, floats from ``f``. Returns 0, or -1 for a name
+   the structure does not have. */
+int dsv3_desc_set(int kind, void *desc, const char *name, int64_t i, double f) {
+    if (kind < 0 || kind > DESC_MODEL) return -1;
+    for (size_t n = 0; n < DESCS[kind].count; n++) {
+        const DescField *fd = &DESCS[kind].fields[n];
+        if (strcmp(fd->name, name) != 0) continue;
+        char *at = (char *)desc + fd->offset;
+        if (fd->type == F_I64) *(int64_t *)at = i;
+        else if (fd->type == F_F32) *(float *)at = (float)f;
+        else *(void **)at = (void *)(intptr_t)i;
+        return 0;
+    }
+    return -1;
 }

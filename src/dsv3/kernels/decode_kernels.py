@@ -30,6 +30,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+import weakref
 from pathlib import Path
 
 import torch
@@ -41,7 +42,7 @@ SOURCE = Path(__file__).with_name("decode_kernels.c")
 FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 W_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 A_KIND = {torch.float32: 0, torch.bfloat16: 1}
-ABI = 2  # decode_kernels.c's DSV3_KERNELS_ABI: the calling interface this module's declarations (_declare) match
+ABI = 3  # decode_kernels.c's DSV3_KERNELS_ABI: the calling interface this module's declarations (_declare) match
 MAX_KERNEL_ROWS = 64  # more rows than this: a real matmul (PyTorch's) is the better tool
 FP8_SCALE_SHIFT = 256.0  # the C side's FP8 scales are scale_inv * 256 (its powers of two do the rest exactly)
 
@@ -133,9 +134,6 @@ def _load() -> tuple[ctypes.CDLL | None, str]:
         if mismatch:
             return None, f"refused {target.name}: {mismatch}"
         lib = _declare(lib)
-        mismatch = struct_layout_mismatch(lib)
-        if mismatch:
-            return None, f"the built kernels' structures differ from decode_kernels.py's: {mismatch}"
         lib.dsv3_bf16_dots.argtypes, lib.dsv3_bf16_dots.restype = [ctypes.c_int], ctypes.c_int
         lib.dsv3_bf16_dots(0 if os.environ.get("DSV3_DECODE_BF16_DOTS", "1") == "0" else 1)
         return lib, "ok"
@@ -324,80 +322,45 @@ def mla_decode_reference(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, 
 # ---- a whole block's decode step in one call ------------------------------------------------------------
 # ``dsv3_decode_block`` runs what FastDecode's per-op path runs for one block (decode.BlockPlan), reading
 # a descriptor made once per plan (pointers to the block's own tensors, sizes, constants) and one made once
-# per step (rows, RoPE rotation, cache, mask). The structures mirror BlkLinear / BlkExperts / BlkDesc /
-# BlkStep in decode_kernels.c field for field.
+# per step (rows, RoPE rotation, cache, mask). The C side makes them and fills their fields by name
+# (``Descriptor``): Python holds their addresses and the values it set, never their layout.
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 
-class BlockLinear(ctypes.Structure):
-    _fields_ = [("w", _p), ("scale", _p), ("kind", _i64), ("n", _i64), ("k", _i64)]
+class Descriptor:
+    """A C descriptor (``kind`` "block": one block's weights and constants, "step": one decode step, "model":
+    the model around its blocks), allocated by ``dsv3_desc_new``, its fields set by name, freed with this
+    object. Field values are ints, floats, tensor addresses or None (a null pointer), or dicts of them for the
+    nested linear layers and experts ("q_a", "routed"). ``fields`` keeps what was set; ``address`` is what the
+    kernels take. The caller keeps the tensors alive while the descriptor is used."""
+
+    KINDS = {"block": 0, "step": 1, "model": 2}
+
+    def __init__(self, kind: str, **fields):
+        lib = _load()[0]
+        self.kind = self.KINDS[kind]
+        self._set = _declare_block(lib)[3]
+        self.address = _declare_block(lib)[4](self.kind)
+        if not self.address:
+            raise MemoryError(f"no memory for a {kind} descriptor")
+        weakref.finalize(self, _declare_block(lib)[5], self.address)
+        self.fields: dict = {}
+        self.set(**fields)
+
+    def set(self, **fields) -> None:
+        for name, value in fields.items():
+            self.fields[name] = value
+            for path, v in _flatten(name, value):
+                if self._set(self.kind, self.address, path.encode(), 0 if v is None else int(v),
+                             0.0 if v is None else float(v)) != 0:
+                    raise RuntimeError(f"the kernels' descriptors have no field {path}")
 
 
-class BlockExperts(ctypes.Structure):
-    _fields_ = [("gate", _p), ("up", _p), ("down", _p), ("gate_scale", _p), ("up_scale", _p), ("down_scale", _p),
-                ("kind", _i64), ("n_experts", _i64), ("inter", _i64), ("dim", _i64)]
-
-
-class BlockDesc(ctypes.Structure):
-    _fields_ = [("akind", _i64), ("dim", _i64), ("layer", _i64),
-                ("input_norm", _p), ("post_norm", _p), ("q_norm", _p), ("kv_norm", _p),
-                ("input_eps", _f32), ("post_eps", _f32), ("q_eps", _f32), ("kv_eps", _f32),
-                ("q_a", BlockLinear), ("q_b", BlockLinear), ("kv_a", BlockLinear), ("o", BlockLinear),
-                ("w_uk", _p), ("w_uv", _p),
-                ("uk_hstride", _i64), ("uk_rstride", _i64), ("uv_hstride", _i64), ("uv_rstride", _i64),
-                ("heads", _i64), ("nope", _i64), ("rope", _i64), ("v_dim", _i64), ("kv_rank", _i64),
-                ("softmax_scale", _f32),
-                ("router", _p), ("router_bias", _p),
-                ("softmax", _i64), ("n_group", _i64), ("topk_group", _i64), ("group_sum", _i64), ("topk", _i64),
-                ("normalize", _i64), ("route_scale", _f32),
-                ("routed", BlockExperts), ("shared", BlockExperts), ("w_kind", _i64)]
-
-
-class BlockStep(ctypes.Structure):
-    _fields_ = [("rows", _i64), ("T", _i64), ("start", _i64), ("cos", _p), ("sin", _p), ("rot_bstride", _i64),
-                ("kv", _p), ("pe", _p), ("ckind", _i64), ("kv_lstride", _i64), ("kv_bstride", _i64),
-                ("kv_sstride", _i64), ("pe_lstride", _i64), ("pe_bstride", _i64), ("pe_sstride", _i64),
-                ("bias", _p), ("bias_bstride", _i64), ("nthreads", _i64), ("positions", _p), ("pos_bstride", _i64),
-                ("table_cos", _p), ("table_sin", _p), ("table_len", _i64), ("half", _i64)]
-
-
-class StepDesc(ctypes.Structure):
-    _fields_ = [("akind", _i64), ("dim", _i64), ("vocab", _i64), ("n_blocks", _i64), ("embed", _p), ("blocks", _p),
-                ("norm", _p), ("norm_eps", _f32), ("head", BlockLinear)]
-
-
-MIRRORED = ("BlockLinear", "BlockExperts", "BlockDesc", "BlockStep", "StepDesc")  # in dsv3_struct_layout's order
-
-
-def mirrored_layout(structs: tuple[type[ctypes.Structure], ...] | None = None) -> list[int]:
-    """The layout Python gives the mirrored structures, as ``dsv3_struct_layout`` writes C's: each one's size,
-    then each field's offset, in declaration order."""
-    out: list[int] = []
-    for cls in structs or tuple(globals()[name] for name in MIRRORED):
-        out += [ctypes.sizeof(cls), *(getattr(cls, name).offset for name, _ in cls._fields_)]
-    return out
-
-
-def struct_layout_mismatch(lib: ctypes.CDLL, structs: tuple[type[ctypes.Structure], ...] | None = None) -> str | None:
-    """Where the C build's structures and their ctypes mirrors (``structs``, default this module's) part, in
-    one phrase, or None when they agree field for field (checked at load: a build that disagrees is refused
-    and the PyTorch path runs)."""
-    want = mirrored_layout(structs)
-    fn = lib.dsv3_struct_layout
-    fn.argtypes, fn.restype = [_p, _i64], _i64
-    buf = (_i64 * (len(want) + 64))()
-    count = fn(buf, len(buf))
-    got = list(buf[: min(count, len(buf))])
-    if got == want:
-        return None
-    what = [f"{cls.__name__} is {{}} bytes" if i == 0 else f"{cls.__name__}.{cls._fields_[i - 1][0]} is at offset {{}}"
-            for cls in structs or tuple(globals()[name] for name in MIRRORED)
-            for i in range(len(cls._fields_) + 1)]
-    for i, (g, w) in enumerate(zip(got, want, strict=False)):
-        if g != w:
-            return f"{what[i].format(g)} in C, {w} in Python"
-    return f"C describes {count} sizes and offsets, Python {len(want)}"
+def _flatten(name: str, value) -> list[tuple[str, object]]:
+    if isinstance(value, dict):
+        return [(f"{name}.{k}", v) for k, v in value.items()]
+    return [(name, value)]
 
 
 @functools.cache
@@ -407,11 +370,15 @@ def _declare_block(lib: ctypes.CDLL) -> tuple:
     norm.argtypes = [_p, _p, _f32, ctypes.c_int, _i64, _i64, _p]
     step.argtypes = [_p, _p, _p, _p, _p]
     block.restype = norm.restype = step.restype = ctypes.c_int
-    return block, norm, step
+    new, free, set_field = lib.dsv3_desc_new, lib.dsv3_desc_free, lib.dsv3_desc_set
+    new.argtypes, new.restype = [ctypes.c_int], _p
+    free.argtypes, free.restype = [_p], None
+    set_field.argtypes, set_field.restype = [ctypes.c_int, _p, ctypes.c_char_p, _i64, ctypes.c_double], ctypes.c_int
+    return block, norm, step, set_field, new, free
 
 
 def _block_functions() -> tuple | None:
-    """(dsv3_decode_block, dsv3_rms_norm, dsv3_decode_step) with their argument types, or None without the C
+    """(dsv3_decode_block, dsv3_rms_norm, dsv3_decode_step, ...) with their argument types, or None without the C
     kernels."""
     lib = _load()[0]
     return None if lib is None else _declare_block(lib)
@@ -424,39 +391,42 @@ def moe_functions() -> tuple | None:
     return None if lib is None else (_declare_block(lib)[1], lib.dsv3_route, lib.dsv3_swiglu_experts)
 
 
-def experts_arguments(experts: BlockExperts) -> tuple:
-    """The leading arguments of ``dsv3_swiglu_experts`` for experts as the block kernel reads them: the
-    three weights, their FP8 scales, kind, count, inner and outer size."""
-    e = experts
-    return (e.gate, e.up, e.down, e.gate_scale, e.up_scale, e.down_scale, e.kind, e.n_experts, e.inter, e.dim)
+def experts_arguments(experts: dict) -> tuple:
+    """The leading arguments of ``dsv3_swiglu_experts`` for experts as the block kernel reads them
+    (``block_experts``): the three weights, their FP8 scales, kind, count, inner and outer size."""
+    return tuple(experts.get(k) for k in ("gate", "up", "down", "gate_scale", "up_scale", "down_scale", "kind",
+                                          "n_experts", "inter", "dim"))
 
 
 def block_kernel_available() -> bool:
     return _block_functions() is not None
 
 
-def block_linear(weight: Weight) -> BlockLinear | None:
-    """The block kernel's view of a linear layer, or None when the kernels cannot read it."""
+def block_linear(weight: Weight) -> dict | None:
+    """The block kernel's view of a linear layer (the fields of a descriptor's linear layer), or None when the
+    kernels cannot read it."""
     if weight.kind is None or not weight.w.is_contiguous() or weight.w.device.type != "cpu":
         return None
     N, K = weight.w.shape
-    return BlockLinear(weight.w.data_ptr(), _ptr(weight.kernel_scale), weight.kind, N, K)
+    return {"w": weight.w.data_ptr(), "scale": _ptr(weight.kernel_scale), "kind": weight.kind, "n": N, "k": K}
 
 
-def block_experts(experts: ExpertWeights) -> BlockExperts | None:
+def block_experts(experts: ExpertWeights) -> dict | None:
     """The block kernel's view of stacked experts (one weight kind for all three), or None."""
     parts = (experts.gate, experts.up, experts.down)
     if (any(p.kind is None or not p.w.is_contiguous() or p.w.device.type != "cpu" for p in parts)
             or len({p.kind for p in parts}) != 1):
         return None
     E, I, D = experts.gate.w.shape
-    return BlockExperts(*(p.w.data_ptr() for p in parts), *(_ptr(p.kernel_scale) for p in parts), experts.gate.kind,
-                        E, I, D)
+    return {"gate": parts[0].w.data_ptr(), "up": parts[1].w.data_ptr(), "down": parts[2].w.data_ptr(),
+            "gate_scale": _ptr(parts[0].kernel_scale), "up_scale": _ptr(parts[1].kernel_scale),
+            "down_scale": _ptr(parts[2].kernel_scale), "kind": experts.gate.kind, "n_experts": E, "inter": I,
+            "dim": D}
 
 
 def route_constants(router) -> tuple[dict, list[torch.Tensor]] | None:
-    """The router as ``dsv3_route`` reads it (the fields of BlockDesc) and the tensors they point to, or
-    None for a scoring function or top-k method the kernel does not implement. The weight and bias are
+    """The router as ``dsv3_route`` reads it (fields of the block descriptor) and the tensors they point to,
+    or None for a scoring function or top-k method the kernel does not implement. The weight and bias are
     read in place when fp32 (the dtype DeepSeek keeps them in), else through an fp32 copy (the router
     computes in fp32 anyway, so the scores are the same)."""
     method, groups = router.method, router.n_group
@@ -473,43 +443,47 @@ def route_constants(router) -> tuple[dict, list[torch.Tensor]] | None:
     return fields, tensors
 
 
+def _cache_fields(kv: torch.Tensor, pe: torch.Tensor) -> dict:
+    """A step descriptor's cache fields for the latent cache kv/pe [L, B, S, .] (last dim contiguous)."""
+    (kl, kb, ks), (pl, pb, ps) = kv.stride()[:3], pe.stride()[:3]
+    return {"kv": kv.data_ptr(), "pe": pe.data_ptr(), "ckind": A_KIND[kv.dtype], "kv_lstride": kl, "kv_bstride": kb,
+            "kv_sstride": ks, "pe_lstride": pl, "pe_bstride": pb, "pe_sstride": ps}
+
+
 def block_step(rows: int, T: int, start: int, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
-               pe: torch.Tensor, bias: torch.Tensor | None) -> BlockStep:
+               pe: torch.Tensor, bias: torch.Tensor | None) -> Descriptor:
     """The per-step descriptor with its RoPE rows: cos/sin [rows|1, T, rope/2] fp32 contiguous, the cache's
     kv/pe [L, B, S, .] (last dim contiguous), bias [rows|1, T, start + T] fp32 contiguous or None. The caller
     keeps the tensors alive while the step runs."""
-    return BlockStep(rows, T, start, cos.data_ptr(), sin.data_ptr(), 0 if cos.shape[0] == 1 else cos.stride(0),
-                     kv.data_ptr(), pe.data_ptr(), A_KIND[kv.dtype], *kv.stride()[:3], *pe.stride()[:3],
-                     _ptr(bias), 0 if bias is None or bias.shape[0] == 1 else bias.stride(0),
-                     torch.get_num_threads())
+    return Descriptor("step", rows=rows, T=T, start=start, cos=cos.data_ptr(), sin=sin.data_ptr(),
+                      rot_bstride=0 if cos.shape[0] == 1 else cos.stride(0), **_cache_fields(kv, pe),
+                      bias=_ptr(bias), bias_bstride=0 if bias is None or bias.shape[0] == 1 else bias.stride(0),
+                      nthreads=torch.get_num_threads())
 
 
 def table_step(rows: int, T: int, table_cos: torch.Tensor, table_sin: torch.Tensor, kv: torch.Tensor,
-               pe: torch.Tensor) -> BlockStep:
+               pe: torch.Tensor) -> Descriptor:
     """A per-step descriptor whose RoPE rows the kernels look up themselves, in the tables of cos and sin of
     positions [0, n) ([n, rope/2] fp32 contiguous), for the positions ``retarget`` points it at: made once
     for a cache and reused step after step, which saves the per-step indexing and descriptor (tens of
     microseconds of interpreter work a step)."""
-    step = BlockStep(rows, T, 0, None, None, 0, kv.data_ptr(), pe.data_ptr(), A_KIND[kv.dtype], *kv.stride()[:3],
-                     *pe.stride()[:3], None, 0, torch.get_num_threads())
-    step.table_cos, step.table_sin = table_cos.data_ptr(), table_sin.data_ptr()
-    step.table_len, step.half = table_cos.shape
-    return step
+    n, half = table_cos.shape
+    return Descriptor("step", rows=rows, T=T, **_cache_fields(kv, pe), nthreads=torch.get_num_threads(),
+                      table_cos=table_cos.data_ptr(), table_sin=table_sin.data_ptr(), table_len=n, half=half)
 
 
-def retarget(step: BlockStep, start: int, positions: torch.Tensor, bias: torch.Tensor | None) -> BlockStep:
+def retarget(step: Descriptor, start: int, positions: torch.Tensor, bias: torch.Tensor | None) -> Descriptor:
     """A ``table_step`` descriptor pointed at this step: its first cache slot, positions [rows|1, T] (int64,
     contiguous) and bias (as ``block_step``). The caller keeps the tensors alive while the step runs."""
-    step.start = start
-    step.positions, step.pos_bstride = positions.data_ptr(), 0 if positions.shape[0] == 1 else positions.shape[1]
-    step.bias = None if bias is None else bias.data_ptr()
-    step.bias_bstride = 0 if bias is None or bias.shape[0] == 1 else bias.stride(0)
+    step.set(start=start, positions=positions.data_ptr(),
+             pos_bstride=0 if positions.shape[0] == 1 else positions.shape[1], bias=_ptr(bias),
+             bias_bstride=0 if bias is None or bias.shape[0] == 1 else bias.stride(0))
     return step
 
 
 def decode_block(desc: int, step: int, x: torch.Tensor) -> bool:
     """Run one block on x [rows * T, dim] (contiguous, the block's activation dtype) in place; ``desc`` and
-    ``step`` are the addresses of a BlockDesc and a BlockStep. False (nothing done) when the step looks its
+    ``step`` are the addresses of a "block" and a "step" ``Descriptor``. False (nothing done) when the step looks its
     RoPE rows up in a table that lacks one of its positions."""
     return _block_functions()[0](desc, step, x.data_ptr()) == 0
 
@@ -517,7 +491,7 @@ def decode_block(desc: int, step: int, x: torch.Tensor) -> bool:
 def decode_step(desc: int, step: int, ids: torch.Tensor, h: torch.Tensor, logits: torch.Tensor) -> bool:
     """Run a whole decode step: ids [rows, T] (int64, contiguous) -> the final-normed hidden states h
     [rows, T, dim] and the head's logits [rows, T, N] (both contiguous, the activation dtype), written in
-    place; ``desc`` and ``step`` are the addresses of a StepDesc and a BlockStep. IndexError (and nothing
+    place; ``desc`` and ``step`` are the addresses of a "model" and a "step" ``Descriptor``. IndexError (and nothing
     computed) for an id outside the embedding, as ``nn.Embedding`` raises; False (nothing computed) as
     ``decode_block``."""
     status = _block_functions()[2](desc, step, ids.data_ptr(), h.data_ptr(), logits.data_ptr())

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from dsv3.kernels import decode_kernels as dk  # dk._load() at each call: a benchmark may swap the library
 from dsv3.kernels.decode_kernels import (
     A_KIND,
     FP8_SCALE_SHIFT,
@@ -27,7 +28,6 @@ from dsv3.kernels.decode_kernels import (
     W_KIND,
     ExpertWeights,
     Weight,
-    _load,
     mla_decode_reference,
     swiglu_experts_reference,
 )
@@ -71,7 +71,7 @@ def linear(x: Tensor, weight: Tensor, scale_inv: Tensor | None = None) -> Tensor
 
 @linear.register_kernel("cpu")
 def _linear_cpu(x: Tensor, weight: Tensor, scale_inv: Tensor | None = None) -> Tensor:
-    lib = _load()[0]
+    lib = dk._load()[0]
     if lib is None or not _reads(weight, scale_inv, x):
         return linear._init_fn(x, weight, scale_inv)
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
@@ -107,7 +107,7 @@ def swiglu_experts(x: Tensor, idx: Tensor, gates: Tensor, gate_w: Tensor, up_w: 
 @swiglu_experts.register_kernel("cpu")
 def _swiglu_experts_cpu(x, idx, gates, gate_w, up_w, down_w, gate_scale=None, up_scale=None, down_scale=None,
                         add_to=None):
-    lib = _load()[0]
+    lib = dk._load()[0]
     weights = ((gate_w, gate_scale), (up_w, up_scale), (down_w, down_scale))
     if (lib is None or not all(_reads(w, s, x) for w, s in weights) or len({w.dtype for w, _ in weights}) != 1
             or not _on_cpu(idx, gates, add_to)):
@@ -148,7 +148,7 @@ def route(x: Tensor, weight: Tensor, bias: Tensor | None, top_k: int, n_group: i
 
 @route.register_kernel("cpu")
 def _route_cpu(x, weight, bias, top_k, n_group, topk_group, softmax, group_sum, normalize, route_scale):
-    lib = _load()[0]
+    lib = dk._load()[0]
     E, D = weight.shape
     if (lib is None or x.dtype not in A_KIND or not _on_cpu(weight, bias) or E % n_group != 0
             or not 0 < top_k <= E // n_group * topk_group):
@@ -183,7 +183,7 @@ def mla_decode(q: Tensor, cos: Tensor, sin: Tensor, w_uk: Tensor, w_uv: Tensor, 
 
 @mla_decode.register_kernel("cpu")
 def _mla_decode_cpu(q, cos, sin, w_uk, w_uv, kv, pe, bias, scale):
-    lib = _load()[0]
+    lib = dk._load()[0]
     if (lib is None or q.dtype not in A_KIND or kv.dtype not in A_KIND or pe.dtype != kv.dtype
             or not _on_cpu(cos, sin, w_uk, w_uv, kv, pe, bias) or w_uk.dtype not in A_KIND
             or w_uv.dtype != w_uk.dtype or any(t.stride(-1) != 1 for t in (kv, pe, w_uk, w_uv))):
@@ -222,15 +222,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 @rms_norm.register_kernel("cpu")
 def _rms_norm_cpu(x, weight, eps):
-    lib = _load()[0]
+    lib = dk._load()[0]
     if (lib is None or x.dtype not in A_KIND or weight.dtype != x.dtype or not weight.is_contiguous()
             or not _on_cpu(weight) or x.numel() == 0):
         return rms_norm._init_fn(x, weight, eps)
-    from dsv3.kernels.decode_kernels import _declare_block
-
     x = x.contiguous()
     out = torch.empty_like(x)
-    _declare_block(lib)[1](x.data_ptr(), weight.data_ptr(), eps, A_KIND[x.dtype], _rows(x), x.shape[-1],
+    dk._declare_block(lib)[1](x.data_ptr(), weight.data_ptr(), eps, A_KIND[x.dtype], _rows(x), x.shape[-1],
                            out.data_ptr())
     return out
 
@@ -255,7 +253,7 @@ def scan_logits(logits: Tensor) -> Tensor:
 
 @scan_logits.register_kernel("cpu")
 def _scan_logits_cpu(logits):
-    lib = _load()[0]
+    lib = dk._load()[0]
     if lib is None or logits.dtype not in A_KIND or logits.dim() == 0 or not logits.is_contiguous():
         return scan_logits._init_fn(logits)
     V = logits.shape[-1]

@@ -72,10 +72,12 @@ class StaticDecode(nn.Module):
         self.register_buffer("kv", cache.kv.to(model.inv_freq.device), persistent=False)  # [L, B, S, r]
         self.register_buffer("pe", cache.pe.to(model.inv_freq.device), persistent=False)  # [L, B, S, rope]
         self.register_buffer("slots", torch.arange(max_len, device=model.inv_freq.device), persistent=False)
+        # on the CPU: each block's weights as the ops read them, and the head's (None: the modules run)
         self.plans = self._kernel_plans() if self.kv.device.type == "cpu" else None
+        self.head = weight_of(model.lm_head)
 
     def _kernel_plans(self) -> list[tuple[AttentionPlan, FeedForwardPlan]] | None:
-        """Each block's weights as the CPU ops read them, or None when one of them cannot be read."""
+        """Each block's weights as the CPU ops read them, or None when one of them (or the head) cannot be read."""
         m = self.model
         dtype = m.model.embed_tokens.weight.dtype
         plans = [(AttentionPlan(layer.self_attn, dtype), FeedForwardPlan(layer.mlp)) for layer in m.main_layers]
@@ -83,7 +85,6 @@ class StaticDecode(nn.Module):
         if (weight_of(m.lm_head) is None or not all(a.ok and f.ok for a, f in plans)
                 or any(type(n) is not RMSNorm for n in [*norms, m.model.norm])):
             return None
-        self.head = weight_of(m.lm_head)
         return plans
 
     @property
