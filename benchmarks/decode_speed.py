@@ -192,22 +192,22 @@ class LlamaCpp:
     aborts on quantized deepseek2 GGUFs when it repacks their weights (``ggml_backend_sched_split_graph``)."""
 
     def __init__(self, gguf: Path, threads: int, context: int, weight_bytes: int, repack: bool = True):
-        import llama_cpp
+        import llama_cpp.llama_cpp as bindings  # the module Llama reads its default parameters from
         from llama_cpp import Llama
 
-        defaults = llama_cpp.llama_model_default_params
+        defaults = bindings.llama_model_default_params
         if not repack:
             def no_repack():
                 params = defaults()
                 params.use_extra_bufts = False
                 return params
 
-            llama_cpp.llama_model_default_params = no_repack
+            bindings.llama_model_default_params = no_repack
         try:
             self.llm = Llama(str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads, n_batch=512,
                              flash_attn=True, verbose=False, logits_all=False)
         finally:
-            llama_cpp.llama_model_default_params = defaults
+            bindings.llama_model_default_params = defaults
         self.repack = repack
         self.weight_bytes = weight_bytes
         self.cache_element = 2  # llama.cpp's default f16 KV cache
@@ -301,7 +301,9 @@ def repack_runs(gguf: Path) -> bool:
     its own: where it aborts, the rows load it with ``repack=False``."""
     done = subprocess.run([sys.executable, "-c", REPACK_PROBE, str(gguf)], capture_output=True, text=True)
     if done.returncode != 0:
-        log(f"llama.cpp aborts on {gguf.name} repacked ({done.stderr.strip()[-200:]}); running it with repack off")
+        failed = [line for line in done.stderr.splitlines() if "GGML_ASSERT" in line or "error" in line.lower()]
+        log(f"llama.cpp fails on {gguf.name} repacked ({(failed or [f'exit status {done.returncode}'])[-1]}); "
+            "running it with repack off")
     return done.returncode == 0
 
 
