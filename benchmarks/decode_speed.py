@@ -2,6 +2,8 @@
 benchmarks/results/decode_speed.json): dsv3 (fast path and module path; fp32, bf16 and FP8 weights)
 against transformers' DeepseekV3ForCausalLM and, when ``llama-cpp-python`` is installed, llama.cpp on the
 same checkpoint (converted by llama.cpp's own ``convert_hf_to_gguf.py``), each with its fraction of the memory roofline.
+dsv3's integer expert weights (``int8``, ``int4``) run beside llama.cpp's Q8_0 (written by the converter) and
+Q4_0 (written from the f32 GGUF by ``llama-quantize``, ``--llama-quantize``).
 
     .venv/bin/python benchmarks/decode_speed.py --json > decode_speed.json
 
@@ -185,13 +187,28 @@ class HF:
 
 
 class LlamaCpp:
-    """llama.cpp through llama-cpp-python, greedy, its fastest attention setting (flash attention on)."""
+    """llama.cpp through llama-cpp-python, greedy, its fastest attention setting (flash attention on).
+    ``repack=False`` loads without the CPU's extra buffer types (llama-bench's ``--repack 0``): llama.cpp 0.3.36
+    aborts on quantized deepseek2 GGUFs when it repacks their weights (``ggml_backend_sched_split_graph``)."""
 
-    def __init__(self, gguf: Path, threads: int, context: int, weight_bytes: int):
+    def __init__(self, gguf: Path, threads: int, context: int, weight_bytes: int, repack: bool = True):
+        import llama_cpp.llama_cpp as bindings  # the module Llama reads its default parameters from
         from llama_cpp import Llama
 
-        self.llm = Llama(str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                         flash_attn=True, verbose=False, logits_all=False)
+        defaults = bindings.llama_model_default_params
+        if not repack:
+            def no_repack():
+                params = defaults()
+                params.use_extra_bufts = False
+                return params
+
+            bindings.llama_model_default_params = no_repack
+        try:
+            self.llm = Llama(str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads, n_batch=512,
+                             flash_attn=True, verbose=False, logits_all=False)
+        finally:
+            bindings.llama_model_default_params = defaults
+        self.repack = repack
         self.weight_bytes = weight_bytes
         self.cache_element = 2  # llama.cpp's default f16 KV cache
 
@@ -237,9 +254,9 @@ runpy.run_path(sys.argv[0], run_name="__main__")
 """
 
 
-def gguf_files(folder: str, converter: str | None, out: Path) -> dict[str, Path]:
-    """f32 and bf16 GGUF files of the checkpoint by llama.cpp's own converter, or {} when llama.cpp is
-    not usable here (the reason is logged)."""
+def gguf_files(folder: str, converter: str | None, out: Path, quantizer: str | None = None) -> dict[str, Path]:
+    """f32, bf16 and q8_0 GGUF files of the checkpoint by llama.cpp's own converter, and q4_0 by its
+    ``llama-quantize`` from the f32 one, or {} when llama.cpp is not usable here (the reason is logged)."""
     try:
         import gguf  # noqa: F401
         import llama_cpp  # noqa: F401
@@ -250,7 +267,7 @@ def gguf_files(folder: str, converter: str | None, out: Path) -> dict[str, Path]
         log("llama.cpp rows left out: pass --llama-convert PATH/convert_hf_to_gguf.py")
         return {}
     files = {}
-    for outtype in ("f32", "bf16"):
+    for outtype in ("f32", "bf16", "q8_0"):
         target = out / f"model-{outtype}.gguf"
         argv = [converter, folder, "--outfile", str(target), "--outtype", outtype]
         done = subprocess.run([sys.executable, "-c", CONVERT, *argv], capture_output=True, text=True)
@@ -258,7 +275,36 @@ def gguf_files(folder: str, converter: str | None, out: Path) -> dict[str, Path]
             log(f"llama.cpp {outtype} conversion failed: {done.stderr.strip()[-400:]}")
             continue
         files[outtype] = target
+    if "f32" in files and quantizer and Path(quantizer).is_file():
+        target = out / "model-q4_0.gguf"
+        done = subprocess.run([quantizer, str(files["f32"]), str(target), "Q4_0"], capture_output=True, text=True)
+        if done.returncode == 0:
+            files["q4_0"] = target
+        else:
+            log(f"llama-quantize Q4_0 failed: {done.stderr.strip()[-400:]}")
+    elif "f32" in files:
+        log("llama.cpp q4_0 row left out: pass --llama-quantize PATH/llama-quantize")
     return files
+
+
+REPACK_PROBE = """
+import sys
+from llama_cpp import Llama
+llm = Llama(sys.argv[1], n_ctx=64, n_threads=1, flash_attn=True, verbose=False)
+llm.eval([1, 2, 3])
+llm.eval([4])
+"""
+
+
+def repack_runs(gguf: Path) -> bool:
+    """Whether llama.cpp runs this GGUF with its weights repacked for the CPU (its default), tried in a process of
+    its own: where it aborts, the rows load it with ``repack=False``."""
+    done = subprocess.run([sys.executable, "-c", REPACK_PROBE, str(gguf)], capture_output=True, text=True)
+    if done.returncode != 0:
+        failed = [line for line in done.stderr.splitlines() if "GGML_ASSERT" in line or "error" in line.lower()]
+        log(f"llama.cpp fails on {gguf.name} repacked ({(failed or [f'exit status {done.returncode}'])[-1]}); "
+            "running it with repack off")
+    return done.returncode == 0
 
 
 # ---- the checkpoint -------------------------------------------------------------------------------
@@ -333,7 +379,10 @@ def agreement(tokens: list[int], reference: list[int]) -> str:
 
 def batch1_section(folder, cfg, args, ggufs, bandwidth) -> list[dict]:
     models = {"fp32": load_model(folder, torch.float32), "bf16": load_model(folder, torch.bfloat16),
-              "fp8": load_model(folder, torch.bfloat16, "fp8")}
+              "fp8": load_model(folder, torch.bfloat16, "fp8"), "int8": load_model(folder, torch.bfloat16, "int8"),
+              "int4": load_model(folder, torch.bfloat16, "int4")}
+    repack = {outtype: repack_runs(path) for outtype, path in ggufs.items()}
+    ours = {"f32": "dsv3 fp32", "bf16": "dsv3 bf16", "q8_0": "dsv3 int8", "q4_0": "dsv3 int4"}
     rows = []
     for threads in args.threads:
         torch.set_num_threads(threads)
@@ -343,10 +392,10 @@ def batch1_section(folder, cfg, args, ggufs, bandwidth) -> list[dict]:
             hf = HF(folder)
             hf.weight_bytes = impls["dsv3 fp32"].weight_bytes
             impls["transformers fp32"] = hf
-            for outtype, path in ggufs.items():
-                dense = impls["dsv3 fp32" if outtype == "f32" else "dsv3 bf16"].weight_bytes
+            for outtype, path in ggufs.items():  # the roofline of the row it stands beside
+                dense = impls[ours[outtype]].weight_bytes
                 impls[f"llama.cpp {outtype}"] = LlamaCpp(path, threads, ctx + args.new_tokens * (args.repeats + 2) + 8,
-                                                         dense)
+                                                         dense, repack[outtype])
             log(f"threads {threads}, context {ctx}")
             secs = race(impls, prompt_of(ctx, cfg.vocab_size), args.new_tokens, args.repeats, bandwidth)
             row = {"threads": threads, "context": ctx}
@@ -354,6 +403,8 @@ def batch1_section(folder, cfg, args, ggufs, bandwidth) -> list[dict]:
                 impl = impls[name]
                 row[name] = figure(s, impl.weight_bytes, cache_bytes_per_token(cfg, ctx, impl.cache_element), threads)
                 row[name]["greedy_agree"] = agreement(impl.tokens, impls["dsv3 fp32 module path"].tokens)
+                if isinstance(impl, LlamaCpp):
+                    row[name]["repacked"] = impl.repack
                 log(f"  {name}: {row[name]['tokens_per_s']:.1f} tokens/s")
             rows.append(row)
     return rows
@@ -461,6 +512,8 @@ def main() -> None:
     ap.add_argument("--llama-convert", default=os.environ.get("DSV3_LLAMA_CONVERT"), metavar="PATH",
                     help="llama.cpp's convert_hf_to_gguf.py (default: $DSV3_LLAMA_CONVERT, which "
                     "benchmarks/llama_cpp_setup.sh --env sets)")
+    ap.add_argument("--llama-quantize", default=os.environ.get("DSV3_LLAMA_QUANTIZE"), metavar="PATH",
+                    help="llama.cpp's llama-quantize, for the Q4_0 row (default: $DSV3_LLAMA_QUANTIZE)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     try:
@@ -485,7 +538,7 @@ def main() -> None:
         want_llama = args.llama_convert is not None and "batch1" in sections
         build_checkpoint(folder, cfg, tokenizer=want_llama)
         if want_llama:
-            ggufs = gguf_files(folder, args.llama_convert, Path(gguf_dir))
+            ggufs = gguf_files(folder, args.llama_convert, Path(gguf_dir), args.llama_quantize)
         result["llama_cpp"] = sorted(ggufs) or None
         if "batch1" in sections:
             result["batch1"] = batch1_section(folder, cfg, args, ggufs, bandwidth)
@@ -495,7 +548,8 @@ def main() -> None:
             result["mtp"] = mtp_section(folder, cfg, args, bandwidth)
         if "weights" in sections:
             result["weights"] = {name: resident_bytes(load_model(folder, dt, w)) for name, dt, w in (
-                ("fp32", torch.float32, "native"), ("bf16", torch.bfloat16, "native"), ("fp8", torch.bfloat16, "fp8"))}
+                ("fp32", torch.float32, "native"), ("bf16", torch.bfloat16, "native"), ("fp8", torch.bfloat16, "fp8"),
+                ("int8", torch.bfloat16, "int8"), ("int4", torch.bfloat16, "int4"))}
         if "cache" in sections:
             result["cache_precision"] = cache_precision(load_model(folder, torch.float32))
     if "overhead" in sections:

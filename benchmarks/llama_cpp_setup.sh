@@ -23,6 +23,7 @@ print_env() {
     echo "export PYTHONPATH=\"$src:$src/vendor/llama.cpp/gguf-py\${PYTHONPATH:+:\$PYTHONPATH}\""
     echo "export LLAMA_CPP_LIB_PATH=\"$lib\""
     echo "export DSV3_LLAMA_CONVERT=\"$src/vendor/llama.cpp/convert_hf_to_gguf.py\""
+    echo "export DSV3_LLAMA_QUANTIZE=\"$lib/llama-quantize\""
 }
 
 if [[ $env_only == 1 ]]; then
@@ -44,7 +45,8 @@ generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 cmake -S "$src/vendor/llama.cpp" -B "$dir/build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
     -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=ON -DGGML_OPENMP=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
-    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=OFF >"$dir/cmake.log"
-cmake --build "$dir/build" --target llama -j "$(nproc)" >"$dir/build.log"
+    -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=ON >"$dir/cmake.log"
+# llama-quantize writes the Q4_0 GGUF beside the converter's Q8_0 one (decode_speed.py's integer rows)
+cmake --build "$dir/build" --target llama llama-quantize -j "$(nproc)" >"$dir/build.log"
 echo "built $lib/libllama.so; to use it:" >&2
 print_env

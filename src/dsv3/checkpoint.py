@@ -32,7 +32,7 @@ from dsv3.config import ModelConfig
 from dsv3.errors import DSV3Error
 from dsv3.io import publish_tree, require_regular_file, staging_dir
 from dsv3.model.moe import stays_fp32
-from dsv3.precision import fp8
+from dsv3.precision import fp8, int_groups
 from dsv3.run_dir import SHARDED_DIR, is_sharded_checkpoint, resolve_checkpoint
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -140,6 +140,19 @@ def _stored_bytes(name: str, t: torch.Tensor, dtype: torch.dtype | None, fp8: bo
         n, k = t.shape
         return n * k + (-(-n // FP8_BLOCK)) * (-(-k // FP8_BLOCK)) * 4  # E4M3 values + fp32 block scales
     return t.numel() * _save_dtype(name, t, dtype).itemsize
+
+
+_INT_QUANTIZABLE = re.compile(r"\.mlp\.(experts\.\d+|shared_experts)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def int_quantizable(name: str) -> bool:
+    """The weights ``--weights int8|int4`` and ``convert --to int8|int4`` store as integer groups: the routed
+    and shared experts' projections (the bulk of a DeepSeek model's bytes)."""
+    return _INT_QUANTIZABLE.search(name) is not None
+
+
+def _int_dtype_bits(dtype: str) -> int | None:
+    return {"I8": 8, "U8": 4}.get(dtype)
 
 
 def fp8_quantizable(name: str, t: torch.Tensor) -> bool:
@@ -269,10 +282,29 @@ def _check_dtypes(stored: dict[str, tuple[tuple[int, ...], str]]) -> None:
             elif fp8_scale_shape(shape) != scale[0]:
                 raise DSV3Error(f"tensor {name}_scale_inv has shape {scale[0]}, but the 128x128 blocks of {name} "
                                 f"{shape} need {fp8_scale_shape(shape)}")
+        elif _int_dtype_bits(dtype) and stored.get(name + int_groups.SCALE_SUFFIX) is not None:
+            _check_int_scale(name, shape, _int_dtype_bits(dtype), stored[name + int_groups.SCALE_SUFFIX])
         elif dtype not in FLOAT_DTYPES:
             raise DSV3Error(f"tensor {name} is stored as {_DTYPE_NAMES.get(dtype, dtype)}; weights must be {accepted}")
     if unscaled:
         raise DSV3Error(f"FP8 tensors without a weight_scale_inv: {', '.join(sorted(unscaled)[:5])}")
+
+
+def _check_int_scale(name: str, shape: tuple[int, ...], bits: int, scale: tuple[tuple[int, ...], str]) -> None:
+    """An integer weight's group scales: fp16, one per 32 values of the weight it stands for."""
+    want = int_groups.scale_shape(int_groups.logical_shape(shape, bits))
+    if scale[1] != "F16" or tuple(scale[0]) != want:
+        raise DSV3Error(f"tensor {name}{int_groups.SCALE_SUFFIX} is {_DTYPE_NAMES.get(scale[1], scale[1])} "
+                        f"{list(scale[0])}; the int{bits} groups of {name} need float16 {list(want)}")
+
+
+def _logical_shapes(stored: dict[str, tuple[tuple[int, ...], str]]) -> Iterator[tuple[str, tuple[int, ...]]]:
+    """Each weight's name and the shape it loads as (scales left out; packed int4 counted as its values)."""
+    for name, (shape, dtype) in stored.items():
+        if name.endswith(("_scale_inv", int_groups.SCALE_SUFFIX)):
+            continue
+        bits = _int_dtype_bits(dtype)
+        yield name, int_groups.logical_shape(shape, bits) if bits else shape
 
 
 def check_checkpoint(cfg: ModelConfig, files: list[Path]) -> ModelConfig:
@@ -283,8 +315,7 @@ def check_checkpoint(cfg: ModelConfig, files: list[Path]) -> ModelConfig:
 
     stored = stored_tensors(files)
     _check_dtypes(stored)
-    shapes = ((name, torch.empty(shape, device="meta")) for name, (shape, _) in stored.items()
-              if not name.endswith("_scale_inv"))
+    shapes = ((name, torch.empty(shape, device="meta")) for name, shape in _logical_shapes(stored))
     tensors = to_model_names(shapes, cfg)
     cfg = _without_absent_mtp(cfg, tensors)
     with torch.device("meta"):
@@ -374,7 +405,9 @@ def dequantized(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str
 def _paired(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
     pending: dict[str, torch.Tensor] = {}
     for name, t in items:
-        if name.endswith("_scale_inv"):
+        if name.endswith(int_groups.SCALE_SUFFIX) or t.dtype in (torch.int8, torch.uint8):
+            yield from _int_pair(name, t, pending)
+        elif name.endswith("_scale_inv"):
             base = name[: -len("_scale_inv")]
             if base in pending:
                 yield base, dequantize_fp8_blocks(pending.pop(base), t)
@@ -391,6 +424,22 @@ def _paired(items: Iterator[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, to
     leftover = [n for n in pending if not n.endswith("_scale_inv")]
     if leftover:
         raise DSV3Error(f"FP8 tensors without a weight_scale_inv: {', '.join(sorted(leftover)[:5])}")
+
+
+def _int_pair(name: str, t: torch.Tensor, pending: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """An integer weight's values or scales: the float32 weight (exact) once both halves are read."""
+    if name.endswith(int_groups.SCALE_SUFFIX):
+        base, scale = name[: -len(int_groups.SCALE_SUFFIX)], t
+        if base not in pending:
+            pending[name] = t
+            return
+        values = pending.pop(base)
+    else:
+        base, values, scale = name, t, pending.pop(name + int_groups.SCALE_SUFFIX, None)
+        if scale is None:
+            pending[name] = t
+            return
+    yield base, int_groups.dequantize(values, scale)
 
 
 def to_model_names(items: Iterator[tuple[str, torch.Tensor]], cfg: ModelConfig,

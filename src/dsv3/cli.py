@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "chat": ("dsv3.infer.cli:chat_app", "Chat with a checkpoint in the terminal."),
     "serve": ("dsv3.infer.cli:serve_app", "Serve a checkpoint over an OpenAI-compatible HTTP API."),
     "draft-vocab": ("dsv3.infer.draft_vocab_cli:app", "Rank a checkpoint's tokens by frequency for --draft-vocab."),
-    "convert": ("dsv3.checkpoint_cli:app", "Convert a checkpoint --to bf16 or fp8, or export a training run --to hf."),
+    "convert": ("dsv3.checkpoint_cli:app", "Convert a checkpoint --to bf16|fp8|int8|int4, or export a run --to hf."),
     "analyze": ("dsv3.analysis.cli:analyze_app", "Memory, FLOPs and speed bounds of any model on any hardware."),
     "paper": ("dsv3.analysis.cli:paper_app", "The paper's tables side by side with our numbers."),
     "plan": ("dsv3.analysis.plan_cli:app", "Plan a cluster to train or serve: memory, step time, throughput."),

@@ -31,6 +31,7 @@ from dsv3.checkpoint import (
     checkpoint_files,
     dequantize_fp8_blocks,
     fp8_quantizable,
+    int_quantizable,
     open_safetensors,
     quantize_fp8_blocks,
     read_tensors,
@@ -39,9 +40,10 @@ from dsv3.checkpoint import (
 from dsv3.config import ModelConfig
 from dsv3.errors import DSV3Error
 from dsv3.io import publish_tree, staging_dir
+from dsv3.precision.int_groups import BITS, SCALE_SUFFIX, check_groupable, dequantize, quantize
 from dsv3.run_dir import is_sharded_checkpoint, resolve_checkpoint
 
-TARGETS = ("bf16", "fp8", "hf")  # what --to takes
+TARGETS = ("bf16", "fp8", "hf", "int8", "int4")  # what --to takes
 # transformers' DeepseekV3ForCausalLM has no MTP layer and skips the keys of layer 61 on load without a word
 # (V3's own MTP layer, a pattern fixed in its class); any other model's MTP layer it lists as UNEXPECTED.
 TRANSFORMERS_QUIET_MTP_LAYER = 61
@@ -60,8 +62,9 @@ def mtp_load_note(cfg: ModelConfig) -> str | None:
 
 
 def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: bool = False) -> dict:
-    """Convert ``src`` into ``dst`` with weights in ``to`` ("bf16", "fp8", or "hf": the whole model in the HF
-    layout as it loads, e.g. a training checkpoint exported); returns a summary."""
+    """Convert ``src`` into ``dst`` with weights in ``to`` ("bf16", "fp8", "int8"/"int4": the routed and shared
+    experts as integer groups, the rest bf16, or "hf": the whole model in the HF layout as it loads, e.g. a
+    training checkpoint exported); returns a summary."""
     src, dst = Path(src), Path(dst)
     if to not in TARGETS:
         raise DSV3Error(f"--to must be one of {', '.join(TARGETS)}, got {to!r}")
@@ -70,6 +73,9 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: boo
     src = resolve_checkpoint(src)  # a training run folder means its latest checkpoint
     if dst.exists() and not overwrite:
         raise DSV3Error(f"{dst} already exists (pass --overwrite to replace it)")
+    if to in BITS and is_sharded_checkpoint(src):
+        raise DSV3Error(f"--to {to} reads a checkpoint folder in the HF layout; export the training checkpoint "
+                        f"first (dsv3 convert {src} OUT --to hf), then convert OUT")
     if to == "hf" or is_sharded_checkpoint(src):  # a training checkpoint is read whole, then written
         return export_whole(src, dst, to)
     cfg = ModelConfig.from_json(src / "config.json")
@@ -143,26 +149,37 @@ def _carried_over(f: Path) -> bool:
 
 
 def _scale_locations(src: Path, files: list[Path]) -> dict[str, Path]:
-    """Which file holds each ``*_scale_inv`` tensor (from the index when there is one)."""
+    """Which file holds each scale tensor (FP8 ``*_scale_inv``, integer groups' ``*_group_scale``; from the
+    index when there is one)."""
+    suffixes = ("_scale_inv", SCALE_SUFFIX)
     index = src / INDEX_NAME
     if index.exists():
         weight_map = json.loads(index.read_text())["weight_map"]
-        return {n: src / f for n, f in weight_map.items() if n.endswith("_scale_inv")}
+        return {n: src / f for n, f in weight_map.items() if n.endswith(suffixes)}
     homes = {}
     for f in files:
         with open_safetensors(f) as handle:
-            homes.update({n: f for n in handle.keys() if n.endswith("_scale_inv")})
+            homes.update({n: f for n in handle.keys() if n.endswith(suffixes)})
     return homes
 
 
 def _convert_shard(f: Path, scale_home: dict[str, Path], to: str, summary: dict) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     for name, t in read_tensors([f]):
-        if name.endswith("_scale_inv"):
-            if to == "fp8":
+        if name.endswith(("_scale_inv", SCALE_SUFFIX)):
+            if to == "fp8" and name.endswith("_scale_inv"):
                 out[name] = t
             continue
-        if t.dtype == torch.float8_e4m3fn:
+        if t.dtype in (torch.int8, torch.uint8):  # integer groups: the float32 weight they stand for (exact)
+            t = dequantize(t, _load_scale(name + SCALE_SUFFIX, scale_home))
+            summary["dequantized"] += to not in BITS
+        if to in BITS and int_quantizable(name):
+            full = dequantize_fp8_blocks(t, _load_scale(name + "_scale_inv", scale_home)) if (
+                t.dtype == torch.float8_e4m3fn) else t
+            check_groupable(name, tuple(full.shape))
+            out[name], out[name + SCALE_SUFFIX] = quantize(check_values(name, full), BITS[to])
+            summary["quantized"] += 1
+        elif t.dtype == torch.float8_e4m3fn:
             full = check_values(name, dequantize_fp8_blocks(t, _load_scale(name + "_scale_inv", scale_home)))
             if to == "fp8":
                 out[name] = t
@@ -184,6 +201,8 @@ def _convert_shard(f: Path, scale_home: dict[str, Path], to: str, summary: dict)
 def _load_scale(name: str, scale_home: dict[str, Path]) -> torch.Tensor:
     home = scale_home.get(name)
     if home is None:
-        raise DSV3Error(f"FP8 tensor {name[: -len('_scale_inv')]} has no {name} in the checkpoint")
+        base = name.removesuffix("_scale_inv").removesuffix(SCALE_SUFFIX)
+        kind = "FP8" if name.endswith("_scale_inv") else "integer"
+        raise DSV3Error(f"{kind} tensor {base} has no {name} in the checkpoint")
     with open_safetensors(home) as handle:
         return handle.get_tensor(name)

@@ -134,6 +134,7 @@ def test_a_row_with_penalties_keeps_their_counts_and_ignore_eos_across_the_move(
     (["--ep", "4", "--micro-batches", "3"], "--micro-batches must be 1 or 2, got 3"),
     (["--ep", "4", "--redundant-experts", "2", "--eplb-every", "2", "--weights", "fp8"],
      "cannot rebalance resident FP8 experts"),
+    (["--ep", "4", "--weights", "int4"], "--weights int4 runs in one process; --ep N takes --weights native or fp8"),
 ])
 def test_serve_group_flags_end_with_one_error_line(flags, message, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)

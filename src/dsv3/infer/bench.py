@@ -16,8 +16,7 @@ def _model(source: str, dtype: str, weights: str):
     """A checkpoint or training run folder, or a preset name (random weights: speed does not depend on
     their values)."""
     from dsv3.config import PRESETS, preset
-    from dsv3.infer.fp8_weights import to_fp8_weights
-    from dsv3.infer.loading import load_model, parse_dtype
+    from dsv3.infer.loading import load_model, parse_dtype, with_weights
     from dsv3.model.transformer import Transformer
 
     compute = parse_dtype(dtype, "--dtype", ("fp32", "bf16"))
@@ -28,7 +27,7 @@ def _model(source: str, dtype: str, weights: str):
                         f"({', '.join(PRESETS)})")
     torch.manual_seed(0)
     model = Transformer(preset(source)).to(compute or torch.float32).eval()
-    return to_fp8_weights(model) if weights == "fp8" else model
+    return with_weights(model, weights)
 
 
 @torch.inference_mode()

@@ -13,6 +13,7 @@ from dsv3.model.transformer import Transformer
 from dsv3.run_dir import resolve_checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
+WEIGHT_FORMATS = ("native", "fp8", "int8", "int4")  # what --weights takes
 TOKENIZER_FILE = "tokenizer.json"
 
 
@@ -28,17 +29,46 @@ def parse_dtype(name: str, what: str, allowed: tuple[str, ...]) -> torch.dtype |
 def load_model(path: str | Path, dtype: torch.dtype | None = None, weights: str = "native",
                experts: list[int] | None = None) -> Transformer:
     """``weights="fp8"`` keeps the projections resident in FP8 blocks (exactly as stored when the
-    checkpoint is FP8, quantized at load otherwise); ``dtype`` is the compute dtype. ``experts``: read and
-    keep only these routed experts of every MoE layer (an expert-parallel rank's share, `load_pretrained`)."""
+    checkpoint is FP8, quantized at load otherwise); ``"int8"``/``"int4"`` keep the routed and shared experts
+    as integer groups (as stored when the checkpoint has them at that width, quantized at load otherwise).
+    ``dtype`` is the compute dtype. ``experts``: read and keep only these routed experts of every MoE layer
+    (an expert-parallel rank's share, `load_pretrained`)."""
     from dsv3.checkpoint import load_pretrained
 
-    if weights not in ("native", "fp8"):
-        raise DSV3Error(f"unknown weights format {weights!r}; choose native or fp8")
+    check_weights(weights)
     path = resolve_checkpoint(path)
     model = load_pretrained(path, dtype=dtype, experts=experts)
+    return with_weights(model, weights, path, experts).eval()
+
+
+def check_weights(weights: str) -> None:
+    if weights not in WEIGHT_FORMATS:
+        raise DSV3Error(f"unknown weights format {weights!r}; choose {', '.join(WEIGHT_FORMATS[:-1])} or int4")
+
+
+def with_weights(model: Transformer, weights: str, path: Path | None = None,
+                 experts: list[int] | None = None) -> Transformer:
+    """The model with its weights resident in format ``weights`` (taken as stored in checkpoint ``path`` where
+    it holds them in that format, else quantized here)."""
+    from dsv3.kernels.int_weights import to_int_weights
+    from dsv3.precision.int_groups import BITS
+
+    check_weights(weights)
     if weights == "fp8":
-        to_fp8_weights(model, stored_fp8(path))
-    return model.eval()
+        to_fp8_weights(model, stored_fp8(path) if path is not None else None)
+    elif weights in BITS:
+        to_int_weights(model, BITS[weights], stored_int(path) if path is not None else None, held=experts)
+    return model
+
+
+def stored_int(path: str | Path) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """The integer weights of a checkpoint exactly as stored: name -> (values, fp16 scales)."""
+    from dsv3.checkpoint import checkpoint_files, read_tensors
+    from dsv3.precision.int_groups import SCALE_SUFFIX
+
+    tensors = dict(read_tensors(checkpoint_files(Path(path))))
+    return {name: (t, tensors[name + SCALE_SUFFIX]) for name, t in tensors.items()
+            if t.dtype in (torch.int8, torch.uint8) and name + SCALE_SUFFIX in tensors}
 
 
 TOKENIZER_HINTS = {  # why a command needs the tokenizer -> what the user can do without one

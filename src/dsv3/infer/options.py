@@ -7,7 +7,8 @@ import typer
 DTYPE = typer.Option("auto", "--dtype", metavar="NAME", show_default=False,
                      help="Compute dtype: auto (as stored), fp32 or bf16 (default: auto).")
 WEIGHTS = typer.Option("native", "--weights", metavar="NAME", show_default=False,
-                       help="native, or fp8: projections kept as FP8 blocks (default: native).")
+                       help="native; fp8: projections kept as FP8 blocks; int8 or int4: routed and shared "
+                       "experts kept as integer groups of 32 (default: native).")
 CACHE_DTYPE = typer.Option("auto", "--cache-dtype", metavar="NAME", show_default=False,
                            help="Latent cache dtype: auto (the compute dtype), fp32, bf16 or fp8 (default: auto).")
 SPECULATIVE = typer.Option("none", "--speculative", metavar="NAME", show_default=False,

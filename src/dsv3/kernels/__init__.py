@@ -12,6 +12,6 @@ and below the inference engine (which picks a step per device).
 The model (``dsv3.model``) knows nothing of this layer (a ``lint-imports`` contract in pyproject.toml).
 """
 
-from dsv3.kernels import ops  # registers torch.ops.dsv3.* (the decode steps call them)
+from dsv3.kernels import int_weights, ops  # registers torch.ops.dsv3.* (the decode steps call them)
 
-__all__ = ["ops"]
+__all__ = ["int_weights", "ops"]

@@ -42,6 +42,7 @@ from torch import nn
 
 from dsv3.kernels import decode_kernels as dk
 from dsv3.kernels.decode_kernels import ExpertWeights, Weight, kernel_status, linear, mla_decode, route, swiglu_experts
+from dsv3.kernels.int_weights import IntExperts, IntExpertWeights, shared_expert_weights
 from dsv3.model.dispatch import LocalDispatcher, TokenDispatcher
 from dsv3.model.experts import GroupedExperts, ResidentFP8Experts
 from dsv3.model.mla import MLA, LatentCache
@@ -135,6 +136,7 @@ class FeedForwardPlan:
         else:
             self.shared = _mlp_weights(mlp) if type(mlp) is MLP else None
             self.ok = self.shared is not None
+        self.integer = isinstance(self.routed, IntExpertWeights) or isinstance(self.shared, IntExpertWeights)
 
     def __call__(self, x: torch.Tensor, use_kernels: bool) -> torch.Tensor:
         """x [B, T, D] -> the layer's output [B, T, D]."""
@@ -143,10 +145,10 @@ class FeedForwardPlan:
         if self.routed is not None:
             idx, weights = route(flat, self.mlp.gate, use_kernels)
             self.mlp.count_routed(idx)
-            out = swiglu_experts(flat, idx, weights, self.routed, use_kernel=use_kernels)
+            out = _swiglu(flat, idx, weights, self.routed, None, use_kernels)
         if self.shared is not None:
             one, gate = self._everyone(flat.shape[0], flat.device)
-            out = swiglu_experts(flat, one, gate, self.shared, add_to=out, use_kernel=use_kernels)
+            out = _swiglu(flat, one, gate, self.shared, out, use_kernels)
         return out.view(x.shape)
 
 
@@ -158,9 +160,23 @@ class FeedForwardPlan:
         return self._routing[1], self._routing[2]
 
 
-def _expert_weights(experts: nn.Module) -> ExpertWeights | None:
+def _swiglu(x, idx, gates, experts: ExpertWeights | IntExpertWeights, add_to, use_kernels: bool) -> torch.Tensor:
+    """The experts' op for their weights: integer groups (``--weights int8|int4``) or the kernels' own kinds."""
+    if isinstance(experts, IntExpertWeights):
+        return experts.swiglu(x, idx, gates, add_to, use_kernels)
+    return swiglu_experts(x, idx, gates, experts, add_to=add_to, use_kernel=use_kernels)
+
+
+def _block_experts(experts: ExpertWeights | IntExpertWeights) -> dict | None:
+    """The block kernel's view of the experts; None for integer ones (their block runs the per-op path)."""
+    return None if isinstance(experts, IntExpertWeights) else dk.block_experts(experts)
+
+
+def _expert_weights(experts: nn.Module) -> ExpertWeights | IntExpertWeights | None:
     if experts._forward_hooks or experts._forward_pre_hooks:
         return None
+    if type(experts) is IntExperts:
+        return experts.kernel_weights()
     if type(experts) is GroupedExperts:
         return ExpertWeights(*(Weight(p.detach()) for p in (experts.gate_proj, experts.up_proj, experts.down_proj)))
     if type(experts) is ResidentFP8Experts:
@@ -169,10 +185,13 @@ def _expert_weights(experts: nn.Module) -> ExpertWeights | None:
     return None
 
 
-def _mlp_weights(mlp: MLP) -> ExpertWeights | None:
+def _mlp_weights(mlp: MLP) -> ExpertWeights | IntExpertWeights | None:
     """A dense SwiGLU MLP as one expert (views [1, N, K] of its weights)."""
     if mlp._forward_hooks or mlp._forward_pre_hooks:
         return None
+    integer = shared_expert_weights(mlp)
+    if integer is not None:
+        return integer
     parts = [weight_of(getattr(mlp, n)) for n in ("gate_proj", "up_proj", "down_proj")]
     if None in parts:
         return None
@@ -234,7 +253,9 @@ class BlockPlan:
         self.attn = AttentionPlan(block.self_attn, dtype)
         self.ffn = FeedForwardPlan(block.mlp)
         self.ok = self.attn.ok and self.ffn.ok and not self.snapshot.hooked
-        counted = any(self.snapshot.counting)
+        # integer experts (--weights int8|int4) are not the block kernel's: their MoE half runs per op, as a
+        # counted layer's does, after the attention half in the block kernel
+        counted = any(self.snapshot.counting) or self.ffn.integer
         self.kernel = None if counted else BlockKernel.of(self)
         self.attention_kernel = BlockKernel.of(self, feed_forward=False) if counted else None
         self.moe_kernel = MoEHalfKernel.of(self) if self.attention_kernel is not None else None
@@ -289,8 +310,8 @@ class MoEHalfKernel:
         if f.routed is None or plan.dtype not in dk.A_KIND or dk.moe_functions() is None or not _norm_ok(
                 norm, plan.dtype):
             return None
-        router, routed = dk.route_constants(f.mlp.gate), dk.block_experts(f.routed)
-        shared = dk.block_experts(f.shared) if f.shared is not None else None
+        router, routed = dk.route_constants(f.mlp.gate), _block_experts(f.routed)
+        shared = _block_experts(f.shared) if f.shared is not None else None
         if router is None or routed is None or (f.shared is not None and shared is None):
             return None
         return cls(plan, router, routed, shared)
@@ -347,8 +368,8 @@ class BlockKernel:
         w_uk, w_uv = a.w_uk, a.w_uv
         zero = None if feed_forward else _zero_feed_forward(b.input_layernorm.weight.shape[0], plan.dtype)
         if zero is None:
-            routed = dk.block_experts(f.routed) if f.routed is not None else {}
-            shared = dk.block_experts(f.shared) if f.shared is not None else {}
+            routed = _block_experts(f.routed) if f.routed is not None else {}
+            shared = _block_experts(f.shared) if f.shared is not None else {}
             router = dk.route_constants(f.mlp.gate) if f.routed is not None else ({}, [])
         else:
             routed, shared, router = {}, dk.block_experts(zero), ({}, [])

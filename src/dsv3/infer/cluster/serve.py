@@ -51,6 +51,8 @@ def check_options(opts: GroupOptions, weights: str = "native") -> None:
         raise DSV3Error(f"--combine must be one of native, {', '.join(COMBINE_FORMATS)}; got {opts.combine!r}")
     if opts.redundant_experts < 0 or opts.eplb_every < 0:
         raise DSV3Error("--redundant-experts and --eplb-every must be >= 0")
+    if weights in ("int8", "int4"):  # the expert-parallel layer knows plain and FP8 experts only
+        raise DSV3Error(f"--weights {weights} runs in one process; --ep N takes --weights native or fp8")
     if opts.eplb_every and weights == "fp8":  # moving weights at run time knows plain parameters only
         raise DSV3Error("--eplb-every cannot rebalance resident FP8 experts (--weights fp8); use --weights native")
     if opts.micro_batches not in (1, 2):

@@ -1,0 +1,306 @@
+"""Decode over group-wise integer weights (int8, int4: ``dsv3.precision.int_groups``): the C kernels of
+``int_weights.c`` as ``torch.library`` custom ops, the modules that hold such weights, and the swap of a
+model's experts into them.
+
+* ``torch.ops.dsv3.int_linear(x, q, scale)``: x [..., K] times the integer weight [N, K] transposed;
+* ``torch.ops.dsv3.int_swiglu_experts(x, idx, gates, gate_q, gate_s, up_q, up_s, down_q, down_s, add_to)``:
+  the routed (or shared) experts of a step's rows over stacked integer experts.
+
+Each op's PyTorch reference (dequantize in fp32, exact, then matmul in fp32, one rounding to x's dtype) is
+its implementation on every device and the CPU fallback (no C build, ``DSV3_DECODE_KERNELS=0``, a build of
+another ABI, more than ``MAX_KERNEL_ROWS`` rows); the C kernels read the weights in place, widening each
+group in registers, on an AVX-512 path or the AVX2 baseline chosen at run time (``avx512``).
+
+``IntLinear`` and ``IntExperts`` are the modules of a model loaded with ``--weights int8|int4``: the
+routed experts and the shared experts' projections (the bulk of a DeepSeek model's bytes) become integer
+groups; attention, routers, dense layers, the embedding and the head keep their dtype.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import subprocess
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from dsv3.errors import DSV3Error
+from dsv3.kernels import decode_kernels as dk
+from dsv3.model.dispatch import ExpertRows
+from dsv3.model.experts import PROJECTIONS, GroupedExperts
+from dsv3.model.kernels import routed_forward
+from dsv3.model.moe import MLP, MoE
+from dsv3.precision.int_groups import GROUP, bits_of, dequantize, quantize
+
+__all__ = ["IntExperts", "IntLinear", "int_kernel_status", "to_int_weights"]
+
+SOURCE = Path(__file__).with_name("int_weights.c")
+EXTRA_FLAGS = ("-mf16c",)
+ABI = 1  # int_weights.c's DSV3_INT_ABI
+
+
+# ---- the C build ----------------------------------------------------------------------------------------------
+
+
+def library_path() -> Path:
+    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(dk.FLAGS + EXTRA_FLAGS).encode()).hexdigest()[:16]
+    return dk.cache_dir() / f"int_weights-{digest}.so"
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.dsv3_int_linear.argtypes = [i32, p, p, i64, i64, p, i64, p, i32]
+    lib.dsv3_int_swiglu_experts.argtypes = [i32, p, p, p, p, p, p, i64, i64, i64, p, i64, p, p, i64, p, i32]
+    lib.dsv3_int_avx512.argtypes = [i32]
+    for fn in (lib.dsv3_int_linear, lib.dsv3_int_swiglu_experts, lib.dsv3_int_avx512):
+        fn.restype = i32
+    return lib
+
+
+def _abi_mismatch(lib: ctypes.CDLL) -> str | None:
+    try:
+        fn = lib.dsv3_int_abi
+    except AttributeError:
+        return "it has no dsv3_int_abi"
+    fn.argtypes, fn.restype = [], ctypes.c_int64
+    got = fn()
+    return None if got == ABI else f"its ABI is {got}, this dsv3 calls ABI {ABI}"
+
+
+@functools.cache
+def _load() -> tuple[ctypes.CDLL | None, str]:
+    """(the library, "ok") or (None, why not); built once per source version, as the decode kernels are."""
+    if os.environ.get("DSV3_DECODE_KERNELS", "1") == "0":
+        return None, "disabled by DSV3_DECODE_KERNELS=0"
+    reason = dk._cpu_supported()
+    if reason:
+        return None, reason
+    target = library_path()
+    try:
+        if not target.exists():
+            dk._build(target, SOURCE, EXTRA_FLAGS)
+        lib = ctypes.CDLL(str(target))
+        mismatch = _abi_mismatch(lib)
+        if mismatch:
+            return None, f"refused {target.name}: {mismatch}"
+        return _declare(lib), "ok"
+    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
+        return None, f"the integer-weight kernels could not be built or loaded: {exc}"
+
+
+def int_kernel_status() -> str:
+    """"ok" when the integer-weight C kernels run, else why the PyTorch references run instead."""
+    return _load()[1]
+
+
+def avx512(on: bool | None = None) -> bool:
+    """Whether the kernels take their AVX-512 path (where the CPU has AVX-512F/BW) rather than the AVX2 one;
+    ``on`` chooses for this process (the tests run both). Returns the state."""
+    lib = _load()[0]
+    return bool(lib.dsv3_int_avx512(-1 if on is None else int(on))) if lib is not None else False
+
+
+def _reads(x: Tensor, *pairs: tuple[Tensor, Tensor]) -> bool:
+    """Whether the C kernels read these activations and (values, scales) pairs."""
+    return (_load()[0] is not None and x.dtype in dk.A_KIND and x.device.type == "cpu"
+            and 0 < x.numel() // max(x.shape[-1], 1) <= dk.MAX_KERNEL_ROWS
+            and all(x.shape[-1] == s.shape[-1] * GROUP for _, s in pairs[:1])
+            and all(q.dtype in (torch.int8, torch.uint8) and q.is_contiguous() and q.device.type == "cpu"
+                    and s.dtype == torch.float16 and s.is_contiguous() and s.device.type == "cpu" for q, s in pairs)
+            and len({q.dtype for q, _ in pairs}) == 1)
+
+
+# ---- int_linear ---------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dsv3::int_linear", mutates_args=())
+def int_linear(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    """x [..., K] times the integer weight (q, scale) [N, K] transposed, in fp32, rounded once to x's dtype."""
+    return F.linear(x.float(), dequantize(q, scale)).to(x.dtype)
+
+
+@int_linear.register_kernel("cpu")
+def _int_linear_cpu(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    if not _reads(x, (q, scale)):
+        return int_linear._init_fn(x, q, scale)
+    N, K = scale.shape[0], scale.shape[1] * GROUP
+    x2 = x.reshape(-1, K).float().contiguous()
+    out = x2.new_empty(x2.shape[0], N)
+    _load()[0].dsv3_int_linear(bits_of(q), q.data_ptr(), scale.data_ptr(), N, K, x2.data_ptr(), x2.shape[0],
+                               out.data_ptr(), torch.get_num_threads())
+    return out.to(x.dtype).view(*x.shape[:-1], N)
+
+
+@int_linear.register_fake
+def _int_linear_fake(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
+    return x.new_empty(*x.shape[:-1], scale.shape[-2])
+
+
+# ---- int_swiglu_experts -------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("dsv3::int_swiglu_experts", mutates_args=())
+def int_swiglu_experts(x: Tensor, idx: Tensor, gates: Tensor, gate_q: Tensor, gate_s: Tensor, up_q: Tensor,
+                       up_s: Tensor, down_q: Tensor, down_s: Tensor, add_to: Tensor | None = None) -> Tensor:
+    """sum_j gates[m, j] * SwiGLU_{idx[m, j]}(x[m]) (+ ``add_to``) for x [M, D], idx/gates [M, K] and stacked
+    integer experts gate, up [E, I, D], down [E, D, I]: each routed-to expert dequantized in fp32, the sums
+    in fp32, one rounding to x's dtype."""
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if add_to is None else add_to.float()
+    xf = x.float()
+    for e in idx.unique().tolist():
+        rows, slot = (idx == e).nonzero(as_tuple=True)
+        w_gate, w_up, w_down = (dequantize(q[e], s[e]) for q, s in ((gate_q, gate_s), (up_q, up_s), (down_q, down_s)))
+        xe = xf[rows]
+        act = F.silu(xe @ w_gate.t()) * (xe @ w_up.t()) * gates[rows, slot, None].float()
+        out = out.index_add(0, rows, act @ w_down.t())
+    return out.to(x.dtype)
+
+
+@int_swiglu_experts.register_kernel("cpu")
+def _int_swiglu_experts_cpu(x, idx, gates, gate_q, gate_s, up_q, up_s, down_q, down_s, add_to=None):
+    pairs = ((gate_q, gate_s), (up_q, up_s), (down_q, down_s))
+    if not _reads(x, *pairs) or not all(t is None or t.device.type == "cpu" for t in (idx, gates, add_to)):
+        return int_swiglu_experts._init_fn(x, idx, gates, *[t for p in pairs for t in p], add_to)
+    E, I, D = gate_s.shape[0], gate_s.shape[1], gate_s.shape[2] * GROUP
+    xf = x.float().contiguous()
+    out = torch.zeros(xf.shape) if add_to is None else add_to.float().clone(memory_format=torch.contiguous_format)
+    idx, gates = idx.contiguous().long(), gates.contiguous().float()
+    rc = _load()[0].dsv3_int_swiglu_experts(
+        bits_of(gate_q), *[t.data_ptr() for p in pairs for t in p], E, I, D, xf.data_ptr(), xf.shape[0],
+        idx.data_ptr(), gates.data_ptr(), idx.shape[1], out.data_ptr(), torch.get_num_threads())
+    if rc == 2:
+        raise IndexError(f"an expert index of {idx.tolist()} is outside [0, {E})")
+    if rc != 0:
+        raise RuntimeError(f"dsv3_int_swiglu_experts failed ({rc})")
+    return out.to(x.dtype)
+
+
+@int_swiglu_experts.register_fake
+def _int_swiglu_experts_fake(x, idx, gates, gate_q, gate_s, up_q, up_s, down_q, down_s, add_to=None):
+    return torch.empty_like(x)
+
+
+# ---- the modules ----------------------------------------------------------------------------------------------
+
+
+class IntLinear(nn.Module):
+    """A bias-free projection whose weight [N, K] is kept as integer groups (values and fp16 scales)."""
+
+    def __init__(self, q: Tensor, scale: Tensor):
+        super().__init__()
+        self.register_buffer("weight_q", q)
+        self.register_buffer("weight_scale", scale)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return torch.ops.dsv3.int_linear(x, self.weight_q, self.weight_scale)
+
+    def extra_repr(self) -> str:
+        n, k = self.weight_scale.shape[0], self.weight_scale.shape[1] * GROUP
+        return f"out_features={n}, in_features={k}, int{bits_of(self.weight_q)} groups of {GROUP}"
+
+
+class IntExpertWeights:
+    """Stacked integer experts as the decode step hands them to ``int_swiglu_experts``: (values, scales) of
+    gate, up [E, I, D] and down [E, D, I]."""
+
+    def __init__(self, pairs: list[tuple[Tensor, Tensor]]):
+        self.pairs = pairs
+
+    def swiglu(self, x: Tensor, idx: Tensor, gates: Tensor, add_to: Tensor | None = None,
+               use_kernel: bool = True) -> Tensor:
+        args = (x, idx, gates, *[t for p in self.pairs for t in p], add_to)
+        return torch.ops.dsv3.int_swiglu_experts(*args) if use_kernel else int_swiglu_experts._init_fn(*args)
+
+
+class IntExperts(GroupedExperts):
+    """Routed experts kept as integer groups; prefill dequantizes each routed-to expert when its rows run (the
+    training kernel's per-expert loop), decode steps read them in place (``int_swiglu_experts``)."""
+
+    def __init__(self, pairs: dict[str, tuple[Tensor, Tensor]], dtype: torch.dtype):
+        nn.Module.__init__(self)
+        for name in PROJECTIONS:
+            self.register_buffer(name + "_q", pairs[name][0])
+            self.register_buffer(name + "_scale", pairs[name][1])
+        self.dtype = dtype
+
+    @property
+    def n_experts(self) -> int:
+        return self.gate_proj_scale.shape[0]
+
+    def pairs(self) -> list[tuple[Tensor, Tensor]]:
+        return [(getattr(self, n + "_q"), getattr(self, n + "_scale")) for n in PROJECTIONS]
+
+    def kernel_weights(self) -> IntExpertWeights:
+        return IntExpertWeights(self.pairs())
+
+    def forward(self, rows: ExpertRows) -> Tensor:
+        return routed_forward(rows.x, rows.gates.to(rows.x.dtype), rows.token, rows.counts, self._weights)
+
+    def _weights(self, e: int):
+        return tuple(dequantize(q[e], s[e], self.dtype) for q, s in self.pairs())
+
+    def fp8_training_form(self, scaling: str = "fine") -> None:
+        return None
+
+    def select(self, ids: Tensor) -> IntExperts:
+        return IntExperts({n: (q[ids], s[ids]) for n, (q, s) in zip(PROJECTIONS, self.pairs(), strict=True)},
+                          self.dtype)
+
+    def extra_repr(self) -> str:
+        e, i, d = self.n_experts, self.gate_proj_scale.shape[1], self.gate_proj_scale.shape[2] * GROUP
+        return f"n_experts={e}, dim={d}, inter_dim={i}, int{bits_of(self.gate_proj_q)} groups of {GROUP}"
+
+
+def shared_expert_weights(mlp: nn.Module) -> IntExpertWeights | None:
+    """A dense SwiGLU MLP whose three projections are ``IntLinear`` as one integer expert, or None."""
+    parts = [getattr(mlp, n, None) for n in PROJECTIONS]
+    if type(mlp) is not MLP or not all(type(p) is IntLinear for p in parts) or mlp._forward_hooks:
+        return None
+    return IntExpertWeights([(p.weight_q.unsqueeze(0), p.weight_scale.unsqueeze(0)) for p in parts])
+
+
+# ---- the swap -------------------------------------------------------------------------------------------------
+
+Stored = dict[str, tuple[Tensor, Tensor]]  # checkpoint name "....weight" -> (values, scales) as stored
+
+
+def to_int_weights(model: nn.Module, bits: int, stored: Stored | None = None,
+                   held: list[int] | None = None) -> nn.Module:
+    """Swap every MoE layer's routed experts for ``IntExperts`` and its shared experts' projections for
+    ``IntLinear``, at ``bits`` (8 or 4): taken from ``stored`` (a checkpoint's integer weights, by checkpoint
+    name) when it has them at that width, else quantized here. ``held``: the routed experts this model holds,
+    in order (an expert-parallel rank's share), else all."""
+    stored = stored or {}
+    dtype = model.model.embed_tokens.weight.dtype
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, MoE):
+            continue
+        experts = module.experts
+        if type(experts) is not GroupedExperts:
+            raise DSV3Error(f"{name}.experts is {type(experts).__name__}; integer weights start from plain experts")
+        ids = held if held is not None else list(range(experts.n_experts))
+        pairs = {proj: _stack([_pair(stored, f"{name}.experts.{e}.{proj}.weight", getattr(experts, proj)[i], bits)
+                                for i, e in enumerate(ids)]) for proj in PROJECTIONS}
+        module.experts = IntExperts(pairs, dtype)
+        if module.shared_experts is not None:
+            for proj in PROJECTIONS:
+                lin = getattr(module.shared_experts, proj)
+                q, s = _pair(stored, f"{name}.shared_experts.{proj}.weight", lin.weight, bits)
+                setattr(module.shared_experts, proj, IntLinear(q, s))
+    return model
+
+
+def _pair(stored: Stored, key: str, w: Tensor, bits: int) -> tuple[Tensor, Tensor]:
+    got = stored.get(key)
+    if got is not None and bits_of(got[0]) == bits:
+        return got
+    return quantize(w.detach(), bits)
+
+
+def _stack(pairs: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    return torch.stack([q for q, _ in pairs]), torch.stack([s for _, s in pairs])

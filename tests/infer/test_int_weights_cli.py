@@ -1,0 +1,102 @@
+"""`--weights int8|int4` (generate, bench decode) and `dsv3 convert --to int8|int4` on a tiny saved checkpoint: the
+converted checkpoint stores the routed and shared experts as integer groups, loads back into exactly the model
+that quantizing at load gives, reads as a float model too, and converts on; bad input is one error line, exit
+status 2, nothing written."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from dsv3.cli import main
+from dsv3.config import preset
+from dsv3.infer.engine import Engine, Request
+from dsv3.infer.loading import load_model
+from dsv3.kernels.int_weights import IntExperts, IntLinear
+from dsv3.model import Transformer
+from dsv3.precision.int_groups import SCALE_SUFFIX
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory, model, tokenizer):
+    folder = tmp_path_factory.mktemp("tiny")
+    model.save_pretrained(folder)
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def stored(folder):
+    out = {}
+    for f in sorted(folder.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as handle:
+            out.update({name: handle.get_tensor(name) for name in handle.keys()})
+    return out
+
+
+def logits(model, ids=(5, 17, 42, 9)):
+    with torch.no_grad():
+        return model(torch.tensor([ids]))[0]
+
+
+@pytest.mark.parametrize("to, dtype", [("int8", torch.int8), ("int4", torch.uint8)])
+def test_convert_writes_integer_experts_that_load_as_quantizing_at_load_does(checkpoint, tmp_path, capsys, to, dtype):
+    dst = tmp_path / to
+    assert main(["convert", str(checkpoint), str(dst), "--to", to]) == 0
+    assert f"wrote {dst}:" in capsys.readouterr().out
+    tensors = stored(dst)
+    expert = "model.layers.1.mlp.experts.3.down_proj.weight"
+    shared = "model.layers.1.mlp.shared_experts.gate_proj.weight"
+    for name in (expert, shared):
+        assert tensors[name].dtype == dtype and tensors[name + SCALE_SUFFIX].dtype == torch.float16
+    assert tensors["model.layers.1.self_attn.o_proj.weight"].dtype == torch.bfloat16  # attention not quantized
+    assert (dst / "tokenizer.json").exists()
+
+    converted, at_load = load_model(dst, torch.float32, to), load_model(checkpoint, torch.float32, to)
+    assert sum(isinstance(m, IntExperts) for m in converted.modules()) == sum(
+        isinstance(m, IntLinear) for m in converted.modules()) / 3 > 0
+    pairs = [(a, b) for a, b in zip(converted.buffers(), at_load.buffers(), strict=True)
+             if a.dtype in (torch.int8, torch.uint8, torch.float16)]
+    assert pairs and all(torch.equal(a, b) for a, b in pairs)  # the stored groups are the load-time ones
+    # read as a float model, the integer experts are the weights they stand for
+    torch.testing.assert_close(logits(load_model(dst, torch.float32)), logits(converted), rtol=1e-4, atol=1e-4)
+
+    again = tmp_path / f"{to}-again"  # converting a converted checkpoint gives it back
+    assert main(["convert", str(dst), str(again), "--to", to]) == 0
+    assert all(torch.equal(t, stored(again)[n]) for n, t in tensors.items())
+
+
+def test_an_fp8_checkpoint_converts_to_int4(checkpoint, tmp_path):
+    assert main(["convert", str(checkpoint), str(tmp_path / "fp8"), "--to", "fp8"]) == 0
+    assert main(["convert", str(tmp_path / "fp8"), str(tmp_path / "int4"), "--to", "int4"]) == 0
+    name = "model.layers.1.mlp.experts.0.up_proj.weight"
+    assert stored(tmp_path / "int4")[name].dtype == torch.uint8
+
+
+def test_convert_bad_input_is_one_error_line_and_nothing_written(tmp_path, capsys):
+    cfg = preset("nano").replace(num_hidden_layers=2, moe_intermediate_size=40)  # 40 is not whole groups
+    torch.manual_seed(0)
+    Transformer(cfg).save_pretrained(tmp_path / "odd")
+    assert main(["convert", str(tmp_path / "odd"), str(tmp_path / "out"), "--to", "int4"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "multiple of 32" in err and err.count("\n") == 1 and "Traceback" not in err
+    assert not (tmp_path / "out").exists() and [p.name for p in tmp_path.iterdir()] == ["odd"]
+
+
+@pytest.mark.parametrize("weights", ["int8", "int4"])
+def test_generate_and_bench_decode_with_integer_weights(checkpoint, model, capsys, weights):
+    args = ["generate", "--model", str(checkpoint), "--prompt-ids", "5,17,42", "--max-new-tokens", "6", "--greedy",
+            "--json", "--ignore-eos", "--weights", weights]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    want = Engine(load_model(checkpoint, None, weights)).generate([Request([5, 17, 42], 6, ignore_eos=True)])
+    assert out["token_ids"] == want[0].token_ids
+    assert main(["bench", "decode", "--model", str(checkpoint), "--context", "16", "--new-tokens", "4", "--json",
+                 "--weights", weights]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens_per_s"] > 0
+
+
+def test_an_unknown_weights_format_is_one_error_line(checkpoint, capsys):
+    assert main(["generate", "--model", str(checkpoint), "--prompt-ids", "1", "--weights", "int3"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error:") and "int8" in err and "int4" in err and "Traceback" not in err
