@@ -335,3 +335,38 @@ def _prompt_ids(checkpoint: Path) -> list[list[int]]:
 
     tok = load_tokenizer(checkpoint)
     return [tok.encode(p).ids for p in PROMPTS]
+
+
+MTP_PROMPTS = [[4, 5, 6, 7], [20, 21, 3], [99, 5, 5, 5, 8], [7, 140, 2]]
+
+
+@pytest.mark.parametrize("flags", [(), ("--prefill-ranks", "1")], ids=["ep2", "ep2-prefill-ranks-1"])
+def test_ep2_metrics_count_mtp_drafts_and_queue_time_as_one_process_does(checkpoint, flags):
+    """`serve --ep 2 --speculative mtp` (and with its decode on rank 1 alone): /metrics' MTP counters equal
+    the sum of what the engine counts for the same greedy requests, although the ranks' engines decoded
+    them (their counts travel back with their events), and the queue-time histogram has every request."""
+    from prometheus_text import total
+
+    import dsv3
+    from dsv3.infer.engine import Request
+    from dsv3.infer.loading import load_tokenizer
+
+    direct = Engine(dsv3.load_pretrained(checkpoint), load_tokenizer(checkpoint), speculative=True)
+    drafted = accepted = 0
+    for prompt in MTP_PROMPTS:
+        direct.generate([Request(prompt, 12, ignore_eos=True)])
+        drafted, accepted = drafted + direct.last_stats.drafted, accepted + direct.last_stats.accepted
+
+    def ask(prompt: list[int]) -> None:
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        httpx.post(group.url + "/v1/completions", json=body, timeout=120).raise_for_status()
+
+    with serve_group(checkpoint, 2, "--speculative", "mtp", *flags) as group:
+        with ThreadPoolExecutor(len(MTP_PROMPTS)) as pool:
+            list(pool.map(ask, MTP_PROMPTS))
+        scraped, state = _metrics(group.url), httpx.get(group.url + "/cluster").json()
+    assert state["assigned"][1] >= 1  # rank 1 decoded some of them: its counts crossed to rank 0
+    assert drafted > 0
+    assert total(scraped, "dsv3_spec_decode_draft_tokens_total") == drafted
+    assert total(scraped, "dsv3_spec_decode_accepted_tokens_total") == accepted
+    assert total(scraped, "dsv3_request_queue_time_seconds_count") == len(MTP_PROMPTS)

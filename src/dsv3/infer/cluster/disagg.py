@@ -195,7 +195,7 @@ class DecodeWorker(RankWorker):
         events += self._decode()
         self.lockstep.finish()
         report.events = self._wire(events)
-        return report
+        return self._report(report)
 
     def _take_in(self, t: Transfer, parcel: Parcel) -> list[Event]:
         state = unpack_state(parcel)

@@ -142,6 +142,7 @@ class ClusterScheduler(Scheduler):
         broadcast_control(control)
         for rank, report in enumerate(gather_reports(step(self.worker, control))):
             self._deliver(report.events)
+            self.metrics.speculated(report.drafted, report.accepted)
             self.ready += report.ready
             self.kv_bytes += report.kv_bytes
             self.kv_tokens += report.kv_tokens
@@ -201,6 +202,7 @@ class ClusterScheduler(Scheduler):
                 keep.append((request, deliver))
                 continue
             rid, self._next_rid = self._next_rid, self._next_rid + 1
+            self.metrics.admitted(request)  # its rank prefills it in this step
             self.listeners[rid] = deliver
             self.inflight[rid] = (request, rank)
             self._move(rid, None, rank)

@@ -104,6 +104,8 @@ class Report:
     kv_tokens: int = 0
     expert_load: list[list[int]] | None = None  # [MoE layer][expert] routed tokens so far, when asked
     prefix_cache: CacheSnapshot | None = None  # the rank's prefix cache, when it has one and was asked
+    drafted: int = 0  # MTP draft tokens this step's decode verified, and how many of them it accepted
+    accepted: int = 0
 
 
 class RankWorker:
@@ -115,6 +117,7 @@ class RankWorker:
         self.batch: Batch | None = None
         self.requests: dict[int, Request] = {}  # rid -> this rank's copy
         self.rids: dict[int, int] = {}  # id(request) -> rid
+        self.drafted = self.accepted = 0  # MTP counts of the last decode step (they travel in its report)
 
     @property
     def active(self) -> int:
@@ -127,7 +130,12 @@ class RankWorker:
         events = self._admit([self._register(w) for w in control.new.get(self.rank, [])])
         events += self._decode()
         self.lockstep.finish()
-        return Report(self._wire(events))
+        return self._report(Report(self._wire(events)))
+
+    def _report(self, report: Report) -> Report:
+        """``report`` with this step's MTP counts (rank 0 adds them into /metrics, as one process does)."""
+        report.drafted, report.accepted = self.drafted, self.accepted
+        return report
 
     def _rebalance(self, control: Control) -> None:
         if control.rebalance:
@@ -176,10 +184,16 @@ class RankWorker:
         return list(fresh.first_events)
 
     def _decode(self) -> list[Event]:
+        """One decode step of the running batch; its MTP draft and accepted tokens are kept for the report."""
+        self.drafted = self.accepted = 0
         if self.batch is None or not self.batch.rows:
             return []
+        stats = self.batch.stats
+        drafted, accepted = stats.drafted, stats.accepted
         try:
-            return self.batch.step()
+            events = self.batch.step()
+            self.drafted, self.accepted = stats.drafted - drafted, stats.accepted - accepted
+            return events
         except LockstepBroken:
             raise
         except Exception as exc:  # a failing step fails its requests, not the server
