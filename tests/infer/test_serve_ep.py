@@ -4,6 +4,7 @@ single-process server on the same weights. The last test on that group kills a w
 must answer 503 with an OpenAI-shaped JSON error, at once, rather than hang. Then the lossy wire formats,
 and `--prefill-ranks 2` (disaggregation) with EPLB."""
 
+import json
 import os
 import re
 import signal
@@ -16,9 +17,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from deepseek_tokens import deepseek_tokenizer  # noqa: E402
+
 from conftest import tiny_model, tiny_tokenizer  # noqa: E402
 from dsv3.infer.engine import Engine  # noqa: E402
 from dsv3.infer.server import create_app  # noqa: E402
@@ -152,13 +156,6 @@ def test_ep4_greedy_completions_of_concurrent_requests_equal_one_process(ep4, re
     assert sum(state["assigned"]) == len(PROMPTS)
     banner = "\n".join(ep4.lines)
     assert "4 of 16 routed experts per rank and layer, dispatch fp32, combine fp32" in banner
-
-
-def test_ep4_refuses_constrained_output_by_name_rather_than_ignoring_it(ep4):
-    body = {"prompt": "the cat", "max_tokens": 4, "response_format": {"type": "json_object"}}
-    r = httpx.post(ep4.url + "/v1/completions", json=body, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
-    assert "not supported by serve --ep" in r.json()["error"]["message"]
 
 
 def test_ep4_streams_and_a_bad_request_harms_no_one(ep4, reference):
@@ -370,3 +367,56 @@ def test_ep2_metrics_count_mtp_drafts_and_queue_time_as_one_process_does(checkpo
     assert total(scraped, "dsv3_spec_decode_draft_tokens_total") == drafted
     assert total(scraped, "dsv3_spec_decode_accepted_tokens_total") == accepted
     assert total(scraped, "dsv3_request_queue_time_seconds_count") == len(MTP_PROMPTS)
+
+
+POINT = {"type": "object", "additionalProperties": False, "required": ["x", "tag", "names"],
+         "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}, "tag": {"enum": ["a", "b"]},
+                        "names": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2}}}
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_point", "parameters": POINT}}]
+
+
+@pytest.fixture(scope="module")
+def deepseek_checkpoint(tmp_path_factory):
+    """A tiny model (with an MTP layer) whose tokenizer has DeepSeek's special tokens: it can write tool calls."""
+    folder = tmp_path_factory.mktemp("ep_tools") / "tiny"
+    tiny_model(300).save_pretrained(folder)
+    deepseek_tokenizer().save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.mark.parametrize("flags", [(), ("--prefill-ranks", "1")], ids=["ep2", "ep2-prefill-ranks-1"])
+def test_ep2_constrained_output_gives_valid_json_and_valid_tool_calls(deepseek_checkpoint, flags):
+    """`serve --ep 2 --speculative mtp` (and with rank 1 decoding the rows rank 0 prefilled): a json_schema
+    request and a named tool_choice, concurrent and at temperature 1, are held to their grammars on the rank
+    that decodes them (compiled there from the grammar's text; after a move, from the tokens generated so
+    far)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "point", "schema": POINT, "strict": True}}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    with serve_group(deepseek_checkpoint, 2, "--speculative", "mtp", *flags) as group:
+        c = client(group.url)
+
+        def as_json(seed: int):
+            return c.chat.completions.create(model="tiny", messages=ask, response_format=fmt, temperature=1.0,
+                                             max_tokens=160, seed=seed).choices[0]
+
+        def as_call(seed: int):
+            return c.chat.completions.create(model="tiny", messages=ask, tools=TOOLS, tool_choice=named,
+                                             temperature=1.0, max_tokens=160, seed=seed).choices[0]
+
+        with ThreadPoolExecutor(4) as pool:
+            jsons, calls = pool.map(as_json, range(4)), pool.map(as_call, range(4))
+            jsons, calls = list(jsons), list(calls)
+        state = httpx.get(group.url + "/cluster").json()
+    assert min(state["assigned"][1:]) >= 1, state  # rank 1 decoded some: its own matchers held them
+    for choice in jsons:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), POINT)
+    for choice in calls:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)

@@ -123,6 +123,47 @@ def test_a_row_with_penalties_keeps_their_counts_and_ignore_eos_across_the_move(
     assert got == want and len(got) == 16
 
 
+def test_a_constrained_row_moved_mid_generation_rebuilds_its_matcher_from_the_tokens_generated():
+    """A json_schema request (sampled, seeded, MTP drafts masked too) moved to another rank after 3 decode
+    steps: the WireRequest carries the grammar's text, the new rank compiles its own matcher, which follows the
+    tokens generated so far; the row finishes with the tokens one process gives, and they parse."""
+    import json
+
+    import jsonschema
+    from deepseek_tokens import deepseek_tokenizer
+
+    from dsv3.infer.grammar import Grammars
+    from dsv3.infer.loading import eos_ids
+
+    tok, model = deepseek_tokenizer(), tiny_model(300)
+    eos = eos_ids(model, tok)
+    schema = {"type": "object", "additionalProperties": False, "required": ["x", "tag"],
+              "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}, "tag": {"enum": ["a", "b"]}}}
+    grammar = Grammars(tok, 300, eos)
+    engine = Engine(model, tok, speculative=True, eos_token_ids=eos)
+    params, prompt = SamplingParams(temperature=1.0, seed=5), tok.encode("hello").ids
+
+    def request() -> Request:
+        return Request(prompt, 60, params, logits_processors=(grammar.json_schema(schema, "response_format"),))
+
+    want = engine.generate([request()])[0].token_ids
+    batch, sent = engine.start([request()]), request()
+    for _ in range(3):
+        batch.step()
+    wire = WireRequest.of(4, sent)
+    assert wire.grammars and isinstance(wire.grammars[0], str)  # plain text: it pickles
+    other_rank = Grammars(tok, 300, eos)
+    parcel = pack_row(engine, batch, 0, RowState.of(wire, batch.rows[0]))
+    state = unpack_state(parcel)
+    assert len(state.generated) > 3
+    moved = batch_from_cache(engine, state.row(engine, state.request.request(other_rank)), parcel.kv, parcel.pe)
+    got = list(state.generated)
+    while moved.rows:
+        got += [t for ev in moved.step() for t in ev.token_ids]
+    assert got == want
+    jsonschema.validate(json.loads(tok.decode([t for t in got if t not in eos])), schema)
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--ep", "4"], "start it with dsv3 launch --nproc 4 serve"),
     (["--ep", "0"], "--ep must be >= 1"),

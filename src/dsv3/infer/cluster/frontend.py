@@ -73,9 +73,6 @@ class ClusterScheduler(Scheduler):
     ``prefill`` ranks (default: all); with ``decode`` ranks given (disaggregation), each prefilled request's
     latent cache then moves to the least loaded decode rank with room. ``max_batch`` bounds each rank."""
 
-    # Requests cross to the ranks as plain WireRequests: a grammar's matcher (a logits processor) does not.
-    takes_logits_processors = False
-
     def __init__(self, engine: Engine, worker: RankWorker, world: int, max_batch: int = 8,
                  prefill: list[int] | None = None, decode: list[int] | None = None, eplb_every: int = 0):
         super().__init__(engine, max_batch)

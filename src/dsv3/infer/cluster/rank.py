@@ -11,15 +11,20 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from dsv3.errors import DSV3Error
 from dsv3.infer.cluster.lockstep import Lockstep, LockstepBroken
 from dsv3.infer.engine import Batch, Engine, Event, Request, TokenLogprob, merged
+from dsv3.infer.grammar import Grammars
 from dsv3.infer.prefix_cache import CacheSnapshot
 from dsv3.infer.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
 class WireRequest:
-    """A request as the control message carries it (plain, picklable fields)."""
+    """A request as the control message carries it (plain, picklable fields). A constrained request's
+    logits processors (grammar matchers) cannot travel: their grammars' texts do, and the rank that decodes
+    the request compiles its own (every rank has the tokenizer); a processor follows the tokens it is given,
+    so one compiled on a decode rank for a row moved there takes up the generated tokens where they are."""
 
     rid: int
     prompt_ids: list[int]
@@ -30,16 +35,29 @@ class WireRequest:
     logprobs: int | None
     skip_special_tokens: bool = True  # False for tool calls, whose markers are special tokens
     ignore_eos: bool = False
+    grammars: tuple[str, ...] = ()  # the texts of its grammar processors (``GrammarProcessor.grammar``), in order
 
     @classmethod
     def of(cls, rid: int, r: Request) -> WireRequest:
         return cls(rid, list(r.prompt_ids), r.max_new_tokens, r.sampling, r.stop_token_ids, r.stop_strings,
-                   r.logprobs, r.skip_special_tokens, r.ignore_eos)
+                   r.logprobs, r.skip_special_tokens, r.ignore_eos, tuple(_grammar_of(p) for p in r.logits_processors))
 
-    def request(self) -> Request:
+    def request(self, grammars: Grammars | None = None) -> Request:
+        """This rank's copy of the request, its grammar processors compiled afresh by ``grammars``."""
+        if self.grammars and grammars is None:
+            raise DSV3Error("a constrained request needs the rank's grammar compiler")
+        processors = tuple(grammars.recompile(g) for g in self.grammars) if self.grammars else ()
         return Request(self.prompt_ids, self.max_new_tokens, self.sampling, self.stop_token_ids,
                        self.stop_strings, logprobs=self.logprobs, skip_special_tokens=self.skip_special_tokens,
-                       ignore_eos=self.ignore_eos)
+                       ignore_eos=self.ignore_eos, logits_processors=processors)
+
+
+def _grammar_of(processor) -> str:
+    """The text a logits processor's grammar was compiled from (the server makes no other processors)."""
+    grammar = getattr(processor, "grammar", None)
+    if not isinstance(grammar, str):
+        raise DSV3Error(f"serve --ep cannot send a {type(processor).__name__} to its ranks (only grammars travel)")
+    return grammar
 
 
 @dataclass(frozen=True)
@@ -118,6 +136,7 @@ class RankWorker:
         self.requests: dict[int, Request] = {}  # rid -> this rank's copy
         self.rids: dict[int, int] = {}  # id(request) -> rid
         self.drafted = self.accepted = 0  # MTP counts of the last decode step (they travel in its report)
+        self.grammars = Grammars(engine.tokenizer, engine.model.config.vocab_size, engine.eos_ids)
 
     @property
     def active(self) -> int:
@@ -147,7 +166,7 @@ class RankWorker:
                 self.requests[rid].cancelled = True
 
     def _register(self, wire: WireRequest) -> Request:
-        request = wire.request()
+        request = wire.request(self.grammars)
         self.requests[wire.rid] = request
         self.rids[id(request)] = wire.rid
         return request
