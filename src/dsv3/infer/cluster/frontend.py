@@ -138,8 +138,8 @@ class ClusterScheduler(Scheduler):
             self.metrics.step(len(self.inflight))
         broadcast_control(control)
         for rank, report in enumerate(gather_reports(step(self.worker, control))):
-            self._deliver(report.events)
-            self.metrics.speculated(report.drafted, report.accepted)
+            self.metrics.speculated(report.drafted, report.accepted)  # before its requests can end: a
+            self._deliver(report.events)  # client that scrapes after its last token sees the step counted
             self.ready += report.ready
             self.kv_bytes += report.kv_bytes
             self.kv_tokens += report.kv_tokens
