@@ -164,6 +164,27 @@ def test_a_constrained_row_moved_mid_generation_rebuilds_its_matcher_from_the_to
     jsonschema.validate(json.loads(tok.decode([t for t in got if t not in eos])), schema)
 
 
+def test_a_grammar_a_rank_cannot_compile_fails_its_request_alone():
+    """A grammar text the rank's compiler refuses ends its request with an error event at admission; the
+    request admitted beside it prefills and decodes, and the rank's step does not raise (which would take
+    the whole group down)."""
+    from deepseek_tokens import deepseek_tokenizer
+
+    from dsv3.infer.cluster.rank import RankWorker
+    from dsv3.infer.loading import eos_ids
+
+    tok, model = deepseek_tokenizer(), tiny_model(300)
+    engine = Engine(model, tok, eos_token_ids=eos_ids(model, tok))
+    worker = RankWorker(engine, lockstep=None, rank=1)  # admission runs no expert exchange here
+    bad = WireRequest(1, [5, 6, 7], 4, GREEDY, frozenset(), (), None, grammars=("start: %%% not a grammar",))
+    good = WireRequest(2, [5, 6, 7], 4, GREEDY, frozenset(), (), None)
+    events = worker._wire(worker._admit([worker._register(bad), worker._register(good)]))
+    (failed,) = [e for e in events if e.rid == 1]
+    assert failed.finish_reason == "error" and failed.error.startswith("generation failed on rank 1: grammar:")
+    assert [e.rid for e in events if e.rid == 2 and e.token_ids] == [2] and worker.active == 1
+    assert not worker.unusable
+
+
 @pytest.mark.parametrize("flags, message", [
     (["--ep", "4"], "start it with dsv3 launch --nproc 4 serve"),
     (["--ep", "0"], "--ep must be >= 1"),

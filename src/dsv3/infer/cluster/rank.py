@@ -9,7 +9,7 @@ named by an integer id (``rid``) on the wire: the front end keeps the HTTP side'
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from dsv3.errors import DSV3Error
 from dsv3.infer.cluster.lockstep import Lockstep, LockstepBroken
@@ -137,6 +137,7 @@ class RankWorker:
         self.rids: dict[int, int] = {}  # id(request) -> rid
         self.drafted = self.accepted = 0  # MTP counts of the last decode step (they travel in its report)
         self.grammars = Grammars(engine.tokenizer, engine.model.config.vocab_size, engine.eos_ids)
+        self.unusable: dict[int, str] = {}  # id(request) -> why its grammar did not compile here
 
     @property
     def active(self) -> int:
@@ -166,18 +167,31 @@ class RankWorker:
                 self.requests[rid].cancelled = True
 
     def _register(self, wire: WireRequest) -> Request:
-        request = wire.request(self.grammars)
+        """This rank's copy of ``wire``. A grammar that does not compile here (rank 0 compiled it: only a rank
+        unlike it gets there) fails its request alone, at its admission, rather than the step of the group."""
+        try:
+            request = wire.request(self.grammars)
+        except DSV3Error as exc:
+            request = replace(wire, grammars=()).request()
+            self.unusable[id(request)] = f"generation failed on rank {self.rank}: {exc}"
         self.requests[wire.rid] = request
         self.rids[id(request)] = wire.rid
         return request
 
     def _admit(self, requests: list[Request]) -> list[Event]:
-        """Prefill the new requests (cancelled ones end at once) and merge them into the running batch."""
-        events = [Event(r, [], "", "cancelled") for r in requests if r.cancelled]
+        """Prefill the new requests (cancelled and unusable ones end at once) and merge them into the running
+        batch."""
+        unusable = [r for r in requests if id(r) in self.unusable]
+        requests = [r for r in requests if id(r) not in self.unusable]
+        events = [self._unusable(r) for r in unusable]
+        events += [Event(r, [], "", "cancelled") for r in requests if r.cancelled]
         live = [r for r in requests if not r.cancelled]
         for fresh in self._prefill(live) if live else []:
             events += self._join(fresh)
         return events
+
+    def _unusable(self, request: Request) -> Event:
+        return Event(request, [], "", "error", error=self.unusable.pop(id(request)))
 
     def _prefill(self, requests: list[Request]) -> list[Batch | Event]:
         """Prefilled together, or each alone when that fails, so that a request that breaks the prefill
