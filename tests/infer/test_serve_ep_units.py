@@ -52,6 +52,17 @@ def test_requests_go_to_the_least_loaded_rank_and_wait_when_every_rank_is_full()
     assert list(s._assign()) == [1] and not s.waiting
 
 
+def test_requests_waiting_for_a_rank_with_room_count_as_waiting_in_metrics():
+    s = _scheduler(2, 1)
+    s.load = [1, 1]  # every rank full: the front end takes the requests in, and they wait
+    _queue(s, 3)
+    assert not s._assign() and len(s.waiting) == 3
+    assert s.metrics.waiting() == 3
+    s.load = [0, 1]
+    s._assign()
+    assert s.metrics.waiting() == 2
+
+
 def test_prefilled_requests_move_to_the_least_loaded_decode_rank_with_room():
     s = _scheduler(4, 2, prefill=[0, 1], decode=[2, 3])
     _queue(s, 3)

@@ -94,6 +94,7 @@ class ClusterScheduler(Scheduler):
         self.expert_counts = {r: zeros for r in range(world)} if zeros else {}  # rank -> [MoE layer][expert]
         self._load_asked, self._load_stale, self._load_at = False, False, 0.0
         self.metrics.expert_load = self.expert_load
+        self.metrics.waiting = lambda: self.pending.qsize() + len(self.waiting)  # taken in, no rank had room
         self._prefix_setup(engine)
 
     def _prefix_setup(self, engine: Engine) -> None:
