@@ -4,6 +4,7 @@ single-process server on the same weights. The last test on that group kills a w
 must answer 503 with an OpenAI-shaped JSON error, at once, rather than hang. Then the lossy wire formats,
 and `--prefill-ranks 2` (disaggregation) with EPLB."""
 
+import json
 import os
 import re
 import signal
@@ -16,9 +17,12 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import jsonschema
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
+from deepseek_tokens import deepseek_tokenizer  # noqa: E402
+
 from conftest import tiny_model, tiny_tokenizer  # noqa: E402
 from dsv3.infer.engine import Engine  # noqa: E402
 from dsv3.infer.server import create_app  # noqa: E402
@@ -152,13 +156,6 @@ def test_ep4_greedy_completions_of_concurrent_requests_equal_one_process(ep4, re
     assert sum(state["assigned"]) == len(PROMPTS)
     banner = "\n".join(ep4.lines)
     assert "4 of 16 routed experts per rank and layer, dispatch fp32, combine fp32" in banner
-
-
-def test_ep4_refuses_constrained_output_by_name_rather_than_ignoring_it(ep4):
-    body = {"prompt": "the cat", "max_tokens": 4, "response_format": {"type": "json_object"}}
-    r = httpx.post(ep4.url + "/v1/completions", json=body, timeout=60)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
-    assert "not supported by serve --ep" in r.json()["error"]["message"]
 
 
 def test_ep4_streams_and_a_bad_request_harms_no_one(ep4, reference):
@@ -335,3 +332,99 @@ def _prompt_ids(checkpoint: Path) -> list[list[int]]:
 
     tok = load_tokenizer(checkpoint)
     return [tok.encode(p).ids for p in PROMPTS]
+
+
+
+MTP_PROMPTS = [[4, 5, 6, 7], [20, 21, 3], [99, 5, 5, 5, 8], [7, 140, 2]]
+POINT = {"type": "object", "additionalProperties": False, "required": ["x", "tag", "names"],
+         "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}, "tag": {"enum": ["a", "b"]},
+                        "names": {"type": "array", "items": {"type": "string", "maxLength": 3}, "maxItems": 2}}}
+WEATHER = {"type": "object", "additionalProperties": False, "required": ["city", "unit"],
+           "properties": {"city": {"type": "string", "maxLength": 8}, "unit": {"enum": ["c", "f"]}}}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_point", "parameters": POINT}}]
+
+
+@pytest.fixture(scope="module")
+def deepseek_checkpoint(tmp_path_factory):
+    """A tiny model (with an MTP layer) whose tokenizer has DeepSeek's special tokens: it can write tool calls."""
+    folder = tmp_path_factory.mktemp("ep_tools") / "tiny"
+    tiny_model(300).save_pretrained(folder)
+    deepseek_tokenizer().save(str(folder / "tokenizer.json"))
+    return folder
+
+
+@pytest.fixture(scope="module", params=[(), ("--prefill-ranks", "1")], ids=["ep2", "ep2-prefill-ranks-1"])
+def ep2_mtp(deepseek_checkpoint, request):
+    """`serve --ep 2 --speculative mtp`, and the same with rank 1 decoding the rows rank 0 prefilled."""
+    with serve_group(deepseek_checkpoint, 2, "--speculative", "mtp", *request.param) as group:
+        yield group
+
+
+def test_ep2_metrics_count_mtp_drafts_and_queue_time_as_one_process_does(ep2_mtp, deepseek_checkpoint):
+    """/metrics' MTP counters grow by the sum of what the engine counts for the same greedy requests,
+    although the ranks' engines decoded them (their counts travel back with their events), and the
+    queue-time histogram counts every request."""
+    from prometheus_text import total
+
+    import dsv3
+    from dsv3.infer.engine import Request
+    from dsv3.infer.loading import load_tokenizer
+
+    direct = Engine(dsv3.load_pretrained(deepseek_checkpoint), load_tokenizer(deepseek_checkpoint),
+                    speculative=True)
+    drafted = accepted = 0
+    for prompt in MTP_PROMPTS:
+        direct.generate([Request(prompt, 12, ignore_eos=True)])
+        drafted, accepted = drafted + direct.last_stats.drafted, accepted + direct.last_stats.accepted
+
+    def ask(prompt: list[int]) -> None:
+        body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True}
+        httpx.post(ep2_mtp.url + "/v1/completions", json=body, timeout=120).raise_for_status()
+
+    before, assigned = _metrics(ep2_mtp.url), httpx.get(ep2_mtp.url + "/cluster").json()["assigned"]
+    with ThreadPoolExecutor(len(MTP_PROMPTS)) as pool:
+        list(pool.map(ask, MTP_PROMPTS))
+    after, state = _metrics(ep2_mtp.url), httpx.get(ep2_mtp.url + "/cluster").json()
+
+    def grown(name: str) -> float:
+        return total(after, name) - total(before, name)
+
+    assert state["assigned"][1] > assigned[1]  # rank 1 decoded some of them: its counts crossed to rank 0
+    assert drafted > 0
+    assert grown("dsv3_spec_decode_draft_tokens_total") == drafted
+    assert grown("dsv3_spec_decode_accepted_tokens_total") == accepted
+    assert grown("dsv3_request_queue_time_seconds_count") == len(MTP_PROMPTS)
+
+
+def test_ep2_constrained_output_gives_valid_json_and_valid_tool_calls(ep2_mtp):
+    """A json_schema request and a named tool_choice, concurrent and at temperature 1, are held to their
+    grammars on the rank that decodes them (compiled there from the grammar's text; after a move, following
+    the tokens generated so far)."""
+    fmt = {"type": "json_schema", "json_schema": {"name": "point", "schema": POINT, "strict": True}}
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    ask = [{"role": "user", "content": "What is the weather in Paris?"}]
+    c = client(ep2_mtp.url)
+
+    def as_json(seed: int):
+        return c.chat.completions.create(model="tiny", messages=ask, response_format=fmt, temperature=1.0,
+                                         max_tokens=160, seed=seed).choices[0]
+
+    def as_call(seed: int):
+        return c.chat.completions.create(model="tiny", messages=ask, tools=TOOLS, tool_choice=named,
+                                         temperature=1.0, max_tokens=160, seed=seed).choices[0]
+
+    assigned = httpx.get(ep2_mtp.url + "/cluster").json()["assigned"]
+    with ThreadPoolExecutor(4) as pool:
+        jsons, calls = pool.map(as_json, range(4)), pool.map(as_call, range(4))
+        jsons, calls = list(jsons), list(calls)
+    state = httpx.get(ep2_mtp.url + "/cluster").json()
+    assert state["assigned"][1] > assigned[1], state  # rank 1 decoded some: its own matchers held them
+    for choice in jsons:
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), POINT)
+    for choice in calls:
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None, choice
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER)

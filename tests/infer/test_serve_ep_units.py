@@ -52,6 +52,17 @@ def test_requests_go_to_the_least_loaded_rank_and_wait_when_every_rank_is_full()
     assert list(s._assign()) == [1] and not s.waiting
 
 
+def test_requests_waiting_for_a_rank_with_room_count_as_waiting_in_metrics():
+    s = _scheduler(2, 1)
+    s.load = [1, 1]  # every rank full: the front end takes the requests in, and they wait
+    _queue(s, 3)
+    assert not s._assign() and len(s.waiting) == 3
+    assert s.metrics.waiting() == 3
+    s.load = [0, 1]
+    s._assign()
+    assert s.metrics.waiting() == 2
+
+
 def test_prefilled_requests_move_to_the_least_loaded_decode_rank_with_room():
     s = _scheduler(4, 2, prefill=[0, 1], decode=[2, 3])
     _queue(s, 3)
@@ -121,6 +132,68 @@ def test_a_row_with_penalties_keeps_their_counts_and_ignore_eos_across_the_move(
     while moved.rows:
         got += [t for ev in moved.step() for t in ev.token_ids]
     assert got == want and len(got) == 16
+
+
+def test_a_constrained_row_moved_mid_generation_rebuilds_its_matcher_from_the_tokens_generated():
+    """A json_schema request (sampled, seeded, MTP drafts masked too) moved to another rank after 3 decode
+    steps: the WireRequest carries the grammar's text, the new rank compiles its own matcher, which follows the
+    tokens generated so far; the row finishes with the tokens one process gives, and they parse."""
+    import json
+
+    import jsonschema
+    from deepseek_tokens import deepseek_tokenizer
+
+    from dsv3.infer.grammar import Grammars
+    from dsv3.infer.loading import eos_ids
+
+    tok, model = deepseek_tokenizer(), tiny_model(300)
+    eos = eos_ids(model, tok)
+    schema = {"type": "object", "additionalProperties": False, "required": ["x", "tag"],
+              "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 99}, "tag": {"enum": ["a", "b"]}}}
+    grammar = Grammars(tok, 300, eos)
+    engine = Engine(model, tok, speculative=True, eos_token_ids=eos)
+    params, prompt = SamplingParams(temperature=1.0, seed=5), tok.encode("hello").ids
+
+    def request() -> Request:
+        return Request(prompt, 60, params, logits_processors=(grammar.json_schema(schema, "response_format"),))
+
+    want = engine.generate([request()])[0].token_ids
+    batch, sent = engine.start([request()]), request()
+    for _ in range(3):
+        batch.step()
+    wire = WireRequest.of(4, sent)
+    assert wire.grammars and isinstance(wire.grammars[0], str)  # plain text: it pickles
+    other_rank = Grammars(tok, 300, eos)
+    parcel = pack_row(engine, batch, 0, RowState.of(wire, batch.rows[0]))
+    state = unpack_state(parcel)
+    assert len(state.generated) > 3
+    moved = batch_from_cache(engine, state.row(engine, state.request.request(other_rank)), parcel.kv, parcel.pe)
+    got = list(state.generated)
+    while moved.rows:
+        got += [t for ev in moved.step() for t in ev.token_ids]
+    assert got == want
+    jsonschema.validate(json.loads(tok.decode([t for t in got if t not in eos])), schema)
+
+
+def test_a_grammar_a_rank_cannot_compile_fails_its_request_alone():
+    """A grammar text the rank's compiler refuses ends its request with an error event at admission; the
+    request admitted beside it prefills and decodes, and the rank's step does not raise (which would take
+    the whole group down)."""
+    from deepseek_tokens import deepseek_tokenizer
+
+    from dsv3.infer.cluster.rank import RankWorker
+    from dsv3.infer.loading import eos_ids
+
+    tok, model = deepseek_tokenizer(), tiny_model(300)
+    engine = Engine(model, tok, eos_token_ids=eos_ids(model, tok))
+    worker = RankWorker(engine, lockstep=None, rank=1)  # admission runs no expert exchange here
+    bad = WireRequest(1, [5, 6, 7], 4, GREEDY, frozenset(), (), None, grammars=("start: %%% not a grammar",))
+    good = WireRequest(2, [5, 6, 7], 4, GREEDY, frozenset(), (), None)
+    events = worker._wire(worker._admit([worker._register(bad), worker._register(good)]))
+    (failed,) = [e for e in events if e.rid == 1]
+    assert failed.finish_reason == "error" and failed.error.startswith("generation failed on rank 1: grammar:")
+    assert [e.rid for e in events if e.rid == 2 and e.token_ids] == [2] and worker.active == 1
+    assert not worker.unusable
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -184,13 +184,11 @@ def test_a_call_sent_back_with_its_result_reaches_the_chat_template_with_the_too
     ({"tools": TOOLS, "parallel_tool_calls": False}, "parallel_tool_calls"),
     ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "response_format"),
     ({"response_format": {"type": "json_object"}, "ignore_eos": True}, "ignore_eos"),
-    ({"tools": TOOLS, "tool_choice": "required", "can_constrain": False}, "tool_choice"),
 ])
 def test_bad_fields_are_named(tiny, fields, param):
     with pytest.raises(structured.FieldError) as info:
         structured.plan(tiny[3], fields.get("response_format"), fields.get("tools"), fields.get("tool_choice"),
-                        fields.get("parallel_tool_calls"), fields.get("ignore_eos", False),
-                        fields.get("can_constrain", True))
+                        fields.get("parallel_tool_calls"), fields.get("ignore_eos", False))
     assert info.value.param == param and str(info.value).startswith(param)
 
 

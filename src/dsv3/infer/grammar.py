@@ -55,13 +55,19 @@ class Grammars:
         ``<[id]>`` names a special token by its id)."""
         return self._compile(grammar, param)
 
+    def recompile(self, grammar: str) -> GrammarProcessor:
+        """A fresh processor for the grammar text of one compiled before (``GrammarProcessor.grammar``),
+        already checked: how ``serve --ep`` gives a constrained request to the rank that decodes it, since a
+        matcher cannot travel between processes but its grammar's text can."""
+        return self._compile(grammar, "grammar")
+
     def _compile(self, grammar: str, param: str) -> GrammarProcessor:
         import llguidance
 
         matcher = llguidance.LLMatcher(self._lltokenizer(), grammar, log_level=0)
         if matcher.is_error():
             raise FieldError(f"{param}: cannot be compiled into a grammar: {matcher.get_error()}", param)
-        return GrammarProcessor(matcher, self.vocab_size, self._lltokenizer().vocab_size)
+        return GrammarProcessor(matcher, self.vocab_size, self._lltokenizer().vocab_size, grammar)
 
 
 class FieldError(DSV3Error):
@@ -76,8 +82,9 @@ class GrammarProcessor:
     """The logits processor of one constrained request: the matcher follows the request's tokens (rolling
     back a rejected speculative draft) and every token the grammar forbids next gets -inf."""
 
-    def __init__(self, matcher, vocab_size: int, matcher_vocab: int):
+    def __init__(self, matcher, vocab_size: int, matcher_vocab: int, grammar: str):
         self.matcher, self.vocab_size = matcher, vocab_size
+        self.grammar = grammar  # the text the matcher was compiled from (plain data: it crosses processes)
         self.consumed: list[int] = []
         self.bitmask = np.zeros((matcher_vocab + 31) // 32, dtype=np.int32)  # llguidance's size, >= vocab_size
 

@@ -182,8 +182,7 @@ def create_app(engine: Engine, model_name: str = "dsv3", max_batch: int = 8,
     async def completions(body: CompletionBody, http: Request):
         _check_body(body, model_name)
         ids = body.prompt if isinstance(body.prompt, list) else _encode(engine, body.prompt)
-        plans = _plans(body.n, lambda: structured.plan(grammars, body.response_format, ignore_eos=body.ignore_eos,
-                                                      can_constrain=_constrains(scheduler)))
+        plans = _plans(body.n, lambda: structured.plan(grammars, body.response_format, ignore_eos=body.ignore_eos))
         requests = _requests(engine, body, ids, body.max_tokens, 16, (), body.logprobs, plans)
         offset = len(body.prompt) if isinstance(body.prompt, str) else 0
         shapes = [_CompletionShape(model_name, engine.tokenizer, body.logprobs is not None, offset, index=i)
@@ -198,8 +197,7 @@ def create_app(engine: Engine, model_name: str = "dsv3", max_batch: int = 8,
         if engine.tokenizer is None:
             raise DSV3Error("this model has no tokenizer.json, so it cannot chat; use /v1/completions with token ids")
         plans = _plans(body.n, lambda: structured.plan(grammars, body.response_format, body.tools, body.tool_choice,
-                                                      body.parallel_tool_calls, body.ignore_eos,
-                                                      can_constrain=_constrains(scheduler)))
+                                                      body.parallel_tool_calls, body.ignore_eos))
         prompt = chat_template.render(_messages(body.messages), engine.tokenizer, engine.chat_template,
                                       tools=body.tools or None)
         n_top = (body.top_logprobs or 0) if body.logprobs else None
@@ -288,12 +286,6 @@ def _context(engine: Engine) -> int:
         raise DSV3Error("the model's config.json has no usable max_position_embeddings, so the server cannot "
                         "bound a request's length; set it in config.json")
     return engine.context
-
-
-def _constrains(scheduler: Scheduler) -> bool:
-    """Whether the scheduler's engine can take a request's logits processors (``serve --ep`` sends requests
-    to other processes as plain data, and a grammar's matcher does not travel)."""
-    return getattr(scheduler, "takes_logits_processors", True)
 
 
 def _plans(n: int, plan: Callable[[], structured.Plan]) -> list[structured.Plan]:

@@ -34,9 +34,8 @@ UNCONSTRAINED = Plan()
 
 
 def plan(grammars: Grammars, response_format: Any = None, tools: Any = None, tool_choice: Any = None,
-         parallel_tool_calls: bool | None = None, ignore_eos: bool = False, can_constrain: bool = True) -> Plan:
-    """The generation plan of one request, every field checked (a FieldError names the bad one).
-    ``can_constrain`` False: the serving engine cannot run a grammar, and constrained output is refused."""
+         parallel_tool_calls: bool | None = None, ignore_eos: bool = False) -> Plan:
+    """The generation plan of one request, every field checked (a FieldError names the bad one)."""
     tools = _tools(tools)
     choice = _choice(tool_choice, tools)
     if parallel_tool_calls is False and choice == "auto":
@@ -48,10 +47,6 @@ def plan(grammars: Grammars, response_format: Any = None, tools: Any = None, too
     if schema is not None and forced:
         raise FieldError("response_format cannot be combined with a required or named tool_choice (the output "
                          "is then a tool call)", "response_format")
-    if not can_constrain and (schema is not None or forced):
-        param = "response_format" if schema is not None else "tool_choice"
-        raise FieldError(f"{param}: constrained output is not supported by serve --ep (the grammar does not "
-                         "travel to the ranks); serve the model in one process for it", param)
     if ignore_eos and (schema is not None or forced):
         raise FieldError("ignore_eos cannot be combined with constrained output: the grammar ends with the "
                          "end-of-sequence token", "ignore_eos")

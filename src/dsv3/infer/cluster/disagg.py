@@ -195,11 +195,13 @@ class DecodeWorker(RankWorker):
         events += self._decode()
         self.lockstep.finish()
         report.events = self._wire(events)
-        return report
+        return self._report(report)
 
     def _take_in(self, t: Transfer, parcel: Parcel) -> list[Event]:
         state = unpack_state(parcel)
         request = self._register(state.request)
+        if id(request) in self.unusable:
+            return [self._unusable(request)]
         try:
             fresh = batch_from_cache(self.engine, state.row(self.engine, request), parcel.kv, parcel.pe)
         except Exception as exc:

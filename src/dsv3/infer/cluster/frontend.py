@@ -73,9 +73,6 @@ class ClusterScheduler(Scheduler):
     ``prefill`` ranks (default: all); with ``decode`` ranks given (disaggregation), each prefilled request's
     latent cache then moves to the least loaded decode rank with room. ``max_batch`` bounds each rank."""
 
-    # Requests cross to the ranks as plain WireRequests: a grammar's matcher (a logits processor) does not.
-    takes_logits_processors = False
-
     def __init__(self, engine: Engine, worker: RankWorker, world: int, max_batch: int = 8,
                  prefill: list[int] | None = None, decode: list[int] | None = None, eplb_every: int = 0):
         super().__init__(engine, max_batch)
@@ -97,6 +94,7 @@ class ClusterScheduler(Scheduler):
         self.expert_counts = {r: zeros for r in range(world)} if zeros else {}  # rank -> [MoE layer][expert]
         self._load_asked, self._load_stale, self._load_at = False, False, 0.0
         self.metrics.expert_load = self.expert_load
+        self.metrics.waiting = lambda: self.pending.qsize() + len(self.waiting)  # taken in, no rank had room
         self._prefix_setup(engine)
 
     def _prefix_setup(self, engine: Engine) -> None:
@@ -141,7 +139,8 @@ class ClusterScheduler(Scheduler):
             self.metrics.step(len(self.inflight))
         broadcast_control(control)
         for rank, report in enumerate(gather_reports(step(self.worker, control))):
-            self._deliver(report.events)
+            self.metrics.speculated(report.drafted, report.accepted)  # before its requests can end: a
+            self._deliver(report.events)  # client that scrapes after its last token sees the step counted
             self.ready += report.ready
             self.kv_bytes += report.kv_bytes
             self.kv_tokens += report.kv_tokens
@@ -201,6 +200,7 @@ class ClusterScheduler(Scheduler):
                 keep.append((request, deliver))
                 continue
             rid, self._next_rid = self._next_rid, self._next_rid + 1
+            self.metrics.admitted(request)  # its rank prefills it in this step
             self.listeners[rid] = deliver
             self.inflight[rid] = (request, rank)
             self._move(rid, None, rank)

@@ -9,17 +9,22 @@ named by an integer id (``rid``) on the wire: the front end keeps the HTTP side'
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+from dsv3.errors import DSV3Error
 from dsv3.infer.cluster.lockstep import Lockstep, LockstepBroken
 from dsv3.infer.engine import Batch, Engine, Event, Request, TokenLogprob, merged
+from dsv3.infer.grammar import Grammars
 from dsv3.infer.prefix_cache import CacheSnapshot
 from dsv3.infer.sampling import SamplingParams
 
 
 @dataclass(frozen=True)
 class WireRequest:
-    """A request as the control message carries it (plain, picklable fields)."""
+    """A request as the control message carries it (plain, picklable fields). A constrained request's
+    logits processors (grammar matchers) cannot travel: their grammars' texts do, and the rank that decodes
+    the request compiles its own (every rank has the tokenizer); a processor follows the tokens it is given,
+    so one compiled on a decode rank for a row moved there takes up the generated tokens where they are."""
 
     rid: int
     prompt_ids: list[int]
@@ -30,16 +35,29 @@ class WireRequest:
     logprobs: int | None
     skip_special_tokens: bool = True  # False for tool calls, whose markers are special tokens
     ignore_eos: bool = False
+    grammars: tuple[str, ...] = ()  # the texts of its grammar processors (``GrammarProcessor.grammar``), in order
 
     @classmethod
     def of(cls, rid: int, r: Request) -> WireRequest:
         return cls(rid, list(r.prompt_ids), r.max_new_tokens, r.sampling, r.stop_token_ids, r.stop_strings,
-                   r.logprobs, r.skip_special_tokens, r.ignore_eos)
+                   r.logprobs, r.skip_special_tokens, r.ignore_eos, tuple(_grammar_of(p) for p in r.logits_processors))
 
-    def request(self) -> Request:
+    def request(self, grammars: Grammars | None = None) -> Request:
+        """This rank's copy of the request, its grammar processors compiled afresh by ``grammars``."""
+        if self.grammars and grammars is None:
+            raise DSV3Error("a constrained request needs the rank's grammar compiler")
+        processors = tuple(grammars.recompile(g) for g in self.grammars) if self.grammars else ()
         return Request(self.prompt_ids, self.max_new_tokens, self.sampling, self.stop_token_ids,
                        self.stop_strings, logprobs=self.logprobs, skip_special_tokens=self.skip_special_tokens,
-                       ignore_eos=self.ignore_eos)
+                       ignore_eos=self.ignore_eos, logits_processors=processors)
+
+
+def _grammar_of(processor) -> str:
+    """The text a logits processor's grammar was compiled from (the server makes no other processors)."""
+    grammar = getattr(processor, "grammar", None)
+    if not isinstance(grammar, str):
+        raise DSV3Error(f"serve --ep cannot send a {type(processor).__name__} to its ranks (only grammars travel)")
+    return grammar
 
 
 @dataclass(frozen=True)
@@ -104,6 +122,8 @@ class Report:
     kv_tokens: int = 0
     expert_load: list[list[int]] | None = None  # [MoE layer][expert] routed tokens so far, when asked
     prefix_cache: CacheSnapshot | None = None  # the rank's prefix cache, when it has one and was asked
+    drafted: int = 0  # MTP draft tokens this step's decode verified, and how many of them it accepted
+    accepted: int = 0
 
 
 class RankWorker:
@@ -115,6 +135,9 @@ class RankWorker:
         self.batch: Batch | None = None
         self.requests: dict[int, Request] = {}  # rid -> this rank's copy
         self.rids: dict[int, int] = {}  # id(request) -> rid
+        self.drafted = self.accepted = 0  # MTP counts of the last decode step (they travel in its report)
+        self.grammars = Grammars(engine.tokenizer, engine.model.config.vocab_size, engine.eos_ids)
+        self.unusable: dict[int, str] = {}  # id(request) -> why its grammar did not compile here
 
     @property
     def active(self) -> int:
@@ -127,7 +150,12 @@ class RankWorker:
         events = self._admit([self._register(w) for w in control.new.get(self.rank, [])])
         events += self._decode()
         self.lockstep.finish()
-        return Report(self._wire(events))
+        return self._report(Report(self._wire(events)))
+
+    def _report(self, report: Report) -> Report:
+        """``report`` with this step's MTP counts (rank 0 adds them into /metrics, as one process does)."""
+        report.drafted, report.accepted = self.drafted, self.accepted
+        return report
 
     def _rebalance(self, control: Control) -> None:
         if control.rebalance:
@@ -139,18 +167,31 @@ class RankWorker:
                 self.requests[rid].cancelled = True
 
     def _register(self, wire: WireRequest) -> Request:
-        request = wire.request()
+        """This rank's copy of ``wire``. A grammar that does not compile here (rank 0 compiled it: only a rank
+        unlike it gets there) fails its request alone, at its admission, rather than the step of the group."""
+        try:
+            request = wire.request(self.grammars)
+        except DSV3Error as exc:
+            request = replace(wire, grammars=()).request()
+            self.unusable[id(request)] = f"generation failed on rank {self.rank}: {exc}"
         self.requests[wire.rid] = request
         self.rids[id(request)] = wire.rid
         return request
 
     def _admit(self, requests: list[Request]) -> list[Event]:
-        """Prefill the new requests (cancelled ones end at once) and merge them into the running batch."""
-        events = [Event(r, [], "", "cancelled") for r in requests if r.cancelled]
+        """Prefill the new requests (cancelled and unusable ones end at once) and merge them into the running
+        batch."""
+        unusable = [r for r in requests if id(r) in self.unusable]
+        requests = [r for r in requests if id(r) not in self.unusable]
+        events = [self._unusable(r) for r in unusable]
+        events += [Event(r, [], "", "cancelled") for r in requests if r.cancelled]
         live = [r for r in requests if not r.cancelled]
         for fresh in self._prefill(live) if live else []:
             events += self._join(fresh)
         return events
+
+    def _unusable(self, request: Request) -> Event:
+        return Event(request, [], "", "error", error=self.unusable.pop(id(request)))
 
     def _prefill(self, requests: list[Request]) -> list[Batch | Event]:
         """Prefilled together, or each alone when that fails, so that a request that breaks the prefill
@@ -176,10 +217,16 @@ class RankWorker:
         return list(fresh.first_events)
 
     def _decode(self) -> list[Event]:
+        """One decode step of the running batch; its MTP draft and accepted tokens are kept for the report."""
+        self.drafted = self.accepted = 0
         if self.batch is None or not self.batch.rows:
             return []
+        stats = self.batch.stats
+        drafted, accepted = stats.drafted, stats.accepted
         try:
-            return self.batch.step()
+            events = self.batch.step()
+            self.drafted, self.accepted = stats.drafted - drafted, stats.accepted - accepted
+            return events
         except LockstepBroken:
             raise
         except Exception as exc:  # a failing step fails its requests, not the server
