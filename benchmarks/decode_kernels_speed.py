@@ -39,6 +39,7 @@ import torch.nn.functional as F
 
 from dsv3.config import preset
 from dsv3.errors import DSV3Error
+from dsv3.kernels import c_build
 from dsv3.kernels import decode_kernels as dk
 from dsv3.model import huge_pages
 from dsv3.precision.fp8 import dequantize_weight_blocks, quantize_weight_blocks
@@ -95,7 +96,7 @@ def build_library(source: Path, out_dir: Path) -> ctypes.CDLL:
     versions of the file converted FP8 through F16C)."""
     target = out_dir / f"{source.stem}-{abs(hash(source.read_bytes())):x}.so"
     try:
-        dk._build(target, source, ("-mf16c",))
+        c_build.build(target, source, ("-mf16c",))
     except (RuntimeError, subprocess.TimeoutExpired) as exc:
         raise DSV3Error(f"cannot compile {source}: {last_line(str(exc))}") from None
     return dk._declare(ctypes.CDLL(str(target)))

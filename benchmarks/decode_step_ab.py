@@ -69,11 +69,12 @@ def profiling_kernels() -> object | None:
     """This side's kernels built with the phase timers (and used from now on), or None when its source
     has no timers."""
     import dsv3.kernels.decode_kernels as dk
+    from dsv3.kernels import c_build
 
     if "DSV3_BLOCK_PROFILE" not in dk.SOURCE.read_text():
         return None
     target = Path(tempfile.mkdtemp()) / "profile.so"
-    dk._build(target, extra_flags=("-DDSV3_BLOCK_PROFILE",))
+    c_build.build(target, dk.SOURCE, ("-DDSV3_BLOCK_PROFILE",))
     lib = dk._declare(ctypes.CDLL(str(target)))
     dk._load = functools.cache(lambda: (lib, "ok"))  # a cache, as the original: callers ask whether it ran
     dk._load()

@@ -9,6 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from dsv3.config import preset
+from dsv3.kernels import c_build
 from dsv3.kernels import decode_kernels as dk
 from dsv3.model.moe import Router
 from dsv3.precision.fp8 import dequantize_weight_blocks, quantize_weight_blocks
@@ -181,13 +182,13 @@ def test_the_ops_trace_into_one_graph_and_run_compiled_as_eager():
 def test_a_build_of_another_abi_is_refused_with_its_reason_and_the_references_run(monkeypatch, tmp_path):
     """A library under the cached name whose calling interface differs (built here from the same source with
     another DSV3_KERNELS_ABI) is never called: the status says why, and the ops give the references' numbers."""
-    if dk._cpu_supported():
-        pytest.skip(dk._cpu_supported())
+    if c_build.cpu_supported():
+        pytest.skip(c_build.cpu_supported())
     monkeypatch.setenv("DSV3_CACHE", str(tmp_path))
     dk._load.cache_clear()
     try:
         stale = dk.library_path()
-        dk._build(stale, extra_flags=("-DDSV3_KERNELS_ABI=999",))
+        c_build.build(stale, dk.SOURCE, ("-DDSV3_KERNELS_ABI=999",))
         status = dk.kernel_status()
         assert status == f"refused {stale.name}: its ABI is 999, this dsv3 calls ABI {dk.ABI}"
         assert not dk.kernels_available() and stale.exists()

@@ -24,64 +24,22 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import weakref
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from dsv3.kernels import c_build
 from dsv3.precision.fp8 import dequantize_weight_blocks
 
 SOURCE = Path(__file__).with_name("decode_kernels.c")
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
 W_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 A_KIND = {torch.float32: 0, torch.bfloat16: 1}
 ABI = 3  # decode_kernels.c's DSV3_KERNELS_ABI: the calling interface this module's declarations (_declare) match
 MAX_KERNEL_ROWS = 64  # more rows than this: a real matmul (PyTorch's) is the better tool
 FP8_SCALE_SHIFT = 256.0  # the C side's FP8 scales are scale_inv * 256 (its powers of two do the rest exactly)
-
-
-def cache_dir() -> Path:
-    return Path(os.environ.get("DSV3_CACHE", Path.home() / ".cache" / "dsv3")) / "kernels"
-
-
-def _cpu_supported() -> str | None:
-    """None when this CPU runs the kernels, else why not."""
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        return f"needs x86-64 Linux, this is {platform.system()} {platform.machine()}"
-    try:
-        flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
-    except (OSError, StopIteration):
-        return "cannot read the CPU flags from /proc/cpuinfo"
-    missing = [f for f in ("avx2", "fma") if f not in flags.split()]
-    return f"the CPU lacks {', '.join(missing)}" if missing else None
-
-
-def _build(target: Path, source: Path = SOURCE, extra_flags: tuple[str, ...] = ()) -> None:
-    """Compile ``source`` (this package's kernels) into ``target`` atomically (a concurrent build or a killed
-    one never leaves a half-written library under the final name). ``extra_flags``: benchmarks build
-    profiling variants (``-DDSV3_BLOCK_PROFILE``) or older sources."""
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if cc is None:
-        raise RuntimeError("no C compiler (cc or gcc) on PATH")
-    target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
-    os.close(fd)
-    try:
-        done = subprocess.run([cc, *FLAGS, *extra_flags, str(source), "-o", tmp, "-lm"], capture_output=True,
-                              text=True, timeout=300)
-        if done.returncode != 0:
-            raise RuntimeError(f"{cc} failed: {done.stderr.strip()[-500:]}")
-        os.replace(tmp, target)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
@@ -99,46 +57,22 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 
 
 def library_path() -> Path:
-    """Where the build of this source (and these flags) is cached."""
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode()).hexdigest()[:16]
-    return cache_dir() / f"decode_kernels-{digest}.so"
+    """Where the build of this source is cached."""
+    return c_build.library_path(SOURCE)
 
 
-def abi_mismatch(lib: ctypes.CDLL) -> str | None:
-    """Why a loaded library's calling interface is not the one this module calls (``ABI``), or None. A library
-    of another interface would be handed arguments it reads otherwise (a stale build under the cached name, a
-    library copied from another version): it is refused, and the PyTorch references run."""
-    try:
-        fn = lib.dsv3_abi
-    except AttributeError:
-        return f"it has no dsv3_abi (a build older than ABI {ABI})"
-    fn.argtypes, fn.restype = [], ctypes.c_int64
-    got = fn()
-    return None if got == ABI else f"its ABI is {got}, this dsv3 calls ABI {ABI}"
+def _with_bf16_dots(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """The library declared, its bf16 dot products on unless ``DSV3_DECODE_BF16_DOTS=0``."""
+    lib = _declare(lib)
+    lib.dsv3_bf16_dots.argtypes, lib.dsv3_bf16_dots.restype = [ctypes.c_int], ctypes.c_int
+    lib.dsv3_bf16_dots(0 if os.environ.get("DSV3_DECODE_BF16_DOTS", "1") == "0" else 1)
+    return lib
 
 
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str]:
     """(the library, "ok") or (None, why not). Built once per source version, then reused."""
-    if os.environ.get("DSV3_DECODE_KERNELS", "1") == "0":
-        return None, "disabled by DSV3_DECODE_KERNELS=0"
-    reason = _cpu_supported()
-    if reason:
-        return None, reason
-    target = library_path()
-    try:
-        if not target.exists():
-            _build(target)
-        lib = ctypes.CDLL(str(target))
-        mismatch = abi_mismatch(lib)
-        if mismatch:
-            return None, f"refused {target.name}: {mismatch}"
-        lib = _declare(lib)
-        lib.dsv3_bf16_dots.argtypes, lib.dsv3_bf16_dots.restype = [ctypes.c_int], ctypes.c_int
-        lib.dsv3_bf16_dots(0 if os.environ.get("DSV3_DECODE_BF16_DOTS", "1") == "0" else 1)
-        return lib, "ok"
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        return None, f"the C kernels could not be built or loaded: {exc}"
+    return c_build.load(SOURCE, "dsv3_abi", ABI, _with_bf16_dots, "the C kernels")
 
 
 def kernel_status() -> str:

@@ -20,9 +20,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import subprocess
 from pathlib import Path
 
 import torch
@@ -30,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dsv3.errors import DSV3Error
+from dsv3.kernels import c_build
 from dsv3.kernels import decode_kernels as dk
 from dsv3.model.dispatch import ExpertRows
 from dsv3.model.experts import PROJECTIONS, GroupedExperts
@@ -47,11 +45,6 @@ ABI = 1  # int_weights.c's DSV3_INT_ABI
 # ---- the C build ----------------------------------------------------------------------------------------------
 
 
-def library_path() -> Path:
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(dk.FLAGS + EXTRA_FLAGS).encode()).hexdigest()[:16]
-    return dk.cache_dir() / f"int_weights-{digest}.so"
-
-
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.dsv3_int_linear.argtypes = [i32, p, p, i64, i64, p, i64, p, i32]
@@ -62,35 +55,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     return lib
 
 
-def _abi_mismatch(lib: ctypes.CDLL) -> str | None:
-    try:
-        fn = lib.dsv3_int_abi
-    except AttributeError:
-        return "it has no dsv3_int_abi"
-    fn.argtypes, fn.restype = [], ctypes.c_int64
-    got = fn()
-    return None if got == ABI else f"its ABI is {got}, this dsv3 calls ABI {ABI}"
-
-
 @functools.cache
 def _load() -> tuple[ctypes.CDLL | None, str]:
     """(the library, "ok") or (None, why not); built once per source version, as the decode kernels are."""
-    if os.environ.get("DSV3_DECODE_KERNELS", "1") == "0":
-        return None, "disabled by DSV3_DECODE_KERNELS=0"
-    reason = dk._cpu_supported()
-    if reason:
-        return None, reason
-    target = library_path()
-    try:
-        if not target.exists():
-            dk._build(target, SOURCE, EXTRA_FLAGS)
-        lib = ctypes.CDLL(str(target))
-        mismatch = _abi_mismatch(lib)
-        if mismatch:
-            return None, f"refused {target.name}: {mismatch}"
-        return _declare(lib), "ok"
-    except (OSError, RuntimeError, subprocess.SubprocessError) as exc:
-        return None, f"the integer-weight kernels could not be built or loaded: {exc}"
+    return c_build.load(SOURCE, "dsv3_int_abi", ABI, _declare, "the integer-weight kernels", EXTRA_FLAGS)
 
 
 def int_kernel_status() -> str:
