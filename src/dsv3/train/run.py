@@ -376,7 +376,7 @@ class _Run:
 
     def _evaluate(self) -> None:
         result = evaluate(
-            self.parallel.eval_model(),
+            self.parallel,
             self.data.val,
             self.val_windows,
             self.data.token_bytes,
