@@ -133,11 +133,12 @@ def write_checkpoint(cfg: ModelConfig, items, path: str | os.PathLike, dtype: to
 
 
 def export_sharded(folder: str | os.PathLike, cfg: ModelConfig, path: str | os.PathLike,
-                   max_shard_bytes: int = 5 * 2**30) -> None:
+                   dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30, fp8: bool = False) -> None:
     """The DCP training checkpoint ``folder`` (a model of config ``cfg``) written in the HF layout into
     ``path``, as `save_pretrained` of the whole model would write it, without building that model: names,
     shapes and the shard plan come from a meta model and the checkpoint's metadata, and each shard's
-    tensors are read from the checkpoint only when it is written, so the exporter holds about one shard."""
+    tensors are read from the checkpoint only when it is written, so the exporter holds about one shard.
+    ``dtype`` and ``fp8`` as for `save_pretrained` (default: the stored dtypes)."""
     from dsv3.model import Transformer
     from dsv3.parallel.checkpoint import read_model_keys, stored_model_state
 
@@ -152,7 +153,7 @@ def export_sharded(folder: str | os.PathLike, cfg: ModelConfig, path: str | os.P
         values = read_model_keys(Path(folder), [sources[name] for name, _ in shard])
         return [(name, values[sources[name]]) for name, _ in shard]
 
-    write_checkpoint(cfg, items, path, max_shard_bytes=max_shard_bytes, read=read)
+    write_checkpoint(cfg, items, path, dtype=dtype, max_shard_bytes=max_shard_bytes, fp8=fp8, read=read)
 
 
 def _prepare(items, dtype, fp8) -> dict[str, torch.Tensor]:

@@ -96,17 +96,30 @@ EXPORT = textwrap.dedent("""
 """)
 
 
-def test_streamed_export_holds_about_one_shard_not_the_model(tmp_path):
+@pytest.fixture
+def big_checkpoint(tmp_path_factory) -> tuple[Path, int]:
+    """A training checkpoint folder (config.json, dcp/) of about 150 MB, and its bytes."""
+    folder = tmp_path_factory.mktemp("big")
+    _training_checkpoint(folder, BIG)
+    BIG.save_json(folder / "config.json")
+    model_bytes = sum(f.stat().st_size for f in (folder / "dcp").glob("*.distcp"))
+    assert model_bytes > 120e6
+    return folder, model_bytes
+
+
+def _export_growth(src: Path, dst: Path, shard_bytes: int) -> int:
+    """How much the peak resident memory of a process exporting ``src`` grows (VmHWM above the baseline)."""
+    out = subprocess.run([sys.executable, "-c", EXPORT, str(src), str(dst), str(shard_bytes)],
+                         capture_output=True, text=True, timeout=300, check=True)
+    return int(out.stdout.split()[-1])
+
+
+def test_streamed_export_holds_about_one_shard_not_the_model(big_checkpoint, tmp_path):
     """Measured: the exporting process's peak resident memory grows by a few shards' worth, well below the
     model's size (the whole-model export, `whole_model(...).save_pretrained`, grew by twice the model's
     size here: 313 MB for a 156 MB checkpoint)."""
-    _training_checkpoint(tmp_path, BIG)
-    BIG.save_json(tmp_path / "config.json")
-    model_bytes = sum(f.stat().st_size for f in (tmp_path / "dcp").glob("*.distcp"))
-    assert model_bytes > 120e6
-    shard = 4 * 2**20
-    out = subprocess.run([sys.executable, "-c", EXPORT, str(tmp_path), str(tmp_path / "hf"), str(shard)],
-                         capture_output=True, text=True, timeout=300, check=True)
-    grown = int(out.stdout.split()[-1])
+    src, model_bytes = big_checkpoint
+    grown = _export_growth(src, tmp_path / "hf", 4 * 2**20)
     assert grown < 0.3 * model_bytes, (grown, model_bytes)
     assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 10
+
