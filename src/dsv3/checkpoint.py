@@ -140,17 +140,19 @@ def export_sharded(folder: str | os.PathLike, cfg: ModelConfig, path: str | os.P
     tensors are read from the checkpoint only when it is written, so the exporter holds about one shard.
     ``dtype`` and ``fp8`` as for `save_pretrained` (default: the stored dtypes)."""
     from dsv3.model import Transformer
-    from dsv3.parallel.checkpoint import read_model_keys, stored_model_state
+    from dsv3.parallel.checkpoint import read_model_keys, stored_model_state, stored_tensors
 
+    folder = Path(folder)
     with torch.device("meta"):
         model = Transformer(cfg)
-    state = stored_model_state(Path(folder), model)  # meta tensors of the stored shapes and dtypes
+    stored = stored_tensors(folder)  # the checkpoint's metadata, read once
+    state = stored_model_state(folder, stored, model)  # meta tensors of the stored shapes and dtypes
     sources = {name: (source, expert) for name, source, expert in checkpoint_entries(state, cfg)}
     items = [(name, state[source] if expert is None else state[source][expert])
              for name, (source, expert) in sources.items()]
 
     def read(shard: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
-        values = read_model_keys(Path(folder), [sources[name] for name, _ in shard])
+        values = read_model_keys(folder, stored, [sources[name] for name, _ in shard])
         return [(name, values[sources[name]]) for name, _ in shard]
 
     write_checkpoint(cfg, items, path, dtype=dtype, max_shard_bytes=max_shard_bytes, fp8=fp8, read=read)

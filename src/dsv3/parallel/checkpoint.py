@@ -302,11 +302,11 @@ def whole_model(folder: Path, cfg) -> nn.Module:
 # ---- one process, a piece at a time: the streamed HF export --------------------------------------
 
 
-def stored_model_state(folder: Path, model: nn.Module) -> dict[str, torch.Tensor]:
+def stored_model_state(folder: Path, stored: dict[str, TensorStorageMetadata],
+                       model: nn.Module) -> dict[str, torch.Tensor]:
     """``model``'s state-dict names as meta tensors of the shapes and dtypes the DCP checkpoint ``folder``
-    stores (stacked experts as one meta stack): what the export plans its shards from, reading no weight.
-    A tensor the checkpoint lacks or stores in another shape is a DSV3Error."""
-    stored = stored_tensors(folder)
+    stores (``stored``: its `stored_tensors`; stacked experts as one meta stack): what the export plans its
+    shards from, reading no weight. A tensor the checkpoint lacks or stores in another shape is a DSV3Error."""
     experts = {stacked: [key for key, _ in parts] for stacked, parts in expert_rules(model).items()}
     state, missing, wrong = {}, [], []
     for name, t in model.state_dict().items():
@@ -326,11 +326,11 @@ def stored_model_state(folder: Path, model: nn.Module) -> dict[str, torch.Tensor
     return state
 
 
-def read_model_keys(folder: Path,
+def read_model_keys(folder: Path, stored: dict[str, TensorStorageMetadata],
                     wanted: Iterable[tuple[str, int | None]]) -> dict[tuple[str, int | None], torch.Tensor]:
     """The tensors ``wanted`` ((state-dict name, expert row or None), as `checkpoint_entries` names them)
-    read from the DCP checkpoint ``folder`` in this process, and nothing else."""
-    stored = stored_tensors(folder)
+    read from the DCP checkpoint ``folder`` (``stored``: its `stored_tensors`, read once) in this process,
+    and nothing else."""
     keys = {w: MODEL + (w[0] if w[1] is None else expert_key(w[0], w[1])) for w in wanted}
     targets = {k: torch.empty(stored[k].size, dtype=stored[k].properties.dtype) for k in set(keys.values())}
     _load(folder, targets, no_dist=True)
