@@ -343,9 +343,8 @@ class Parallelized:
 
     def eval_share(self, windows: list[int], rank: int) -> tuple[list[int], bool]:
         """(the evaluation windows of global rank ``rank``, whether its sums count): split over the ranks, or
-        under a pipeline
-        over the data-parallel replicas, whose pipeline ranks all take their replica's windows (each stage
-        needs them) and all get its sums, counted once (by pipeline rank 0)."""
+        under a pipeline over the data-parallel replicas, whose pipeline ranks all take their replica's
+        windows (each stage needs them) and all get its sums, counted once (by pipeline rank 0)."""
         if self.pipe is None:
             return windows[rank:: self.world], True
         return windows[self.data_rank:: self.data_size], self.pipe.pp_rank == 0
