@@ -67,21 +67,28 @@ quantize_fp8_blocks = fp8.quantize_weight_blocks
 
 def checkpoint_tensors(model) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, tensor) in DeepSeek's checkpoint naming, experts unstacked, MTP copies included."""
-    cfg: ModelConfig = model.config
     state = model.state_dict()
+    for name, source, expert in checkpoint_entries(state, model.config):
+        yield name, state[source] if expert is None else state[source][expert]
+
+
+def checkpoint_entries(state: dict[str, torch.Tensor], cfg: ModelConfig) -> Iterator[tuple[str, str, int | None]]:
+    """(checkpoint name, state-dict name it comes from, expert row or None) of a model's state dict, in
+    DeepSeek's naming: stacked experts one name per expert, the MTP layer's embedding and head copies
+    included (its own when it holds them, else the main ones). ``state`` may hold meta tensors: only names
+    and shapes are read, so the streamed export of a training checkpoint shares this mapping."""
     for name, t in state.items():
         stacked = re.match(r"^(model\.layers\.\d+\.mlp\.experts)\.(gate_proj|up_proj|down_proj)$", name)
         if stacked:
             for e in range(t.shape[0]):
-                yield f"{stacked[1]}.{e}.{stacked[2]}.weight", t[e]
+                yield f"{stacked[1]}.{e}.{stacked[2]}.weight", name, e
         elif not _is_mtp_copy(name, cfg):
-            yield name, t
+            yield name, name, None
     for k in range(cfg.num_nextn_predict_layers):
         prefix = f"model.layers.{cfg.num_hidden_layers + k}."
-        yield prefix + "embed_tokens.weight", state.get(prefix + "embed_tokens.weight",
-                                                        state["model.embed_tokens.weight"])
-        yield prefix + "shared_head.head.weight", state.get(prefix + "shared_head.head.weight",
-                                                            state["lm_head.weight"])
+        for suffix, main in (("embed_tokens.weight", "model.embed_tokens.weight"),
+                             ("shared_head.head.weight", "lm_head.weight")):
+            yield prefix + suffix, prefix + suffix if prefix + suffix in state else main, None
 
 
 def _is_mtp_copy(name: str, cfg: ModelConfig) -> bool:
@@ -98,22 +105,57 @@ def save_pretrained(model, path: str | os.PathLike, dtype: torch.dtype | None = 
     The folder is built beside the target and swapped in by rename, so a crash leaves either the old
     checkpoint or the new one, never a mix. ``fp8=True`` stores 2-D projection weights in DeepSeek's FP8
     block format (the router, norms, embedding and head stay in ``dtype``)."""
+    write_checkpoint(model.config, checkpoint_tensors(model), path, dtype=dtype, max_shard_bytes=max_shard_bytes,
+                     fp8=fp8, rope_layout=rope_layout)
+
+
+def write_checkpoint(cfg: ModelConfig, items, path: str | os.PathLike, dtype: torch.dtype | None = None,
+                     max_shard_bytes: int = 5 * 2**30, fp8: bool = False, rope_layout: str = "old",
+                     read=None) -> None:
+    """`save_pretrained` of (checkpoint name, tensor) ``items``. With ``read``, the items' tensors may be
+    meta (shapes and dtypes only) and ``read(shard_items)`` returns each shard's real tensors as it is
+    written: a model that no process holds whole is exported one shard at a time."""
     path = Path(path)
-    cfg: ModelConfig = model.config
     if fp8:
         cfg = cfg.replace(quantization_config={"activation_scheme": "dynamic", "fmt": "e4m3",
                                                "quant_method": "fp8", "weight_block_size": [128, 128]})
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = staging_dir(path.parent, f".{path.name}.tmp-")
     try:
-        shards = _plan_shards(checkpoint_tensors(model), dtype, fp8, max_shard_bytes)
-        _write_shards(shards, tmp, dtype, fp8)
+        shards = _plan_shards(items, dtype, fp8, max_shard_bytes)
+        _write_shards(shards, tmp, dtype, fp8, read or (lambda shard: shard))
         cfg.save_json(tmp / "config.json", rope_layout=rope_layout)
         publish_tree(tmp)
         _swap_in(tmp, path)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+
+
+def export_sharded(folder: str | os.PathLike, cfg: ModelConfig, path: str | os.PathLike,
+                   dtype: torch.dtype | None = None, max_shard_bytes: int = 5 * 2**30, fp8: bool = False) -> None:
+    """The DCP training checkpoint ``folder`` (a model of config ``cfg``) written in the HF layout into
+    ``path``, as `save_pretrained` of the whole model would write it, without building that model: names,
+    shapes and the shard plan come from a meta model and the checkpoint's metadata, and each shard's
+    tensors are read from the checkpoint only when it is written, so the exporter holds about one shard.
+    ``dtype`` and ``fp8`` as for `save_pretrained` (default: the stored dtypes)."""
+    from dsv3.model import Transformer
+    from dsv3.parallel.checkpoint import read_model_keys, stored_model_state, stored_tensors
+
+    folder = Path(folder)
+    with torch.device("meta"):
+        model = Transformer(cfg)
+    stored = stored_tensors(folder)  # the checkpoint's metadata, read once
+    state = stored_model_state(folder, stored, model)  # meta tensors of the stored shapes and dtypes
+    sources = {name: (source, expert) for name, source, expert in checkpoint_entries(state, cfg)}
+    items = [(name, state[source] if expert is None else state[source][expert])
+             for name, (source, expert) in sources.items()]
+
+    def read(shard: list[tuple[str, torch.Tensor]]) -> list[tuple[str, torch.Tensor]]:
+        values = read_model_keys(folder, stored, [sources[name] for name, _ in shard])
+        return [(name, values[sources[name]]) for name, _ in shard]
+
+    write_checkpoint(cfg, items, path, dtype=dtype, max_shard_bytes=max_shard_bytes, fp8=fp8, read=read)
 
 
 def _prepare(items, dtype, fp8) -> dict[str, torch.Tensor]:
@@ -177,16 +219,16 @@ def _plan_shards(items, dtype, fp8, max_shard_bytes: int) -> list[list[tuple[str
     return shards
 
 
-def _write_shards(shards, folder: Path, dtype, fp8) -> None:
+def _write_shards(shards, folder: Path, dtype, fp8, read) -> None:
     """One shard at a time: only one shard's converted copy is ever in memory (a 671B save would
-    otherwise hold a second copy of the whole model)."""
+    otherwise hold a second copy of the whole model); ``read(items)`` gives a shard's tensors."""
     if len(shards) == 1:
-        save_file(_prepare(shards[0], dtype, fp8), str(folder / SINGLE_NAME), metadata={"format": "pt"})
+        save_file(_prepare(read(shards[0]), dtype, fp8), str(folder / SINGLE_NAME), metadata={"format": "pt"})
         return
     weight_map, total = {}, 0
     for i, items in enumerate(shards, 1):
         fname = f"model-{i:05d}-of-{len(shards):05d}.safetensors"
-        shard = _prepare(items, dtype, fp8)
+        shard = _prepare(read(items), dtype, fp8)
         save_file(shard, str(folder / fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in shard})
         total += sum(t.numel() * t.element_size() for t in shard.values())

@@ -41,7 +41,7 @@ from dsv3.config import ModelConfig
 from dsv3.errors import DSV3Error
 from dsv3.io import publish_tree, staging_dir
 from dsv3.precision.int_groups import BITS, SCALE_SUFFIX, check_groupable, dequantize, quantize
-from dsv3.run_dir import is_sharded_checkpoint, resolve_checkpoint
+from dsv3.run_dir import SHARDED_DIR, is_sharded_checkpoint, resolve_checkpoint
 
 TARGETS = ("bf16", "fp8", "hf", "int8", "int4")  # what --to takes
 # transformers' DeepseekV3ForCausalLM has no MTP layer and skips the keys of layer 61 on load without a word
@@ -76,7 +76,7 @@ def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: boo
     if to in BITS and is_sharded_checkpoint(src):
         raise DSV3Error(f"--to {to} reads a checkpoint folder in the HF layout; export the training checkpoint "
                         f"first (dsv3 convert {src} OUT --to hf), then convert OUT")
-    if to == "hf" or is_sharded_checkpoint(src):  # a training checkpoint is read whole, then written
+    if to == "hf" or is_sharded_checkpoint(src):  # a training checkpoint: streamed, a shard at a time
         return export_whole(src, dst, to)
     cfg = ModelConfig.from_json(src / "config.json")
     files = checkpoint_files(src)
@@ -129,11 +129,15 @@ def export_whole(src: Path, dst: Path, to: str) -> dict:
     reads) written to ``dst`` in the HF layout, MTP layer included, with the tokenizer files beside it: as it
     loads (``to="hf"``: a training checkpoint's fp32), in BF16, or in FP8 blocks. Built in a staging folder
     and renamed into place."""
-    from dsv3.checkpoint import load_pretrained
+    from dsv3.checkpoint import export_sharded, load_pretrained
 
-    model = load_pretrained(src)
-    _publish(src, dst, lambda tmp: model.save_pretrained(tmp, dtype=None if to == "hf" else torch.bfloat16,
-                                                         fp8=to == "fp8"))
+    dtype, fp8 = None if to == "hf" else torch.bfloat16, to == "fp8"
+    if is_sharded_checkpoint(src):  # a shard at a time: the whole model is never held
+        cfg = ModelConfig.from_json(src / "config.json")
+        _publish(src, dst, lambda tmp: export_sharded(src / SHARDED_DIR, cfg, tmp, dtype=dtype, fp8=fp8))
+    else:
+        model = load_pretrained(src)
+        _publish(src, dst, lambda tmp: model.save_pretrained(tmp, dtype=dtype, fp8=fp8))
     files = checkpoint_files(dst)
     stored = stored_tensors(files)
     quantized = sum(name.endswith("_scale_inv") for name in stored)

@@ -64,8 +64,15 @@ def expert_rules(model: nn.Module) -> dict[str, list[Piece]]:
             slots.setdefault(expert, []).append(slot)
         for pname, _ in moe.experts.named_parameters():
             stacked = f"{name}.experts.{pname}"
-            rules[stacked] = [(f"{name}.experts.{e}.{pname}", s) for e, s in sorted(slots.items())]
+            rules[stacked] = [(expert_key(stacked, e), s) for e, s in sorted(slots.items())]
     return rules
+
+
+def expert_key(stacked: str, expert: int) -> str:
+    """The key of one routed expert's tensor: ``model.layers.3.mlp.experts.5.gate_proj`` for expert 5 of the
+    stacked ``model.layers.3.mlp.experts.gate_proj``."""
+    head, _, pname = stacked.rpartition(".")
+    return f"{head}.{expert}.{pname}"
 
 
 def pieces(name: str, rules: dict[str, list[Piece]]) -> list[Piece]:
@@ -290,3 +297,41 @@ def whole_model(folder: Path, cfg) -> nn.Module:
         raise DSV3Error(f"{folder} does not match its config.json: {str(exc).splitlines()[-1].strip()}") from None
     model.init_buffers("cpu")
     return model
+
+
+# ---- one process, a piece at a time: the streamed HF export --------------------------------------
+
+
+def stored_model_state(folder: Path, stored: dict[str, TensorStorageMetadata],
+                       model: nn.Module) -> dict[str, torch.Tensor]:
+    """``model``'s state-dict names as meta tensors of the shapes and dtypes the DCP checkpoint ``folder``
+    stores (``stored``: its `stored_tensors`; stacked experts as one meta stack): what the export plans its
+    shards from, reading no weight. A tensor the checkpoint lacks or stores in another shape is a DSV3Error."""
+    experts = {stacked: [key for key, _ in parts] for stacked, parts in expert_rules(model).items()}
+    state, missing, wrong = {}, [], []
+    for name, t in model.state_dict().items():
+        keys = experts.get(name, [name])
+        if any(MODEL + k not in stored for k in keys):
+            missing.append(name)
+            continue
+        md = stored[MODEL + keys[0]]
+        shape = (len(keys), *md.size) if name in experts else tuple(md.size)
+        if shape != tuple(t.shape):
+            wrong.append(f"{name} (checkpoint {list(shape)}, config {list(t.shape)})")
+        state[name] = torch.empty(shape, dtype=md.properties.dtype, device="meta")
+    if missing or wrong:
+        problems = [f"lacks {', '.join(missing[:3])}" if missing else "", f"mis-shaped {', '.join(wrong[:3])}"
+                    if wrong else ""]
+        raise DSV3Error(f"{folder} does not match its config.json: {'; '.join(p for p in problems if p)}")
+    return state
+
+
+def read_model_keys(folder: Path, stored: dict[str, TensorStorageMetadata],
+                    wanted: Iterable[tuple[str, int | None]]) -> dict[tuple[str, int | None], torch.Tensor]:
+    """The tensors ``wanted`` ((state-dict name, expert row or None), as `checkpoint_entries` names them)
+    read from the DCP checkpoint ``folder`` (``stored``: its `stored_tensors`, read once) in this process,
+    and nothing else."""
+    keys = {w: MODEL + (w[0] if w[1] is None else expert_key(w[0], w[1])) for w in wanted}
+    targets = {k: torch.empty(stored[k].size, dtype=stored[k].properties.dtype) for k in set(keys.values())}
+    _load(folder, targets, no_dist=True)
+    return {w: targets[k] for w, k in keys.items()}

@@ -34,7 +34,7 @@ from dsv3.parallel.data_parallel import FSDP, Replicas, Replicate, Zero1, clip_b
 from dsv3.parallel.ep import ep_layers, logical_expert_weights, make_expert_parallel
 from dsv3.parallel.memory import local_tensor
 from dsv3.parallel.mesh import ParallelMesh
-from dsv3.parallel.pipeline import Elsewhere, PipelineParallel, label_counts, plan_pipeline
+from dsv3.parallel.pipeline import Elsewhere, PipelineParallel, label_counts, plan_pipeline, token_nats
 from dsv3.parallel.pipeline_overlap import Overlap, run_concurrently
 
 
@@ -326,16 +326,28 @@ class Parallelized:
             state = {k: v.to(self.device) for part in parts for k, v in part.items()}
         return plain_model(self.model, state, self.device)
 
-    def eval_model(self) -> nn.Module:
-        """A model whose forward gives logits, for held-out evaluation on every rank (a collective): the
-        whole model under a pipeline, else the model itself."""
-        return self.full_model() if self.pipe is not None else self.model
+    def eval_nats(self, inputs: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The summed held-out loss (nats, float64) of one evaluation batch, forward only (a collective
+        under EP, FSDP or a pipeline): through the stages under a pipeline (`PipelineParallel.eval_nats`,
+        the same on every rank of the pipeline), else from the model's logits."""
+        if self.pipe is not None:
+            return self.pipe.eval_nats(inputs.to(self.device), labels)
+        return token_nats(self.model(inputs.to(self.device)), labels.to(self.device))
 
     def windows_for_eval(self, windows: list[int]) -> list[int]:
         """The evaluation windows: all of them, or when every forward is a collective (EP, FSDP) as many on
-        every rank (`equal_share`)."""
-        collective = self.pipe is None and (self.layout.ep > 1 or self.layout.dp_shard == "fsdp")
-        return equal_share(windows, self.world) if collective else windows
+        every rank, or under a pipeline on every data-parallel replica (`equal_share`)."""
+        if self.layout.ep == 1 and self.layout.dp_shard != "fsdp":
+            return windows
+        return equal_share(windows, self.world if self.pipe is None else self.data_size)
+
+    def eval_share(self, windows: list[int], rank: int) -> tuple[list[int], bool]:
+        """(the evaluation windows of global rank ``rank``, whether its sums count): split over the ranks, or
+        under a pipeline over the data-parallel replicas, whose pipeline ranks all take their replica's
+        windows (each stage needs them) and all get its sums, counted once (by pipeline rank 0)."""
+        if self.pipe is None:
+            return windows[rank:: self.world], True
+        return windows[self.data_rank:: self.data_size], self.pipe.pp_rank == 0
 
     def parameter_count(self) -> int:
         """Parameters of the whole model, each counted once over the mesh (a collective)."""

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.pipelining import (
     PipelineStage,
@@ -232,19 +233,29 @@ class StageModule(nn.Module):
             self.mtp_layers = nn.ModuleList(model.mtp_layers)
 
     def forward(self, x: torch.Tensor, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        x = self.hidden(x, tokens)
+        if not self.last:
+            # The V schedules detach a stage's output in place, which a view forbids; the balance-loss
+            # carrier returns its input, which autograd makes a view: then (only then) copy.
+            return x.to(self.activation_dtype, copy=x._is_view())
+        positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
+        return self._objective(self._model[0], x, tokens, labels, positions)
+
+    def hidden(self, x: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """This stage's layers over x (the token ids on the first stage, hidden states elsewhere): the hidden
+        states [b, T, D] it hands on (the last stage's before the final norm)."""
         model = self._model[0]
-        T = tokens.shape[1]
-        positions = torch.arange(T, device=tokens.device)[None]
+        positions = torch.arange(tokens.shape[1], device=tokens.device)[None]
         cos, sin = model.angles(positions)
         if self.first:
             x = self.embed_tokens(x)
         for layer in self.layers:
             x = self._with_balance_loss(layer, layer(x, cos, sin))
-        if not self.last:
-            # The V schedules detach a stage's output in place, which a view forbids; the balance-loss
-            # carrier returns its input, which autograd makes a view: then (only then) copy.
-            return x.to(self.activation_dtype, copy=x._is_view())
-        return self._objective(model, x, tokens, labels, positions)
+        return x
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The last stage's next-token logits of its hidden states x, as `Transformer.forward` gives them."""
+        return self.lm_head(self.norm(x))
 
     def _with_balance_loss(self, layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """Collects the layer's MoE balance loss (weighted by this micro-batch's share of the sequences)
@@ -303,6 +314,13 @@ class Elsewhere(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.name} on pipeline rank {self.rank}"
+
+
+def token_nats(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The summed next-token loss in nats (float64) of logits [B, T, V] against labels [B, T], positions
+    labelled `IGNORE_INDEX` not counted: held-out evaluation's measure, with or without a pipeline."""
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="sum",
+                           ignore_index=IGNORE_INDEX).double()
 
 
 def _objective_is_output(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -476,6 +494,48 @@ class PipelineParallel:
         self._dp_sum(parts)
         lm, mtp, balance = parts.tolist()
         return [lm + self.model.config.mtp_loss_weight * mtp + balance, lm, mtp, balance]
+
+    @torch.no_grad()
+    def eval_nats(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Held-out evaluation through the stages, forward only, the batch as one micro-batch: the summed
+        next-token loss (nats, float64) of labels [B, T] (`IGNORE_INDEX` not counted), computed by the last
+        stage from its logits and broadcast, the same on every rank of this pipeline. Each rank runs only its
+        stages: no rank gathers the model (the stages' modules are in eval mode meanwhile)."""
+        modes = [m.training for m in self.stage_modules]
+        for m in self.stage_modules:
+            m.train(False)
+        try:
+            nats = self._forward_nats(input_ids, labels)
+        finally:
+            for m, mode in zip(self.stage_modules, modes, strict=True):
+                m.train(mode)
+        last = _global_rank(self.pp_group, self.plan.stage_rank(self.plan.num_stages - 1))
+        dist.broadcast(nats, src=last, group=self.pp_group)
+        return nats
+
+    def _forward_nats(self, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Stage by stage in order: the owner of a stage runs it; between ranks the hidden states go by
+        send/recv (every rank walks the same order, so each transfer meets its peer)."""
+        mine = {m.stage: m for m in self.stage_modules}
+        nats = torch.zeros((), dtype=torch.float64, device=self.device)
+        x = input_ids
+        for stage in range(self.plan.num_stages):
+            owner = self.plan.stage_rank(stage)
+            before = self.plan.stage_rank(stage - 1) if stage else owner
+            if before != owner and self.pp_rank == before:
+                dist.send(x.to(mine[stage - 1].activation_dtype).contiguous(),
+                          dst=_global_rank(self.pp_group, owner), group=self.pp_group)
+            if owner != self.pp_rank:
+                continue
+            module = mine[stage]
+            if before != owner:
+                x = torch.empty(*input_ids.shape, self.model.config.hidden_size, dtype=module.activation_dtype,
+                                device=self.device)
+                dist.recv(x, src=_global_rank(self.pp_group, before), group=self.pp_group)
+            x = module.hidden(x, input_ids)
+            if module.last:
+                nats = token_nats(module.logits(x), labels.to(self.device))
+        return nats
 
     @torch.no_grad()
     def sync_and_clip(self, max_norm: float = math.inf) -> float:

@@ -105,7 +105,10 @@ def train(
     log_every: int = typer.Option(
         None, help="Log line every N steps when stderr is not a terminal (default: 10)."
     ),
-    sample_tokens: int = typer.Option(None, help="Tokens to sample at the end (0: none) (default: 0)."),
+    sample_tokens: int = typer.Option(
+        None, help="Tokens to sample at the end (0: none) (default: 0). Under --pp, --ep or --dp-shard fsdp "
+        "this gathers the whole model on every rank; `dsv3 generate` on the export is the bounded way."
+    ),
     sample_prompt: str = typer.Option(None, help="Prompt of the end-of-run sample (default: 'def')."),
     max_bad_steps: int = typer.Option(
         None, help="Stop after this many non-finite steps in a row (default: 5)."

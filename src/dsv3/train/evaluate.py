@@ -11,7 +11,6 @@ import math
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from dsv3.data.chat_sft import IGNORE_INDEX
 from dsv3.data.packing import PackedSequences
@@ -26,7 +25,7 @@ def eval_windows(val: PackedSequences, eval_tokens: int) -> list[int]:
 
 @torch.no_grad()
 def evaluate(
-    model,
+    parallel,
     val: PackedSequences,
     windows: list[int],
     token_bytes: np.ndarray,
@@ -34,25 +33,25 @@ def evaluate(
     batch_size: int,
     autocast,
 ) -> dict[str, float]:
-    """Loss (nats per token) and bits per byte over ``windows``, split across ranks and summed."""
+    """Loss (nats per token) and bits per byte over ``windows``, split across ranks and summed. ``parallel``:
+    the model under its layout (`dsv3.parallel.parallelize.Parallelized`), which says which windows a rank
+    takes and runs each batch's forward (through the pipeline stages under one: no rank holds the model)."""
+    model = parallel.model
     was_training = model.training
     model.eval()
-    mine = windows[world.rank :: world.size]
+    mine, counted = parallel.eval_share(windows, world.rank)
     nats = torch.zeros((), dtype=torch.float64)
     n_bytes = n_tokens = 0
     for start in range(0, len(mine), batch_size):
         inputs, labels = val.batch(mine[start : start + batch_size])
         with autocast:
-            logits = model(inputs.to(world.device))
-        nats += (
-            F.cross_entropy(logits.float().flatten(0, 1), labels.to(world.device).flatten(), reduction="sum",
-                            ignore_index=IGNORE_INDEX)
-            .double()
-            .cpu()
-        )
+            nats += parallel.eval_nats(inputs, labels).cpu()
         labelled = labels[labels != IGNORE_INDEX].numpy()  # a chat's assistant tokens; every token of text
         n_bytes += int(token_bytes[labelled].sum())
         n_tokens += len(labelled)
+    if not counted:  # another rank of this pipeline counts the same windows
+        nats.zero_()
+        n_bytes = n_tokens = 0
     totals = world.sum_(
         torch.tensor([nats.item(), n_bytes, n_tokens], dtype=torch.float64, device=world.device)
     )

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 from tokenizers import Tokenizer
 
-from dsv3.checkpoint import CheckpointValues, pretrained_config
+from dsv3.checkpoint import CheckpointValues, export_sharded, pretrained_config
 from dsv3.config import ModelConfig, load_config, preset
 from dsv3.data import (
     PackedSequences,
@@ -30,7 +30,6 @@ from dsv3.errors import DSV3Error
 from dsv3.layout import Layout
 from dsv3.model.init import seeded_values
 from dsv3.model.transformer import Transformer
-from dsv3.parallel.checkpoint import whole_model
 from dsv3.parallel.materialize import materialize
 from dsv3.parallel.memory import FIELDS, SavedTensorMeter, gather_memory, rank_memory, resident_peak
 from dsv3.parallel.parallelize import Parallelized, parallelize
@@ -377,7 +376,7 @@ class _Run:
 
     def _evaluate(self) -> None:
         result = evaluate(
-            self.parallel.eval_model(),
+            self.parallel,
             self.data.val,
             self.val_windows,
             self.data.token_bytes,
@@ -428,7 +427,7 @@ class _Run:
 
         def write_extras(folder: Path) -> None:
             if export:
-                whole_model(folder / SHARDED_DIR, self.cfg).save_pretrained(folder)
+                export_sharded(folder / SHARDED_DIR, self.cfg, folder)  # a shard at a time, never whole
             else:
                 self.cfg.save_json(folder / "config.json")
             self.data.encoding.save(folder, self.cfg.max_position_embeddings)
