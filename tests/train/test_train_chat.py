@@ -17,7 +17,6 @@ from dsv3.data import PackedSequences, SampleOrder, load_corpus, tokenize_corpus
 from dsv3.data.chat_sft import IGNORE_INDEX
 from dsv3.data.chat_template import packaged
 from dsv3.data.tokenizer import load_tokenizer_folder
-from dsv3.model import Transformer
 from dsv3.train.metrics import read_rows
 from dsv3.train.options import TrainOptions
 
@@ -91,9 +90,11 @@ def test_the_loss_covers_the_assistant_tokens_only(chat_setup, single_run, cache
     assert ((labels == IGNORE_INDEX) == ~torch.from_numpy(want)).all()
     assert (labels[labels != IGNORE_INDEX] == full[labels != IGNORE_INDEX]).all()
     from dsv3.config import load_config
+    from dsv3.train.distributed import World
+    from dsv3.train.run import build_model
 
-    torch.manual_seed(opts.seed)
-    model = Transformer(load_config(config)).train()
+    # the run's fresh model: each tensor seeded by the run's seed and its name (dsv3.model.init)
+    model = build_model(load_config(config), opts, World(0, 1, 0, torch.device("cpu"))).model.train()
     first = read_rows(single_run / "metrics.jsonl")[0]
     with torch.no_grad():
         masked = float(model.loss(inputs, labels).lm_loss)
