@@ -33,7 +33,11 @@ TRAIN_SCENARIOS = {
     "train-pp2-ep2": ["--pp", "2", "--micro-batches", "2", "--ep", "2"],
     "train-ep4-fsdp": ["--ep", "4", "--dp-shard", "fsdp"],
 }
-SCENARIOS = ("serve-ep4", *TRAIN_SCENARIOS)
+SERVE_SCENARIOS = {  # name: (extra flags, ranks of an EP group: each holds 1/this of the routed experts)
+    "serve-ep4": ([], 4),
+    "serve-ep4-prefill2": (["--prefill-ranks", "2"], 2),  # 2 prefill ranks and 2 decode ranks, each an EP group
+}
+SCENARIOS = (*SERVE_SCENARIOS, *TRAIN_SCENARIOS)
 
 
 def make_checkpoint(folder: Path, layers: int, experts: int) -> dict:
@@ -132,10 +136,10 @@ def _stop(proc: subprocess.Popen, command: bytes) -> None:
     proc.wait(timeout=60)
 
 
-def serve_and_measure(folder: Path, ep: int) -> list[int]:
+def serve_and_measure(folder: Path, ep: int, extra: list[str]) -> list[int]:
     """Every rank's VmHWM after start-up and one completion, serving ``folder`` with --ep ``ep``."""
     proc = _torchrun(ep, ["serve", "--model", str(folder), "--ep", str(ep), "--port", "0", "--quiet",
-                          "--threads", "1"], stderr=subprocess.PIPE)
+                          "--threads", "1", *extra], stderr=subprocess.PIPE)
     try:
         url = None
         for line in proc.stderr:
@@ -158,7 +162,8 @@ def train_and_measure(folder: Path, data: Path, run: Path, layout: list[str], ti
     ``layout``: its share (parameters, gradients, optimizer state) and its VmHWM then (RUN/run.json)."""
     args = ["train", "--init-from", str(folder), "--data", str(data), "--out", str(run), "--steps", "2",
             "--batch-size", "4", "--seq-len", "32", "--eval-tokens", "128", "--val-fraction", "0.2",
-            "--cache-dir", str(run.parent / "cache"), "--device", "cpu", "--threads", "1", *layout]
+            "--cache-dir", str(run.parent / "cache"), "--device", "cpu", "--threads", "1", "--tokenizer", "dsv3",
+            *layout]
     proc = _torchrun(4, args, stderr=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + timeout_s
@@ -209,10 +214,11 @@ def main() -> None:
         data = tiny_corpus(Path(tmp) / "data")
         result = {**sizes, "scenarios": {}}
         for name in chosen:
-            if name == "serve-ep4":
+            if name in SERVE_SCENARIOS:
+                extra, group = SERVE_SCENARIOS[name]
                 base = baseline("dsv3.infer.server")
-                peaks = serve_and_measure(folder, 4)
-                share = sizes["other_bytes"] + sizes["routed_expert_bytes"] / 4
+                peaks = serve_and_measure(folder, 4, extra)
+                share = sizes["other_bytes"] + sizes["routed_expert_bytes"] / group
                 ranks = [{"rank": r, "vm_hwm_bytes": p, "share_bytes": share} for r, p in enumerate(peaks)]
             else:
                 base = baseline("dsv3.train.run")
