@@ -70,3 +70,19 @@ def test_logfmt_training_table_fits_80_columns(capsys, monkeypatch):
     out = capsys.readouterr().out
     assert max(len(line) for line in out.splitlines()) <= 80 and "…" not in out
     assert {"4.4000,", "4.4010,", "4.4020,", "4.4030", "logfmt8-logspace"} <= set(out.replace("│", " ").split())
+
+
+def test_a_stopped_or_lossless_run_ends_the_study_with_one_clear_error():
+    """A study whose run was stopped (SIGTERM, Ctrl-C) or has no held-out loss says so in one DSV3Error
+    (the CLI's one error line) instead of formatting a missing loss (a TypeError traceback before)."""
+    import pytest
+
+    from dsv3.errors import DSV3Error
+    from dsv3.studies.progress import finished
+
+    done = {"stopped": "completed", "step": 10, "val_loss": 4.2}
+    assert finished(done, "bf16, seed 0") is done
+    with pytest.raises(DSV3Error, match="the bf16, seed 0 run was stopped at step 3"):
+        finished({"stopped": "signal", "step": 3, "val_loss": None}, "bf16, seed 0")
+    with pytest.raises(DSV3Error, match=r"ended \(non-finite\) at step 5 without a held-out loss"):
+        finished({"stopped": "non-finite", "step": 5, "val_loss": None}, "e4m3, seed 1")

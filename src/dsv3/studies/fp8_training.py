@@ -156,6 +156,7 @@ def train_variant(variant: str, seed: int, run_dir: Path, on_step=None, **option
     """One training run of ``variant`` through ``dsv3.train.run.run_training``; returns its curves.
     ``on_step(row)`` sees every step (the study's progress bar)."""
     from dsv3.precision.fp8_linear import default_scaling
+    from dsv3.studies.progress import finished
     from dsv3.train.metrics import read_rows
     from dsv3.train.options import TrainOptions
     from dsv3.train.run import run_training
@@ -164,7 +165,8 @@ def train_variant(variant: str, seed: int, run_dir: Path, on_step=None, **option
     opts = TrainOptions(out=str(run_dir), precision=precision, seed=seed, keep_last=1, **options)
     opts.save_every = opts.steps  # only the final checkpoint
     with default_scaling(scaling or "fine"):
-        summary = run_training(opts, on_step=on_step, show_progress=False, plots=False)
+        summary = finished(run_training(opts, on_step=on_step, show_progress=False, plots=False),
+                           f"{variant}, seed {seed}")
     rows = read_rows(run_dir / "metrics.jsonl")
     evals = [r for r in rows if r.get("kind") == "eval"]
     return {

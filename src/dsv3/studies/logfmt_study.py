@@ -280,6 +280,7 @@ def train_one(fmt: str, seed: int, settings: dict, on_step=None) -> dict:
     ``on_step(row)`` sees every step (the study's progress bar)."""
     import tempfile
 
+    from dsv3.studies.progress import finished
     from dsv3.train.run import run_training
 
     with tempfile.TemporaryDirectory(prefix="dsv3-logfmt-") as folder:
@@ -287,6 +288,7 @@ def train_one(fmt: str, seed: int, settings: dict, on_step=None) -> dict:
             training_options(fmt, seed, settings, Path(folder) / "run"), on_step=on_step, show_progress=False,
             plots=False,
         )
+    summary = finished(summary, f"{fmt}, seed {seed}")
     keys = ("first_loss", "final_loss", "val_loss", "val_bpb", "train_seconds", "skipped_steps", "tokens")
     return {"format": fmt, "seed": seed, **{k: summary[k] for k in keys}}
 

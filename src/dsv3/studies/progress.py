@@ -58,3 +58,17 @@ class RunsProgress:
     def note(self, message: str) -> None:
         """A line above the bar (a finished run's result)."""
         self.console.print(message, style="dim", highlight=False, soft_wrap=True)
+
+
+def finished(summary: dict[str, Any], what: str) -> dict[str, Any]:
+    """A study's training run's summary, once it ran to the end; a run stopped by a signal (Ctrl-C,
+    SIGTERM) or left without a held-out loss ends the study with one clear error instead of a table
+    that would compare a partial run with whole ones."""
+    from dsv3.errors import DSV3Error
+
+    if summary.get("stopped") == "signal":
+        raise DSV3Error(f"the {what} run was stopped at step {summary['step']}; the study ends without results")
+    if summary.get("val_loss") is None:
+        raise DSV3Error(f"the {what} run ended ({summary.get('stopped')}) at step {summary['step']} without a "
+                        "held-out loss; the study ends without results")
+    return summary
