@@ -98,8 +98,9 @@ def test_collective_layouts_give_every_rank_as_many_eval_windows():
     ep = Parallelized.__new__(Parallelized)  # only the window rule: no process group needed
     ep.world, ep.layout, ep.pipe = 4, Layout(dp=4, ep=4), None
     assert ep.windows_for_eval([7]) == [7, 7, 7, 7]
-    ep.layout, ep.pipe = Layout(pp=2, dp=2, ep=2), object()  # a pipeline evaluates on the gathered model
-    assert ep.windows_for_eval([7]) == [7]
+    # a pipeline evaluates through its stages, one pass per data-parallel replica: as many on each replica
+    ep.layout, ep.pipe = Layout(pp=2, dp=2, ep=2), object()
+    assert ep.windows_for_eval([7]) == [7, 7]
 
 
 def test_a_layout_fitted_to_another_world_keeps_what_still_fits():

@@ -27,7 +27,7 @@ def test_pipeline_eval_gives_one_process_loss_without_gathering_the_model(refere
     model_bytes = sum(r["held"] for r in ranks)  # the stages hold disjoint parameters (no MTP: nothing tied)
     for r in ranks:
         assert r["nats"] == pytest.approx(reference, rel=1e-6)  # every rank logs the same value
-        assert r["grown"] < 0.3 * model_bytes, (r["grown"], model_bytes)  # measured: 14 MB of 81 MB
+        assert r["grown"] < 0.6 * model_bytes, (r["grown"], model_bytes)  # measured: 14-29 MB of 81 MB
 
 
 def test_the_memory_bound_tells_a_gathered_model_apart(reference):

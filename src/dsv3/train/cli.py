@@ -194,18 +194,21 @@ def _options(given: dict[str, Any], resume: str | None) -> TrainOptions:
     chosen = {k: v for k, v in given.items() if v is not None}
     if "init_from" in chosen and "preset" in chosen:  # TrainOptions has a default preset, so it says --config only
         raise DSV3Error("--init-from takes the model's config from the checkpoint; drop --preset and --config")
-    if "init_from" in chosen and "tokenizer" not in chosen:
-        chosen["tokenizer"] = _checkpoint_tokenizer(chosen["init_from"])
     if "out" not in chosen:
         name = chosen.get("preset", "nano") if not {"config", "init_from"} & set(chosen) else "custom"
         chosen["out"] = f"runs/{name}-{time.strftime('%Y%m%d-%H%M%S')}"
-    return TrainOptions(**chosen).check()
+    opts = TrainOptions(**chosen).check()
+    if opts.init_from and "tokenizer" not in chosen:
+        opts.tokenizer = _checkpoint_tokenizer(opts.init_from)
+    return opts
 
 
 def _checkpoint_tokenizer(folder: str) -> str:
     """A fine-tuned model keeps its checkpoint's tokenizer (and chat template) unless told otherwise:
     training it on another tokenizer's ids would be a different model. A checkpoint without one is an
     error that names the two choices, never a silent switch to dsv3's own."""
+    if not Path(folder).is_dir():
+        raise DSV3Error(f"checkpoint folder not found: {folder}")
     if not (Path(folder) / "tokenizer.json").is_file():
         raise DSV3Error(f"--init-from {folder} has no tokenizer.json; pass --tokenizer DIR (a folder holding "
                         "the checkpoint's tokenizer) or --tokenizer dsv3 (train dsv3's own BPE on the data)")
