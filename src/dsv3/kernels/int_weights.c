@@ -31,18 +31,25 @@ int dsv3_int_avx512(int want) {
 
 static inline int64_t row_bytes(int bits, int64_t K) { return bits == 8 ? K : K / 2; }
 
+/* A group's 32 values as signed bytes, values 0-15 in lo and 16-31 in hi (int4: the low nibbles are the
+   first 16 values, the high nibbles the last 16, each stored +8). Both vector paths widen from here. */
+static inline __attribute__((always_inline)) void group_bytes(int bits, const uint8_t *q, __m128i *lo,
+                                                              __m128i *hi) {
+    if (bits == 8) {
+        *lo = _mm_loadu_si128((const __m128i *)q);
+        *hi = _mm_loadu_si128((const __m128i *)(q + 16));
+        return;
+    }
+    __m128i packed = _mm_loadu_si128((const __m128i *)q), nib = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
+    *lo = _mm_sub_epi8(_mm_and_si128(packed, nib), eight);
+    *hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(packed, 4), nib), eight);
+}
+
 /* ---- AVX2 path: a group as four vectors of 8 fp32 ---------------------------------------------------- */
 
 static inline __attribute__((always_inline)) void group8_avx2(int bits, const uint8_t *q, float d, __m256 w[4]) {
     __m128i lo, hi;
-    if (bits == 8) {
-        lo = _mm_loadu_si128((const __m128i *)q);
-        hi = _mm_loadu_si128((const __m128i *)(q + 16));
-    } else {
-        __m128i packed = _mm_loadu_si128((const __m128i *)q), nib = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-        lo = _mm_sub_epi8(_mm_and_si128(packed, nib), eight);
-        hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(packed, 4), nib), eight);
-    }
+    group_bytes(bits, q, &lo, &hi);
     __m256 scale = _mm256_set1_ps(d);
     w[0] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), scale);
     w[1] = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), scale);
@@ -98,14 +105,7 @@ static void rows_avx2(int bits, int R, const uint8_t *q, const uint16_t *s, int6
 static inline __attribute__((always_inline)) AVX512 void group16_avx512(int bits, const uint8_t *q, float d,
                                                                          __m512 w[2]) {
     __m128i lo, hi;
-    if (bits == 8) {
-        lo = _mm_loadu_si128((const __m128i *)q);
-        hi = _mm_loadu_si128((const __m128i *)(q + 16));
-    } else {
-        __m128i packed = _mm_loadu_si128((const __m128i *)q), nib = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-        lo = _mm_sub_epi8(_mm_and_si128(packed, nib), eight);
-        hi = _mm_sub_epi8(_mm_and_si128(_mm_srli_epi16(packed, 4), nib), eight);
-    }
+    group_bytes(bits, q, &lo, &hi);
     __m512 scale = _mm512_set1_ps(d);
     w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), scale);
     w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), scale);
