@@ -1,17 +1,14 @@
 """`dsv3 bench serve` against a real `dsv3 serve` process, and the serve command's prefix-cache flags."""
 
 import json
-import os
 import re
 import socket
-import subprocess
-import sys
-import time
 
 import pytest
 
 from dsv3.cli import main
 from dsv3.infer.bench_serve import base_url, percentile
+from dsv3.testing.http import serve_process
 
 
 @pytest.fixture(scope="module")
@@ -26,27 +23,9 @@ def checkpoint(tmp_path_factory, model, tokenizer):
 def server_url(checkpoint, tmp_path_factory):
     """`python -m dsv3 serve --port 0` in its own process; its URL once it listens."""
     log = tmp_path_factory.mktemp("serve-log") / "stderr.txt"
-    with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "dsv3", "serve", "--model", str(checkpoint), "--port", "0",
-                                 "--threads", "1", "--quiet", "--prefix-cache-bytes", "64M"],
-                                stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        deadline = time.time() + 180
-        while True:
-            found = re.search(r"listening on (http://127\.0\.0\.1:\d+)/v1", log.read_text())
-            if found:
-                break
-            assert proc.poll() is None, f"serve exited: {log.read_text()}"
-            assert time.time() < deadline, "serve did not start within 180 s"
-            time.sleep(0.1)
-        yield found.group(1)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+    with serve_process(["--model", str(checkpoint), "--threads", "1", "--quiet", "--prefix-cache-bytes", "64M"],
+                       log) as url:
+        yield url
 
 
 def test_bench_serve_against_a_real_server(server_url, capsys):

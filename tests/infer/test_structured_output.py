@@ -4,11 +4,7 @@ against a real `dsv3 serve --speculative mtp` process with the `openai` client o
 checkpoint whose tokenizer has DeepSeek's special tokens."""
 
 import json
-import os
-import re
-import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,6 +17,7 @@ from dsv3.infer.engine import Engine, Request
 from dsv3.infer.grammar import Grammars
 from dsv3.infer.loading import eos_ids
 from dsv3.infer.sampling import GREEDY, SamplingParams
+from dsv3.testing.http import serve_process
 
 sys.path.insert(0, str(Path(__file__).parent))
 from deepseek_tokens import deepseek_tokenizer  # noqa: E402
@@ -199,25 +196,9 @@ def server(tmp_path_factory):
     folder = tmp_path_factory.mktemp("checkpoints") / MODEL
     tiny_model(300).save_pretrained(folder)
     deepseek_tokenizer().save(str(folder / "tokenizer.json"))
-    log = folder / "stderr.txt"
-    with open(log, "w") as err:
-        proc = subprocess.Popen([sys.executable, "-m", "dsv3", "serve", "--model", str(folder), "--port", "0",
-                                 "--threads", "1", "--quiet", "--speculative", "mtp", "--max-batch", "8"],
-                                stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    try:
-        deadline = time.time() + 180
-        while not (found := re.search(r"listening on (http://127\.0\.0\.1:\d+)/v1", log.read_text())):
-            assert proc.poll() is None, f"serve exited: {log.read_text()}"
-            assert time.time() < deadline, "serve did not start within 180 s"
-            time.sleep(0.1)
-        yield found.group(1)
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=30)
+    args = ["--model", str(folder), "--threads", "1", "--quiet", "--speculative", "mtp", "--max-batch", "8"]
+    with serve_process(args, folder / "stderr.txt") as url:
+        yield url
 
 
 @pytest.fixture()

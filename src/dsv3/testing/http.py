@@ -3,10 +3,15 @@ API over real HTTP rather than through a test client."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 from dsv3.testing.launch import free_port
 
@@ -30,3 +35,26 @@ def serving(app, start_timeout_s: float = 20.0) -> Iterator[str]:
     finally:
         srv.should_exit = True
         thread.join(timeout=20)
+
+
+@contextmanager
+def serve_process(args: list[str], log: Path, start_timeout_s: float = 180.0) -> Iterator[str]:
+    """``python -m dsv3 serve --port 0 ARGS`` in its own process, its stderr in ``log``; yields its base URL
+    once it listens, and stops it (terminate, then kill) on exit."""
+    with open(log, "w") as err:
+        proc = subprocess.Popen([sys.executable, "-m", "dsv3", "serve", "--port", "0", *args],
+                                stdout=subprocess.DEVNULL, stderr=err, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        deadline = time.time() + start_timeout_s
+        while not (found := re.search(r"listening on (http://127\.0\.0\.1:\d+)/v1", log.read_text())):
+            assert proc.poll() is None, f"serve exited: {log.read_text()}"
+            assert time.time() < deadline, f"serve did not start within {start_timeout_s:.0f} s"
+            time.sleep(0.1)
+        yield found.group(1)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(timeout=30)
