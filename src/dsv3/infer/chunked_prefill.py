@@ -6,18 +6,27 @@ spends at most ``max_prefill_tokens`` prompt tokens of prefill between two decod
 are prefilled together as before, and a longer one is cut into chunks of that many tokens (the
 ``--max-prefill-tokens`` option of ``dsv3 serve``).
 
-A chunk is the prompt's tokens [s, e) run through the model at positions s.. with the cache already
-holding slots [0, s), so it attends to every earlier chunk: the same computation as one prefill, in
-pieces (the attention of later chunks reads the latent cache absorbed, as a decode step does, so the
-numbers may differ in the last bits, as a cached prefix's do). The last chunk is prefilled by the batch
-the request joins (``Batch._prefill_from``), which samples its first token; with MTP speculation each
-chunk also runs the MTP layer over its slots, whose next tokens are the prompt's own (the last chunk's
-last one is the first sampled token, as in a whole prefill). With a prefix cache, a prompt's cached
-blocks are copied in first and only the rest is chunked; the finished prompt's blocks are cached as a
-whole prefill's are.
+A chunk is the prompt's tokens [s, e) run at positions s.. with the cache already holding slots [0, s),
+so it attends to every earlier chunk: the same computation as one prefill, in pieces. It runs on the
+absorbed path of the engine's decode step (``engine.decoder``, ``absorb=True``): on a CPU, FastDecode's
+kernels, which take up to 64 tokens in one call (``dsv3.kernels.decode``) where the model's modules spend
+about 20 ms a forward in fixed costs alone; the numbers may differ from a whole prefill's in the last bits,
+as a cached prefix's do. The last chunk is prefilled by the batch the request joins
+(``Batch._prefill_from``), which samples its first token; with MTP speculation each chunk also runs the MTP
+layer over its slots, whose next tokens are the prompt's own (the last chunk's last one is the first
+sampled token, as in a whole prefill). With a prefix cache, a prompt's cached blocks are copied in first
+and only the rest is chunked; the finished prompt's blocks are cached as a whole prefill's are.
+
+A chunk's cost grows with its tokens and with the slots they attend to, so a fixed size that suits the
+start of a long prompt stalls the streams several times longer at its end. Given a time budget (the
+scheduler gives the running batch's decode step time), each chunk is sized from the previous chunk's
+measured cost per token to take about that long, up to ``chunk_tokens``: the streams then get a token
+at least every two steps' time while a prompt of any length is prefilled.
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -28,8 +37,9 @@ from dsv3.model.mla import LatentCache
 
 
 class ChunkedPrefill:
-    """One request's prompt being prefilled ``chunk_tokens`` at a time; ``advance`` runs the next chunk and,
-    after the last, returns the batch that holds the request (its first token in ``first_events``)."""
+    """One request's prompt being prefilled a chunk at a time (at most ``chunk_tokens`` tokens); ``advance``
+    runs the next chunk and, after the last, returns the batch that holds the request (its first token in
+    ``first_events``)."""
 
     def __init__(self, engine: Engine, request: Request, chunk_tokens: int):
         if chunk_tokens < 1:
@@ -39,6 +49,7 @@ class ChunkedPrefill:
         slots = len(prompt) + request.max_new_tokens + 2  # what the batch would allocate for one row, and a draft
         self.cache: LatentCache = engine.model.new_cache(1, slots, dtype=engine.cache_dtype)
         self.done = self._copy_cached_prefix()
+        self.seconds_per_token: float | None = None  # the last chunk's measured cost
 
     @property
     def remaining(self) -> int:
@@ -59,24 +70,44 @@ class ChunkedPrefill:
         self.request.cached_tokens = n
         return n - 1 if n and self.engine.speculative else n
 
+    def next_tokens(self, seconds: float | None = None, first: int = 1) -> int:
+        """The next chunk's size: ``chunk_tokens``; with a budget of ``seconds``, as many tokens as fit in it
+        at the last chunk's cost per token (``first`` before any chunk has run), from 1 to ``chunk_tokens``."""
+        if seconds is None:
+            return self.chunk_tokens
+        if self.seconds_per_token is None:
+            return max(1, min(first, self.chunk_tokens))
+        return max(1, min(int(seconds / self.seconds_per_token), self.chunk_tokens))
+
     @torch.inference_mode()
-    def advance(self) -> Batch | None:
-        """Prefill the next chunk; the request's batch once the prompt is all in, else None."""
-        if self.remaining <= self.chunk_tokens:
+    def advance(self, seconds: float | None = None, first: int = 1) -> Batch | None:
+        """Prefill the next chunk (sized by ``next_tokens``); the request's batch once the prompt is all in,
+        else None."""
+        n = self.next_tokens(seconds, first)
+        if self.remaining <= n:
             return PrefilledBatch(self.engine, self.request, self.cache, self.done)
-        self._chunk(self.done, self.done + self.chunk_tokens)
-        self.done += self.chunk_tokens
+        t0 = time.perf_counter()
+        self._chunk(self.done, self.done + n)
+        self.seconds_per_token = (time.perf_counter() - t0) / n
+        self.done += n
         return None
 
     def _chunk(self, start: int, end: int) -> None:
         """Slots [start, end) of the main layers (and of the MTP layer, whose next tokens the prompt holds)."""
-        model, device, prompt = self.engine.model, self.engine.device, self.request.prompt_ids
+        device, prompt = self.engine.device, self.request.prompt_ids
         ids = torch.tensor([prompt[start:end]], device=device)
         positions = torch.arange(start, end, device=device)[None]
-        h = model.hidden_states(ids, positions=positions, cache=self.cache, start_pos=start)
+        h = chunk_hidden(self.engine, ids, positions, self.cache, start)
         if self.engine.speculative:
             nxt = torch.tensor([prompt[start + 1 : end + 1]], device=device)
-            model.mtp_hidden(0, h, nxt, positions, cache=self.cache, start_pos=start)
+            self.engine.decoder.mtp_hidden(0, h, nxt, positions, cache=self.cache, start_pos=start, absorb=True)
+
+
+def chunk_hidden(engine: Engine, ids: torch.Tensor, positions: torch.Tensor, cache: LatentCache,
+                 start: int) -> torch.Tensor:
+    """The main layers' hidden states [1, T, D] of a chunk, slots [start, start + T), on the decode step's
+    absorbed path."""
+    return engine.decoder.hidden_states(ids, positions=positions, cache=cache, start_pos=start, absorb=True)
 
 
 class PrefilledBatch(CachingBatch):
@@ -97,6 +128,9 @@ class PrefilledBatch(CachingBatch):
         self.valid = torch.zeros(1, self.cache.max_len, dtype=torch.bool)
         self._record_cache()
         return self._prefill_from(self._done)
+
+    def _hidden_from(self, ids: torch.Tensor, positions: torch.Tensor, start: int) -> torch.Tensor:
+        return chunk_hidden(self.engine, ids, positions, self.cache, start)
 
     def _prefilled(self) -> None:
         if self.engine.prefix_cache is not None:

@@ -521,7 +521,7 @@ class Batch:
         self.valid[:, :L] = True
         positions = torch.arange(start, L, device=self.device)[None].expand(B, -1)
         ids = torch.tensor([list(p[start:]) for p in prompts], device=self.device)
-        h = self.model.hidden_states(ids, positions=positions, cache=self.cache, start_pos=start)
+        h = self._hidden_from(ids, positions, start)
         logits = self.model.lm_head(h[:, -1]).cpu()  # [B, V]
         events = [self._guarded(row, lambda row=row, b=b: self._sample(row, logits[b][None], False))
                   for b, row in enumerate(self.rows)]
@@ -531,6 +531,11 @@ class Batch:
                                device=self.device)
             events += self._draft(h, nxt, positions, start, [L - start] * B)
         return events
+
+    def _hidden_from(self, ids: torch.Tensor, positions: torch.Tensor, start: int) -> torch.Tensor:
+        """The hidden states [B, T, D] of ``_prefill_from``'s slots: the model's (a long rest of a prompt is
+        a prefill); a long prompt's last chunk runs as its other chunks do (``chunked_prefill``)."""
+        return self.model.hidden_states(ids, positions=positions, cache=self.cache, start_pos=start)
 
     def _check_poison(self, logits: torch.Tensor) -> None:
         """Raise _Poisoned when some rows of a padded batch came out non-finite (see Engine.start)."""

@@ -8,7 +8,9 @@ timing and every step's batch size go to ``metrics`` (``GET /metrics``).
 With ``engine.max_prefill_tokens`` set, at most that many prompt tokens are prefilled between two decode
 steps: admitted requests wait their turn in ``prefilling``, short prompts are prefilled together while
 their lengths fit the budget, and a longer prompt a chunk at a time (``dsv3.infer.chunked_prefill``): the
-streams that are decoding wait for one chunk at a time, not for the whole prefill.
+streams that are decoding wait for one chunk at a time, not for the whole prefill. Each chunk is sized to
+take about as long as one of the running batch's recent decode steps (measured), so that the streams get a
+token at least every two steps' time, however far into a long prompt the chunks are.
 """
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ class Scheduler:
         self.metrics.running = lambda: self.active
         self.metrics.waiting = lambda: self.pending.qsize() + len(self.prefilling)  # none has its first token yet
         self.metrics.prefix_cache = engine.prefix_cache
+        self._stepped: tuple[Batch | None, float, int] = (None, 0.0, 0)  # (batch, decode_s, steps) at the last chunk
+        self._step_s: float | None = None  # the running batch's recent decode step time
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -150,9 +154,12 @@ class Scheduler:
         return take
 
     def _advance(self, work: ChunkedPrefill) -> None:
-        """The next chunk of the prompt at the head of ``prefilling``; its batch joins after the last."""
+        """The next chunk of the prompt at the head of ``prefilling``, sized to take about one decode step's
+        time (the first chunk: a token per row and token of the step); its batch joins after the last."""
+        batch = self.batch
+        seconds = self._recent_step_s() if batch is not None else None
         try:
-            fresh = work.advance()
+            fresh = work.advance(seconds, first=len(batch.rows) * batch.T if batch is not None else 1)
         except Exception as exc:  # this request fails alone
             self.prefilling.popleft()
             self._fail([work.request], exc)
@@ -160,6 +167,19 @@ class Scheduler:
         if fresh is not None:
             self.prefilling.popleft()
             self._join(fresh)
+
+    def _recent_step_s(self) -> float | None:
+        """The running batch's mean decode step time since the last chunk (the last known one when it has not
+        stepped since; None before any step)."""
+        batch = self.batch
+        stats = batch.stats
+        last, decode_s, steps = self._stepped
+        if last is not batch:
+            decode_s, steps = 0.0, 0
+        if stats.main_forwards > steps:
+            self._step_s = (stats.decode_s - decode_s) / (stats.main_forwards - steps)
+        self._stepped = (batch, stats.decode_s, stats.main_forwards)
+        return self._step_s
 
     def _drop_cancelled(self) -> None:
         """Requests whose clients went away while they waited for (or were in) their prefill."""

@@ -517,8 +517,10 @@ class Step:
 class FastDecode:
     """The decode-step interface of a :class:`Transformer` (``hidden_states``, ``lm_head``, ``mtp_hidden``,
     ``mtp_logits``, same signatures) computed with few, large operations. Prefill (``start_pos == 0``) and
-    calls without a cache go to the model itself. The plans hold the model's own tensors, so build this
-    after the model's final form (dtype, FP8 weights) is set.
+    calls without a cache go to the model itself, unless ``absorb=True`` asks for the absorbed path: a
+    prompt's chunk does (``dsv3.infer.chunked_prefill``; the first one starts at 0), as the absorbed path is
+    exact over any cache. The plans hold the model's own tensors, so build this after the model's final form
+    (dtype, FP8 weights) is set.
 
     ``hidden_and_logits`` runs the whole step in one C call (``StepKernel``) when every part can;
     otherwise each block runs in one C call (``BlockKernel``) when it can, else through the per-op path,
@@ -543,7 +545,7 @@ class FastDecode:
         self._table_steps: dict[tuple, tuple] = {}
 
     def _usable(self, cache: LatentCache | None, start_pos: int, absorb: bool | None) -> bool:
-        return cache is not None and start_pos > 0 and absorb in (None, True)
+        return cache is not None and (absorb is True or (start_pos > 0 and absorb is None))
 
     def _plan(self, i: int) -> BlockPlan:
         self.blocks[i] = self.blocks[i].current()
