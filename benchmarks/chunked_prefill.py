@@ -107,37 +107,43 @@ def summary(run: dict) -> dict:
             "tokens_during": len(during)}
 
 
-def plot(runs: dict[int, dict], path: Path, long_prompt: int) -> None:
+def plot(runs: dict[int, dict], path: Path, long_prompt: int, streams: int) -> None:
+    """One panel per --max-prefill-tokens value: every gap between two tokens of a stream as a segment over
+    the time it lasted, the long prompt's prefill (arrival to first token: its TTFT) shaded, and 3x the
+    median TPOT before it arrived (the goal); one legend under the panels, so that it hides no data."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs), 4.4), sharey=True, squeeze=False)
+    fig, axes = plt.subplots(1, len(runs), figsize=(5.2 * len(runs), 4.6), sharey=True, squeeze=False)
     for ax, (n, run) in zip(axes[0], runs.items(), strict=True):
         s = summary(run)
         end, ms = (list(x) for x in zip(*run["gaps"], strict=True))
         ax.hlines(ms, [e - m / 1000 for e, m in zip(end, ms, strict=True)], end, color="tab:blue", linewidth=2,
-                  label="TPOT of the decoding streams (each gap between two tokens)")
+                  label=f"TPOT of the {streams} decoding streams (each gap between two tokens, over its time)")
         ax.axvspan(0, s["ttft_ms"] / 1000, color="tab:orange", alpha=0.15,
-                   label=f"long prompt's prefill: TTFT {s['ttft_ms']:,.0f} ms")
+                   label=f"the {long_prompt:,}-token prompt's prefill, from its arrival to its first token (TTFT)")
+        ax.axvline(s["ttft_ms"] / 1000, color="tab:orange", linewidth=1.5)
         ax.axhline(3 * s["tpot_ms_median_before"], color="tab:red", linestyle="--", linewidth=1,
-                   label="3x the median TPOT before")
+                   label="3x the streams' median TPOT before the prompt arrived (the goal for the p99)")
         ax.set_yscale("log")
-        ax.set_title(f"--max-prefill-tokens {n}" + (" (whole prompts)" if n == 0 else "") +
-                     f"\nTPOT p99 while prefilled: {s['p99_during_over_median']:.1f}x the median")
+        what = "whole prompts" if n == 0 else f"chunks of at most {n} tokens, each timed to a decode step"
+        ax.set_title(f"--max-prefill-tokens {n} ({what})\nTTFT {s['ttft_ms'] / 1000:.2f} s; TPOT p99 while "
+                     f"prefilled: {s['p99_during_over_median']:.1f}x the median", fontsize=10)
         ax.set_xlabel(f"seconds since the {long_prompt:,}-token prompt arrived")
         ax.grid(alpha=0.3, which="both")
         ax.set_ylim(bottom=1)  # two tokens read at once make a gap of microseconds: off the plot
-        ax.legend(loc="lower right", fontsize=8)
     axes[0][0].set_ylabel("time per output token (ms, log scale)")
-    fig.tight_layout()
+    handles, labels = axes[0][0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=1, fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.16, 1, 1))
     save_figure(fig, path, dpi=110)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--chunks", default="0,128", help="--max-prefill-tokens values, comma-separated (default: 0,128)")
+    ap.add_argument("--chunks", default="0,64", help="--max-prefill-tokens values, comma-separated (default: 0,64)")
     ap.add_argument("--layers", type=int, default=4, help="layers of the small shape (default: 4)")
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--long-prompt", type=int, default=4000)
@@ -160,7 +166,7 @@ def main() -> None:
             finally:
                 proc.terminate()
                 proc.wait(timeout=60)
-    plot(runs, args.figure, args.long_prompt)
+    plot(runs, args.figure, args.long_prompt, args.streams)
     result = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "figure")},
               "load_average_1min_before": load,
               "runs": {str(n): summary(run) for n, run in runs.items()}}

@@ -12,6 +12,7 @@ from dsv3.infer.engine import Engine, Event, Request
 from dsv3.infer.prefix_cache import PrefixCache
 from dsv3.infer.sampling import GREEDY
 from dsv3.infer.scheduler import Scheduler
+from dsv3.kernels.decode import FastDecode
 
 from .conftest import tiny_model
 
@@ -162,3 +163,49 @@ def test_bad_max_prefill_tokens_is_one_error_line(flags, message, tmp_path, caps
     assert main(["serve", "--model", str(tmp_path), *flags]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
+
+
+def test_every_chunk_runs_on_the_decode_steps_path_not_the_modules(long_model, monkeypatch):
+    """A chunk (the first at slot 0 and the last, which samples) runs on the engine's decode step
+    (FastDecode's kernels), whose fixed cost is a fraction of the modules' forward."""
+    engine = Engine(long_model, eos_token_ids=frozenset())
+    assert isinstance(engine.decoder, FastDecode)
+    want = engine.generate([Request(PROMPT, 4, GREEDY)])[0].token_ids
+    calls = []
+    original = engine.decoder.hidden_states
+    monkeypatch.setattr(engine.decoder, "hidden_states",
+                        lambda *a, **k: calls.append(k["start_pos"]) or original(*a, **k))
+    monkeypatch.setattr(long_model, "hidden_states", lambda *a, **k: pytest.fail("a chunk ran through the modules"))
+    work, batch = ChunkedPrefill(engine, Request(PROMPT, 4, GREEDY), 64), None
+    while batch is None:
+        batch = work.advance()
+    assert calls == [0, 64, 128, 192, 256]
+    monkeypatch.undo()
+    tokens = [t for ev in batch.first_events for t in ev.token_ids]
+    while batch.rows:
+        tokens += [t for ev in batch.step() for t in ev.token_ids]
+    assert tokens == want
+
+
+def test_a_time_budget_sizes_each_chunk_from_the_last_ones_cost(long_model):
+    """Given a budget, a chunk holds as many tokens as fit in it at the last chunk's measured cost per
+    token (the first: ``first``), at least 1 and at most ``chunk_tokens``; without one, ``chunk_tokens``."""
+    work = ChunkedPrefill(Engine(long_model, eos_token_ids=frozenset()), Request(PROMPT, 4, GREEDY), 32)
+    assert work.next_tokens() == 32 and work.next_tokens(0.01, first=5) == 5 and work.next_tokens(0.01, 99) == 32
+    assert work.advance(0.01, first=5) is None and work.done == 5 and work.seconds_per_token > 0
+    work.seconds_per_token = 0.002
+    assert (work.next_tokens(0.01), work.next_tokens(0.0001), work.next_tokens(1.0)) == (5, 1, 32)
+    assert work.next_tokens(None) == 32
+
+
+def test_the_scheduler_budgets_a_chunk_at_the_running_batchs_recent_step_time(long_model):
+    """The budget is the mean time of the decode steps run since the last chunk (the last one known when
+    none ran since), from the batch's own counters."""
+    scheduler = Scheduler(Engine(long_model, eos_token_ids=frozenset()))
+    batch = scheduler.batch = scheduler.engine.start([Request([1, 2, 3], 50, GREEDY)])
+    assert scheduler._recent_step_s() is None  # no step yet
+    batch.stats.decode_s, batch.stats.main_forwards = 0.03, 3
+    assert scheduler._recent_step_s() == pytest.approx(0.01)
+    batch.stats.decode_s, batch.stats.main_forwards = 0.07, 5
+    assert scheduler._recent_step_s() == pytest.approx(0.02)
+    assert scheduler._recent_step_s() == pytest.approx(0.02)  # no step since: the last one known

@@ -291,7 +291,7 @@ def listen(host: str, port: int) -> socket.socket:
 
 
 # serve's prefill budget between two decode steps, measured: benchmarks/chunked_prefill.py (docs/inference.md)
-MAX_PREFILL_TOKENS = 128
+MAX_PREFILL_TOKENS = 64
 
 
 @serve_app.command()
@@ -323,7 +323,8 @@ def serve(
                                                 help="Keep evicted prefix blocks in this folder and reuse them."),
     max_prefill_tokens: int | None = typer.Option(None, "--max-prefill-tokens", metavar="N", show_default=False,
                                                   help="Most prompt tokens prefilled between two decode steps: a "
-                                                       "longer prompt is prefilled in chunks of N, so streams "
+                                                       "longer prompt is prefilled in chunks of at most N, each "
+                                                       "sized to take about one decode step's time, so streams "
                                                        "that are decoding keep going; 0 prefills whole prompts "
                                                        f"(default: {MAX_PREFILL_TOKENS})."),
     ep: int | None = typer.Option(None, "--ep", metavar="N", show_default=False,
