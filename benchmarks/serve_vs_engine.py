@@ -10,7 +10,9 @@ client) back to back; the ratios compare each figure's best round (a busy machin
 down, so the best of a few is the least disturbed). The 8-request figure is measured twice: with
 ``--prompt-len`` prompts, whose prefills the server runs between decode steps (the engine's figure
 leaves prefill out), and with ``--short-prompt`` prompts and ``--short-new-tokens`` tokens, where
-decoding is nearly all the work.
+decoding is nearly all the work. ``--max-prefill-tokens N`` is given to the server (default: the server's
+own, 128 tokens of prefill between two decode steps, which cuts a 256-token prompt into two chunks, each
+a forward of its own; ``0`` prefills whole prompts).
 
     .venv/bin/python benchmarks/serve_vs_engine.py --json
 
@@ -116,13 +118,17 @@ def main() -> None:
     ap.add_argument("--short-new-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the engine and the server")
+    ap.add_argument("--max-prefill-tokens", type=int, default=None,
+                    help="the server's prefill budget per decode step (default: its own; 0: whole prompts)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
 
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "small-bf16"
         save_checkpoint(folder, args.layers)
-        proc, url = start_server(server_command(folder, args.threads), args.threads, Path(tmp) / "serve.log")
+        flags = () if args.max_prefill_tokens is None else ("--max-prefill-tokens", str(args.max_prefill_tokens))
+        proc, url = start_server(server_command(folder, args.threads, flags=flags), args.threads,
+                                 Path(tmp) / "serve.log")
         try:
             card = model_card(url)
             run(url, card["id"], make_prompts(1, 8, 0, card["vocab_size"], 99), 4, 1, 600)  # warm-up
@@ -134,7 +140,8 @@ def main() -> None:
     figures = best(rows)
     result = {"shape": f"small, {args.layers} layers, no MTP, bf16", "threads": args.threads,
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "short_prompt": args.short_prompt,
-              "short_new_tokens": args.short_new_tokens, "rounds": args.rounds, "best": figures,
+              "short_new_tokens": args.short_new_tokens, "max_prefill_tokens": args.max_prefill_tokens,
+              "rounds": args.rounds, "best": figures,
               "ratios": ratios(figures), "load_average": os.getloadavg()[0], "runs": rows}
     if args.json:
         print(json.dumps(result))

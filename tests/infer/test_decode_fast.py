@@ -311,30 +311,68 @@ def test_ragged_batches_and_the_mtp_layer_equal_the_module_path(precision, T, bf
             assert (g - r).abs().max() / r.abs().max() < limit, mode
 
 
+class PythonCounter:
+    """A routed-token counter that only Python code can call (no ``kernel_counts``): counts [n_experts]."""
+
+    def __init__(self, moe):
+        self.counts = torch.zeros(moe.n_experts, dtype=torch.long)
+
+    def __call__(self, idx: torch.Tensor) -> None:
+        self.counts += torch.bincount(idx.flatten(), minlength=len(self.counts))
+
+
 @needs_kernels
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
 @pytest.mark.parametrize("T", [1, 2])
-def test_counted_routing_keeps_the_kernels_and_counts_what_the_modules_route(precision, T, monkeypatch):
-    """A server counts every MoE layer's routed tokens (``RouterCounts``, its /metrics expert load). Then
-    each MoE block runs its attention half in the block kernel and its MoE half in separate kernel calls:
-    the block kernels' numbers (to the bit in bf16 and FP8), no block through its modules, the same
-    counts per layer and expert as the module path's over the same tokens (prefill included), and the
-    step kernel back once the counting stops."""
+def test_counted_routing_keeps_the_step_kernel_and_counts_what_the_modules_route(precision, T, monkeypatch):
+    """A server counts every MoE layer's routed tokens (``RouterCounts``, its /metrics expert load). Its
+    counters take counts from the kernels, so every decode step stays one step-kernel call, whose block
+    kernels add the experts they choose: the uncounted step kernel's numbers to the bit, and the same
+    counts per layer and expert as the module path's over the same tokens (prefill included)."""
     model = model_in(precision, against_modules=True)
     fast = decoder_in(model, "step kernel")
-    want = ragged_logits(model, decoder_in(model, "block kernel"), PROMPTS, T=T)
+    want = ragged_logits(model, decoder_in(model, "step kernel"), PROMPTS, T=T)
     by_modules = RouterCounts(model)
     ragged_logits(model, model, PROMPTS, T=T)
     by_modules.remove()
     counts = RouterCounts(model)
     calls = count_kernel_calls(monkeypatch)
     got = ragged_logits(model, fast, PROMPTS, T=T)
+    counts.remove()
+    steps = 3
+    assert len(calls["step"]) == steps and len(calls["block"]) == steps  # the MTP layer's block alone
+    assert all(p.moe_kernel is None for p in fast.blocks)
+    assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    assert counts() == by_modules() and all(sum(layer) for layer in counts()[0])
+    assert all(c.kernel_counts.sum() for c in counts.counts[:-1])  # the main layers' decode steps: the kernel's
+
+
+@needs_kernels
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("T", [1, 2])
+def test_routing_counted_in_python_keeps_the_block_kernels(precision, T, monkeypatch):
+    """A counter only Python can call (no ``kernel_counts``): each MoE block then runs its attention half in
+    the block kernel and its MoE half in separate kernel calls, the block kernels' numbers (to the bit in
+    bf16 and FP8), no block through its modules, the module path's counts, and the step kernel back once
+    the counting stops."""
+    model = model_in(precision, against_modules=True)
+    fast = decoder_in(model, "step kernel")
+    want = ragged_logits(model, decoder_in(model, "block kernel"), PROMPTS, T=T)
+    by_modules = RouterCounts(model)
+    ragged_logits(model, model, PROMPTS, T=T)
+    by_modules.remove()
+    counters = [PythonCounter(moe) for moe in model.moe_layers()]
+    for moe, counter in zip(model.moe_layers(), counters, strict=True):
+        moe.routed_counters.append(counter)
+    calls = count_kernel_calls(monkeypatch)
+    got = ragged_logits(model, fast, PROMPTS, T=T)
     assert [p.moe_kernel is not None for p in fast.blocks] == [p.ffn.routed is not None for p in fast.blocks]
     assert all(same_roundings(g, w) for g, w in zip(got, want, strict=True))
     steps, blocks = 3, model.config.num_hidden_layers + 1  # the MTP layer's block too
     assert len(calls["block"]) == steps * blocks and not calls["step"]
-    assert counts() == by_modules() and all(sum(layer) for layer in counts()[0])
-    counts.remove()
+    assert [c.counts.tolist() for c in counters] == by_modules()[0]
+    for moe in model.moe_layers():
+        moe.routed_counters.clear()
     calls["block"].clear()
     ragged_logits(model, fast, PROMPTS, T=T)
     assert len(calls["step"]) == steps and len(calls["block"]) == steps  # the MTP layer's block alone

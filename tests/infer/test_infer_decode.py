@@ -105,6 +105,36 @@ def test_merged_batches_equal_each_alone(model, speculative):
     assert [got[id(r)] for r in first + later] == alone
 
 
+@pytest.mark.parametrize("speculative", [False, True])
+def test_a_batch_that_never_empties_keeps_its_slots_bounded(model, speculative):
+    """A steady stream: a request joins every 3 steps and each decodes 6 tokens, so the batch never empties
+    in 36 steps. The slots no remaining row holds are dropped as rows leave and join, so the slot counter
+    stays within the longest live history (prompt, 6 tokens, and with MTP a hole per step at most), not one
+    or two slots a step since the start; every request's tokens equal its tokens alone."""
+    engine = Engine(model, speculative=speculative)
+    prompts = [PROMPTS[i % 3][: 2 + i % 9] for i in range(12)]
+    alone = [collect(engine, [Request(p, 6)])[0] for p in prompts]
+    requests = [Request(p, 6) for p in prompts]
+    got = {id(r): [] for r in requests}
+    batch, most = None, 0
+    for step in range(36):
+        if step % 3 == 0:
+            fresh = engine.start([requests[step // 3]])
+            for ev in fresh.first_events:
+                got[id(ev.request)] += ev.token_ids
+            batch = fresh if batch is None else (batch.merge(fresh) or batch)
+        for ev in batch.step():
+            got[id(ev.request)] += ev.token_ids
+        assert batch.rows  # never empty before the last request joined
+        most = max(most, batch.cur)
+    while batch.rows:
+        for ev in batch.step():
+            got[id(ev.request)] += ev.token_ids
+    assert [got[id(r)] for r in requests] == alone
+    longest = max(map(len, prompts)) + 6 + (6 if speculative else 0) + 2
+    assert most <= longest < 36
+
+
 def test_cancelled_request_leaves_the_batch(model):
     engine = Engine(model)
     keep, leave = Request(PROMPTS[0], 10), Request(PROMPTS[1], 10)

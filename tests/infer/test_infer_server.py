@@ -338,10 +338,10 @@ def test_metrics_count_requests_tokens_and_each_experts_load(server, model):
 
 def test_metrics_keep_the_fast_decode_path_and_count_what_the_module_path_routes(tokenizer, monkeypatch):
     """/metrics counts expert load where a decode step routes, not with forward hooks (a hooked MoE block
-    runs through its modules, several times slower): while serving, every decode step runs every block in
-    the C block kernel (an MoE block's attention half, then its MoE half on the per-op path, which counts),
-    and the per-expert loads /metrics reports equal what the module path's routers choose for the same
-    request (a copy of the model, counted by hooks, generating through its modules)."""
+    runs through its modules, several times slower): while serving, every decode step is one call of the C
+    step kernel (whose block kernels add the experts they choose to the counters), and the per-expert loads
+    /metrics reports equal what the module path's routers choose for the same request (a copy of the model,
+    counted by hooks, generating through its modules)."""
     from dsv3.kernels import decode_kernels as dk
 
     from .conftest import tiny_model
@@ -349,16 +349,16 @@ def test_metrics_keep_the_fast_decode_path_and_count_what_the_module_path_routes
 
     model = tiny_model(seed=3)
     reference = copy.deepcopy(model)
-    blocks = []
-    real = dk.decode_block
-    monkeypatch.setattr(dk, "decode_block", lambda *args: (blocks.append(1), real(*args))[1])
+    steps = []
+    real = dk.decode_step
+    monkeypatch.setattr(dk, "decode_step", lambda *args: (steps.append(1), real(*args))[1])
     prompt, new = [5, 6, 7, 8, 9], 6
     body = {"prompt": prompt, "max_tokens": new, "temperature": 0, "ignore_eos": True}
     with serving(create_app(Engine(model, tokenizer), model_name="tiny")) as url:
         reply = httpx.post(url + "/v1/completions", json=body, timeout=30).json()
         samples = parse(httpx.get(url + "/metrics", timeout=10).text)
     if dk.kernels_available():
-        assert len(blocks) == (new - 1) * model.config.num_hidden_layers
+        assert len(steps) == new - 1
     served = {(int(dict(labels)["layer"]), int(dict(labels)["expert"])): value
               for (name, labels), value in samples.items() if name == "dsv3_expert_tokens_total"}
 

@@ -5,8 +5,12 @@ Cache layout. A batch shares one slot counter ``cur``: every step writes its chu
 [cur, cur + T) for all rows. Positions (for RoPE) are kept per row, separately from slots, and a
 bool ``valid[B, S]`` says which slots hold a row's real tokens. Left padding, a rejected draft in one
 row while another row accepted, and rows shifted when two batches merge all become invalid slots
-("holes") that the attention mask hides. With one row there are never holes: a rejected draft's slot is
-simply overwritten by the next step (the cache is positional), and no mask is built at all.
+("holes") that the attention mask hides. When a row leaves, joins or the cache grows, the slots before
+the first one any remaining row holds are dropped (every row shifted left alike): under a steady stream
+of requests the batch never empties, and without that its slot counter, and with it every step's
+attention span and the cache, would grow by a slot a step for as long as the server runs. With one row
+there are never holes: a rejected draft's slot is simply overwritten by the next step (the cache is
+positional), and no mask is built at all.
 
 Speculation (MTP depth 1, as DeepSeek-V3 ships). The MTP layer at position i reads the main model's
 final hidden state at i and the embedding of token i + 1 and predicts token i + 2. Each step feeds
@@ -425,14 +429,21 @@ class Batch:
     def _moved_into(self, cache: LatentCache, valid: torch.Tensor, row: int, keep: list[int],
                     shift: int) -> tuple[LatentCache, torch.Tensor]:
         """Copy rows ``keep`` of this batch's cache and ``valid`` into ``cache`` and ``valid`` from row ``row``
-        on, ``shift`` slots to the right; returns (cache, valid)."""
-        cur, rows = self.cur, slice(row, row + len(keep))
+        on, ``shift`` slots to the right (a negative shift drops the first -shift slots, which must be holes
+        of every row in ``keep``: ``_first_live_slot``); returns (cache, valid)."""
+        cur, rows, first = self.cur, slice(row, row + len(keep)), max(0, -shift)
         idx = torch.tensor(keep, dtype=torch.long)
         on_device = idx.to(self.device)
-        cache.kv[:, rows, shift : shift + cur] = self.cache.kv[:, on_device, :cur]
-        cache.pe[:, rows, shift : shift + cur] = self.cache.pe[:, on_device, :cur]
-        valid[rows, shift : shift + cur] = self.valid[idx, :cur]
+        cache.kv[:, rows, first + shift : cur + shift] = self.cache.kv[:, on_device, first:cur]
+        cache.pe[:, rows, first + shift : cur + shift] = self.cache.pe[:, on_device, first:cur]
+        valid[rows, first + shift : cur + shift] = self.valid[idx, first:cur]
         return cache, valid
+
+    def _first_live_slot(self, rows: list[int]) -> int:
+        """The first slot below ``cur`` that any of ``rows`` holds a token in (``cur`` when none does): every
+        slot before it is a hole of all of them, which a reshape may drop."""
+        live = self.valid[rows, : self.cur].any(0) if rows else torch.zeros(0, dtype=torch.bool)
+        return int(live.int().argmax()) if bool(live.any()) else self.cur
 
     def _set(self, cache: LatentCache, valid: torch.Tensor, cur: int) -> None:
         self.cache, self.valid, self.cur = cache, valid, cur
@@ -447,22 +458,27 @@ class Batch:
 
     def _ensure_capacity(self) -> None:
         if self.cur + self.T > self.cache.max_len:
-            self._set(*self._reshape(list(range(len(self.rows))), 0, self._capacity_for(self.cur)), self.cur)
+            rows = list(range(len(self.rows)))
+            lead = self._first_live_slot(rows)
+            cur = self.cur - lead
+            self._set(*self._reshape(rows, -lead, self._capacity_for(cur)), cur)
 
     def drop(self, finished: list[int]) -> None:
         """Remove rows (finished or cancelled) so that they cost nothing from the next step on."""
         if not finished:
             return
         keep = [b for b in range(len(self.rows)) if b not in set(finished)]
-        if keep:
-            self._set(*self._reshape(keep, 0, self.cache.max_len), self.cur)
+        if keep:  # the slots before the first one a kept row holds go too (see the module docstring)
+            lead = self._first_live_slot(keep)
+            self._set(*self._reshape(keep, -lead, self.cache.max_len - lead), self.cur - lead)
         self.rows = [self.rows[b] for b in keep]
 
     def merge(self, other: Batch) -> None:
-        """Continuous batching: take ``other``'s rows into this batch. The shorter history is shifted
-        right so both end at the same slot; positions are per row, so nothing is recomputed."""
-        cur = max(self.cur, other.cur)
+        """Continuous batching: take ``other``'s rows into this batch. Both histories are shifted so that they
+        end at the same slot, the shorter one right, and slots that none of a batch's rows holds dropped from
+        its left; positions are per row, so nothing is recomputed."""
         mine, theirs = list(range(len(self.rows))), list(range(len(other.rows)))
+        cur = max(self.cur - self._first_live_slot(mine), other.cur - other._first_live_slot(theirs))
         slots = max(self._capacity_for(cur), other._capacity_for(cur), self.cache.max_len + cur - self.cur,
                     other.cache.max_len + cur - other.cur)
         n = len(mine) + len(theirs)

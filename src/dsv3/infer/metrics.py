@@ -75,8 +75,11 @@ class ExpertCounts:
     """Routed tokens per expert of one MoE layer: a counter for ``MoE.routed_counters``. A call only keeps
     the chosen experts' index tensor (it runs in every decode step of every MoE layer, where each tensor
     operation costs interpreter time between the kernels); every ``FOLD`` calls, and on each read, the
-    kept tensors are added into the counts in one bincount. The worker thread calls, the HTTP thread
-    reads: folding holds a lock, appending needs none (a list append is atomic)."""
+    kept tensors are added into the counts in one bincount. The fast decode path's block kernel does not
+    call it: it adds the experts it chooses into ``kernel_counts`` itself (``decode.kernel_tally``), so a
+    counted layer keeps the whole-step kernel; a read sums both. The worker thread calls, the HTTP thread
+    reads: folding holds a lock, appending needs none (a list append is atomic), and the kernel's adds are
+    whole 64-bit words that a read sees before or after."""
 
     FOLD = 256
 
@@ -84,6 +87,7 @@ class ExpertCounts:
         self.n_experts = n_experts
         self.counts = torch.zeros(n_experts, dtype=torch.long, device=device)
         self.pending: list[torch.Tensor] = []
+        self.kernel_counts = torch.zeros(n_experts, dtype=torch.long)  # the C kernels' adds (CPU only)
         self.lock = threading.Lock()
 
     def __deepcopy__(self, memo) -> ExpertCounts:
@@ -106,16 +110,16 @@ class ExpertCounts:
 
     def tolist(self) -> list[int]:
         self.fold()
-        return self.counts.tolist()
+        return (self.counts.cpu() + self.kernel_counts).tolist()
 
 
 class RouterCounts:
     """Routed tokens per (MoE layer, expert) in one process, counted wherever each layer routes: an
     :class:`ExpertCounts` in every layer's ``MoE.routed_counters``, which the module path (``MoE.route``)
-    and the fast decode path (its per-op MoE half, ``decode.FeedForwardPlan``) call with the chosen
-    experts. Not a forward hook: a hooked layer would run every decode step through its modules, several
-    times slower. Counts live on the router's device (no sync per step) and are made here, outside
-    inference mode, so that any forward may add to them."""
+    and the fast decode path's per-op calls (``decode.FeedForwardPlan``) call with the chosen experts, and
+    whose ``kernel_counts`` its block kernels add to. Not a forward hook: a hooked layer would run every
+    decode step through its modules, several times slower. Counts live on the router's device (no sync per
+    step) and are made here, outside inference mode, so that any forward may add to them."""
 
     def __init__(self, model):
         self.layers = model.moe_layers()

@@ -25,8 +25,10 @@ weight once plus a fixed cost per call; the module path makes about 4,000 PyTorc
 A layer the kernels cannot run (forward hooks, an expert-parallel dispatcher or a simulated combine
 format, experts of another kind, linear layers of another kind) runs through its own module, so the
 result is always the model's. An MoE layer that counts its routed tokens (``MoE.routed_counters``: a
-server's expert load) runs its attention half in the block kernel and its MoE half on the per-op path,
-where the chosen experts are seen and counted. ``FastDecode(model, block_kernel=False)`` stops at the
+server's expert load) with a counter the kernels can add to (one with ``kernel_counts``) stays in the
+block and step kernels, which add the experts they choose into that tensor; with any other counter its
+block runs the attention half in the block kernel and the MoE half on the per-op path, where the chosen
+experts are seen and counted. ``FastDecode(model, block_kernel=False)`` stops at the
 per-op path and ``FastDecode(model, use_kernels=False)`` runs it with PyTorch matmuls in place of the C
 kernels (tests compare all of them).
 """
@@ -225,8 +227,9 @@ class ModuleSnapshot:
     def _formats(self) -> list:
         return list(map(_combine_format, self.dispatchers))
 
-    def _counting(self) -> list[bool]:
-        return [bool(m.routed_counters) for m in self.moes]
+    def _counting(self) -> list[tuple[int, ...]]:
+        """Each MoE layer's counters, by identity (a counter replaced by another needs a new plan)."""
+        return [tuple(map(id, m.routed_counters)) for m in self.moes]
 
     def holds(self) -> bool:
         """Whether the modules are still as they were when this snapshot was taken."""
@@ -242,10 +245,11 @@ class BlockPlan:
     """One block's decode step: through the block kernel (``kernel``, one C call) when it can run it, else
     through the per-op plans (``attn``, ``ffn``), else (``ok`` False) through the block's own modules.
 
-    An MoE layer that counts its routed tokens (``MoE.routed_counters``, a server's expert load) cannot
-    run in the block kernel, which keeps its routing to itself: its block runs the attention half in the
-    block kernel (``attention_kernel``) and the MoE half in separate kernel calls (``moe_kernel``, else
-    the per-op plan), which route in Python's sight and count."""
+    An MoE layer that counts its routed tokens (``MoE.routed_counters``, a server's expert load) runs in
+    the block kernel when its one counter takes counts from kernels (``kernel_tally``): the kernel adds
+    the experts it chooses into that counter's tensor. With other counters its block runs the attention
+    half in the block kernel (``attention_kernel``) and the MoE half in separate kernel calls
+    (``moe_kernel``, else the per-op plan), which route in Python's sight and call every counter."""
 
     def __init__(self, block: Block, dtype: torch.dtype):
         self.block, self.dtype = block, dtype
@@ -254,9 +258,10 @@ class BlockPlan:
         self.ffn = FeedForwardPlan(block.mlp)
         self.ok = self.attn.ok and self.ffn.ok and not self.snapshot.hooked
         # integer experts (--weights int8|int4) are not the block kernel's: their MoE half runs per op, as a
-        # counted layer's does, after the attention half in the block kernel
-        counted = any(self.snapshot.counting) or self.ffn.integer
-        self.kernel = None if counted else BlockKernel.of(self)
+        # layer's does whose counters the kernel cannot add to, after the attention half in the block kernel
+        self.tally = kernel_tally(self.ffn.mlp) if any(self.snapshot.counting) else None
+        counted = (any(self.snapshot.counting) and self.tally is None) or self.ffn.integer
+        self.kernel = None if counted else BlockKernel.of(self, tally=self.tally)
         self.attention_kernel = BlockKernel.of(self, feed_forward=False) if counted else None
         self.moe_kernel = MoEHalfKernel.of(self) if self.attention_kernel is not None else None
 
@@ -338,6 +343,17 @@ class MoEHalfKernel:
         return x + out.view(x.shape)
 
 
+def kernel_tally(mlp: nn.Module) -> torch.Tensor | None:
+    """The tensor the block kernel adds an MoE layer's chosen experts into (int64 [n_experts], on the CPU):
+    the ``kernel_counts`` of the layer's counter when it has exactly one and that one takes counts from
+    kernels (``MoE.routed_counters``); None otherwise (the layer is then counted in Python's sight)."""
+    counters = getattr(mlp, "routed_counters", [])
+    tally = getattr(counters[0], "kernel_counts", None) if len(counters) == 1 else None
+    ok = (isinstance(tally, torch.Tensor) and tally.dtype == torch.long and tally.device.type == "cpu"
+          and tally.is_contiguous() and tally.shape == (mlp.n_experts,))
+    return tally if ok else None
+
+
 def _norm_ok(norm: RMSNorm, dtype: torch.dtype) -> bool:
     w = norm.weight
     return type(norm) is RMSNorm and w.dtype == dtype and w.is_contiguous() and w.device.type == "cpu"
@@ -354,10 +370,11 @@ class BlockKernel:
         self.layer = desc.fields["layer"]  # the cache layer it writes: a step's cache must have it
 
     @classmethod
-    def of(cls, plan: BlockPlan, feed_forward: bool = True) -> BlockKernel | None:
+    def of(cls, plan: BlockPlan, feed_forward: bool = True, tally: torch.Tensor | None = None) -> BlockKernel | None:
         """The plan's block kernel, or None when the C kernels are not built or cannot read one of its
         tensors (that block then runs the per-op path). ``feed_forward=False``: the attention half alone,
-        x + attn(norm(x)), for a block whose MoE half runs on the per-op path (see ``BlockPlan``)."""
+        x + attn(norm(x)), for a block whose MoE half runs on the per-op path (see ``BlockPlan``).
+        ``tally``: int64 [n_experts] that every step adds the chosen experts into (``kernel_tally``)."""
         if not plan.ok or plan.dtype not in dk.A_KIND or not dk.block_kernel_available():
             return None
         b, a, f = plan.block, plan.attn, plan.ffn
@@ -376,7 +393,8 @@ class BlockKernel:
         if (not all(_norm_ok(n, plan.dtype) for n in norms) or None in linears or routed is None or shared is None
                 or router is None or any(w.device.type != "cpu" or w.stride(-1) != 1 for w in (w_uk, w_uv))):
             return None
-        keep = [n.weight.detach() for n in norms] + router[1] + ([] if zero is None else [zero])
+        tally = tally if zero is None and f.routed is not None else None
+        keep = [n.weight.detach() for n in norms] + router[1] + ([] if zero is None else [zero]) + [tally]
         q_a, q_b = linears[:-2] if len(a.q) == 2 else ({}, linears[0])
         desc = dk.Descriptor(
             "block", akind=dk.A_KIND[plan.dtype], dim=b.input_layernorm.weight.shape[0], layer=m.layer_idx,
@@ -387,7 +405,8 @@ class BlockKernel:
             q_a=q_a, q_b=q_b, kv_a=linears[-2], o=linears[-1], w_uk=w_uk.data_ptr(), w_uv=w_uv.data_ptr(),
             uk_hstride=w_uk.stride(0), uk_rstride=w_uk.stride(1), uv_hstride=w_uv.stride(0),
             uv_rstride=w_uv.stride(1), w_kind=dk.A_KIND[w_uk.dtype], heads=m.n_heads, nope=m.nope, rope=m.rope,
-            v_dim=m.v_dim, kv_rank=m.kv_rank, softmax_scale=m.scale, routed=routed, shared=shared, **router[0])
+            v_dim=m.v_dim, kv_rank=m.kv_rank, softmax_scale=m.scale, routed=routed, shared=shared,
+            expert_counts=None if tally is None else tally.data_ptr(), **router[0])
         return cls(desc, keep)
 
 

@@ -1452,6 +1452,7 @@ typedef struct { /* one block's weights and constants (made once per plan) */
     float route_scale;
     BlkExperts routed, shared; /* shared.gate NULL: no shared expert */
     int64_t w_kind;            /* of w_uk and w_uv */
+    int64_t *expert_counts;    /* [routed.n_experts]: each row's chosen experts are added here; NULL: not counted */
 } BlkDesc;
 
 typedef struct { /* one decode step, shared by all blocks */
@@ -1582,6 +1583,9 @@ static void blk_feed_forward(const BlkDesc *d, const BlkStep *s, const void *h, 
         float *gates = (float *)malloc((size_t)(M * k + 1) * sizeof(float));
         dsv3_route(d->router, d->router_bias, d->routed.n_experts, d->dim, h, ak, M, (int)d->softmax, d->n_group,
                    d->topk_group, (int)d->group_sum, k, (int)d->normalize, d->route_scale, idx, gates, nt);
+        if (d->expert_counts) /* the server's expert load, counted where the routing is known */
+            for (int64_t p = 0; p < M * k; p++)
+                if (idx[p] >= 0 && idx[p] < d->routed.n_experts) d->expert_counts[idx[p]]++;
         PROF(PH_ROUTE);
         blk_experts(&d->routed, h, ak, M, idx, gates, k, y, 0, nt);
         PROF(PH_ROUTED);
@@ -1787,6 +1791,7 @@ static const DescField BLOCK_FIELDS[] = {
     FIELD(BlkDesc, n_group, F_I64), FIELD(BlkDesc, topk_group, F_I64), FIELD(BlkDesc, group_sum, F_I64),
     FIELD(BlkDesc, topk, F_I64), FIELD(BlkDesc, normalize, F_I64), FIELD(BlkDesc, route_scale, F_F32),
     EXPERTS(BlkDesc, routed), EXPERTS(BlkDesc, shared), FIELD(BlkDesc, w_kind, F_I64),
+    FIELD(BlkDesc, expert_counts, F_PTR),
 };
 static const DescField STEP_FIELDS[] = {
     FIELD(BlkStep, rows, F_I64), FIELD(BlkStep, T, F_I64), FIELD(BlkStep, start, F_I64),

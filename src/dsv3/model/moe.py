@@ -126,7 +126,8 @@ class MoE(nn.Module):
         # Counters of the routed tokens kept in any mode (a server's /metrics, ``dsv3.infer.metrics``):
         # every path that routes this layer's tokens calls each with the chosen experts. Counting here
         # rather than in a forward hook keeps the fast decode path usable (a hook forces a layer through
-        # its modules).
+        # its modules). When the only counter has a ``kernel_counts`` tensor (int64 [n_experts], CPU), kernels
+        # that route without Python (``dsv3.kernels.decode``'s block kernel) add their choices to it instead.
         self.routed_counters: list[Callable[[torch.Tensor], None]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
