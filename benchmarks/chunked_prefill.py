@@ -143,7 +143,7 @@ def plot(runs: dict[int, dict], path: Path, long_prompt: int, streams: int) -> N
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--chunks", default="0,64", help="--max-prefill-tokens values, comma-separated (default: 0,64)")
+    ap.add_argument("--chunks", default="0,256", help="--max-prefill-tokens values, comma-separated (default: 0,256)")
     ap.add_argument("--layers", type=int, default=4, help="layers of the small shape (default: 4)")
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--long-prompt", type=int, default=4000)

@@ -103,9 +103,9 @@ def test_disabled_by_environment(monkeypatch):
     assert not a.any() and b.shape == (3,)
 
 
-@needs_thp
-def test_latent_cache_on_huge_pages_when_large():
+def test_latent_cache_is_zeros_of_its_shape():
+    """The cache stays on ordinary pages (a server allocates one whenever its batch changes; see LatentCache)."""
     cfg = preset("small")
     big = LatentCache(cfg, 2, 2048)
-    assert big.kv.data_ptr() % huge_pages.HUGE_PAGE == 0 and not big.kv.any() and not big.pe.any()
+    assert not big.kv.any() and not big.pe.any()
     assert big.kv.shape == (cfg.num_hidden_layers + cfg.num_nextn_predict_layers, 2, 2048, cfg.kv_lora_rank)

@@ -2,9 +2,10 @@
 
 A prompt's prefill is one forward over all its tokens; on a CPU a 4,000-token prompt takes most of a
 second, and every stream that is decoding meanwhile gets no token. The server's scheduler therefore
-spends at most ``max_prefill_tokens`` prompt tokens of prefill between two decode steps: short prompts
-are prefilled together as before, and a longer one is cut into chunks of that many tokens (the
-``--max-prefill-tokens`` option of ``dsv3 serve``).
+prefills at most ``max_prefill_tokens`` prompt tokens whole between two decode steps (the
+``--max-prefill-tokens`` option of ``dsv3 serve``): short prompts are prefilled together as before (a
+whole prefill is the cheapest per token), and a longer one is cut into chunks of at most
+``MAX_CHUNK_TOKENS``, sized by time (below).
 
 A chunk is the prompt's tokens [s, e) run at positions s.. with the cache already holding slots [0, s),
 so it attends to every earlier chunk: the same computation as one prefill, in pieces. It runs on the
@@ -33,7 +34,10 @@ import torch
 from dsv3.errors import DSV3Error
 from dsv3.infer.engine import Batch, Engine, Event, Request
 from dsv3.infer.prefix_cache import CachingBatch
+from dsv3.kernels.decode_kernels import MAX_KERNEL_ROWS
 from dsv3.model.mla import LatentCache
+
+MAX_CHUNK_TOKENS = MAX_KERNEL_ROWS  # the most tokens the decode kernels take in one call
 
 
 class ChunkedPrefill:

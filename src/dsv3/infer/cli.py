@@ -290,8 +290,9 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-# serve's prefill budget between two decode steps, measured: benchmarks/chunked_prefill.py (docs/inference.md)
-MAX_PREFILL_TOKENS = 64
+# serve's whole-prefill budget between two decode steps, measured: benchmarks/chunked_prefill.py and
+# benchmarks/serve_vs_engine.py (docs/inference.md)
+MAX_PREFILL_TOKENS = 256
 
 
 @serve_app.command()
@@ -322,10 +323,11 @@ def serve(
     prefix_cache_dir: str | None = typer.Option(None, "--prefix-cache-dir", metavar="DIR",
                                                 help="Keep evicted prefix blocks in this folder and reuse them."),
     max_prefill_tokens: int | None = typer.Option(None, "--max-prefill-tokens", metavar="N", show_default=False,
-                                                  help="Most prompt tokens prefilled between two decode steps: a "
-                                                       "longer prompt is prefilled in chunks of at most N, each "
-                                                       "sized to take about one decode step's time, so streams "
-                                                       "that are decoding keep going; 0 prefills whole prompts "
+                                                  help="Most prompt tokens prefilled whole between two decode "
+                                                       "steps (waiting prompts that fit go together); a longer "
+                                                       "prompt is prefilled in chunks, each sized to take about "
+                                                       "one decode step's time, so streams that are decoding "
+                                                       "keep going; 0 prefills whole prompts "
                                                        f"(default: {MAX_PREFILL_TOKENS})."),
     ep: int | None = typer.Option(None, "--ep", metavar="N", show_default=False,
                                   help="Expert parallel over N processes started by dsv3 launch --nproc N."),

@@ -5,9 +5,9 @@ request never waits for others to finish; a cancelled request (its client went a
 the batch at the next step, which frees its share of the compute and of the cache. Every request's
 timing and every step's batch size go to ``metrics`` (``GET /metrics``).
 
-With ``engine.max_prefill_tokens`` set, at most that many prompt tokens are prefilled between two decode
-steps: admitted requests wait their turn in ``prefilling``, short prompts are prefilled together while
-their lengths fit the budget, and a longer prompt a chunk at a time (``dsv3.infer.chunked_prefill``): the
+With ``engine.max_prefill_tokens`` set, at most that many prompt tokens are prefilled whole between two
+decode steps: admitted requests wait their turn in ``prefilling``, short prompts are prefilled together
+while their lengths fit the budget, and a longer prompt a chunk at a time (``dsv3.infer.chunked_prefill``): the
 streams that are decoding wait for one chunk at a time, not for the whole prefill. Each chunk is sized to
 take about as long as one of the running batch's recent decode steps (measured), so that the streams get a
 token at least every two steps' time, however far into a long prompt the chunks are.
@@ -21,7 +21,7 @@ import threading
 from collections import deque
 from collections.abc import Callable
 
-from dsv3.infer.chunked_prefill import ChunkedPrefill
+from dsv3.infer.chunked_prefill import MAX_CHUNK_TOKENS, ChunkedPrefill
 from dsv3.infer.engine import Batch, Engine, Event, Request, merged
 from dsv3.infer.metrics import ServingMetrics
 
@@ -130,7 +130,7 @@ class Scheduler:
             request = self.prefilling[0]
             self.metrics.admitted(request)
             try:
-                self.prefilling[0] = ChunkedPrefill(self.engine, request, budget)
+                self.prefilling[0] = ChunkedPrefill(self.engine, request, min(budget, MAX_CHUNK_TOKENS))
             except Exception as exc:
                 self.prefilling.popleft()
                 self._fail([request], exc)

@@ -1,4 +1,5 @@
-"""CPU tensors on transparent huge pages, for what a decode step streams: the weights and the latent cache.
+"""CPU tensors on transparent huge pages, for what a decode step streams: the weights (the latent cache, which
+a server allocates anew whenever its batch changes, stays on ordinary pages: see ``dsv3.model.mla.LatentCache``).
 
 A batch-1 decode step reads every weight it touches once, about 100 MB on the ``small`` preset, so its
 speed is the memory's read speed. With 4 KB pages that read also pays a TLB miss every 4 KB, and in a
