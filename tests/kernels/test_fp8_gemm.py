@@ -60,7 +60,7 @@ def operands(m=8, n=32, k=256, b_block=(128, 128), fmt="e4m3"):
 
 def cuda_op(a_q, a_s, b_q, b_s, backend, b_rows=128):
     """The op's CUDA registration, called directly on CPU tensors (the dispatcher would send them elsewhere)."""
-    return fp8_gemm._fp8_blockwise_mm_cuda(a_q, a_s, b_q, b_s, torch.float32, b_rows, backend)
+    return fp8_gemm.fp8_blockwise_mm_cuda(a_q, a_s, b_q, b_s, torch.float32, b_rows, backend)
 
 
 @pytest.fixture

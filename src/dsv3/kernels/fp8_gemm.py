@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from dsv3.errors import DSV3Error
 from dsv3.kernels import fp8_triton
-from dsv3.precision.fp8 import CUDA_BACKENDS, TILE, fp8_blockwise_mm, quantize, scaled_mm_chunked
+from dsv3.precision.fp8 import CUDA_BACKENDS, TILE, fp8_blockwise_mm_reference, quantize, scaled_mm_chunked
 
 # The tensor cores' FP8 products are summed in a narrow adder within each 128-wide chunk (about 13 fraction
 # bits, measured by benchmarks/gpu_accumulation.py); only the chunk results are promoted to FP32. A probe
@@ -79,12 +79,11 @@ def refusal(name: str, a_q: torch.Tensor, b_q: torch.Tensor, b_block: tuple[int,
     return None if ok else f"its probe GEMM failed ({why})"
 
 
-@fp8_blockwise_mm.register_kernel("cuda")
-def _fp8_blockwise_mm_cuda(a_q, a_scale, b_q, b_scale, out_dtype, b_block_rows, backend):
+def fp8_blockwise_mm_cuda(a_q, a_scale, b_q, b_scale, out_dtype, b_block_rows, backend):
     """``auto``: the first kernel that takes the operands (a cuBLAS refusal of a shape its probe did not cover
     moves on to the next), else the reference; ``torch`` / ``triton``: that kernel or an error."""
     if backend not in ("auto", *CUDA_BACKENDS):
-        return fp8_blockwise_mm._init_fn(a_q, a_scale, b_q, b_scale, out_dtype, b_block_rows, backend)
+        return fp8_blockwise_mm_reference(a_q, a_scale, b_q, b_scale, out_dtype, b_block_rows, backend)
     b_block = (b_block_rows, TILE)
     for name in CUDA_BACKENDS if backend == "auto" else (backend,):
         why = refusal(name, a_q, b_q, b_block)
@@ -96,4 +95,7 @@ def _fp8_blockwise_mm_cuda(a_q, a_scale, b_q, b_scale, out_dtype, b_block_rows, 
         if backend != "auto":
             raise DSV3Error(f"FP8 GEMM backend {name!r} cannot run {tuple(a_q.shape)} x {tuple(b_q.shape)} on "
                             f"{a_q.device}: {why}")
-    return fp8_blockwise_mm._init_fn(a_q, a_scale, b_q, b_scale, out_dtype, b_block_rows, "dequantized")
+    return fp8_blockwise_mm_reference(a_q, a_scale, b_q, b_scale, out_dtype, b_block_rows, "dequantized")
+
+
+torch.library.impl("dsv3::fp8_blockwise_mm", "cuda", fp8_blockwise_mm_cuda)

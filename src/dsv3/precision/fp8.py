@@ -178,8 +178,8 @@ def scaled_mm(
     CUDA kernel (cuBLAS blockwise, then our Triton kernel; both registered by ``dsv3.kernels``) and
     otherwise ``dequantized``: one FP32 GEMM on the dequantized operands, the same sum as the chunked
     form up to FP32 rounding (there is no narrow accumulator to promote from on a CPU). ``chunked`` is
-    the literal per-chunk reference (:func:`scaled_mm_chunked`). The work is ``torch.ops.dsv3.
-    fp8_blockwise_mm`` (:func:`fp8_blockwise_mm`).
+    the literal per-chunk reference (:func:`scaled_mm_chunked`). The work is one op,
+    ``torch.ops.dsv3.fp8_blockwise_mm`` (:func:`fp8_blockwise_mm_reference`).
     """
     if b_block not in ((TILE, TILE), (1, TILE)):
         raise DSV3Error(f"b_block must be (128, 128) or (1, 128), got {b_block!r}")
@@ -193,10 +193,18 @@ def scaled_mm(
 
 CUDA_BACKENDS = ("torch", "triton")  # the kernels dsv3.kernels.fp8_gemm registers for CUDA tensors
 
+# A plain torch.library op (define, impl, fake) rather than a torch.library.custom_op like the decode ops: an FP8
+# training step calls it hundreds of times (three GEMMs per linear and expert), and custom_op's Python wrappers
+# (an autograd layer, a dynamo guard) cost several times the dispatcher's own few microseconds a call on a CPU.
+torch.library.define(
+    "dsv3::fp8_blockwise_mm",
+    "(Tensor a_q, Tensor a_scale, Tensor b_q, Tensor b_scale, ScalarType out_dtype, int b_block_rows, str backend)"
+    " -> Tensor",
+)
 
-@torch.library.custom_op("dsv3::fp8_blockwise_mm", mutates_args=())
-def fp8_blockwise_mm(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, out_dtype: torch.dtype,
-                     b_block_rows: int, backend: str) -> Tensor:
+
+def fp8_blockwise_mm_reference(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, out_dtype: torch.dtype,
+                               b_block_rows: int, backend: str) -> Tensor:
     """The op behind :func:`scaled_mm` (operands checked there): A [M, K] FP8 with a_scale [M, K/128] times
     B [N, K] FP8 with b_scale [N / b_block_rows, K/128] (b_block_rows 1 or 128), transposed. This is its
     PyTorch reference, the op on every device: ``chunked`` or, for ``auto`` and ``dequantized``, one FP32
@@ -214,9 +222,15 @@ def fp8_blockwise_mm(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor,
     return (a @ b.t()).to(out_dtype)
 
 
-@fp8_blockwise_mm.register_fake
+torch.library.impl("dsv3::fp8_blockwise_mm", "default", fp8_blockwise_mm_reference)
+
+
+@torch.library.register_fake("dsv3::fp8_blockwise_mm")
 def _fp8_blockwise_mm_fake(a_q, a_scale, b_q, b_scale, out_dtype, b_block_rows, backend):
     return a_q.new_empty(a_q.shape[0], b_q.shape[0], dtype=out_dtype)
+
+
+fp8_blockwise_mm = torch.ops.dsv3.fp8_blockwise_mm.default
 
 
 def _chunked(q: torch.Tensor, kb: int) -> torch.Tensor:
