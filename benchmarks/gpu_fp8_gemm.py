@@ -62,8 +62,10 @@ def check_correctness(available: list[str]) -> bool:
             )
             cpu = fp8.scaled_mm(a_q.cpu(), a_s.cpu(), b_q.cpu(), b_s.cpu(), torch.float32, b_block)
             for name in available:
-                if name in fp8.CUDA_BACKENDS and fp8_gemm.refusal(name, a_q, b_q, b_block):
-                    continue  # e.g. cuBLAS and a K that is not a multiple of 128
+                why = fp8_gemm.refusal(name, a_q, b_q, b_block) if name in fp8.CUDA_BACKENDS else None
+                if why:  # e.g. cuBLAS and a K that is not a multiple of 128
+                    emit(kind="correctness_skipped", backend=name, b_block=list(b_block), mnk=[m, n, k], why=why)
+                    continue
                 got = fp8.scaled_mm(a_q, a_s, b_q, b_s, torch.float32, b_block, backend=name).cpu().double()
                 rel = float(torch.linalg.norm(got - ref) / torch.linalg.norm(ref))
                 rel_cpu = float(torch.linalg.norm(got - cpu.double()) / torch.linalg.norm(ref))
@@ -138,7 +140,7 @@ def main() -> int:
          torch=torch.__version__, cuda=torch.version.cuda)  # fmt: skip
     available = []
     for name in fp8.CUDA_BACKENDS:
-        probes = {str(blk): fp8_gemm.probe(name, blk) for blk in ((128, 128), (1, 128))}
+        probes = {str(blk): fp8_gemm.probe(name, blk, "cuda:0") for blk in ((128, 128), (1, 128))}
         emit(kind="backend", backend=name, validated={k: v[0] for k, v in probes.items()},
              detail={k: v[1] for k, v in probes.items()})  # fmt: skip
         if probes[str((128, 128))][0]:

@@ -52,9 +52,9 @@ KERNELS = {"torch": torch_blockwise, "triton": fp8_triton.triton_blockwise}  # C
 
 
 @functools.cache
-def probe(name: str, b_block: tuple[int, int] = (TILE, TILE), device: str = "cuda:0") -> tuple[bool, str]:
-    """Run kernel ``name`` once on a probe GEMM on ``device``: (usable, why). It is usable only if it agrees
-    with the chunked reference within CUDA_PROBE_TOLERANCE."""
+def probe(name: str, b_block: tuple[int, int], device: str) -> tuple[bool, str]:
+    """Run kernel ``name`` once on a probe GEMM on ``device`` (``str(tensor.device)``, e.g. "cuda:0"): (usable,
+    why). It is usable only if it agrees with the chunked reference within CUDA_PROBE_TOLERANCE."""
     if name == "triton" and fp8_triton.MISSING:
         return False, fp8_triton.MISSING
     gen = torch.Generator(device="cpu").manual_seed(0)
