@@ -12,6 +12,7 @@ import time
 
 import torch
 
+from dsv3.kernels import fp8_gemm  # registers the CUDA kernels of torch.ops.dsv3.fp8_blockwise_mm
 from dsv3.precision import fp8
 from dsv3.precision.fp8_linear import fp8_linear
 
@@ -61,14 +62,15 @@ def check_correctness(available: list[str]) -> bool:
             )
             cpu = fp8.scaled_mm(a_q.cpu(), a_s.cpu(), b_q.cpu(), b_s.cpu(), torch.float32, b_block)
             for name in available:
-                fits = name != "torch" or (k % 128 == 0 and n % 16 == 0)
-                if not fits:
+                why = fp8_gemm.refusal(name, a_q, b_q, b_block) if name in fp8.CUDA_BACKENDS else None
+                if why:  # e.g. cuBLAS and a K that is not a multiple of 128
+                    emit(kind="correctness_skipped", backend=name, b_block=list(b_block), mnk=[m, n, k], why=why)
                     continue
                 got = fp8.scaled_mm(a_q, a_s, b_q, b_s, torch.float32, b_block, backend=name).cpu().double()
                 rel = float(torch.linalg.norm(got - ref) / torch.linalg.norm(ref))
                 rel_cpu = float(torch.linalg.norm(got - cpu.double()) / torch.linalg.norm(ref))
-                # the CUDA kernels sum each 128-chunk in the tensor cores' narrow FP8 adder (see fp8.py)
-                passed = rel <= (fp8.CUDA_PROBE_TOLERANCE if name in ("torch", "triton") else 1e-5)
+                # the CUDA kernels sum each 128-chunk in the tensor cores' narrow FP8 adder (see fp8_gemm.py)
+                passed = rel <= (fp8_gemm.CUDA_PROBE_TOLERANCE if name in fp8.CUDA_BACKENDS else 1e-5)
                 ok &= passed
                 emit(kind="correctness", backend=name, b_block=list(b_block), mnk=[m, n, k],
                      rel_err_vs_float64=rel, rel_diff_vs_cpu=rel_cpu, passed=passed)  # fmt: skip
@@ -137,8 +139,8 @@ def main() -> int:
     emit(kind="device", name=torch.cuda.get_device_name(), capability=list(torch.cuda.get_device_capability()),
          torch=torch.__version__, cuda=torch.version.cuda)  # fmt: skip
     available = []
-    for name in ("torch", "triton"):
-        probes = {str(blk): fp8.probe_cuda_backend(name, blk) for blk in ((128, 128), (1, 128))}
+    for name in fp8.CUDA_BACKENDS:
+        probes = {str(blk): fp8_gemm.probe(name, blk, "cuda:0") for blk in ((128, 128), (1, 128))}
         emit(kind="backend", backend=name, validated={k: v[0] for k, v in probes.items()},
              detail={k: v[1] for k, v in probes.items()})  # fmt: skip
         if probes[str((128, 128))][0]:

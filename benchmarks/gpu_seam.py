@@ -15,6 +15,7 @@ import sys
 
 import torch
 
+import dsv3.kernels  # noqa: F401  (registers the CUDA FP8 GEMMs that FP8Experts picks)
 from dsv3.config import ModelConfig
 from dsv3.model import FP8Experts, MoE, ResidentFP8Experts
 

@@ -156,5 +156,18 @@ def test_unknown_backend_is_rejected():
     b_q, b_s = fp8.quantize(torch.randn(4, 128), block=(128, 128))
     with pytest.raises(DSV3Error, match="backend"):
         fp8.scaled_mm(a_q, a_s, b_q, b_s, backend="cutlass")
-    with pytest.raises(DSV3Error, match="not available"):
-        fp8.scaled_mm(a_q, a_s, b_q, b_s, backend="triton")  # CPU tensors: no CUDA kernel
+    for name in fp8.CUDA_BACKENDS:  # CPU tensors: no CUDA kernel, whether dsv3.kernels registered them or not
+        with pytest.raises(DSV3Error, match=f"{name}' is not available: it is a CUDA kernel and these operands "
+                                            "are on cpu"):
+            fp8.scaled_mm(a_q, a_s, b_q, b_s, backend=name)
+
+
+def test_the_gemm_is_one_torch_op_that_traces_whole():
+    """scaled_mm runs torch.ops.dsv3.fp8_blockwise_mm (dsv3.kernels registers its CUDA kernels); its fake lets
+    torch.compile(fullgraph=True) trace a graph that calls it, with the eager numbers."""
+    a_q, a_s = fp8.quantize(torch.randn(5, 300))
+    b_q, b_s = fp8.quantize(torch.randn(7, 300), block=(128, 128))
+    direct = torch.ops.dsv3.fp8_blockwise_mm(a_q, a_s, b_q, b_s, torch.float32, 128, "chunked")
+    assert torch.equal(fp8.scaled_mm(a_q, a_s, b_q, b_s, torch.float32, backend="chunked"), direct)
+    compiled = torch.compile(lambda *t: fp8.scaled_mm(*t, torch.bfloat16) * 2, fullgraph=True, backend="aot_eager")
+    assert torch.equal(compiled(a_q, a_s, b_q, b_s), fp8.scaled_mm(a_q, a_s, b_q, b_s) * 2)

@@ -12,12 +12,11 @@ ceil(C/bc)]`` (float32). Ragged edges are padded with zeros for the amax, which 
 
 from __future__ import annotations
 
-import functools
 import math
 import os
 
 import torch
-import torch.nn.functional as F
+from torch import Tensor
 
 from dsv3.errors import DSV3Error
 
@@ -176,10 +175,11 @@ def scaled_mm(
 
     Each 128-wide K chunk is multiplied, scaled by ``a_scale[m, c] * b_scale[n-block, c]`` and
     accumulated in FP32. ``backend`` (or env ``DSV3_FP8_GEMM``): ``auto`` picks the fastest validated
-    CUDA kernel (cuBLAS blockwise ``_scaled_mm``, then our Triton kernel) and otherwise
-    ``dequantized``: one FP32 GEMM on the dequantized operands, the same sum as the chunked form up to
-    FP32 rounding (there is no narrow accumulator to promote from on a CPU). ``chunked`` is the
-    literal per-chunk reference (:func:`scaled_mm_chunked`).
+    CUDA kernel (cuBLAS blockwise, then our Triton kernel; both registered by ``dsv3.kernels``) and
+    otherwise ``dequantized``: one FP32 GEMM on the dequantized operands, the same sum as the chunked
+    form up to FP32 rounding (there is no narrow accumulator to promote from on a CPU). ``chunked`` is
+    the literal per-chunk reference (:func:`scaled_mm_chunked`). The work is one op,
+    ``torch.ops.dsv3.fp8_blockwise_mm`` (:func:`fp8_blockwise_mm_reference`).
     """
     if b_block not in ((TILE, TILE), (1, TILE)):
         raise DSV3Error(f"b_block must be (128, 128) or (1, 128), got {b_block!r}")
@@ -188,25 +188,49 @@ def scaled_mm(
     if choice not in GEMM_BACKENDS:
         raise DSV3Error(f"unknown FP8 GEMM backend {choice!r}; expected one of {GEMM_BACKENDS}")
     with torch.autocast(device_type=a_q.device.type, enabled=False):  # autocast would run the GEMM in BF16
-        return _dispatch(choice, a_q, a_scale, b_q, b_scale, out_dtype, b_block)
+        return fp8_blockwise_mm(a_q, a_scale, b_q, b_scale, out_dtype, b_block[0], choice)
 
 
-def _dispatch(choice, a_q, a_scale, b_q, b_scale, out_dtype, b_block) -> torch.Tensor:
-    if choice == "chunked":
+CUDA_BACKENDS = ("torch", "triton")  # the kernels dsv3.kernels.fp8_gemm registers for CUDA tensors
+
+# A plain torch.library op (define, impl, fake) rather than a torch.library.custom_op like the decode ops: an FP8
+# training step calls it hundreds of times (three GEMMs per linear and expert), and custom_op's Python wrappers
+# (an autograd layer, a dynamo guard) cost several times the dispatcher's own few microseconds a call on a CPU.
+torch.library.define(
+    "dsv3::fp8_blockwise_mm",
+    "(Tensor a_q, Tensor a_scale, Tensor b_q, Tensor b_scale, ScalarType out_dtype, int b_block_rows, str backend)"
+    " -> Tensor",
+)
+
+
+def fp8_blockwise_mm_reference(a_q: Tensor, a_scale: Tensor, b_q: Tensor, b_scale: Tensor, out_dtype: torch.dtype,
+                               b_block_rows: int, backend: str) -> Tensor:
+    """The op behind :func:`scaled_mm` (operands checked there): A [M, K] FP8 with a_scale [M, K/128] times
+    B [N, K] FP8 with b_scale [N / b_block_rows, K/128] (b_block_rows 1 or 128), transposed. This is its
+    PyTorch reference, the op on every device: ``chunked`` or, for ``auto`` and ``dequantized``, one FP32
+    GEMM of the dequantized operands. ``dsv3.kernels.fp8_gemm`` registers the CUDA kernel (cuBLAS and
+    Triton behind ``auto``, ``torch`` and ``triton``); without it those two names are refused."""
+    b_block = (b_block_rows, TILE)
+    if backend == "chunked":
         return scaled_mm_chunked(a_q, a_scale, b_q, b_scale, out_dtype, b_block)
-    if a_q.is_cuda and choice != "dequantized":
-        for name in _cuda_kernels(choice, a_q, b_q, b_block):
-            try:
-                return _CUDA_KERNELS[name](a_q, a_scale, b_q, b_scale, out_dtype)
-            except RuntimeError as err:  # cuBLAS refuses some shapes its probe did not cover: try the next
-                if choice != "auto":
-                    raise DSV3Error(f"FP8 GEMM backend {name!r} failed on {tuple(a_q.shape)} x "
-                                    f"{tuple(b_q.shape)}: {err}") from err  # fmt: skip
-    if choice in ("torch", "triton"):
-        raise DSV3Error(f"FP8 GEMM backend {choice!r} is not available for these operands on this device")
+    if backend in CUDA_BACKENDS:
+        where = ("its CUDA kernels are registered by importing dsv3.kernels, which this process has not done"
+                 if a_q.is_cuda else f"it is a CUDA kernel and these operands are on {a_q.device.type}")
+        raise DSV3Error(f"FP8 GEMM backend {backend!r} is not available: {where}")
     a = dequantize(a_q, a_scale, (1, TILE))
     b = dequantize(b_q, b_scale, b_block)
     return (a @ b.t()).to(out_dtype)
+
+
+torch.library.impl("dsv3::fp8_blockwise_mm", "default", fp8_blockwise_mm_reference)
+
+
+@torch.library.register_fake("dsv3::fp8_blockwise_mm")
+def _fp8_blockwise_mm_fake(a_q, a_scale, b_q, b_scale, out_dtype, b_block_rows, backend):
+    return a_q.new_empty(a_q.shape[0], b_q.shape[0], dtype=out_dtype)
+
+
+fp8_blockwise_mm = torch.ops.dsv3.fp8_blockwise_mm.default
 
 
 def _chunked(q: torch.Tensor, kb: int) -> torch.Tensor:
@@ -245,130 +269,3 @@ def scaled_mm_chunked(
         partial *= a_s[sl, :, None] * b_s[sl, None, :]
         out += partial.sum(dim=0)
     return out.to(out_dtype)
-
-
-# --------------------------------------------------------------------------------------------------
-# CUDA paths, chosen at run time and validated once against the chunked reference
-# --------------------------------------------------------------------------------------------------
-
-
-def _cuda_kernels(choice: str, a_q: torch.Tensor, b_q: torch.Tensor, b_block: tuple[int, int]) -> list[str]:
-    """The CUDA kernels among ``choice``'s candidates that fit the operands and passed their probe, in order."""
-    if a_q.dtype != torch.float8_e4m3fn or b_q.dtype != torch.float8_e4m3fn:
-        return []  # the fast paths are validated for the V3 recipe (E4M3 everywhere) only
-    device_index = a_q.device.index or 0
-    names = ("torch", "triton") if choice == "auto" else (choice,)
-    fits = {"torch": a_q.shape[1] % TILE == 0 and b_q.shape[0] % 16 == 0, "triton": True}
-    return [name for name in names if fits[name] and cuda_backend_ok(name, b_block, device_index)]
-
-
-# The tensor cores' FP8 products are summed in a narrow adder within each 128-wide chunk (about 13 fraction
-# bits, measured by benchmarks/gpu_accumulation.py); only the chunk results are promoted to FP32. A probe
-# therefore differs from the FP32 chunked reference by ~1e-4 normwise; a wrong scale layout by ~1.
-CUDA_PROBE_TOLERANCE = 1e-3
-
-
-def cuda_backend_ok(name: str, b_block: tuple[int, int] = (TILE, TILE), device_index: int = 0) -> bool:
-    """Whether a CUDA candidate passed its probe GEMM (see :func:`probe_cuda_backend`)."""
-    return probe_cuda_backend(name, b_block, device_index)[0]
-
-
-@functools.cache
-def probe_cuda_backend(name: str, b_block: tuple[int, int] = (TILE, TILE), device_index: int = 0) -> tuple[bool, str]:
-    """Run a CUDA candidate once on a probe GEMM: (usable, why). It is used only if it agrees with the
-    chunked reference within CUDA_PROBE_TOLERANCE."""
-    if name == "triton" and triton is None:
-        return False, "triton is not installed"
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    device = torch.device("cuda", device_index)
-    a_q, a_s = quantize(torch.randn(200, 640, generator=gen).to(device))
-    b_q, b_s = quantize(torch.randn(384, 640, generator=gen).to(device), block=b_block)
-    try:
-        got = _CUDA_KERNELS[name](a_q, a_s, b_q, b_s, torch.float32)
-    except Exception as err:  # the kernel or its scale layout is not supported by this torch/triton/GPU
-        return False, f"{type(err).__name__}: {err}"[:300]
-    want = scaled_mm_chunked(a_q, a_s, b_q, b_s, torch.float32, b_block)
-    rel = float(torch.linalg.norm(got.float() - want) / torch.linalg.norm(want))
-    return rel <= CUDA_PROBE_TOLERANCE, f"normwise difference from the chunked reference {rel:.2e}"
-
-
-def _torch_blockwise(a_q, a_scale, b_q, b_scale, out_dtype):
-    """cuBLAS blockwise FP8 GEMM (sm90, CUDA >= 12.9, K % 128 == 0) through ``F.scaled_mm`` with explicit
-    recipes: torch 2.11's ``torch._scaled_mm`` no longer infers the blockwise recipes from scale shapes."""
-    m = a_q.shape[0]
-    if m == 0:
-        return torch.empty(0, b_q.shape[0], dtype=out_dtype, device=a_q.device)
-    pad = -m % 4  # the scales' leading dimension is M: cuBLAS wants it 16-byte aligned
-    if pad:
-        zeros = torch.zeros(pad, a_q.shape[1], dtype=torch.uint8, device=a_q.device)
-        a_q = torch.cat([a_q.view(torch.uint8), zeros]).view(a_q.dtype)  # FP8 zero is all-zero bits
-        a_scale = torch.cat([a_scale, a_scale.new_ones(pad, a_scale.shape[1])])
-    sa = a_scale.float().t().contiguous().t()  # [M, K/128], outer-dim-major (stride (1, M))
-    if b_scale.shape[0] == b_q.shape[0]:  # 1x128 tiles on B too: [N, K/128], outer-dim-major
-        sb, recipe_b = b_scale.float().t().contiguous().t(), F.ScalingType.BlockWise1x128
-    else:  # 128x128 blocks: [L4, N/128], the transpose of [N/128, K/128] with K blocks padded to 4
-        kb = b_scale.shape[1]
-        sb = F.pad(b_scale.float(), (0, -(-kb // 4) * 4 - kb)).t()
-        recipe_b = F.ScalingType.BlockWise128x128
-    out = F.scaled_mm(a_q.contiguous(), b_q.contiguous().t(), sa, F.ScalingType.BlockWise1x128, sb, recipe_b,
-                      output_dtype=out_dtype)  # fmt: skip
-    return out[:m]
-
-
-def _triton_blockwise(a_q, a_scale, b_q, b_scale, out_dtype):
-    """Our Triton kernel: one FP32 accumulator tile; each 128-wide K chunk's dot is scaled on the way in."""
-    a_q, b_q = a_q.contiguous(), b_q.contiguous()
-    a_scale, b_scale = a_scale.float().contiguous(), b_scale.float().contiguous()
-    m, k = a_q.shape
-    n = b_q.shape[0]
-    out = torch.empty(m, n, dtype=out_dtype, device=a_q.device)
-    b_rows_per_scale = 1 if b_scale.shape[0] == n else TILE
-
-    def grid(meta):
-        return (triton.cdiv(m, meta["BLOCK_M"]), triton.cdiv(n, meta["BLOCK_N"]))
-
-    _blockwise_fp8_gemm[grid](a_q, b_q, out, a_scale, b_scale, m, n, k, a_scale.shape[1], b_rows_per_scale)
-    return out
-
-
-_CUDA_KERNELS = {"torch": _torch_blockwise, "triton": _triton_blockwise}
-
-try:  # Triton ships with CUDA builds of torch; CPU installs simply go without this kernel
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-
-if triton is not None:
-
-    @triton.autotune(
-        configs=[
-            triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=st)
-            for bm, bn, w, st in ((128, 128, 8, 3), (64, 128, 4, 4), (128, 64, 4, 4), (64, 64, 4, 3))
-        ],
-        key=["M", "N", "K"],
-    )
-    @triton.jit
-    def _blockwise_fp8_gemm(
-        a_ptr, b_ptr, c_ptr, as_ptr, bs_ptr, M, N, K, KB, B_ROWS_PER_SCALE,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    ):  # fmt: skip
-        rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ks = tl.arange(0, 128)
-        a_ptrs = a_ptr + rows[:, None] * K + ks[None, :]  # [BM, 128]
-        b_ptrs = b_ptr + cols[None, :] * K + ks[:, None]  # [128, BN]: B is [N, K], read transposed
-        as_ptrs = as_ptr + rows * KB
-        bs_ptrs = bs_ptr + (cols // B_ROWS_PER_SCALE) * KB
-        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for c in range(KB):
-            k_ok = ks < K - c * 128
-            a = tl.load(a_ptrs, mask=(rows[:, None] < M) & k_ok[None, :], other=0.0)
-            b = tl.load(b_ptrs, mask=(cols[None, :] < N) & k_ok[:, None], other=0.0)
-            sa = tl.load(as_ptrs + c, mask=rows < M, other=0.0)
-            sb = tl.load(bs_ptrs + c, mask=cols < N, other=0.0)
-            acc += tl.dot(a, b) * sa[:, None] * sb[None, :]  # the promotion: each chunk lands in FP32
-            a_ptrs += 128
-            b_ptrs += 128
-        c_ptrs = c_ptr + rows[:, None] * N + cols[None, :]
-        tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=(rows[:, None] < M) & (cols[None, :] < N))

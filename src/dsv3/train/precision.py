@@ -26,7 +26,9 @@ def keep_high_precision(name: str) -> bool:
 
 def apply_fp8(model: nn.Module) -> list[str]:
     """Swap the model's nn.Linear layers for FP8Linear and its routed experts for FP8Experts (V3's
-    fine-grained recipe); the output head stays high precision."""
+    fine-grained recipe); the output head stays high precision. Importing ``dsv3.kernels`` registers the
+    CUDA FP8 GEMMs (cuBLAS, Triton) that the FP8 layers pick on a GPU."""
+    import dsv3.kernels  # noqa: F401
     from dsv3.precision.fp8_linear import convert_to_fp8
 
     return convert_to_fp8(model, skip=keep_high_precision)
