@@ -320,8 +320,8 @@ def repack_runs(gguf: Path) -> bool:
 # experts: 2.7 GB in fp32 (1.4 GB bf16, 0.45 GB int4), most of it routed experts, so that the experts a step
 # reads are not the last step's and come from DRAM rather than from a cache of a few hundred MB.
 SHAPES = {"large": dict(vocab_size=16384, hidden_size=1024, intermediate_size=3072, moe_intermediate_size=512,
-                        num_hidden_layers=6, num_attention_heads=16, q_lora_rank=384, kv_lora_rank=256,
-                        qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=64,
+                        num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=384,
+                        kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=64,
                         n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
                         num_nextn_predict_layers=1, routed_scaling_factor=2.5)}
 
