@@ -27,6 +27,7 @@ import argparse
 import ctypes
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -107,13 +108,12 @@ def build_library(source: Path, out_dir: Path) -> ctypes.CDLL:
     return dk._declare(ctypes.CDLL(str(target)))
 
 
-def _show_kernels_source(rev: str) -> subprocess.CompletedProcess:
-    """``git show`` of the kernels' C source at ``rev``: in dsv3/kernels/, or in dsv3/model/ where it lived
-    before the kernels became a layer of their own."""
+def _show_kernels_source(rev: str, name: str = "decode_kernels.c") -> subprocess.CompletedProcess:
+    """``git show`` of the kernels' C source ``name`` at ``rev``: in dsv3/kernels/, or in dsv3/model/ where it
+    lived before the kernels became a layer of their own."""
     root = Path(__file__).resolve().parents[1]
     for where in ("src/dsv3/kernels", "src/dsv3/model"):
-        shown = subprocess.run(["git", "show", f"{rev}:{where}/decode_kernels.c"], capture_output=True, text=True,
-                               cwd=root)
+        shown = subprocess.run(["git", "show", f"{rev}:{where}/{name}"], capture_output=True, text=True, cwd=root)
         if shown.returncode == 0:
             break
     return shown
@@ -127,6 +127,11 @@ def baseline_library(path: str | None, rev: str | None, work: Path) -> ctypes.CD
             raise DSV3Error(f"--baseline-rev {rev}: {last_line(shown.stderr)}")
         source = work / "baseline.c"
         source.write_text(shown.stdout)
+        for header in re.findall(r'^#include "([^"]+)"', shown.stdout, flags=re.M):  # int_groups.h, beside it
+            included = _show_kernels_source(rev, header)
+            if included.returncode != 0:
+                raise DSV3Error(f"--baseline-rev {rev}: {last_line(included.stderr)}")
+            (work / header).write_text(included.stdout)
         return build_library(source, work)
     if not path:
         return None
