@@ -197,7 +197,8 @@ class LlamaCpp:
     ``repack=False`` loads without the CPU's extra buffer types (llama-bench's ``--repack 0``): llama.cpp 0.3.36
     aborts on quantized deepseek2 GGUFs when it repacks their weights (``ggml_backend_sched_split_graph``)."""
 
-    def __init__(self, gguf: Path, threads: int, context: int, weight_bytes: int, repack: bool = True):
+    def __init__(self, gguf: Path, threads: int, context: int, weight_bytes: int, repack: bool = True,
+                 logits_all: bool = False):
         import llama_cpp.llama_cpp as bindings  # the module Llama reads its default parameters from
         from llama_cpp import Llama
 
@@ -211,7 +212,7 @@ class LlamaCpp:
             bindings.llama_model_default_params = no_repack
         try:
             self.llm = Llama(str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                             flash_attn=True, verbose=False, logits_all=False)
+                             flash_attn=True, verbose=False, logits_all=logits_all)
         finally:
             bindings.llama_model_default_params = defaults
         self.repack = repack
