@@ -1,8 +1,9 @@
 """How close the decode GEMV kernels (src/dsv3/kernels/decode_kernels.c) come to the memory bandwidth.
 
 For the ``small`` preset's matrices (the lm_head, the attention projections, the dense MLP and one routed
-expert as ``dsv3_swiglu_experts`` runs them) in fp32, bf16 and FP8 (e4m3, 128x128 block scales), at 1 and
-2 threads: GB/s of weight bytes read by the kernel, that as a fraction of the read bandwidth measured in
+expert as ``dsv3_swiglu_experts`` runs them) in fp32, bf16, FP8 (e4m3, 128x128 block scales) and integer
+groups (int8, int4: 32 values and an fp16 scale, ``--weights int8|int4``; their bytes count the scales), at 1
+and 2 threads: GB/s of weight bytes read by the kernel, that as a fraction of the read bandwidth measured in
 the same run (torch ``x.sum()`` over 256 MB), and torch's ``F.linear`` on the same weights beside it (FP8:
 dequantized per call, which is what runs without the kernels). ``--baseline`` adds another build of the
 kernels (an older ``decode_kernels.c`` or its ``.so``, or ``--baseline-rev REV`` for the file at a git
@@ -17,7 +18,7 @@ calls cycle through them, so weights come from memory as in a real decode step (
 weights per token), not from cache, and on huge pages as the engine keeps them (``dsv3.model.huge_pages``),
 like the read-bandwidth probe. Variants of one case alternate within every round (``--repeats``),
 so machine load hits them alike; each figure is the median over rounds. Activations: fp32 for fp32
-weights, bf16 for bf16 and FP8 weights (the decode path's dtypes).
+weights, bf16 for bf16, FP8 and integer weights (the decode path's dtypes).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import argparse
 import ctypes
 import json
 import math
+import re
 import statistics
 import subprocess
 import sys
@@ -43,10 +45,14 @@ from dsv3.kernels import c_build
 from dsv3.kernels import decode_kernels as dk
 from dsv3.model import huge_pages
 from dsv3.precision.fp8 import dequantize_weight_blocks, quantize_weight_blocks
+from dsv3.precision.int_groups import dequantize, quantize
 from serve_scaling import parse_ints  # the benchmarks folder is the script's sys.path[0]
 
-KINDS = ("fp32", "bf16", "fp8")
-ACT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+KINDS = ("fp32", "bf16", "fp8", "int8", "int4")
+ACT = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16, "int8": torch.bfloat16,
+       "int4": torch.bfloat16}
+BYTES = {"fp32": 4, "bf16": 2, "fp8": 1, "int8": 34 / 32, "int4": 18 / 32}  # per weight, scales included
+INT_KIND = {"int8": 3, "int4": 4}  # decode_kernels.c's W_INT8, W_INT4
 
 
 def log(msg: str) -> None:
@@ -102,13 +108,12 @@ def build_library(source: Path, out_dir: Path) -> ctypes.CDLL:
     return dk._declare(ctypes.CDLL(str(target)))
 
 
-def _show_kernels_source(rev: str) -> subprocess.CompletedProcess:
-    """``git show`` of the kernels' C source at ``rev``: in dsv3/kernels/, or in dsv3/model/ where it lived
-    before the kernels became a layer of their own."""
+def _show_kernels_source(rev: str, name: str = "decode_kernels.c") -> subprocess.CompletedProcess:
+    """``git show`` of the kernels' C source ``name`` at ``rev``: in dsv3/kernels/, or in dsv3/model/ where it
+    lived before the kernels became a layer of their own."""
     root = Path(__file__).resolve().parents[1]
     for where in ("src/dsv3/kernels", "src/dsv3/model"):
-        shown = subprocess.run(["git", "show", f"{rev}:{where}/decode_kernels.c"], capture_output=True, text=True,
-                               cwd=root)
+        shown = subprocess.run(["git", "show", f"{rev}:{where}/{name}"], capture_output=True, text=True, cwd=root)
         if shown.returncode == 0:
             break
     return shown
@@ -122,6 +127,11 @@ def baseline_library(path: str | None, rev: str | None, work: Path) -> ctypes.CD
             raise DSV3Error(f"--baseline-rev {rev}: {last_line(shown.stderr)}")
         source = work / "baseline.c"
         source.write_text(shown.stdout)
+        for header in re.findall(r'^#include "([^"]+)"', shown.stdout, flags=re.M):  # int_groups.h, beside it
+            included = _show_kernels_source(rev, header)
+            if included.returncode != 0:
+                raise DSV3Error(f"--baseline-rev {rev}: {last_line(included.stderr)}")
+            (work / header).write_text(included.stdout)
         return build_library(source, work)
     if not path:
         return None
@@ -142,6 +152,10 @@ def baseline_library(path: str | None, rev: str | None, work: Path) -> ctypes.CD
 def weight_stack(kind: str, copies: int, n: int, k: int, seed: int) -> dk.Weight:
     """``copies`` matrices [n, k] as one Weight [copies, n, k] (FP8: one quantized matrix, repeated)."""
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)) / math.sqrt(k)
+    if kind in INT_KIND:  # values as w, fp16 group scales as scale_inv (the kernel's "scales")
+        q, s = quantize(w, int(kind[3]))
+        return dk.Weight(huge_pages.clone(q.expand(copies, *q.shape)), s.expand(copies, *s.shape).contiguous(),
+                         torch.bfloat16)
     if kind == "fp8":
         q, s = quantize_weight_blocks(w)
         return dk.Weight(huge_pages.clone(q.expand(copies, n, k)), s.expand(copies, *s.shape).contiguous(),
@@ -152,6 +166,8 @@ def weight_stack(kind: str, copies: int, n: int, k: int, seed: int) -> dk.Weight
 def dense(w: dk.Weight, c: int) -> torch.Tensor:
     if w.scale_inv is None:
         return w.w[c]
+    if w.w.dtype in (torch.int8, torch.uint8):
+        return dequantize(w.w[c], w.scale_inv[c], w.dtype)
     return dequantize_weight_blocks(w.w[c], w.scale_inv[c], w.dtype)
 
 
@@ -164,7 +180,7 @@ class Runner:
 
     def __init__(self, case: Case, kind: str, rows: int, footprint: int):
         self.case, self.kind, self.rows = case, kind, rows
-        per_copy = case.weights * {"fp32": 4, "bf16": 2, "fp8": 1}[kind]
+        per_copy = int(case.weights * BYTES[kind])
         self.copies = max(1, -(-footprint // per_copy))
         self.x = torch.randn(rows, case.k).to(ACT[kind])
         if case.op == "linear":
@@ -178,26 +194,33 @@ class Runner:
 
     @property
     def weight_bytes(self) -> int:
-        return self.case.weights * {"fp32": 4, "bf16": 2, "fp8": 1}[self.kind]
+        return int(self.case.weights * BYTES[self.kind])
+
+    def scales(self, w: dk.Weight) -> tuple[int | None, int, int]:
+        """(address, bytes per copy) of the scales the kernel reads, and the weight kind: FP8's times 256, the
+        integer groups' fp16 as stored."""
+        s = w.scale_inv if self.kind in INT_KIND else w.kernel_scale
+        kind = INT_KIND.get(self.kind, dk.W_KIND.get(w.w.dtype))
+        return (None, 0, kind) if s is None else (s.data_ptr(), s[0].nbytes, kind)
 
     def kernel(self, lib: ctypes.CDLL, threads: int) -> None:
         x, out, a = self.x, self.out, dk.A_KIND[self.x.dtype]
         if self.case.op == "linear":
             w = self.w
             n, k = w.w.shape[1:]
+            n, k = (n, k * 2) if self.kind == "int4" else (n, k)
             step = w.w[0].nbytes
-            scale_step = 0 if w.kernel_scale is None else w.kernel_scale[0].nbytes
+            scale, scale_step, kind = self.scales(w)
             for c in range(self.copies):
-                lib.dsv3_linear(w.w.data_ptr() + c * step, None if w.kernel_scale is None else
-                                w.kernel_scale.data_ptr() + c * scale_step, dk.W_KIND[w.w.dtype], n, k, x.data_ptr(), a,
-                                self.rows, out.data_ptr(), a, threads)
+                lib.dsv3_linear(w.w.data_ptr() + c * step, None if scale is None else scale + c * scale_step, kind,
+                                n, k, x.data_ptr(), a, self.rows, out.data_ptr(), a, threads)
             return
         g, u, d = self.g, self.u, self.d
-        E, n, k = g.w.shape
+        E, n, k = g.w.shape[0], self.case.n, self.case.k
         for c in range(self.copies):
             idx = torch.full((self.rows, 1), c, dtype=torch.long)
-            lib.dsv3_swiglu_experts(g.w.data_ptr(), u.w.data_ptr(), d.w.data_ptr(), _ptr(g.kernel_scale),
-                                    _ptr(u.kernel_scale), _ptr(d.kernel_scale), dk.W_KIND[g.w.dtype], E, n, k,
+            (sg, _, kind), (su, _, _), (sd, _, _) = (self.scales(t) for t in (g, u, d))
+            lib.dsv3_swiglu_experts(g.w.data_ptr(), u.w.data_ptr(), d.w.data_ptr(), sg, su, sd, kind, E, n, k,
                                     x.data_ptr(), a, self.rows, idx.data_ptr(), self.gates.data_ptr(), 1,
                                     out.data_ptr(), a, 0, threads)
 
@@ -244,7 +267,7 @@ def run(cases: list[Case], kinds: list[str], threads: list[int], rows: list[int]
                     variants = {"kernel": lambda t, r=runner: r.kernel(lib, t)}
                     if with_torch:
                         variants["torch"] = runner.torch
-                    if base is not None:
+                    if base is not None and kind not in INT_KIND:  # a baseline may predate integer weights
                         variants["baseline"] = lambda t, r=runner: r.kernel(base, t)
                     for fn in variants.values():  # warm-up: page in every copy, build nothing lazily
                         fn(threads[0])
@@ -294,7 +317,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     ap.add_argument("--rows", default="1", help="activation rows per call, comma-separated (up to 64)")
-    ap.add_argument("--kinds", default=",".join(KINDS), help="weight kinds: fp32,bf16,fp8")
+    ap.add_argument("--kinds", default=",".join(KINDS), help=f"weight kinds: {','.join(KINDS)}")
     ap.add_argument("--matrices", default="", help="a subset of head,q_a,q_b,kv_a,o,mlp,expert (default: all)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--footprint-mb", type=int, default=96, help="the copies of each matrix, together")

@@ -8,7 +8,10 @@ Q4_0 (written from the f32 GGUF by ``llama-quantize``, ``--llama-quantize``).
     .venv/bin/python benchmarks/decode_speed.py --json > decode_speed.json
 
 The model is the ``small`` preset shape with random weights (speed does not depend on their values),
-saved once and loaded by every implementation. Each implementation prefills each context once and then
+saved once and loaded by every implementation; ``--preset large`` is the benchmark's own larger shape (``SHAPES``:
+2.7 GB of weights in fp32, several times this host's last-level cache, so the routed experts a step reads come
+from DRAM; its read bandwidth is then best probed past the cache, ``--probe-mb 2048``), and ``--skip
+transformers,module`` leaves out the slow reference rows there. Each implementation prefills each context once and then
 decodes greedily; the timed decode steps of all implementations alternate in rounds (``--repeats``), so
 that machine load hits them alike, and each figure is the median over rounds of the mean step time.
 
@@ -17,6 +20,9 @@ FFNs, the top-k routed experts, router and head, in the implementation's own sto
 latent cache at that context) divided by the read bandwidth measured here with torch (``x.sum()`` over
 256 MB at the start and 128 MB after every round; the best value seen in the run).
 ``roofline_fraction`` = that time / the measured time per token (1.0 = at the memory limit).
+
+Each ``batch1`` row also has ``goals``: FP8 over bf16 tokens/s beside the most its bytes allow (bf16's bytes per
+step over FP8's) and the fraction of that bound reached, and dsv3's rows over llama.cpp's at the same width.
 
 Sections: ``batch1`` (contexts x threads x implementations), ``batch`` (output tokens/s at batch 16 vs
 batch 1, context 1024), ``mtp`` (a speculative step's cost next to a plain one), ``overhead`` (tiny
@@ -191,7 +197,8 @@ class LlamaCpp:
     ``repack=False`` loads without the CPU's extra buffer types (llama-bench's ``--repack 0``): llama.cpp 0.3.36
     aborts on quantized deepseek2 GGUFs when it repacks their weights (``ggml_backend_sched_split_graph``)."""
 
-    def __init__(self, gguf: Path, threads: int, context: int, weight_bytes: int, repack: bool = True):
+    def __init__(self, gguf: Path, threads: int, context: int, weight_bytes: int, repack: bool = True,
+                 logits_all: bool = False):
         import llama_cpp.llama_cpp as bindings  # the module Llama reads its default parameters from
         from llama_cpp import Llama
 
@@ -205,7 +212,7 @@ class LlamaCpp:
             bindings.llama_model_default_params = no_repack
         try:
             self.llm = Llama(str(gguf), n_ctx=context, n_threads=threads, n_threads_batch=threads, n_batch=512,
-                             flash_attn=True, verbose=False, logits_all=False)
+                             flash_attn=True, verbose=False, logits_all=logits_all)
         finally:
             bindings.llama_model_default_params = defaults
         self.repack = repack
@@ -309,6 +316,22 @@ def repack_runs(gguf: Path) -> bool:
 
 # ---- the checkpoint -------------------------------------------------------------------------------
 
+# The benchmark's own shapes beside the config presets. "large": small's design (MLA with a compressed query,
+# 1 dense layer then DeepSeekMoE with 4 groups, top 4, one shared expert) at twice the width and twice the
+# experts: 2.7 GB in fp32 (1.4 GB bf16, 0.45 GB int4), most of it routed experts, so that the experts a step
+# reads are not the last step's and come from DRAM rather than from a cache of a few hundred MB.
+SHAPES = {"large": dict(vocab_size=16384, hidden_size=1024, intermediate_size=3072, moe_intermediate_size=512,
+                        num_hidden_layers=6, num_attention_heads=16, num_key_value_heads=16, q_lora_rank=384,
+                        kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64, n_routed_experts=64,
+                        n_shared_experts=1, num_experts_per_tok=4, n_group=4, topk_group=2, first_k_dense_replace=1,
+                        num_nextn_predict_layers=1, routed_scaling_factor=2.5)}
+
+
+def shape(name: str):
+    """A config preset, or one of ``SHAPES`` (the preset ``small`` with these fields)."""
+    return preset("small").replace(**SHAPES[name]) if name in SHAPES else preset(name)
+
+
 
 def build_checkpoint(folder: str, cfg, tokenizer: bool) -> None:
     torch.manual_seed(0)
@@ -351,9 +374,10 @@ def add_roofline(node, bandwidth: dict[int, float]) -> None:
 
 
 def race(impls: dict, prompts: list[list[int]], steps: int, repeats: int,
-         bandwidth: dict[int, float]) -> dict[str, float]:
+         bandwidth: dict[int, float], probe_mb: int = 128) -> dict[str, float]:
     """Median seconds per step of each implementation, their decode rounds alternating; the read bandwidth
-    is measured again after every round (its best value is the roofline's: load only lowers it)."""
+    is measured again after every round over ``probe_mb`` MB (its best value is the roofline's: load only
+    lowers it)."""
     for name, impl in impls.items():
         log(f"  prefill {name} ({len(prompts)} x {len(prompts[0])} tokens)")
         impl.start(prompts, steps * (repeats + 1))
@@ -364,7 +388,7 @@ def race(impls: dict, prompts: list[list[int]], steps: int, repeats: int,
             if rep:  # round 0 warms up
                 times[name].append(t)
         threads = torch.get_num_threads()
-        bandwidth[threads] = max(bandwidth.get(threads, 0.0), read_bandwidth(threads, mbytes=128, repeats=2))
+        bandwidth[threads] = max(bandwidth.get(threads, 0.0), read_bandwidth(threads, mbytes=probe_mb, repeats=2))
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
@@ -388,26 +412,46 @@ def batch1_section(folder, cfg, args, ggufs, bandwidth) -> list[dict]:
         torch.set_num_threads(threads)
         for ctx in args.contexts:
             impls = {f"dsv3 {name}": Dsv3(model, fast=True) for name, model in models.items()}
-            impls["dsv3 fp32 module path"] = Dsv3(models["fp32"], fast=False)
-            hf = HF(folder)
-            hf.weight_bytes = impls["dsv3 fp32"].weight_bytes
-            impls["transformers fp32"] = hf
+            if "module" not in args.skip:
+                impls["dsv3 fp32 module path"] = Dsv3(models["fp32"], fast=False)
+            if "transformers" not in args.skip:
+                hf = HF(folder)
+                hf.weight_bytes = impls["dsv3 fp32"].weight_bytes
+                impls["transformers fp32"] = hf
             for outtype, path in ggufs.items():  # the roofline of the row it stands beside
                 dense = impls[ours[outtype]].weight_bytes
                 impls[f"llama.cpp {outtype}"] = LlamaCpp(path, threads, ctx + args.new_tokens * (args.repeats + 2) + 8,
                                                          dense, repack[outtype])
             log(f"threads {threads}, context {ctx}")
-            secs = race(impls, prompt_of(ctx, cfg.vocab_size), args.new_tokens, args.repeats, bandwidth)
+            secs = race(impls, prompt_of(ctx, cfg.vocab_size), args.new_tokens, args.repeats, bandwidth,
+                        args.probe_mb // 2)
             row = {"threads": threads, "context": ctx}
+            reference = impls.get("dsv3 fp32 module path", impls["dsv3 fp32"])
             for name, s in secs.items():
                 impl = impls[name]
                 row[name] = figure(s, impl.weight_bytes, cache_bytes_per_token(cfg, ctx, impl.cache_element), threads)
-                row[name]["greedy_agree"] = agreement(impl.tokens, impls["dsv3 fp32 module path"].tokens)
+                row[name]["greedy_agree"] = agreement(impl.tokens, reference.tokens)
                 if isinstance(impl, LlamaCpp):
                     row[name]["repacked"] = impl.repack
                 log(f"  {name}: {row[name]['tokens_per_s']:.1f} tokens/s")
+            row["goals"] = goals(row, ours)
+            log(f"  goals: {row['goals']}")
             rows.append(row)
     return rows
+
+
+def goals(row: dict, ours: dict[str, str]) -> dict:
+    """The issue's batch-1 ratios of one row: FP8 over bf16 tokens/s, the most the bytes allow (bf16's bytes per
+    step over FP8's, cache included) and the fraction of it reached; each dsv3 row over llama.cpp's of the same
+    width (f32, bf16, Q8_0 vs int8, Q4_0 vs int4)."""
+    fp8, bf16 = row["dsv3 fp8"], row["dsv3 bf16"]
+    speedup, bound = fp8["tokens_per_s"] / bf16["tokens_per_s"], bf16["bytes_per_step"] / fp8["bytes_per_step"]
+    out = {"fp8_over_bf16": speedup, "fp8_over_bf16_byte_bound": bound, "fp8_over_bf16_of_bound": speedup / bound}
+    for outtype, name in ours.items():
+        if f"llama.cpp {outtype}" in row:
+            peer = row[f"llama.cpp {outtype}"]
+            out[f"{name} over llama.cpp {outtype}"] = row[name]["tokens_per_s"] / peer["tokens_per_s"]
+    return out
 
 
 def batch_section(folder, cfg, args, bandwidth) -> list[dict]:
@@ -500,7 +544,9 @@ SECTIONS = ("batch1", "batch", "mtp", "overhead", "weights", "cache")
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--preset", default="small")
+    ap.add_argument("--preset", default="small", help=f"a config preset or one of {', '.join(SHAPES)}")
+    ap.add_argument("--probe-mb", type=int, default=256, help="MB the read-bandwidth probe streams")
+    ap.add_argument("--skip", default="", help="leave out batch-1 rows: transformers, module (the module path)")
     ap.add_argument("--contexts", default="256,2048,4096")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--new-tokens", type=int, default=16, help="decode steps per round")
@@ -520,16 +566,21 @@ def main() -> None:
         args.contexts = parse_list(args.contexts, "--contexts", int)
         args.threads = parse_list(args.threads, "--threads", int)
         args.batch_weights = parse_list(args.batch_weights, "--batch-weights")
+        args.skip = set(parse_list(args.skip, "--skip")) if args.skip else set()
+        if not args.skip <= {"transformers", "module"}:
+            raise DSV3Error(f"--skip must list some of transformers,module, got {','.join(sorted(args.skip))!r}")
+        if args.preset not in SHAPES:
+            preset(args.preset)
         sections = set(parse_list(args.sections, "--sections"))
         if not sections <= set(SECTIONS):
             raise DSV3Error(f"--sections must list some of {','.join(SECTIONS)}, got {args.sections!r}")
     except DSV3Error as exc:
         ap.error(str(exc))
-    bandwidth = {t: read_bandwidth(t) for t in sorted({1, *args.threads})}
+    bandwidth = {t: read_bandwidth(t, args.probe_mb) for t in sorted({1, *args.threads})}
     log("read bandwidth: " + ", ".join(f"{t} thread(s) {b / 1e9:.1f} GB/s" for t, b in bandwidth.items()))
     longest = max([*args.contexts, args.batch_context]) + args.new_tokens * (args.repeats + 2) + 16
-    cfg = preset(args.preset).replace(max_position_embeddings=longest)
-    result = {"benchmark": "decode_speed", "preset": args.preset, "kernels": kernel_status(),
+    cfg = shape(args.preset).replace(max_position_embeddings=longest)
+    result = {"benchmark": "decode_speed", "preset": args.preset, "probe_mb": args.probe_mb, "kernels": kernel_status(),
               "bf16_dots": bf16_dots(),
               "new_tokens": args.new_tokens, "repeats": args.repeats,
               "read_bandwidth_gb_s": {t: b / 1e9 for t, b in bandwidth.items()}}
@@ -567,7 +618,7 @@ def report(result: dict) -> str:
     for row in result.get("batch1", []):
         lines.append(f"threads {row['threads']}, context {row['context']}:")
         for name, f in row.items():
-            if isinstance(f, dict):
+            if isinstance(f, dict) and "tokens_per_s" in f:
                 lines.append(f"  {name:22} {f['tokens_per_s']:7.1f} tokens/s  roofline {f['roofline_fraction']:.2f}"
                              f"  greedy {f['greedy_agree']}")
     for row in result.get("batch", []):

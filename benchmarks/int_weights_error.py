@@ -8,6 +8,13 @@ Rows: ``fp32`` (the checkpoint as trained), ``bf16`` (the reference of the error
 blocks), ``int8`` and ``int4`` (routed and shared experts as groups of 32, the rest as in bf16). Every row
 but fp32 computes in bf16, so the error column is what the weights alone change. Default data: what
 ``dsv3 train`` learns from by default (the Python standard library), split with the run's --val-fraction.
+
+With ``--llama-convert`` (llama.cpp's ``convert_hf_to_gguf.py``; ``benchmarks/llama_cpp_setup.sh --env`` sets it
+and ``--llama-quantize``), the same model exported to the HF layout and converted by llama.cpp's own tools runs
+the same held-out windows: rows ``llama.cpp bf16``, ``llama.cpp q8_0`` and ``llama.cpp q4_0`` (its
+``llama-quantize`` from the f32 GGUF), each quantized row's logits' error against ``llama.cpp bf16`` (its own
+bf16, as dsv3's rows are against dsv3's): llama.cpp's Q8_0 and Q4_0 quantize every matrix (attention and the
+head too), dsv3's int8 and int4 the experts only.
 """
 
 from __future__ import annotations
@@ -15,7 +22,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
+import os
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
@@ -36,11 +46,13 @@ def held_out(folder: Path, seq_len: int, val_fraction: float, data: list[str] | 
 
 
 def measure(model, val, windows, token_bytes, reference_logits=None) -> tuple[dict, torch.Tensor]:
+    from dsv3.parallel.parallelize import parallelize
     from dsv3.train.distributed import World
     from dsv3.train.evaluate import evaluate
 
     world = World(rank=0, size=1, local_rank=0, device=torch.device("cpu"))
-    result = evaluate(model, val, windows, token_bytes, world, 8, contextlib.nullcontext())
+    # evaluate takes the model under its layout (here one process), as dsv3 train hands it over
+    result = evaluate(parallelize(model), val, windows, token_bytes, world, 8, contextlib.nullcontext())
     with torch.no_grad():
         logits = model(val.batch(windows[:4])[0]).float()
     row = {"val_bpb": result["val_bpb"], "val_loss": result["val_loss"], "val_tokens": result["val_tokens"]}
@@ -50,6 +62,51 @@ def measure(model, val, windows, token_bytes, reference_logits=None) -> tuple[di
     return row, logits
 
 
+def llama_rows(folder: Path, val, windows: list[int], token_bytes, converter: str, quantizer: str | None,
+               work: Path) -> dict:
+    """llama.cpp's rows on the same windows (loss and bits per byte as ``evaluate`` counts them: every labelled
+    next token), its bf16 GGUF the reference of its quantized rows' logits (the first 4 windows'), or {} when
+    llama.cpp is not usable here (``decode_speed.gguf_files`` says why)."""
+    import numpy as np
+    import torch.nn.functional as F
+
+    from decode_speed import LlamaCpp, gguf_files, repack_runs  # the benchmarks folder is sys.path[0]
+    from dsv3.convert import convert_checkpoint
+    from dsv3.data.packing import IGNORE_INDEX
+
+    hf = work / "hf"
+    convert_checkpoint(folder, hf, "hf")
+    ggufs = gguf_files(str(hf), converter, work, quantizer)
+    rows, reference = {}, None
+    for outtype in ("bf16", "q8_0", "q4_0"):
+        if outtype not in ggufs:
+            continue
+        impl = LlamaCpp(ggufs[outtype], 1, val.seq_len + 8, 0, repack_runs(ggufs[outtype]), logits_all=True)
+        llm = impl.llm
+        nats, n_bytes, n_tokens, first = 0.0, 0, 0, []
+        for w in windows:
+            inputs, labels = val.batch([w])
+            llm.reset()
+            llm.eval(inputs[0].tolist())
+            logits = torch.from_numpy(np.array(llm.scores[: inputs.shape[1]], dtype=np.float32))
+            nats += float(F.cross_entropy(logits, labels[0], reduction="sum", ignore_index=IGNORE_INDEX))
+            labelled = labels[labels != IGNORE_INDEX].numpy()
+            n_bytes, n_tokens = n_bytes + int(token_bytes[labelled].sum()), n_tokens + len(labelled)
+            if len(first) < 4:
+                first.append(logits)
+        logits = torch.stack(first)
+        row = {"val_bpb": nats / math.log(2) / max(n_bytes, 1), "val_loss": nats / max(n_tokens, 1),
+               "val_tokens": n_tokens, "repacked": impl.repack}
+        if reference is None:
+            reference = logits
+        else:
+            row["logits_relative_rms_error"] = float((logits - reference).norm() / reference.norm())
+            row["argmax_agreement"] = float((logits.argmax(-1) == reference.argmax(-1)).float().mean())
+        rows[f"llama.cpp {outtype}"] = row
+        del llm, impl
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="a checkpoint folder with dsv3's own tokenizer")
@@ -57,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--val-fraction", type=float, default=0.01)
     parser.add_argument("--eval-tokens", type=int, default=32768)
     parser.add_argument("--data", action="append", help="the run's --data (default: its default corpus)")
+    parser.add_argument("--llama-convert", default=os.environ.get("DSV3_LLAMA_CONVERT"), metavar="PATH",
+                        help="llama.cpp's convert_hf_to_gguf.py, for its rows (default: $DSV3_LLAMA_CONVERT)")
+    parser.add_argument("--llama-quantize", default=os.environ.get("DSV3_LLAMA_QUANTIZE"), metavar="PATH",
+                        help="llama.cpp's llama-quantize, for its Q4_0 row (default: $DSV3_LLAMA_QUANTIZE)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
 
@@ -72,6 +133,10 @@ def main(argv: list[str] | None = None) -> int:
     for weights in ("fp8", "int8", "int4"):
         model = with_weights(load_model(folder, torch.bfloat16), weights)
         rows[weights] = measure(model, val, windows, token_bytes, reference)[0]
+    if args.llama_convert:
+        with tempfile.TemporaryDirectory() as work:
+            rows.update(llama_rows(folder, val, windows, token_bytes, args.llama_convert, args.llama_quantize,
+                                   Path(work)))
     result = {"model": str(args.model), "rows": rows, "windows": len(windows), "seq_len": val.seq_len,
               "logits_compared": "the first 4 held-out windows' logits"}
     if args.json:

@@ -15,6 +15,7 @@ from dsv3.infer.fp8_weights import to_fp8_weights
 from dsv3.infer.metrics import RouterCounts
 from dsv3.kernels import decode_kernels as dk
 from dsv3.kernels.decode import FastDecode, Step
+from dsv3.kernels.int_weights import to_int_weights
 from dsv3.precision.fp8 import quantize_weight_blocks
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -134,15 +135,18 @@ def step_logits(model, decoder, prompt, steps=4, T=1, cache_dtype=None):
 
 
 def model_in(precision: str, against_modules: bool = False):
-    """fp32, bf16, or FP8 weights computed in bf16 ("fp8") or in fp32 ("fp8-fp32": the dequantized
-    weights are then exact, so the fast path must match the module path to fp32 rounding).
+    """fp32, bf16, FP8 weights or integer experts (int8, int4: ``--weights int8|int4``) computed in bf16
+    ("fp8", "int8", "int4") or in fp32 ("fp8-fp32", "int8-fp32", "int4-fp32": the dequantized weights are
+    then exact, so the fast path must match the module path to fp32 rounding).
     ``against_modules``: compared logit for logit with the module path, so a bf16 model routes by
     ``decisive_routing`` (near-tied expert scores would otherwise part the two bf16 paths' choices)."""
     model = tiny_model()
-    if precision in ("bf16", "fp8"):
+    if precision in ("bf16", "fp8", "int8", "int4"):
         model = model.to(torch.bfloat16)
         if against_modules:
             decisive_routing(model)
+    if precision.startswith("int"):
+        return to_int_weights(model, int(precision[3]))
     return to_fp8_weights(model) if precision.startswith("fp8") else model
 
 
@@ -165,15 +169,15 @@ def ran_the_step_kernel(fast: FastDecode) -> bool:
     return fast._step_kernel is not None or not dk.kernels_available()
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8", "fp8-fp32"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8", "fp8-fp32", "int8", "int4", "int8-fp32", "int4-fp32"])
 @pytest.mark.parametrize("T", [1, 2])
 def test_fast_decode_logits_equal_the_module_path(precision, T):
-    """FP8 weights: equal to the model whose FP8 weights are dequantized for every matmul (the module
-    path), exactly up to fp32 rounding when computing in fp32, within bf16 rounding in bf16."""
+    """FP8 weights and integer experts: equal to the model whose weights are dequantized for every matmul
+    (the module path), exactly up to fp32 rounding when computing in fp32, within bf16 rounding in bf16."""
     model = model_in(precision, against_modules=True)
     ref = step_logits(model, model, PROMPTS[2], T=T).float()
     scale = ref.abs().max()
-    limit = 3e-2 if precision in ("bf16", "fp8") else 2e-6
+    limit = 3e-2 if precision in ("bf16", "fp8", "int8", "int4") else 2e-6
     for mode in MODES:
         fast = decoder_in(model, mode)
         got = step_logits(model, fast, PROMPTS[2], T=T).float()
@@ -191,7 +195,7 @@ def same_roundings(block: torch.Tensor, per_op: torch.Tensor) -> bool:
 
 
 @needs_kernels
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8", "int8", "int4", "int4-fp32"])
 def test_block_kernel_rounds_where_the_per_op_path_does(precision):
     """The block kernel against the per-op path it fuses."""
     model = model_in(precision)
@@ -200,7 +204,7 @@ def test_block_kernel_rounds_where_the_per_op_path_does(precision):
 
 
 @needs_kernels
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8", "int8", "int4"])
 @pytest.mark.parametrize("T", [1, 2])
 def test_step_kernel_equals_the_block_kernels_to_the_bit(precision, T):
     """The whole step in one C call runs the block kernels, the final norm and the head in the same order
@@ -322,7 +326,7 @@ class PythonCounter:
 
 
 @needs_kernels
-@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8", "int4"])
 @pytest.mark.parametrize("T", [1, 2])
 def test_counted_routing_keeps_the_step_kernel_and_counts_what_the_modules_route(precision, T, monkeypatch):
     """A server counts every MoE layer's routed tokens (``RouterCounts``, its /metrics expert load). Its

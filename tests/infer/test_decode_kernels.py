@@ -199,21 +199,23 @@ BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "decode_kernels_spe
 
 def test_speed_benchmark_reports_every_figure_as_json_and_refuses_bad_flags():
     """A one-round run of benchmarks/decode_kernels_speed.py on one small matrix: one JSON object with the
-    read bandwidth and, per (kind, rows, threads), the kernel's and torch's GB/s and the fraction."""
-    done = subprocess.run([sys.executable, str(BENCH), "--matrices", "q_a", "--kinds", "bf16,fp8", "--threads", "1",
-                           "--rows", "1,2", "--repeats", "1", "--footprint-mb", "1", "--json"],
+    read bandwidth and, per (kind, rows, threads), the kernel's and torch's GB/s and the fraction; int4's bytes
+    count its fp16 group scales (18 bytes per 32 weights)."""
+    done = subprocess.run([sys.executable, str(BENCH), "--matrices", "q_a", "--kinds", "bf16,fp8,int4",
+                           "--threads", "1", "--rows", "1,2", "--repeats", "1", "--footprint-mb", "1", "--json"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     report = json.loads(done.stdout)
     assert report["bandwidth_gbs"]["1"] > 0
-    assert [(r["kind"], r["rows"]) for r in report["results"]] == [("bf16", 1), ("bf16", 2), ("fp8", 1), ("fp8", 2)]
+    assert [(r["kind"], r["rows"]) for r in report["results"]] == [
+        ("bf16", 1), ("bf16", 2), ("fp8", 1), ("fp8", 2), ("int4", 1), ("int4", 2)]
     for r in report["results"]:
-        assert r["weight_bytes"] == 192 * 512 * (2 if r["kind"] == "bf16" else 1)
+        assert r["weight_bytes"] == 192 * 512 * {"bf16": 2, "fp8": 1, "int4": 18 / 32}[r["kind"]]
         assert r["kernel_gbs"] > 0 and r["torch_gbs"] > 0
         assert r["kernel_fraction_of_bw"] == pytest.approx(r["kernel_gbs"] / report["bandwidth_gbs"]["1"])
     bad = subprocess.run([sys.executable, str(BENCH), "--kinds", "fp4"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stdout == ""
-    assert bad.stderr.strip().splitlines() == ["error: --kinds must list some of fp32,bf16,fp8, got 'fp4'"]
+    assert bad.stderr.strip().splitlines() == ["error: --kinds must list some of fp32,bf16,fp8,int8,int4, got 'fp4'"]
 
 
 def test_step_benchmark_times_both_sides_at_each_batch_size():

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 BENCH = Path(__file__).parents[2] / "benchmarks" / "decode_speed.py"
 
 
@@ -41,3 +43,26 @@ def test_an_unknown_section_ends_with_one_error_line():
     assert bad.stderr.strip().splitlines()[-1] == (
         "decode_speed.py: error: --sections must list some of batch1,batch,mtp,overhead,weights,cache, "
         "got 'batch,speed'")
+
+
+def test_an_unknown_row_to_skip_or_shape_ends_with_one_error_line():
+    bad = run("--skip", "transformers,llama")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().splitlines()[-1] == (
+        "decode_speed.py: error: --skip must list some of transformers,module, got 'llama,transformers'")
+    bad = run("--preset", "huge")
+    assert bad.returncode == 2 and bad.stdout == ""
+    assert bad.stderr.strip().splitlines()[-1].startswith("decode_speed.py: error: unknown preset 'huge'")
+
+
+def test_the_large_shape_is_past_a_last_level_cache():
+    """``--preset large``: at least 1.5 GB of fp32 weights (the issue's floor), most of them routed experts."""
+    sys.path.insert(0, str(BENCH.parent))
+    import decode_speed
+    from dsv3.model import Transformer
+
+    with torch.device("meta"):
+        model = Transformer(decode_speed.shape("large"))
+    total = sum(p.numel() for p in model.parameters()) * 4
+    experts = sum(p.numel() for moe in model.moe_layers() for p in moe.experts.parameters()) * 4
+    assert total >= 1.5e9 and experts > 0.8 * total

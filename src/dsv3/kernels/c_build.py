@@ -9,13 +9,14 @@ import ctypes
 import hashlib
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-FLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-fPIC", "-shared")
+FLAGS = ("-O3", "-mavx2", "-mfma", "-mf16c", "-fopenmp", "-fPIC", "-shared")
 
 
 def cache_dir() -> Path:
@@ -30,13 +31,17 @@ def cpu_supported() -> str | None:
         flags = next(line for line in Path("/proc/cpuinfo").read_text().splitlines() if line.startswith("flags"))
     except (OSError, StopIteration):
         return "cannot read the CPU flags from /proc/cpuinfo"
-    missing = [f for f in ("avx2", "fma") if f not in flags.split()]
+    missing = [f for f in ("avx2", "fma", "f16c") if f not in flags.split()]
     return f"the CPU lacks {', '.join(missing)}" if missing else None
 
 
 def library_path(source: Path, extra_flags: tuple[str, ...] = ()) -> Path:
-    """Where the build of ``source`` with these flags is cached."""
-    digest = hashlib.sha256(source.read_bytes() + " ".join(FLAGS + extra_flags).encode()).hexdigest()[:16]
+    """Where the build of ``source`` with these flags is cached: named by a hash of the source, the headers it
+    includes from its own folder (``#include "int_groups.h"``) and the flags."""
+    text = source.read_bytes()
+    headers = [source.with_name(name.decode()) for name in re.findall(rb'^#include "([^"]+)"', text, flags=re.M)]
+    text += b"".join(h.read_bytes() for h in headers if h.is_file())
+    digest = hashlib.sha256(text + " ".join(FLAGS + extra_flags).encode()).hexdigest()[:16]
     return cache_dir() / f"{source.stem}-{digest}.so"
 
 
@@ -77,7 +82,7 @@ def abi_mismatch(lib: ctypes.CDLL, symbol: str, abi: int) -> str | None:
 def load(source: Path, abi_symbol: str, abi: int, declare: Callable[[ctypes.CDLL], ctypes.CDLL], what: str,
          extra_flags: tuple[str, ...] = ()) -> tuple[ctypes.CDLL | None, str]:
     """(the library with its functions declared, "ok"), or (None, why not): disabled by
-    ``DSV3_DECODE_KERNELS=0``, a CPU without AVX2/FMA, no compiler, a failed build, another ABI."""
+    ``DSV3_DECODE_KERNELS=0``, a CPU without AVX2/FMA/F16C, no compiler, a failed build, another ABI."""
     if os.environ.get("DSV3_DECODE_KERNELS", "1") == "0":
         return None, "disabled by DSV3_DECODE_KERNELS=0"
     reason = cpu_supported()

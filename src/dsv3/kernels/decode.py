@@ -138,7 +138,6 @@ class FeedForwardPlan:
         else:
             self.shared = _mlp_weights(mlp) if type(mlp) is MLP else None
             self.ok = self.shared is not None
-        self.integer = isinstance(self.routed, IntExpertWeights) or isinstance(self.shared, IntExpertWeights)
 
     def __call__(self, x: torch.Tensor, use_kernels: bool) -> torch.Tensor:
         """x [B, T, D] -> the layer's output [B, T, D]."""
@@ -170,8 +169,8 @@ def _swiglu(x, idx, gates, experts: ExpertWeights | IntExpertWeights, add_to, us
 
 
 def _block_experts(experts: ExpertWeights | IntExpertWeights) -> dict | None:
-    """The block kernel's view of the experts; None for integer ones (their block runs the per-op path)."""
-    return None if isinstance(experts, IntExpertWeights) else dk.block_experts(experts)
+    """The block kernel's view of the experts (integer groups included), or None when it cannot read them."""
+    return experts.block_view() if isinstance(experts, IntExpertWeights) else dk.block_experts(experts)
 
 
 def _expert_weights(experts: nn.Module) -> ExpertWeights | IntExpertWeights | None:
@@ -257,10 +256,8 @@ class BlockPlan:
         self.attn = AttentionPlan(block.self_attn, dtype)
         self.ffn = FeedForwardPlan(block.mlp)
         self.ok = self.attn.ok and self.ffn.ok and not self.snapshot.hooked
-        # integer experts (--weights int8|int4) are not the block kernel's: their MoE half runs per op, as a
-        # layer's does whose counters the kernel cannot add to, after the attention half in the block kernel
         self.tally = kernel_tally(self.ffn.mlp) if any(self.snapshot.counting) else None
-        counted = (any(self.snapshot.counting) and self.tally is None) or self.ffn.integer
+        counted = any(self.snapshot.counting) and self.tally is None
         self.kernel = None if counted else BlockKernel.of(self, tally=self.tally)
         self.attention_kernel = BlockKernel.of(self, feed_forward=False) if counted else None
         self.moe_kernel = MoEHalfKernel.of(self) if self.attention_kernel is not None else None

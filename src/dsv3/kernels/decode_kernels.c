@@ -1,17 +1,19 @@
-/* Decode-step kernels for x86 CPUs with AVX2 and FMA: matrix-vector products (a handful of rows of
- * activations against one weight matrix) that read fp32, bf16 or FP8 e4m3 (128x128 block scales) weights
- * straight from where they live, converting each weight in registers. No dequantized copy of a matrix is
- * ever made, and a decode step's whole routed MoE is one call; so is a whole block (dsv3_decode_block).
+/* Decode-step kernels for x86 CPUs with AVX2, FMA and F16C: matrix-vector products (a handful of rows of
+ * activations against one weight matrix) that read fp32, bf16, FP8 e4m3 (128x128 block scales) or integer
+ * group (int8, int4: int_groups.h) weights straight from where they live, converting each weight in
+ * registers. No dequantized copy of a matrix is ever made, and a decode step's whole routed MoE is one call;
+ * so is a whole block (dsv3_decode_block).
  * On CPUs that also have AVX512-BF16, bf16 weights times bf16 activations and a bf16 model's attention over a
- * bf16 cache use its bf16 dot products (chosen at run time; the rest of the file is AVX2 only).
+ * bf16 cache use its bf16 dot products, and integer groups an AVX-512 path (chosen at run time; the rest of
+ * the file is AVX2 only).
  *
- * Built and loaded at first use by decode_kernels.py (cc -O3 -mavx2 -mfma -fopenmp); every function has a
- * plain PyTorch reference there, and the tests compare the two.
+ * Built and loaded at first use by decode_kernels.py (cc -O3 -mavx2 -mfma -mf16c -fopenmp); every function
+ * has a plain PyTorch reference there, and the tests compare the two.
  *
  * Weights are [N, K] row-major. FP8 scales are [ceil(N/128), ceil(K/128)] fp32, already multiplied by
- * 256. The one matrix kernel (gemv_tiles, under dsv3_linear, dsv3_swiglu_experts and dsv3_route) turns an
- * e4m3 byte into fp32 with integer shifts (see "The GEMV core" below). Activations are fp32 or bf16,
- * accumulated in fp32.
+ * 256; integer groups' scales [N, K/32] fp16. The one matrix kernel (gemv_tiles, under dsv3_linear,
+ * dsv3_swiglu_experts and dsv3_route) turns an e4m3 byte into fp32 with integer shifts (see "The GEMV core"
+ * below) and hands integer groups to int_rows. Activations are fp32 or bf16, accumulated in fp32.
  */
 #include <immintrin.h>
 #include <math.h>
@@ -24,11 +26,11 @@
 /* The version of this file's calling interface (its exported functions' arguments and structures), which
  * decode_kernels.py checks at load (dsv3_abi): raise it with any change of a signature. */
 #ifndef DSV3_KERNELS_ABI
-#define DSV3_KERNELS_ABI 3
+#define DSV3_KERNELS_ABI 4
 #endif
 int64_t dsv3_abi(void) { return DSV3_KERNELS_ABI; }
 
-enum { W_F32 = 0, W_BF16 = 1, W_FP8 = 2 };
+enum { W_F32 = 0, W_BF16 = 1, W_FP8 = 2, W_INT8 = 3, W_INT4 = 4 }; /* INT: groups of 32, int_groups.h */
 enum { A_F32 = 0, A_BF16 = 1 };
 #define FP8_BLOCK 128
 
@@ -40,6 +42,10 @@ static inline float hsum(__m256 v) {
 }
 
 static size_t elem_size(int kind) { return kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1; }
+static int is_int(int kind) { return kind == W_INT8 || kind == W_INT4; }
+
+/* Bytes of n weights of ``kind`` stored contiguously (int4: two per byte; their fp16 group scales apart). */
+static size_t weight_bytes(int kind, int64_t n) { return kind == W_INT4 ? (size_t)n / 2 : (size_t)n * elem_size(kind); }
 
 static float bf16_to_f32(uint16_t h) {
     uint32_t bits = (uint32_t)h << 16;
@@ -117,6 +123,8 @@ static int converts_to_panel(int kind, int64_t M) {
 #define PF_BYTES 8192
 #define FP8_X_SHIFT 0x1p56f   /* on the activations, with the scale (which the caller multiplied by 256) */
 #define FP8_Y_SHIFT 0x1p56f   /* on the sums: 2^-120 * 2^8 * 2^56 * 2^56 = 1 */
+
+#include "int_groups.h" /* int_rows: the GEMV over integer groups (W_INT8, W_INT4) */
 
 /* 8 weights of a row from column k, as fp32 (FP8: value * 2^-120). */
 static inline __attribute__((always_inline)) __m256 wload8(int kind, const void *row, int64_t k) {
@@ -461,6 +469,7 @@ static void prescale(const float *x, const float *scale_row, int64_t M, int64_t 
 /* Floats of per-thread scratch gemv_tiles needs: the interleaved (bf16) or group-ordered and prescaled (FP8)
  * activations and a tile's panel. */
 static size_t scratch_floats(int kind, int64_t M, int64_t K) {
+    if (is_int(kind)) return 1; /* int_rows reads x as it is */
     return (size_t)((kind != W_F32 ? M * K : 0) + (kind == W_FP8 ? M * K : 0) + (converts_to_panel(kind, M) ? NR * K : 0) + 1);
 }
 
@@ -470,6 +479,7 @@ static int group_rows(int64_t rem) { return rem < 3 ? (int)rem : 3; }
 
 /* y[m, n] = sum_k W[n, k] x[m, k] for all m < M and the rows n of tiles [t0, t1) (tile t: rows t * NR to
  * t * NR + NR - 1, cut at N); x [M, K] contiguous, y row stride ldy. Reads each weight from memory once.
+ * Integer weights (W_INT8, W_INT4; ``scales`` their fp16 group scales) go to int_rows, the same rows.
  * A partial last tile repeats its last row (computed, not stored), so every tile runs the same code.
  * Activation rows go through the tile in micro-tiles of 2 or 3 (tilec; one row: tile1). From PANEL_MIN_ROWS_* rows
  * on, bf16/FP8 weights are converted once per tile into an fp32 panel (exact); below that, converting in
@@ -479,9 +489,15 @@ static int group_rows(int64_t rem) { return rem < 3 ? (int)rem : 3; }
  * A run of small matrices (the experts of a step, in turn) reads each one's start cold unless the run is one
  * stream: the call fetches its own first bytes on entry, and prefetches that would pass the end of its rows go
  * on at ``next`` (where this thread reads after the call), or nowhere useful past the end when it is NULL. */
-static void gemv_tiles(int kind, const void *w, const float *scale, int64_t N, int64_t K, const float *x, int64_t M,
+static void gemv_tiles(int kind, const void *w, const void *scales, int64_t N, int64_t K, const float *x, int64_t M,
                        float *y, int64_t ldy, int64_t t0, int64_t t1, float *scratch, const char *next) {
     if (M <= 0 || t1 <= t0) return;
+    if (is_int(kind)) { /* scales: fp16 [N, K / 32] */
+        int_rows(kind == W_INT8 ? 8 : 4, (const uint8_t *)w, (const uint16_t *)scales, K, x, M, y, ldy, t0 * NR,
+                 t1 * NR < N ? t1 * NR : N, next);
+        return;
+    }
+    const float *scale = (const float *)scales; /* FP8: [ceil(N/128), ceil(K/128)] x 256 */
     const size_t row_bytes = (size_t)K * elem_size(kind);
     const int64_t kblocks = (K + FP8_BLOCK - 1) / FP8_BLOCK;
     const int panel = converts_to_panel(kind, M);
@@ -657,7 +673,7 @@ int dsv3_bf16_dots(int want) { (void)want; return 0; }
 
 typedef struct { /* a bias-free linear layer, [n, k] */
     const void *w;
-    const float *scale; /* FP8 block scales x 256, or NULL */
+    const void *scale; /* FP8 block scales x 256, integer groups' fp16 scales, or NULL */
     int64_t kind, n, k;
 } BlkLinear;
 
@@ -668,11 +684,11 @@ static int linear_threads(int64_t N, int64_t K, int nthreads) { return N * K > 3
 static const char *share_of(const BlkLinear *l, int t, int nthreads) {
     const int T = l ? linear_threads(l->n, l->k, nthreads) : 0;
     if (t >= T) return NULL;
-    return (const char *)l->w + (size_t)(first_tile(tiles_of(l->n), t, T) * NR) * (size_t)l->k * elem_size((int)l->kind);
+    return (const char *)l->w + weight_bytes((int)l->kind, first_tile(tiles_of(l->n), t, T) * NR * l->k);
 }
 
 /* out [M, N] = x [M, K] @ W^T, prefetching on into ``then`` (the linear read next) as the rows run out. */
-static void linear(const void *w, const float *scale, int kind, int64_t N, int64_t K, const void *x, int xkind,
+static void linear(const void *w, const void *scale, int kind, int64_t N, int64_t K, const void *x, int xkind,
                    int64_t M, void *out, int okind, int nthreads, const BlkLinear *then) {
     const int dots = USE_DOT_GEMV(kind, xkind);
     float *xf = xkind == A_F32 || dots ? (float *)x : to_f32(x, xkind, M * K);
@@ -694,7 +710,7 @@ static void linear(const void *w, const float *scale, int kind, int64_t N, int64
 }
 
 /* out [M, N] = x [M, K] @ W^T. Returns 0. */
-int dsv3_linear(const void *w, const float *scale, int kind, int64_t N, int64_t K, const void *x, int xkind,
+int dsv3_linear(const void *w, const void *scale, int kind, int64_t N, int64_t K, const void *x, int xkind,
                 int64_t M, void *out, int okind, int nthreads) {
     linear(w, scale, kind, N, K, x, xkind, M, out, okind, nthreads, NULL);
     return 0;
@@ -716,14 +732,22 @@ static void group_by_expert(const int64_t *idx, int64_t P, int64_t E, int64_t *s
     free(fill);
 }
 
+/* Expert e's scales in a stack of E [N, K] matrices' scales s (NULL: none): FP8 blocks [ceil(N/128),
+ * ceil(K/128)] fp32, or integer groups' [N, K/32] fp16. */
+static const void *expert_scales(int kind, const void *s, int64_t e, int64_t N, int64_t K) {
+    if (!s) return NULL;
+    if (is_int(kind)) return (const uint16_t *)s + e * N * (K / INT_GROUP);
+    return (const float *)s + e * ((N + FP8_BLOCK - 1) / FP8_BLOCK) * ((K + FP8_BLOCK - 1) / FP8_BLOCK);
+}
+
 /* Routed SwiGLU experts of one decode step: out[m] (+)= sum_j gates[m, j] * SwiGLU_e(x[m]) with
  * e = idx[m, j]. Each routed-to expert's three matrices are read once for all the rows routed to it, in
  * one parallel region: every thread computes its share of every expert's gate and up rows, then (after
  * one barrier) its share of every expert's down rows, summed per output row in expert order.
  * wg, wu [E, I, D]; wd [E, D, I]; sg, su [E, ceil(I/128), ceil(D/128)], sd [E, ceil(D/128), ceil(I/128)]
- * (FP8 only). Returns 0. */
-int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const float *sg, const float *su,
-                        const float *sd, int kind, int64_t E, int64_t I, int64_t D, const void *x, int xkind,
+ * (FP8), or the fp16 group scales sg, su [E, I, D/32], sd [E, D, I/32] (integer groups). Returns 0. */
+int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const void *sg, const void *su,
+                        const void *sd, int kind, int64_t E, int64_t I, int64_t D, const void *x, int xkind,
                         int64_t M, const int64_t *idx, const float *gates, int64_t topk, void *out, int okind,
                         int accumulate, int nthreads) {
     const int64_t P = M * topk;
@@ -743,8 +767,6 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const fl
     char *xe = (char *)malloc((size_t)(P * D + 1) * xes);
     for (int64_t j = 0; j < start[E]; j++)
         memcpy(xe + (size_t)(j * D) * xes, (const char *)xf + (size_t)((pair[j] / topk) * D) * xes, (size_t)D * xes);
-    const size_t es = elem_size(kind);
-    const int64_t ib = (I + FP8_BLOCK - 1) / FP8_BLOCK, db = (D + FP8_BLOCK - 1) / FP8_BLOCK;
     int64_t *order = (int64_t *)malloc((size_t)(E + 1) * sizeof(int64_t)), R = 0; /* the experts routed to */
     for (int64_t e = 0; e < E; e++)
         if (start[e + 1] > start[e]) order[R++] = e;
@@ -757,13 +779,13 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const fl
         const int64_t i0 = t0 * NR, i1 = t1 * NR < I ? t1 * NR : I;
         /* where this thread's share of expert e's gate (or up) and down matrices start: the stream goes
          * gate, up, next expert's gate, ..., then every down in turn */
-        const size_t gate_share = (size_t)(t0 * NR * D) * es, down_share = (size_t)(d_t0 * NR * I) * es;
-#define GATE_AT(e) ((const char *)wg + (size_t)(e) * I * D * es + gate_share)
-#define UP_AT(e) ((const char *)wu + (size_t)(e) * I * D * es + gate_share)
-#define DOWN_AT(e) ((const char *)wd + (size_t)(e) * D * I * es + down_share)
+        const size_t gate_share = weight_bytes(kind, t0 * NR * D), down_share = weight_bytes(kind, d_t0 * NR * I);
+#define GATE_AT(e) ((const char *)wg + weight_bytes(kind, (e) * I * D) + gate_share)
+#define UP_AT(e) ((const char *)wu + weight_bytes(kind, (e) * I * D) + gate_share)
+#define DOWN_AT(e) ((const char *)wd + weight_bytes(kind, (e) * D * I) + down_share)
         for (int64_t r = 0; r < R; r++) {
             const int64_t e = order[r], j0 = start[e], me = start[e + 1] - j0;
-            const size_t off = (size_t)e * I * D * es;
+            const size_t off = weight_bytes(kind, e * I * D);
             const char *after_up = r + 1 < R ? GATE_AT(order[r + 1]) : DOWN_AT(order[0]);
             if (dots) {
                 const uint16_t *xj = (const uint16_t *)xe + j0 * D;
@@ -771,10 +793,10 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const fl
                 dp_gemv_tiles((const uint16_t *)((const char *)wu + off), I, D, xj, me, u + j0 * I, I, t0, t1);
             } else {
                 const float *xj = (const float *)xe + j0 * D;
-                gemv_tiles(kind, (const char *)wg + off, sg ? sg + e * ib * db : NULL, I, D, xj, me, g + j0 * I, I,
-                           t0, t1, scratch, UP_AT(e));
-                gemv_tiles(kind, (const char *)wu + off, su ? su + e * ib * db : NULL, I, D, xj, me, u + j0 * I, I,
-                           t0, t1, scratch, after_up);
+                gemv_tiles(kind, (const char *)wg + off, expert_scales(kind, sg, e, I, D), I, D, xj, me, g + j0 * I,
+                           I, t0, t1, scratch, UP_AT(e));
+                gemv_tiles(kind, (const char *)wu + off, expert_scales(kind, su, e, I, D), I, D, xj, me, u + j0 * I,
+                           I, t0, t1, scratch, after_up);
             }
             for (int64_t j = j0; j < j0 + me; j++)
                 for (int64_t n = i0; n < i1; n++) g[j * I + n] = silu(g[j * I + n]) * u[j * I + n] * gates[pair[j]];
@@ -783,8 +805,8 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const fl
         const int64_t d0 = d_t0 * NR, d1 = d_t1 * NR < D ? d_t1 * NR : D;
         for (int64_t r = 0; r < R; r++) {
             const int64_t e = order[r], j0 = start[e], me = start[e + 1] - j0;
-            gemv_tiles(kind, (const char *)wd + (size_t)e * D * I * es, sd ? sd + e * db * ib : NULL, D, I, g + j0 * I,
-                       me, ye + j0 * D, D, d_t0, d_t1, scratch, r + 1 < R ? DOWN_AT(order[r + 1]) : NULL);
+            gemv_tiles(kind, (const char *)wd + weight_bytes(kind, e * D * I), expert_scales(kind, sd, e, D, I), D, I,
+                       g + j0 * I, me, ye + j0 * D, D, d_t0, d_t1, scratch, r + 1 < R ? DOWN_AT(order[r + 1]) : NULL);
             for (int64_t j = j0; j < j0 + me; j++)
                 for (int64_t n = d0; n < d1; n++) acc[(pair[j] / topk) * D + n] += ye[j * D + n];
         }
@@ -1434,7 +1456,7 @@ int dsv3_mla_decode(const void *q, int akind, const float *cos, const float *sin
 
 typedef struct { /* stacked SwiGLU experts: gate, up [E, inter, dim], down [E, dim, inter] */
     const void *gate, *up, *down;
-    const float *gate_scale, *up_scale, *down_scale;
+    const void *gate_scale, *up_scale, *down_scale; /* FP8 blocks x 256, integer groups' fp16, or NULL */
     int64_t kind, n_experts, inter, dim;
 } BlkExperts;
 
@@ -1607,13 +1629,13 @@ static void blk_feed_forward(const BlkDesc *d, const BlkStep *s, const void *h, 
 static void blk_read_after_attention(const BlkDesc *d, PfRanges *after) {
     after->count = 0;
     const BlkLinear *o = &d->o;
-    after->p[after->count] = o->w, after->n[after->count++] = (size_t)(o->n * o->k) * elem_size((int)o->kind);
+    after->p[after->count] = o->w, after->n[after->count++] = weight_bytes((int)o->kind, o->n * o->k);
     if (d->router)
         after->p[after->count] = (const char *)d->router,
         after->n[after->count++] = (size_t)(d->routed.n_experts * d->dim) * sizeof(float);
     if (d->shared.gate) {
         const BlkExperts *e = &d->shared;
-        const size_t bytes = (size_t)(e->n_experts * e->inter * e->dim) * elem_size((int)e->kind);
+        const size_t bytes = weight_bytes((int)e->kind, e->n_experts * e->inter * e->dim);
         const void *parts[3] = {e->gate, e->up, e->down};
         for (int i = 0; i < 3; i++) after->p[after->count] = parts[i], after->n[after->count++] = bytes;
     }

@@ -37,7 +37,7 @@ from dsv3.precision.fp8 import dequantize_weight_blocks
 SOURCE = Path(__file__).with_name("decode_kernels.c")
 W_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 A_KIND = {torch.float32: 0, torch.bfloat16: 1}
-ABI = 3  # decode_kernels.c's DSV3_KERNELS_ABI: the calling interface this module's declarations (_declare) match
+ABI = 4  # decode_kernels.c's DSV3_KERNELS_ABI: the calling interface this module's declarations (_declare) match
 MAX_KERNEL_ROWS = 64  # more rows than this: a real matmul (PyTorch's) is the better tool
 FP8_SCALE_SHIFT = 256.0  # the C side's FP8 scales are scale_inv * 256 (its powers of two do the rest exactly)
 

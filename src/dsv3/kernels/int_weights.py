@@ -1,6 +1,6 @@
-"""Decode over group-wise integer weights (int8, int4: ``dsv3.precision.int_groups``): the C kernels of
-``int_weights.c`` as ``torch.library`` custom ops, the modules that hold such weights, and the swap of a
-model's experts into them.
+"""Decode over group-wise integer weights (int8, int4: ``dsv3.precision.int_groups``): the decode kernels'
+integer paths (``int_groups.h``, a part of ``decode_kernels.c``) as ``torch.library`` custom ops, the modules
+that hold such weights, and the swap of a model's experts into them.
 
 * ``torch.ops.dsv3.int_linear(x, q, scale)``: x [..., K] times the integer weight [N, K] transposed;
 * ``torch.ops.dsv3.int_swiglu_experts(x, idx, gates, gate_q, gate_s, up_q, up_s, down_q, down_s, add_to)``:
@@ -9,7 +9,9 @@ model's experts into them.
 Each op's PyTorch reference (dequantize in fp32, exact, then matmul in fp32, one rounding to x's dtype) is
 its implementation on every device and the CPU fallback (no C build, ``DSV3_DECODE_KERNELS=0``, a build of
 another ABI, more than ``MAX_KERNEL_ROWS`` rows); the C kernels read the weights in place, widening each
-group in registers, on an AVX-512 path or the AVX2 baseline chosen at run time (``avx512``).
+group in registers, on an AVX-512 path or the AVX2 baseline chosen at run time (``avx512``). They are the
+fp32/bf16/FP8 kernels' own ``dsv3_linear`` and ``dsv3_swiglu_experts`` with an integer weight kind, which is
+also how the block and step kernels read integer experts (``IntExpertWeights.block_view``).
 
 ``IntLinear`` and ``IntExperts`` are the modules of a model loaded with ``--weights int8|int4``: the
 routed experts and the shared experts' projections (the bulk of a DeepSeek model's bytes) become integer
@@ -19,16 +21,13 @@ groups; attention, routers, dense layers, the embedding and the head keep their 
 from __future__ import annotations
 
 import ctypes
-import functools
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from dsv3.errors import DSV3Error
-from dsv3.kernels import c_build
-from dsv3.kernels import decode_kernels as dk
+from dsv3.kernels import decode_kernels as dk  # dk._load() at each call: a benchmark may swap the library
 from dsv3.model.dispatch import ExpertRows
 from dsv3.model.experts import PROJECTIONS, GroupedExperts
 from dsv3.model.kernels import routed_forward
@@ -37,45 +36,27 @@ from dsv3.precision.int_groups import GROUP, bits_of, dequantize, quantize
 
 __all__ = ["IntExperts", "IntLinear", "int_kernel_status", "to_int_weights"]
 
-SOURCE = Path(__file__).with_name("int_weights.c")
-EXTRA_FLAGS = ("-mf16c",)
-ABI = 1  # int_weights.c's DSV3_INT_ABI
-
-
-# ---- the C build ----------------------------------------------------------------------------------------------
-
-
-def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.dsv3_int_linear.argtypes = [i32, p, p, i64, i64, p, i64, p, i32]
-    lib.dsv3_int_swiglu_experts.argtypes = [i32, p, p, p, p, p, p, i64, i64, i64, p, i64, p, p, i64, p, i32]
-    lib.dsv3_int_avx512.argtypes = [i32]
-    for fn in (lib.dsv3_int_linear, lib.dsv3_int_swiglu_experts, lib.dsv3_int_avx512):
-        fn.restype = i32
-    return lib
-
-
-@functools.cache
-def _load() -> tuple[ctypes.CDLL | None, str]:
-    """(the library, "ok") or (None, why not); built once per source version, as the decode kernels are."""
-    return c_build.load(SOURCE, "dsv3_int_abi", ABI, _declare, "the integer-weight kernels", EXTRA_FLAGS)
+KIND = {8: 3, 4: 4}  # decode_kernels.c's W_INT8, W_INT4 by width
 
 
 def int_kernel_status() -> str:
-    """"ok" when the integer-weight C kernels run, else why the PyTorch references run instead."""
-    return _load()[1]
+    """"ok" when the integer-weight C kernels (the decode kernels') run, else why the PyTorch references run."""
+    return dk.kernel_status()
 
 
 def avx512(on: bool | None = None) -> bool:
     """Whether the kernels take their AVX-512 path (where the CPU has AVX-512F/BW) rather than the AVX2 one;
     ``on`` chooses for this process (the tests run both). Returns the state."""
-    lib = _load()[0]
-    return bool(lib.dsv3_int_avx512(-1 if on is None else int(on))) if lib is not None else False
+    lib = dk._load()[0]
+    if lib is None:
+        return False
+    lib.dsv3_int_avx512.argtypes, lib.dsv3_int_avx512.restype = [ctypes.c_int], ctypes.c_int
+    return bool(lib.dsv3_int_avx512(-1 if on is None else int(on)))
 
 
 def _reads(x: Tensor, *pairs: tuple[Tensor, Tensor]) -> bool:
     """Whether the C kernels read these activations and (values, scales) pairs."""
-    return (_load()[0] is not None and x.dtype in dk.A_KIND and x.device.type == "cpu"
+    return (dk._load()[0] is not None and x.dtype in dk.A_KIND and x.device.type == "cpu"
             and 0 < x.numel() // max(x.shape[-1], 1) <= dk.MAX_KERNEL_ROWS
             and all(x.shape[-1] == s.shape[-1] * GROUP for _, s in pairs[:1])
             and all(q.dtype in (torch.int8, torch.uint8) and q.is_contiguous() and q.device.type == "cpu"
@@ -97,11 +78,12 @@ def _int_linear_cpu(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
     if not _reads(x, (q, scale)):
         return int_linear._init_fn(x, q, scale)
     N, K = scale.shape[0], scale.shape[1] * GROUP
-    x2 = x.reshape(-1, K).float().contiguous()
+    x2 = x.reshape(-1, K).contiguous()
     out = x2.new_empty(x2.shape[0], N)
-    _load()[0].dsv3_int_linear(bits_of(q), q.data_ptr(), scale.data_ptr(), N, K, x2.data_ptr(), x2.shape[0],
-                               out.data_ptr(), torch.get_num_threads())
-    return out.to(x.dtype).view(*x.shape[:-1], N)
+    ak = dk.A_KIND[x.dtype]
+    dk._load()[0].dsv3_linear(q.data_ptr(), scale.data_ptr(), KIND[bits_of(q)], N, K, x2.data_ptr(), ak, x2.shape[0],
+                              out.data_ptr(), ak, torch.get_num_threads())
+    return out.view(*x.shape[:-1], N)
 
 
 @int_linear.register_fake
@@ -132,20 +114,21 @@ def int_swiglu_experts(x: Tensor, idx: Tensor, gates: Tensor, gate_q: Tensor, ga
 @int_swiglu_experts.register_kernel("cpu")
 def _int_swiglu_experts_cpu(x, idx, gates, gate_q, gate_s, up_q, up_s, down_q, down_s, add_to=None):
     pairs = ((gate_q, gate_s), (up_q, up_s), (down_q, down_s))
-    if not _reads(x, *pairs) or not all(t is None or t.device.type == "cpu" for t in (idx, gates, add_to)):
+    if (not _reads(x, *pairs) or not all(t is None or t.device.type == "cpu" for t in (idx, gates, add_to))
+            or (add_to is not None and add_to.dtype != x.dtype)):
         return int_swiglu_experts._init_fn(x, idx, gates, *[t for p in pairs for t in p], add_to)
     E, I, D = gate_s.shape[0], gate_s.shape[1], gate_s.shape[2] * GROUP
-    xf = x.float().contiguous()
-    out = torch.zeros(xf.shape) if add_to is None else add_to.float().clone(memory_format=torch.contiguous_format)
-    idx, gates = idx.contiguous().long(), gates.contiguous().float()
-    rc = _load()[0].dsv3_int_swiglu_experts(
-        bits_of(gate_q), *[t.data_ptr() for p in pairs for t in p], E, I, D, xf.data_ptr(), xf.shape[0],
-        idx.data_ptr(), gates.data_ptr(), idx.shape[1], out.data_ptr(), torch.get_num_threads())
-    if rc == 2:
+    if idx.numel() and not (0 <= int(idx.min()) and int(idx.max()) < E):
         raise IndexError(f"an expert index of {idx.tolist()} is outside [0, {E})")
-    if rc != 0:
-        raise RuntimeError(f"dsv3_int_swiglu_experts failed ({rc})")
-    return out.to(x.dtype)
+    x = x.contiguous()
+    out = x.new_empty(x.shape) if add_to is None else add_to.clone(memory_format=torch.contiguous_format)
+    idx, gates = idx.contiguous().long(), gates.contiguous().float()
+    ak = dk.A_KIND[x.dtype]
+    dk._load()[0].dsv3_swiglu_experts(
+        gate_q.data_ptr(), up_q.data_ptr(), down_q.data_ptr(), gate_s.data_ptr(), up_s.data_ptr(), down_s.data_ptr(),
+        KIND[bits_of(gate_q)], E, I, D, x.data_ptr(), ak, x.shape[0], idx.data_ptr(), gates.data_ptr(), idx.shape[1],
+        out.data_ptr(), ak, int(add_to is not None), torch.get_num_threads())
+    return out
 
 
 @int_swiglu_experts.register_fake
@@ -178,6 +161,20 @@ class IntExpertWeights:
 
     def __init__(self, pairs: list[tuple[Tensor, Tensor]]):
         self.pairs = pairs
+
+    def block_view(self) -> dict | None:
+        """The block kernel's view of these experts (the fields of a descriptor's experts, as
+        ``decode_kernels.block_experts`` gives for other kinds), or None when the kernels cannot read them."""
+        (gq, gs), (uq, us), (dq, ds) = self.pairs
+        tensors = [t for p in self.pairs for t in p]
+        if (dk._load()[0] is None or len({q.dtype for q, _ in self.pairs}) != 1
+                or not all(t.is_contiguous() and t.device.type == "cpu" for t in tensors)
+                or not all(s.dtype == torch.float16 for _, s in self.pairs)):
+            return None
+        E, I, D = gs.shape[0], gs.shape[1], gs.shape[2] * GROUP
+        return {"gate": gq.data_ptr(), "up": uq.data_ptr(), "down": dq.data_ptr(), "gate_scale": gs.data_ptr(),
+                "up_scale": us.data_ptr(), "down_scale": ds.data_ptr(), "kind": KIND[bits_of(gq)], "n_experts": E,
+                "inter": I, "dim": D}
 
     def swiglu(self, x: Tensor, idx: Tensor, gates: Tensor, add_to: Tensor | None = None,
                use_kernel: bool = True) -> Tensor:
