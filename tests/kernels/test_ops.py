@@ -130,6 +130,29 @@ def test_mla_decode(threads, rows, dtype, masked):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_decode_reads_only_the_tiles_a_row_sees(threads, dtype):
+    """A row right-aligned beside a longer one (a merged batch) sees only its last keys, and a prefill chunk's
+    first query only its first ones: the kernel skips the whole 32-key tiles outside them, so NaN there (never
+    read) leaves the output equal to the reference over finite keys; the old loop over every tile gave NaN."""
+    H, nope, rope, r, v, S, T = 4, 16, 8, 32, 16, 200, 2
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(2, T, H, nope + rope, generator=g).to(dtype)
+    angles = torch.rand(2, T, rope // 2, generator=g) * 6
+    w_uk, w_uv = (torch.randn(H, n, r, generator=g).div(r ** 0.5).to(dtype) for n in (nope, v))
+    kv, pe = torch.randn(2, S, r, generator=g).to(dtype), torch.randn(2, S, rope, generator=g).to(dtype)
+    bias = torch.zeros(2, T, S)
+    bias[0, :, :130] = float("-inf")  # row 0 holds slots 130.. only: tiles 0-3 are never seen
+    bias[1, :, 70:] = float("-inf")  # row 1 sees slots ..69: tiles 3.. are never seen
+    args = (q, angles.cos(), angles.sin(), w_uk, w_uv, kv, pe, bias, 0.3)
+    want = dk.mla_decode_reference(*args, bf16_queries=dtype == torch.bfloat16 and dk.bf16_dots())
+    kv[0, :128], pe[0, :128], kv[1, 96:], pe[1, 96:] = float("nan"), float("nan"), float("nan"), float("nan")
+    got = torch.ops.dsv3.mla_decode(*args)
+    assert torch.isfinite(got).all()
+    close(got, want, dtype)
+
+
+@needs_kernels
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm(threads, rows, dtype):

@@ -1189,6 +1189,29 @@ static void att_output(const AttArgs *a, int64_t b, int64_t m, float *o, float s
                   blk_dot(a->w_uv, (int)a->wkind, h * a->uv_hstride + c * a->uv_rstride, o, r));
 }
 
+/* The whole tiles of keys a task's queries may see: [*s0, *s1), *s0 a multiple of ATT_TILE. Outside it every
+ * query's bias is -inf: the slots before a row's first token after a merge right-aligned it beside a longer
+ * one, or past a prefill chunk's causal end. Those tiles would only add zero weights (att_softmax_tile leaves
+ * the running state alone on them), so skipping them changes no bit, and a short row beside a long one
+ * attends over its own history only. bias_row NULL: every key. */
+static void att_span(const float *const *bias_row, int mb, int64_t S, int64_t *s0, int64_t *s1) {
+    int64_t lo = S, hi = 0;
+    for (int i = 0; i < mb; i++) {
+        const float *b = bias_row[i];
+        if (!b) {
+            lo = 0, hi = S;
+            break;
+        }
+        if (i > 0 && b == bias_row[i - 1]) continue; /* the heads of one token share a bias row */
+        int64_t j = 0, e = S;
+        while (j < lo && b[j] == -INFINITY) j++;
+        while (e > hi && b[e - 1] == -INFINITY) e--;
+        lo = j < lo ? j : lo, hi = e > hi ? e : hi;
+    }
+    if (lo >= hi) lo = 0, hi = S; /* no key at all (not a mask the engine makes): as without the span */
+    *s0 = lo / ATT_TILE * ATT_TILE, *s1 = hi;
+}
+
 /* One task: queries [m0, m0 + mb) of batch row b (mb <= ATT_GROUP), in groups of ATT_QUERIES, over the
  * whole cache one tile at a time. buf: ATT_FLOATS(r, p) floats, the query part zeroed.
  * KIND (the cache's dtype) is a constant after inlining. */
@@ -1211,10 +1234,12 @@ static inline __attribute__((always_inline)) void att_task(int kind, const AttAr
     const size_t es = kind == A_F32 ? 4 : 2, kv_row = (size_t)a->kv_sstride * es, pe_row = (size_t)a->pe_sstride * es;
     const char *kv_b = (const char *)a->kv + (size_t)(b * a->kv_bstride) * es;
     const char *pe_b = (const char *)a->pe + (size_t)(b * a->pe_bstride) * es;
-    for (int64_t s0 = 0; s0 < S; s0 += ATT_TILE) {
+    int64_t first, end;
+    att_span(bias_row, mb, S, &first, &end);
+    for (int64_t s0 = first; s0 < end; s0 += ATT_TILE) {
         const int64_t n = S - s0 < ATT_TILE ? S - s0 : ATT_TILE;
         const char *kv_t = kv_b + s0 * kv_row, *pe_t = pe_b + s0 * pe_row;
-        att_prefetch_ahead(kv_t, kv_row, pe_t, pe_row, r, p, es, s0, S);
+        att_prefetch_ahead(kv_t, kv_row, pe_t, pe_row, r, p, es, s0, end);
         for (int64_t g = 0; g < quads; g++) {
             const int64_t i0 = g * ATT_QUERIES;
             float *scg = sc + i0 * ATT_TILE;
@@ -1352,10 +1377,12 @@ static DP_TARGET void dp_task(const AttArgs *a, int64_t b, int64_t m0, int mb) {
     const size_t kv_row = (size_t)a->kv_sstride * 2, pe_row = (size_t)a->pe_sstride * 2;
     const char *kv_b = (const char *)a->kv + (size_t)(b * a->kv_bstride) * 2;
     const char *pe_b = (const char *)a->pe + (size_t)(b * a->pe_bstride) * 2;
-    for (int64_t s0 = 0; s0 < S; s0 += ATT_TILE) {
+    int64_t first, end;
+    att_span(bias_row, mb, S, &first, &end);
+    for (int64_t s0 = first; s0 < end; s0 += ATT_TILE) {
         const int64_t n = S - s0 < ATT_TILE ? S - s0 : ATT_TILE;
         const char *kv_t = kv_b + s0 * kv_row, *pe_t = pe_b + s0 * pe_row;
-        att_prefetch_ahead(kv_t, kv_row, pe_t, pe_row, r, p, 2, s0, S);
+        att_prefetch_ahead(kv_t, kv_row, pe_t, pe_row, r, p, 2, s0, end);
         for (int64_t g = 0; g < quads; g++) {
             const int64_t i0 = g * ATT_QUERIES;
             dp_tile_scores(qb + i0 * w, w, wr, r, p, kv_t, kv_row, pe_t, pe_row, n, sc + i0 * ATT_TILE);
