@@ -5,7 +5,6 @@ import dataclasses
 import json
 import re
 import socket
-import threading
 import time
 
 import pytest
@@ -15,6 +14,7 @@ from dsv3.cli import main
 from dsv3.infer.engine import Engine, Request
 from dsv3.infer.fp8_weights import FP8BlockLinear, FP8ExpertStack, resident_bytes
 from dsv3.infer.loading import load_model
+from dsv3.testing.http import serve_in_threads
 
 
 @pytest.fixture(scope="module")
@@ -186,17 +186,9 @@ def test_chat_without_a_tokenizer_says_what_to_do(tmp_path, model, capsys):
 
 def test_serve_prints_its_address_and_model_and_logs_each_request(run_folder, monkeypatch, capsys):
     """`dsv3 serve` printed nothing at all."""
-    uvicorn = pytest.importorskip("uvicorn")
+    pytest.importorskip("uvicorn")
     httpx = pytest.importorskip("httpx")
-    servers = []
-    real_run = uvicorn.Server.run
-
-    def run_in_a_thread(self, sockets=None):  # main() returns at once; the server keeps running
-        thread = threading.Thread(target=real_run, args=(self,), kwargs={"sockets": sockets}, daemon=True)
-        thread.start()
-        servers.append((self, thread))
-
-    monkeypatch.setattr(uvicorn.Server, "run", run_in_a_thread)
+    servers = serve_in_threads(monkeypatch)  # main() returns at once; the server keeps running
     assert main(["serve", "--model", str(run_folder), "--port", "0", "--threads", "1"]) == 0
     assert main(["serve", "--model", str(run_folder), "--port", "0", "--quiet"]) == 0
     err = capsys.readouterr().err

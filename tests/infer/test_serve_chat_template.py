@@ -4,7 +4,6 @@ transformers' apply_chat_template renders and encodes it."""
 import contextlib
 import re
 import shutil
-import threading
 import time
 
 import httpx
@@ -12,6 +11,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from dsv3.cli import main
+from dsv3.testing.http import serve_in_threads
 
 from .conftest import tiny_model
 
@@ -32,17 +32,7 @@ def checkpoint(hf_tokenizer_dir, tmp_path_factory):
 @contextlib.contextmanager
 def served(monkeypatch, capsys, args):
     """`dsv3 serve ARGS` on a free port, its uvicorn loop in a thread; yields the base URL."""
-    import uvicorn
-
-    servers = []
-    real_run = uvicorn.Server.run
-
-    def run_in_a_thread(self, sockets=None):
-        thread = threading.Thread(target=real_run, args=(self,), kwargs={"sockets": sockets}, daemon=True)
-        thread.start()
-        servers.append((self, thread))
-
-    monkeypatch.setattr(uvicorn.Server, "run", run_in_a_thread)
+    servers = serve_in_threads(monkeypatch)
     assert main(["serve", *args, "--port", "0", "--quiet", "--threads", "1"]) == 0
     port = re.search(r"listening on http://127\.0\.0\.1:(\d+)/v1", capsys.readouterr().err).group(1)
     try:

@@ -388,7 +388,31 @@ def serve(
     _log_line(f"dsv3 serve: model {name!r} from {folder} ({_describe(engine)})")
     _log_line(f"listening on http://{where}:{bound_port}/v1 (OpenAI API); Ctrl-C stops")
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    server.run(sockets=[sock])
+    run_beside(server, sock, app.state.scheduler)
+
+
+def run_beside(server, sock, scheduler) -> None:
+    """The HTTP server on a thread of its own and the decode loop on this, the main, thread
+    (``Scheduler.drive`` says why). Ctrl-C or SIGTERM stops the server as uvicorn does on its own (no new
+    connections; the requests in flight finish, the loop running until the server has stopped); a second
+    one stops it without waiting for them."""
+    import signal
+    import threading
+
+    def stop_serving(signum, frame):
+        server.force_exit = server.should_exit
+        server.should_exit = True
+
+    scheduler.driven = True
+    http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="dsv3-http", daemon=True)
+    before = {sig: signal.signal(sig, stop_serving) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        http.start()
+        scheduler.drive(until=lambda: not http.is_alive())
+        http.join(timeout=30)
+    finally:
+        for sig, handler in before.items():
+            signal.signal(sig, handler)
 
 
 def check_prefix_flags(size: str, block_tokens: int, directory: str | None) -> int:

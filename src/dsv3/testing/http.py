@@ -58,3 +58,21 @@ def serve_process(args: list[str], log: Path, start_timeout_s: float = 180.0) ->
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(timeout=30)
+
+
+def serve_in_threads(monkeypatch) -> list[tuple[object, threading.Thread]]:
+    """Make ``dsv3 serve`` called in-process (``dsv3.cli.main``) return once it listens: its uvicorn server
+    runs on a thread and the decode loop on one of its own (started by the app, as under ``serving``)
+    instead of on the caller's. Returns the list of (server, thread) each call adds, to stop them."""
+    from dsv3.infer import cli
+
+    servers: list[tuple[object, threading.Thread]] = []
+
+    def run_in_a_thread(server, sock, scheduler) -> None:
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        servers.append((server, thread))
+
+    monkeypatch.setattr(cli, "run_beside", run_in_a_thread)
+    return servers
+
