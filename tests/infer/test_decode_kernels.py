@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dsv3.kernels import decode_kernels as dk
+from dsv3.kernels import int_weights as iw
 from dsv3.precision.fp8 import quantize_weight_blocks
 
 pytestmark = pytest.mark.skipif(not dk.kernels_available(), reason=f"C kernels: {dk.kernel_status()}")
@@ -94,6 +95,47 @@ def test_linear_is_the_same_at_every_thread_count(kind, rows):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def on_both_paths(fn):
+    """fn() with the kernels' AVX-512 micro-tiles on, then with the AVX2 ones (AVX-512 left on after)."""
+    try:
+        return [(iw.avx512(on), fn())[1] for on in (True, False)]
+    finally:
+        iw.avx512(True)
+
+
+@pytest.mark.skipif(not iw.avx512(True), reason="needs AVX-512F")
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_avx512_micro_tiles_give_the_avx2_sums_to_the_bit(kind, act):
+    """Several activation rows of fp32 or bf16 weights (or a converted panel: FP8 from 8 rows, bf16 from 24) run
+    in AVX-512 micro-tiles of up to 6 rows whose lanes hold the AVX2 tile's two chains: the same products in the
+    same order, so the outputs equal the AVX2 path's bit for bit, on every edge shape and row count."""
+    for n, k in [*SHAPES, (64, 512)]:
+        w = make_weight(kind, n, k)
+        for rows in (2, 3, 6, 7, 8, 13, 16, 24, 25, 64):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(act)
+            wide, avx2 = on_both_paths(lambda: dk.linear(x, w))  # noqa: B023 (called at once)
+            assert torch.equal(wide, avx2), (n, k, rows)
+
+
+@pytest.mark.skipif(not iw.avx512(True), reason="needs AVX-512F")
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "fp8"])
+def test_avx512_swiglu_experts_equal_the_avx2_path(kind):
+    """The routed experts at 16 rows (each expert a few rows, the down projections over fp32 activations) and a
+    shared expert every row goes to: the same outputs on both paths."""
+    E, I, D = 8, 137, 136
+    experts = dk.ExpertWeights(*(make_weight(kind, *s, (E,), seed) for seed, s in enumerate([(I, D), (I, D),
+                                                                                            (D, I)])))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, D, generator=gen).to(torch.bfloat16 if kind != "fp32" else torch.float32) / 8
+    idx = torch.stack([torch.randperm(E, generator=gen)[:3] for _ in range(16)])
+    gates = torch.rand(16, 3, generator=gen)
+    shared = (torch.zeros(16, 1, dtype=torch.int64), torch.ones(16, 1))
+    for i, g in ((idx, gates), shared):
+        wide, avx2 = on_both_paths(lambda: dk.swiglu_experts(x, i, g, experts))  # noqa: B023
+        assert torch.equal(wide, avx2)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 64])
