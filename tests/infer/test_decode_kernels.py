@@ -55,10 +55,21 @@ def assert_matches(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, ou
 SHAPES = [(1, 1), (3, 7), (5, 8), (6, 27), (130, 203), (257, 136)]
 
 
+@pytest.fixture(params=["avx512", "avx2"])
+def gemv_path(request):
+    """The GEMVs on their AVX-512 micro-tiles (bf16 x bf16 then in FMAs on Intel CPUs), or on the AVX2 ones (bf16
+    x bf16 in dot products where the CPU has them, as on AMD Zen 4)."""
+    if request.param == "avx512" and not iw.avx512(True):
+        pytest.skip("needs AVX-512F")
+    iw.avx512(request.param == "avx512")
+    yield request.param
+    iw.avx512(True)
+
+
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "fp8"])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
-def test_linear_on_edge_shapes_and_row_counts(kind, act, shape):
+def test_linear_on_edge_shapes_and_row_counts(kind, act, shape, gemv_path):
     n, k = shape
     w = make_weight(kind, n, k)
     ref_w = dense64(w)
@@ -69,10 +80,11 @@ def test_linear_on_edge_shapes_and_row_counts(kind, act, shape):
         assert_matches(got, x.double() @ ref_w.t(), x.double().abs() @ ref_w.abs().t(), act)
 
 
-def test_linear_batched_leading_dims_and_64_rows_in_one_call():
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_linear_batched_leading_dims_and_64_rows_in_one_call(act, gemv_path):
     """x [2, 32, K] is 64 rows: one kernel call, the same rows as 64 single-row calls."""
     w = make_weight("bf16", 70, 96)
-    x = torch.randn(2, 32, 96)
+    x = torch.randn(2, 32, 96).to(act)
     got = dk.linear(x, w)
     assert got.shape == (2, 32, 70)
     one_by_one = torch.stack([dk.linear(row[None], w)[0] for row in x.view(64, 96)]).view(2, 32, 70)
@@ -98,11 +110,15 @@ def test_linear_is_the_same_at_every_thread_count(kind, rows):
 
 
 def on_both_paths(fn):
-    """fn() with the kernels' AVX-512 micro-tiles on, then with the AVX2 ones (AVX-512 left on after)."""
+    """fn() with the kernels' AVX-512 micro-tiles on, then with the AVX2 ones, both in FMAs (bf16 dot products
+    off); both switches restored after."""
+    dots = dk.bf16_dots()
     try:
+        dk.bf16_dots(False)
         return [(iw.avx512(on), fn())[1] for on in (True, False)]
     finally:
         iw.avx512(True)
+        dk.bf16_dots(dots)
 
 
 @pytest.mark.skipif(not iw.avx512(True), reason="needs AVX-512F")
@@ -178,7 +194,7 @@ def swiglu64(x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, experts: d
 
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "fp8"])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
-def test_swiglu_experts_on_edge_shapes(kind, act):
+def test_swiglu_experts_on_edge_shapes(kind, act, gemv_path):
     """I and D not multiples of 4, 16 or 128 (FP8 blocks cut in both matrices); 1 to 64 rows routed with
     shared experts (so an expert sees 1, 2 or many rows); accumulate on and off; 1 and 2 threads."""
     E, I, D = 5, 137, 131
