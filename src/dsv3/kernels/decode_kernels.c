@@ -3,9 +3,9 @@
  * group (int8, int4: int_groups.h) weights straight from where they live, converting each weight in
  * registers. No dequantized copy of a matrix is ever made, and a decode step's whole routed MoE is one call;
  * so is a whole block (dsv3_decode_block).
- * On CPUs that also have AVX512-BF16, bf16 weights times bf16 activations and a bf16 model's attention over a
- * bf16 cache use its bf16 dot products, and integer groups an AVX-512 path (chosen at run time; the rest of
- * the file is AVX2 only).
+ * On CPUs that also have AVX512-BF16, bf16 weights times bf16 activations (except on Intel's, see gemv_dots) and
+ * a bf16 model's attention over a bf16 cache use its bf16 dot products; with AVX-512F, integer groups and the
+ * GEMVs of several activation rows have AVX-512 paths (chosen at run time; the rest of the file is AVX2 only).
  *
  * Built and loaded at first use by decode_kernels.py (cc -O3 -mavx2 -mfma -mf16c -fopenmp); every function
  * has a plain PyTorch reference there, and the tests compare the two.
@@ -415,6 +415,11 @@ static void run_tile(int kind, int mb, const void *const *rows, int64_t K, const
  * beside it or the CPU). 32 registers hold NR x ZR accumulators, NR weight vectors and one activation vector.
  * dsv3_int_avx512 (int_groups.h) switches AVX-512 off for this path too. */
 #define ZR 6
+/* bf16 weights take the AVX-512 tiles from this many rows: their conversion to [even | odd] is a shuffle more
+ * than AVX2's per 16 weights, on the port the 512-bit FMAs share, and at 2 or 3 rows (a routed expert's share
+ * of a 16-row batch) the AVX2 tiles were faster (16 rows over 32 experts, top-4, 2 threads: 1.54 against
+ * 1.74 ms a layer); fp32 weights and converted panels from 2 rows (2.27 against 2.54 ms). */
+#define ZMM_MIN_ROWS_BF16 4
 #define ZMM_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 
 /* wload16's 16 columns from k as one vector: [w0 | w1] (bf16: even columns, then odd ones). */
@@ -585,8 +590,9 @@ static void gemv_tiles(int kind, const void *w, const void *scales, int64_t N, i
     const int64_t kblocks = (K + FP8_BLOCK - 1) / FP8_BLOCK;
     const int panel = converts_to_panel(kind, M);
     const size_t tile_bytes = NR * row_bytes, ahead = tile_bytes > PF_BYTES ? tile_bytes : PF_BYTES;
-    /* several rows of fp32 or bf16 weights (or a panel): the AVX-512 micro-tile, where it runs */
-    const int wide = M > 1 && (panel || kind != W_FP8) && dsv3_int_avx512(-1);
+    /* several rows of fp32 weights or a panel, or enough rows of bf16 ones: the AVX-512 micro-tile, where it runs */
+    const int tiled = panel ? W_F32 : kind;
+    const int wide = dsv3_int_avx512(-1) && (tiled == W_F32 ? M >= 2 : tiled == W_BF16 && M >= ZMM_MIN_ROWS_BF16);
     /* passes over a tile: tilec's two per micro-tile, tilez's one; each prefetches a slice of the next tile */
     int64_t passes = 0;
     for (int64_t m0 = 0; m0 < M; m0 += wide ? ZR : group_rows(M - m0)) passes += wide ? 1 : 2;
@@ -626,7 +632,7 @@ static void gemv_tiles(int kind, const void *w, const void *scales, int64_t N, i
             const int mb = wide ? (M - m0 < ZR ? (int)(M - m0) : ZR) : group_rows(M - m0);
             float res[ZR * NR];
             if (wide)
-                run_tilez(panel ? W_F32 : kind, mb, rows, K, xa + m0 * K, K, res, pf + g * slice, pfs);
+                run_tilez(tiled, mb, rows, K, xa + m0 * K, K, res, pf + g * slice, pfs);
             else
                 run_tile(panel ? W_F32 : kind, mb, rows, K, xa + m0 * K, K, res, pf + 2 * g * slice, slice, pfs);
             for (int i = 0; i < mb; i++)
