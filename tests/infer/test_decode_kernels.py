@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from dsv3.kernels import decode_kernels as dk
+from dsv3.kernels import int_weights as iw
 from dsv3.precision.fp8 import quantize_weight_blocks
 
 pytestmark = pytest.mark.skipif(not dk.kernels_available(), reason=f"C kernels: {dk.kernel_status()}")
@@ -54,10 +55,21 @@ def assert_matches(got: torch.Tensor, ref: torch.Tensor, bound: torch.Tensor, ou
 SHAPES = [(1, 1), (3, 7), (5, 8), (6, 27), (130, 203), (257, 136)]
 
 
+@pytest.fixture(params=["avx512", "avx2"])
+def gemv_path(request):
+    """The GEMVs on their AVX-512 micro-tiles (bf16 x bf16 then in FMAs on Intel CPUs), or on the AVX2 ones (bf16
+    x bf16 in dot products where the CPU has them, as on AMD Zen 4)."""
+    if request.param == "avx512" and not iw.avx512(True):
+        pytest.skip("needs AVX-512F")
+    iw.avx512(request.param == "avx512")
+    yield request.param
+    iw.avx512(True)
+
+
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "fp8"])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("shape", SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
-def test_linear_on_edge_shapes_and_row_counts(kind, act, shape):
+def test_linear_on_edge_shapes_and_row_counts(kind, act, shape, gemv_path):
     n, k = shape
     w = make_weight(kind, n, k)
     ref_w = dense64(w)
@@ -68,10 +80,11 @@ def test_linear_on_edge_shapes_and_row_counts(kind, act, shape):
         assert_matches(got, x.double() @ ref_w.t(), x.double().abs() @ ref_w.abs().t(), act)
 
 
-def test_linear_batched_leading_dims_and_64_rows_in_one_call():
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_linear_batched_leading_dims_and_64_rows_in_one_call(act, gemv_path):
     """x [2, 32, K] is 64 rows: one kernel call, the same rows as 64 single-row calls."""
     w = make_weight("bf16", 70, 96)
-    x = torch.randn(2, 32, 96)
+    x = torch.randn(2, 32, 96).to(act)
     got = dk.linear(x, w)
     assert got.shape == (2, 32, 70)
     one_by_one = torch.stack([dk.linear(row[None], w)[0] for row in x.view(64, 96)]).view(2, 32, 70)
@@ -94,6 +107,51 @@ def test_linear_is_the_same_at_every_thread_count(kind, rows):
     finally:
         torch.set_num_threads(before)
     assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
+
+
+def on_both_paths(fn):
+    """fn() with the kernels' AVX-512 micro-tiles on, then with the AVX2 ones, both in FMAs (bf16 dot products
+    off); both switches restored after."""
+    dots = dk.bf16_dots()
+    try:
+        dk.bf16_dots(False)
+        return [(iw.avx512(on), fn())[1] for on in (True, False)]
+    finally:
+        iw.avx512(True)
+        dk.bf16_dots(dots)
+
+
+@pytest.mark.skipif(not iw.avx512(True), reason="needs AVX-512F")
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
+def test_avx512_micro_tiles_give_the_avx2_sums_to_the_bit(kind, act):
+    """Several activation rows of fp32 or bf16 weights (or a converted panel: FP8 from 8 rows, bf16 from 24) run
+    in AVX-512 micro-tiles of up to 6 rows whose lanes hold the AVX2 tile's two chains: the same products in the
+    same order, so the outputs equal the AVX2 path's bit for bit, on every edge shape and row count."""
+    for n, k in [*SHAPES, (64, 512)]:
+        w = make_weight(kind, n, k)
+        for rows in (2, 3, 6, 7, 8, 13, 16, 24, 25, 64):
+            x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(act)
+            wide, avx2 = on_both_paths(lambda: dk.linear(x, w))  # noqa: B023 (called at once)
+            assert torch.equal(wide, avx2), (n, k, rows)
+
+
+@pytest.mark.skipif(not iw.avx512(True), reason="needs AVX-512F")
+@pytest.mark.parametrize("kind", ["fp32", "bf16", "fp8"])
+def test_avx512_swiglu_experts_equal_the_avx2_path(kind):
+    """The routed experts at 16 rows (each expert a few rows, the down projections over fp32 activations) and a
+    shared expert every row goes to: the same outputs on both paths."""
+    E, I, D = 8, 137, 136
+    experts = dk.ExpertWeights(*(make_weight(kind, *s, (E,), seed) for seed, s in enumerate([(I, D), (I, D),
+                                                                                            (D, I)])))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(16, D, generator=gen).to(torch.bfloat16 if kind != "fp32" else torch.float32) / 8
+    idx = torch.stack([torch.randperm(E, generator=gen)[:3] for _ in range(16)])
+    gates = torch.rand(16, 3, generator=gen)
+    shared = (torch.zeros(16, 1, dtype=torch.int64), torch.ones(16, 1))
+    for i, g in ((idx, gates), shared):
+        wide, avx2 = on_both_paths(lambda: dk.swiglu_experts(x, i, g, experts))  # noqa: B023
+        assert torch.equal(wide, avx2)
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 64])
@@ -136,7 +194,7 @@ def swiglu64(x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, experts: d
 
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "fp8"])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
-def test_swiglu_experts_on_edge_shapes(kind, act):
+def test_swiglu_experts_on_edge_shapes(kind, act, gemv_path):
     """I and D not multiples of 4, 16 or 128 (FP8 blocks cut in both matrices); 1 to 64 rows routed with
     shared experts (so an expert sees 1, 2 or many rows); accumulate on and off; 1 and 2 threads."""
     E, I, D = 5, 137, 131

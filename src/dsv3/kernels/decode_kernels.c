@@ -3,9 +3,9 @@
  * group (int8, int4: int_groups.h) weights straight from where they live, converting each weight in
  * registers. No dequantized copy of a matrix is ever made, and a decode step's whole routed MoE is one call;
  * so is a whole block (dsv3_decode_block).
- * On CPUs that also have AVX512-BF16, bf16 weights times bf16 activations and a bf16 model's attention over a
- * bf16 cache use its bf16 dot products, and integer groups an AVX-512 path (chosen at run time; the rest of
- * the file is AVX2 only).
+ * On CPUs that also have AVX512-BF16, bf16 weights times bf16 activations (except on Intel's, see gemv_dots) and
+ * a bf16 model's attention over a bf16 cache use its bf16 dot products; with AVX-512F, integer groups and the
+ * GEMVs of several activation rows have AVX-512 paths (chosen at run time; the rest of the file is AVX2 only).
  *
  * Built and loaded at first use by decode_kernels.py (cc -O3 -mavx2 -mfma -mf16c -fopenmp); every function
  * has a plain PyTorch reference there, and the tests compare the two.
@@ -406,6 +406,94 @@ static void run_tile(int kind, int mb, const void *const *rows, int64_t K, const
 #undef TILE_CASES
 }
 
+/* ---- The same micro-tile in AVX-512 FMAs, where the CPU has AVX-512F (chosen at run time) ----
+ * With many activation rows the GEMV is FMA-bound (above), and AVX-512 doubles the FMA's width. One 512-bit
+ * accumulator holds both of tilec's chains of a (weight row, activation row) pair: its low 8 lanes are chain a
+ * (columns 16j..16j+7, and a last group of 8, by a masked FMA), its high 8 chain b (16j+8..16j+15), so one
+ * FMA does the work of tilec's two passes and the lanes see the same products in the same order: fp32 and bf16
+ * weights give the AVX2 path's sums to the bit (a row's result still does not depend on the path, the rows
+ * beside it or the CPU). 32 registers hold NR x ZR accumulators, NR weight vectors and one activation vector.
+ * dsv3_int_avx512 (int_groups.h) switches AVX-512 off for this path too. */
+#define ZR 6
+/* bf16 weights take the AVX-512 tiles from this many rows: their conversion to [even | odd] is a shuffle more
+ * than AVX2's per 16 weights, on the port the 512-bit FMAs share, and at 2 or 3 rows (a routed expert's share
+ * of a 16-row batch) the AVX2 tiles were faster (16 rows over 32 experts, top-4, 2 threads: 1.54 against
+ * 1.74 ms a layer); fp32 weights and converted panels from 2 rows (2.27 against 2.54 ms). */
+#define ZMM_MIN_ROWS_BF16 4
+#define ZMM_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
+
+/* wload16's 16 columns from k as one vector: [w0 | w1] (bf16: even columns, then odd ones). */
+static inline __attribute__((always_inline)) ZMM_TARGET __m512 zload16(int kind, const void *row, int64_t k) {
+    if (kind == W_F32) return _mm512_loadu_ps((const float *)row + k);
+    const __m256i v = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + k));
+    const __m512i t = _mm512_inserti64x4(_mm512_castsi256_si512(v), v, 1);
+    return _mm512_castsi512_ps(
+        _mm512_mask_slli_epi32(_mm512_and_si512(t, _mm512_set1_epi32((int)0xFFFF0000u)), 0x00FF, t, 16));
+}
+
+/* res[i * NR + r] as tilec computes it, for C (1 to ZR) activation rows; prefetching pfs bytes from pf on per
+ * 16 columns (pf NULL: none). kind: W_F32 (weights or a panel) or W_BF16. */
+static inline __attribute__((always_inline)) ZMM_TARGET void tilez(int kind, int C, const void *const *rows, int64_t K,
+                                                                   const float *x, int64_t ldx, float *res,
+                                                                   const char *pf, int pfs) {
+    __m512 acc[NR][ZR];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    const int64_t whole = K / 16 * 16;
+    int64_t k = 0;
+    for (; k < whole; k += 16) {
+        if (pf) prefetch(pf + (k >> 4) * pfs, pfs);
+        __m512 w[NR];
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; r++) w[r] = zload16(kind, rows[r], k);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) {
+            const __m512 xv = _mm512_loadu_ps(x + c * ldx + k);
+#pragma GCC unroll 8
+            for (int r = 0; r < NR; r++) acc[r][c] = _mm512_fmadd_ps(w[r], xv, acc[r][c]);
+        }
+    }
+    if (K % 16 >= 8) { /* a last group of 8 columns: chain a only */
+        if (pf) prefetch(pf + (k >> 4) * pfs, pfs);
+        __m512 w[NR];
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; r++) w[r] = _mm512_castps256_ps512(wload8(kind, rows[r], k));
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) {
+            const __m512 xv = _mm512_castps256_ps512(_mm256_loadu_ps(x + c * ldx + k));
+#pragma GCC unroll 8
+            for (int r = 0; r < NR; r++) acc[r][c] = _mm512_mask3_fmadd_ps(w[r], xv, acc[r][c], 0x00FF);
+        }
+        k += 8;
+    }
+#define ZFOLD(v) _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c++) {
+        _mm_storeu_ps(res + c * NR, hsum4(ZFOLD(acc[0][c]), ZFOLD(acc[1][c]), ZFOLD(acc[2][c]), ZFOLD(acc[3][c])));
+        tail(kind, rows, k, K, x + c * ldx, res + c * NR);
+    }
+#undef ZFOLD
+}
+
+/* tilez with the weight kind (W_F32 or W_BF16) and the activation rows (1 to ZR) as constants. */
+static ZMM_TARGET void run_tilez(int kind, int mb, const void *const *rows, int64_t K, const float *x, int64_t ldx,
+                                 float *res, const char *pf, int pfs) {
+#define ZTILE_CASES(KIND)                                                                                  \
+    switch (mb) {                                                                                         \
+        case 1: tilez(KIND, 1, rows, K, x, ldx, res, pf, pfs); break;                                      \
+        case 2: tilez(KIND, 2, rows, K, x, ldx, res, pf, pfs); break;                                      \
+        case 3: tilez(KIND, 3, rows, K, x, ldx, res, pf, pfs); break;                                      \
+        case 4: tilez(KIND, 4, rows, K, x, ldx, res, pf, pfs); break;                                      \
+        case 5: tilez(KIND, 5, rows, K, x, ldx, res, pf, pfs); break;                                      \
+        default: tilez(KIND, 6, rows, K, x, ldx, res, pf, pfs); break;                                     \
+    }
+    if (kind == W_F32) { ZTILE_CASES(W_F32) }
+    else { ZTILE_CASES(W_BF16) }
+#undef ZTILE_CASES
+}
+
 /* The NR rows of a tile as fp32 in panel [NR, K] (FP8: value * 2^-120), for many activation rows to share;
  * prefetching pf on as the rows are read (the tile's bytes, PF_BYTES or a tile further on). */
 static void to_panel(int kind, const void *const *rows, int64_t K, float *panel, const char *pf) {
@@ -502,9 +590,13 @@ static void gemv_tiles(int kind, const void *w, const void *scales, int64_t N, i
     const int64_t kblocks = (K + FP8_BLOCK - 1) / FP8_BLOCK;
     const int panel = converts_to_panel(kind, M);
     const size_t tile_bytes = NR * row_bytes, ahead = tile_bytes > PF_BYTES ? tile_bytes : PF_BYTES;
-    int64_t groups = 0; /* micro-tiles per tile; each of tilec's two passes prefetches 1 / (2 groups) of a tile */
-    for (int64_t m0 = 0; m0 < M; m0 += group_rows(M - m0)) groups++;
-    const int64_t slice = (int64_t)(tile_bytes + 2 * groups - 1) / (2 * groups), steps = K / 16 > 0 ? K / 16 : 1;
+    /* several rows of fp32 weights or a panel, or enough rows of bf16 ones: the AVX-512 micro-tile, where it runs */
+    const int tiled = panel ? W_F32 : kind;
+    const int wide = dsv3_int_avx512(-1) && (tiled == W_F32 ? M >= 2 : tiled == W_BF16 && M >= ZMM_MIN_ROWS_BF16);
+    /* passes over a tile: tilec's two per micro-tile, tilez's one; each prefetches a slice of the next tile */
+    int64_t passes = 0;
+    for (int64_t m0 = 0; m0 < M; m0 += wide ? ZR : group_rows(M - m0)) passes += wide ? 1 : 2;
+    const int64_t slice = (int64_t)(tile_bytes + passes - 1) / passes, steps = K / 16 > 0 ? K / 16 : 1;
     const int pfs = (int)((slice + steps - 1) / steps);
     const float y_shift = kind == W_FP8 ? FP8_Y_SHIFT : 1.0f;
     const unsigned int csr = _mm_getcsr();
@@ -537,9 +629,12 @@ static void gemv_tiles(int kind, const void *w, const void *scales, int64_t N, i
             for (int r = 0; r < NR; r++) rows[r] = pan + r * K;
         }
         for (int64_t m0 = 0, g = 0; m0 < M; g++) {
-            const int mb = group_rows(M - m0);
-            float res[3 * NR];
-            run_tile(panel ? W_F32 : kind, mb, rows, K, xa + m0 * K, K, res, pf + 2 * g * slice, slice, pfs);
+            const int mb = wide ? (M - m0 < ZR ? (int)(M - m0) : ZR) : group_rows(M - m0);
+            float res[ZR * NR];
+            if (wide)
+                run_tilez(tiled, mb, rows, K, xa + m0 * K, K, res, pf + g * slice, pfs);
+            else
+                run_tile(panel ? W_F32 : kind, mb, rows, K, xa + m0 * K, K, res, pf + 2 * g * slice, slice, pfs);
             for (int i = 0; i < mb; i++)
                 for (int r = 0; r < nr; r++) y[(m0 + i) * ldy + n + r] = res[i * NR + r] * y_shift;
             m0 += mb;
@@ -664,7 +759,22 @@ static DP_TARGET void dp_gemv_tiles(const uint16_t *w, int64_t N, int64_t K, con
         }
     }
 }
-#define USE_DOT_GEMV(kind, xkind) ((kind) == W_BF16 && (xkind) == A_BF16 && dsv3_bf16_dots(-1))
+/* Whether bf16 x bf16 GEMVs take the dot products (the attention decides for itself, USE_BF16_DOTS): where they
+ * are on, unless the AVX-512 micro-tiles run on an Intel CPU. There VDPBF16PS issues at a quarter of the AVX-512
+ * FMA's multiply-add rate (Sapphire Rapids, one core: 30.6 GMAC/s in 256-bit dot products, 57 in 512-bit ones,
+ * 116 in 512-bit FMAs), so from a few rows on the FMAs on fp32 activations are 1.3-2x faster (16 rows, 2
+ * threads: head 1.96x, MLP 1.55x, an expert 1.27x), and at one row, where memory sets the pace, within 3% of
+ * the dots. Either way one path serves every row count, so a row's result does not depend on the rows beside
+ * it. AMD Zen 4 issues two 256-bit dot products per cycle against double-pumped 512-bit FMAs: it keeps them. */
+static int gemv_dots(void) {
+    static int intel = -1;
+    if (intel < 0) {
+        __builtin_cpu_init();
+        intel = __builtin_cpu_is("intel");
+    }
+    return dsv3_bf16_dots(-1) && !(intel && dsv3_int_avx512(-1));
+}
+#define USE_DOT_GEMV(kind, xkind) ((kind) == W_BF16 && (xkind) == A_BF16 && gemv_dots())
 #else
 int dsv3_bf16_dots(int want) { (void)want; return 0; }
 #define USE_DOT_GEMV(kind, xkind) 0

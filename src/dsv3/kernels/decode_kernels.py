@@ -8,9 +8,12 @@ into a full bf16 copy first. The C kernels read fp32, bf16 or FP8 (128x128 block
 four weight rows at a time, converting them in registers (FP8 with integer shifts, not F16C, which is too
 slow to keep up with memory), and one call computes all routed experts of a step. The absorbed attention
 is one call too. Where the CPU has AVX512-BF16, bf16 weights times bf16 activations and a bf16 model's
-attention over a bf16 cache take its bf16 dot products instead of AVX2 FMAs (``bf16_dots``). A row's result does not
-depend on how many rows share the call (the summation order is fixed), so batched and single-row decode
-give the same numbers. ``benchmarks/decode_kernels_speed.py`` measures them against the read bandwidth.
+attention over a bf16 cache take its bf16 dot products instead of AVX2 FMAs (``bf16_dots``; on Intel CPUs the
+GEMVs take AVX-512 FMAs instead, about four times the dot products' rate there); with AVX-512F the GEMVs of
+several rows run 512-bit FMAs that give the AVX2 sums to the bit (``int_weights.avx512`` switches both). A
+row's result does not depend on how many rows share the call (the summation order is fixed), so batched and
+single-row decode give the same numbers. ``benchmarks/decode_kernels_speed.py`` measures them against the read
+bandwidth.
 
 The single kernels are called as custom ops (``torch.ops.dsv3.*``, registered by ``dsv3.kernels.ops`` on
 import of ``dsv3.kernels``); the functions here wrap them for the decode paths' weight views (``Weight``,
@@ -88,7 +91,8 @@ def bf16_dots(on: bool | None = None) -> bool:
     """Whether bf16 x bf16 arithmetic runs in AVX512-BF16 dot products (VDPBF16PS) rather than AVX2 FMAs in
     fp32: the GEMVs of bf16 weights with bf16 activations (all but the experts' down projections, whose input
     the kernel keeps in fp32; products exact and sums fp32 either way), and a bf16 model's attention over a
-    bf16 cache (with its queries and softmax weights rounded to bf16). On by default where the CPU has
+    bf16 cache (with its queries and softmax weights rounded to bf16); on Intel CPUs with the AVX-512 path on
+    (``int_weights.avx512``) the GEMVs take FMAs whatever this says. On by default where the CPU has
     AVX512-BF16, off with ``DSV3_DECODE_BF16_DOTS=0``. ``on`` turns it on (where the CPU allows) or off for
     this process; returns the state."""
     lib = _load()[0]
