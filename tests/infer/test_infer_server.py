@@ -488,3 +488,41 @@ def test_metrics_report_mtp_acceptance_as_the_engine_counts_it(model, tokenizer)
     assert drafted > 0 and 0 <= accepted <= drafted
     assert total(scraped, "dsv3_generation_tokens_total") == 12
     assert (drafted, accepted) == (expected.drafted, expected.accepted)
+
+
+def test_serve_runs_the_decode_loop_on_the_main_thread(model, tokenizer, monkeypatch):
+    """`dsv3 serve` steps its batch on the main thread with uvicorn beside it (``Scheduler.drive`` says why:
+    on another thread libgomp's threads slept at every barrier, a third of the engine's speed at 2 threads);
+    a request is answered, and SIGTERM stops the server and the loop with it."""
+    import os
+    import signal
+
+    from dsv3.infer.cli import listen, run_beside
+    from dsv3.infer.engine import Batch
+
+    on_main, real_step = set(), Batch.step
+
+    def step(self):
+        on_main.add(threading.current_thread() is threading.main_thread())
+        return real_step(self)
+
+    monkeypatch.setattr(Batch, "step", step)
+    app = create_app(Engine(model, tokenizer), model_name="tiny")
+    sock = listen("127.0.0.1", 0)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    answers = []
+
+    def client():
+        try:
+            deadline = time.time() + 20
+            while not server.started and time.time() < deadline:
+                time.sleep(0.02)
+            r = httpx.post(f"http://127.0.0.1:{sock.getsockname()[1]}/v1/completions", timeout=30,
+                           json={"prompt": "the cat", "max_tokens": 4, "temperature": 0})
+            answers.append(r.status_code)
+        finally:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=client, daemon=True).start()
+    run_beside(server, sock, app.state.scheduler)
+    assert answers == [200] and on_main == {True}
