@@ -57,8 +57,9 @@ class Scheduler:
         the process's main thread, with the HTTP server on another. The C kernels' OpenMP threads spin at
         their barriers only while libgomp manages no more threads than there are CPUs, and a team started
         from any thread but the main one counts one thread more: on 2 cores at 2 threads the engine's step
-        took 3.5 ms on another thread against 1.2 ms on the main one (every barrier a sleep and a wake-up)."""
-        self.driven = True
+        took 3.6 ms on another thread against 1.1 ms on the main one (every barrier a sleep and a wake-up;
+        ``benchmarks/batch_join.py``). The caller sets ``driven`` before the app starts, so that ``start`` makes no
+        thread of its own."""
         self._run(until)
 
     def stop(self) -> None:

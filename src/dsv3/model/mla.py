@@ -27,8 +27,8 @@ class LatentCache:
         shapes = (layers, batch_size, max_len, cfg.kv_lora_rank), (layers, batch_size, max_len, cfg.qk_rope_head_dim)
         # Ordinary pages, not huge ones (``dsv3.model.huge_pages``, which the weights use): a server allocates a
         # cache whenever rows join or leave its batch, and with THP's usual ``defrag`` setting (madvise) each
-        # first touch of an advised huge page may stall in compaction, measured at ~4 ms a page: 110 ms to
-        # merge a 4,000-token row into a running batch (17 ms on ordinary pages), at no gain in step time.
+        # first touch of an advised huge page may stall in compaction, for as long as memory's fragmentation
+        # makes it (``benchmarks/batch_join.py``: merging a 4,000-token row took 48 ms before, 10 ms now).
         self.kv, self.pe = (torch.zeros(shape, dtype=dtype, device=device) for shape in shapes)
 
     @property
