@@ -760,12 +760,13 @@ static DP_TARGET void dp_gemv_tiles(const uint16_t *w, int64_t N, int64_t K, con
     }
 }
 /* Whether bf16 x bf16 GEMVs take the dot products (the attention decides for itself, USE_BF16_DOTS): where they
- * are on, unless the AVX-512 micro-tiles run on an Intel CPU. There VDPBF16PS issues at a quarter of the AVX-512
- * FMA's multiply-add rate (Sapphire Rapids, one core: 30.6 GMAC/s in 256-bit dot products, 57 in 512-bit ones,
- * 116 in 512-bit FMAs), so from a few rows on the FMAs on fp32 activations are 1.3-2x faster (16 rows, 2
- * threads: head 1.96x, MLP 1.55x, an expert 1.27x), and at one row, where memory sets the pace, within 3% of
- * the dots. Either way one path serves every row count, so a row's result does not depend on the rows beside
- * it. AMD Zen 4 issues two 256-bit dot products per cycle against double-pumped 512-bit FMAs: it keeps them. */
+ * are on, unless the AVX-512 micro-tiles run on an Intel CPU. There VDPBF16PS issues at a quarter of the
+ * AVX-512 FMA's multiply-add rate (the Intel Xeon measured, with AMX, one core: 30.6 GMAC/s in 256-bit dot
+ * products, 57 in 512-bit ones, 116 in 512-bit FMAs), so from a few rows on the FMAs on fp32 activations are
+ * 1.3-2x faster (16 rows, 2 threads: head 1.96x, MLP 1.55x, an expert 1.27x), and at one row, where memory
+ * sets the pace, within 3% of the dots. Either way one path serves every row count, so a row's result does not
+ * depend on the rows beside it. Other CPUs keep the dot products: the AMD EPYC these kernels were written on
+ * has not been measured this way. */
 static int gemv_dots(void) {
     static int intel = -1;
     if (intel < 0) {
