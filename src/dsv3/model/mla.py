@@ -19,7 +19,23 @@ from dsv3.model.rope import apply_rope
 
 
 class LatentCache:
-    """Preallocated latent KV cache for all layers: c_KV [L, B, S, r] and k_R [L, B, S, rope]."""
+    """The latent KV cache of a batch of rows for all layers, in pages of ``page_tokens`` slots:
+    c_KV ``kv`` [L, P, page_tokens, r] and k_R ``pe`` [L, P, page_tokens, rope].
+
+    The rows of a batch share one slot counter (a step writes every row at the same slot), so a row's
+    slot ``s`` is found through its page table: at physical position ``q = s - shift[b]`` of the row, in
+    page ``table[b, q // page_tokens]`` at offset ``q % page_tokens`` (a page of -1: none mapped). A merge
+    that right-aligns a row beside longer ones only adds to its shift, and pages can be shared by rows
+    that start with the same tokens, so neither moves a byte. The slots a row does not hold (``q`` < 0, or
+    an unmapped page) are masked out of its attention by the engine; reading them gives any slot's values.
+
+    ``LatentCache(cfg, B, S)`` is the plain case: one page per row holding all its slots (``table`` None:
+    row b is page b, shift 0), the layout [L, B, S, r] the module path and the static step index directly.
+    ``LatentCache.paged`` views pages of a shared pool through a table.
+    """
+
+    table: torch.Tensor | None = None  # int32 [B, pages per row]; None: row b is page b
+    shift: torch.Tensor | None = None  # int64 [B]
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, layers: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
@@ -31,9 +47,35 @@ class LatentCache:
         # makes it (``benchmarks/batch_join.py``: merging a 4,000-token row took 48 ms before, 10 ms now).
         self.kv, self.pe = (torch.zeros(shape, dtype=dtype, device=device) for shape in shapes)
 
+    @classmethod
+    def paged(cls, kv: torch.Tensor, pe: torch.Tensor, table: torch.Tensor, shift: torch.Tensor) -> LatentCache:
+        """Rows ``table`` [B, n] (int32 page numbers, -1: none) of the pages kv [L, P, page_tokens, r] and pe
+        [L, P, page_tokens, rope], each row's slots shifted right by ``shift`` [B] (int64)."""
+        if table.dim() != 2 or shift.shape != (table.shape[0],) or kv.shape[:3] != pe.shape[:3]:
+            raise ValueError(f"page table {tuple(table.shape)}, shift {tuple(shift.shape)} and pages "
+                             f"{tuple(kv.shape)}/{tuple(pe.shape)} do not fit")
+        cache = cls.__new__(cls)
+        cache.kv, cache.pe = kv, pe
+        cache.table, cache.shift = table.to(torch.int32).contiguous(), shift.to(torch.int64).contiguous()
+        return cache
+
+    @property
+    def page_tokens(self) -> int:
+        return self.kv.shape[2]
+
+    @property
+    def rows(self) -> int:
+        return self.kv.shape[1] if self.table is None else self.table.shape[0]
+
     @property
     def max_len(self) -> int:
-        return self.kv.shape[2]
+        """Slots every row can write below: the smallest of shift + mapped pages' slots over the rows."""
+        if self.table is None:
+            return self.kv.shape[2]
+        if not self.rows:
+            return 0
+        mapped = (self.table >= 0).sum(1).to(torch.int64)
+        return int((self.shift + mapped * self.page_tokens).min())
 
     @property
     def nbytes(self) -> int:
@@ -42,12 +84,51 @@ class LatentCache:
     def bytes_per_token_per_layer(self) -> int:
         return (self.kv.shape[-1] + self.pe.shape[-1]) * self.kv.element_size()
 
+    def select(self, rows: slice) -> LatentCache:
+        """A view of some rows: what it writes lands in this cache."""
+        if self.table is None:
+            view = LatentCache.__new__(LatentCache)
+            view.kv, view.pe = self.kv[:, rows], self.pe[:, rows]
+            return view
+        return LatentCache.paged(self.kv, self.pe, self.table[rows], self.shift[rows])
+
+    def slots(self, rows: int, start: int, end: int) -> torch.Tensor:
+        """Where slots [start, end) of rows [0, rows) lie: flat indices [rows, end - start] into the pages'
+        slots (page * page_tokens + offset), -1 for a slot the row does not hold. Paged caches only."""
+        n = self.page_tokens
+        q = torch.arange(start, end, device=self.table.device)[None, :] - self.shift[:rows, None]
+        col = q.div(n, rounding_mode="floor").clamp(0, self.table.shape[1] - 1)
+        page = self.table[:rows].to(torch.int64).gather(1, col)
+        inside = (q >= 0) & (q < self.table.shape[1] * n) & (page >= 0)
+        return torch.where(inside, page * n + q % n, torch.full_like(q, -1))
+
     def write(self, layer: int, start: int, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
+        """Write c_kv [B, T, r] and k_pe [B, T, rope] at slots [start, start + T) of rows [0, B); in a paged
+        cache the slots before a row's shift (left padding) are not stored, and any other slot outside its
+        pages is an error."""
         end = start + c_kv.shape[1]
         if end > self.max_len:
             raise ValueError(f"cache overflow: writing up to position {end} in a cache of {self.max_len}")
-        self.kv[layer, : c_kv.shape[0], start:end] = c_kv.to(self.kv.dtype)
-        self.pe[layer, : k_pe.shape[0], start:end] = k_pe.to(self.pe.dtype)
+        if self.table is None:
+            self.kv[layer, : c_kv.shape[0], start:end] = c_kv.to(self.kv.dtype)
+            self.pe[layer, : k_pe.shape[0], start:end] = k_pe.to(self.pe.dtype)
+            return
+        at = self.slots(c_kv.shape[0], start, end)
+        before = torch.arange(start, end)[None, :] < self.shift[: c_kv.shape[0], None]
+        if bool(((at < 0) & ~before).any()):
+            raise ValueError(f"cache write at slots [{start}, {end}) outside a row's pages")
+        keep = (at >= 0).flatten().to(self.kv.device)  # slots before a row's shift (its padding) are not kept
+        at = at.flatten().to(self.kv.device)[keep]
+        self.kv[layer].flatten(0, 1)[at] = c_kv.flatten(0, 1)[keep].to(self.kv.dtype)
+        self.pe[layer].flatten(0, 1)[at] = k_pe.flatten(0, 1)[keep].to(self.pe.dtype)
+
+    def read(self, layer: int, rows: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """c_KV [rows, end, r] and k_R [rows, end, rope] of slots [0, end) (a view of the plain cache; a
+        gather of a paged one, whose slots a row does not hold read as the pages' first slot)."""
+        if self.table is None:
+            return self.kv[layer, :rows, :end], self.pe[layer, :rows, :end]
+        at = self.slots(rows, 0, end).clamp(min=0).to(self.kv.device)
+        return self.kv[layer].flatten(0, 1)[at], self.pe[layer].flatten(0, 1)[at]
 
 
 class MLA(nn.Module):
@@ -104,9 +185,7 @@ class MLA(nn.Module):
         c_kv, k_pe = self.latent(x, cos, sin)
         if cache is not None:
             cache.write(self.layer_idx, start_pos, c_kv, k_pe)
-            end = start_pos + x.shape[1]
-            c_kv = cache.kv[self.layer_idx, : x.shape[0], :end].to(x.dtype)
-            k_pe = cache.pe[self.layer_idx, : x.shape[0], :end].to(x.dtype)
+            c_kv, k_pe = (t.to(x.dtype) for t in cache.read(self.layer_idx, x.shape[0], start_pos + x.shape[1]))
         if absorb is None:
             absorb = cache is not None and start_pos > 0
         attend = self._absorbed if absorb else self._expanded
