@@ -140,11 +140,12 @@ def test_cancelled_request_leaves_the_batch(model):
     keep, leave = Request(PROMPTS[0], 10), Request(PROMPTS[1], 10)
     batch = engine.start([keep, leave])
     batch.step()
+    free, held = engine.pool.free, len(batch.pages[1])
     leave.cancelled = True
     events = batch.step()
     assert [e.finish_reason for e in events if e.request is leave] == ["cancelled"]
     assert [r.request for r in batch.rows] == [keep]
-    assert batch.cache.kv.shape[1] == 1  # its cache row is freed too
+    assert batch.cache.rows == 1 and engine.pool.free == free + held  # its pages are given back too
 
 
 def test_stops_at_eos_and_max_tokens(model):

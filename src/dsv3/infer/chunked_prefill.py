@@ -49,16 +49,30 @@ class ChunkedPrefill:
         if chunk_tokens < 1:
             raise DSV3Error(f"a prefill chunk must hold >= 1 token, got {chunk_tokens}")
         self.engine, self.request, self.chunk_tokens = engine, request, chunk_tokens
-        prompt = request.prompt_ids
-        slots = len(prompt) + request.max_new_tokens + 2  # what the batch would allocate for one row, and a draft
-        self.cache: LatentCache = engine.model.new_cache(1, slots, dtype=engine.cache_dtype)
-        self.done = self._copy_cached_prefix()
+        self.pages: list[int] = []  # the prompt's pages of the engine's pool, so far
         self.seconds_per_token: float | None = None  # the last chunk's measured cost
+        self.done = self._copy_cached_prefix()
 
     @property
     def remaining(self) -> int:
         """Prompt tokens not prefilled yet."""
         return len(self.request.prompt_ids) - self.done
+
+    @property
+    def cache(self) -> LatentCache:
+        """The prompt's cache: one row over its pages."""
+        return self.engine.pool.cache([self.pages], [0])
+
+    def _reserve(self, end: int) -> None:
+        """Pages for slots [0, end) (PoolFull, nothing taken, when the pool lacks them)."""
+        need = self.engine.pool.pages_for(end) - len(self.pages)
+        if need > 0:
+            self.pages += self.engine.pool.take(need)
+
+    def release(self) -> None:
+        """Give the pages back (the request was cancelled or failed)."""
+        self.engine.pool.release(self.pages)
+        self.pages = []
 
     def _copy_cached_prefix(self) -> int:
         """Copy the prompt's cached blocks (if any) into the cache; returns the first slot left to prefill
@@ -68,7 +82,10 @@ class ChunkedPrefill:
             return 0
         chain = cache.match(self.request.prompt_ids)
         try:
-            n = cache.copy_into(self.cache.kv[:, 0], self.cache.pe[:, 0], chain) if chain else 0
+            n = len(chain) * cache.block_tokens
+            if chain:
+                self._reserve(n)
+                cache.copy_into(self.cache, 0, chain)
         finally:
             cache.release(chain)
         self.request.cached_tokens = n
@@ -89,7 +106,9 @@ class ChunkedPrefill:
         else None."""
         n = self.next_tokens(seconds, first)
         if self.remaining <= n:
-            return PrefilledBatch(self.engine, self.request, self.cache, self.done)
+            pages, self.pages = self.pages, []  # the batch owns them now
+            return PrefilledBatch(self.engine, self.request, pages, self.done)
+        self._reserve(self.done + n)
         t0 = time.perf_counter()
         self._chunk(self.done, self.done + n)
         self.seconds_per_token = (time.perf_counter() - t0) / n
@@ -118,19 +137,20 @@ class PrefilledBatch(CachingBatch):
     """The batch of one request whose cache already holds its prompt's slots [0, ``done``): it prefills the
     rest (the last chunk) and samples the first token; its blocks go to the prefix cache when there is one."""
 
-    def __init__(self, engine: Engine, request: Request, cache: LatentCache, done: int):
-        self._given, self._done = cache, done
+    def __init__(self, engine: Engine, request: Request, pages: list[int], done: int):
+        self._given, self._done = pages, done
         super().__init__(engine, [request])
 
     @torch.inference_mode()
     def _prefill(self) -> list[Event]:
-        self.cur, self.holes = 0, False
+        self.cur = 0
+        self._alloc([0] * len(self.rows))
         if not self.rows:  # the request could not start (its error event is already out)
-            self._alloc(0, 0)
+            self.engine.pool.release(self._given)
             return []
-        self.cache = self._given
-        self.valid = torch.zeros(1, self.cache.max_len, dtype=torch.bool)
-        self._record_cache()
+        self.pages = [self._given]
+        self._map()
+        self._reserve(len(self.rows[0].request.prompt_ids) + self.T)
         return self._prefill_from(self._done)
 
     def _hidden_from(self, ids: torch.Tensor, positions: torch.Tensor, start: int) -> torch.Tensor:

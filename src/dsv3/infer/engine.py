@@ -38,6 +38,7 @@ from dsv3.errors import DSV3Error
 from dsv3.infer.detok import TextStream
 from dsv3.infer.draft_vocab import DraftVocab
 from dsv3.infer.logits_processors import LogitsProcessor, process
+from dsv3.infer.page_pool import DEFAULT_PAGE_TOKENS, DEFAULT_POOL_BYTES, PagePool, PoolFull
 from dsv3.infer.penalties import LogitsRules
 from dsv3.infer.sampling import GREEDY, SamplingParams, all_finite, draw, greedy_tokens, probabilities
 from dsv3.infer.speculative import verify
@@ -118,8 +119,9 @@ class Stats:
     accepted: int = 0
     prefill_s: float = 0.0
     decode_s: float = 0.0
-    cache_bytes: int = 0  # largest latent-cache allocation
-    cache_bytes_per_token_per_layer: float = 0.0  # its bytes / (layers x rows x slots)
+    cache_bytes: int = 0  # most bytes of latent-cache pages the batch held at once
+    cache_bytes_per_token_per_layer: float = 0.0  # a page's bytes / (layers x its slots)
+    preemptions: int = 0  # rows preempted for want of pages
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -231,6 +233,12 @@ class Row:
         return Event(self.request, [], "", "error", error=message)
 
 
+def held_tokens(row: Row) -> list[int]:
+    """What a row's cache holds once prefilled: its prompt and what it generated before its newest token (a
+    preempted row prefilled again holds the latter too)."""
+    return list(row.request.prompt_ids) + row.generated[:-1]
+
+
 def context_limit(model: Transformer) -> int | None:
     """The model's context in positions (``max_position_embeddings``), or None when the config does
     not give a usable one."""
@@ -249,7 +257,8 @@ class Engine:
     def __init__(self, model: Transformer, tokenizer=None, speculative: bool = False,
                  cache_dtype: torch.dtype | None = None, eos_token_ids: frozenset[int] | None = None,
                  fast: bool = True, draft_vocab: DraftVocab | torch.Tensor | list[int] | None = None,
-                 chat_template: ChatTemplate | None = None):
+                 chat_template: ChatTemplate | None = None, kv_cache_bytes: int = DEFAULT_POOL_BYTES,
+                 page_tokens: int = DEFAULT_PAGE_TOKENS):
         if speculative and not model.mtp_layers:
             raise DSV3Error("--speculative mtp needs a checkpoint with an MTP layer (num_nextn_predict_layers >= 1)")
         if draft_vocab is not None and not speculative:
@@ -266,6 +275,8 @@ class Engine:
         self.eos_ids = eos_token_ids if eos_token_ids is not None else model.config.eos_token_ids
         self.context = context_limit(model)
         huge_pages.move_module(model)
+        # every batch's latent cache: pages of one pool (``dsv3.infer.page_pool``)
+        self.pool = PagePool(model, kv_cache_bytes, page_tokens, self.cache_dtype, self.device)
         self.prefix_cache = None  # a dsv3.infer.prefix_cache.PrefixCache: prompts reuse cached latent blocks
         self.max_prefill_tokens: int | None = None  # the server's prefill budget per decode step (chunked_prefill.py)
         # decode steps only: FastDecode on a CPU, CUDA graphs on a GPU (dsv3.kernels.graph_decode), or the modules
@@ -297,12 +308,26 @@ class Engine:
         live[0].first_events = events
         return live[0]
 
+    def resume(self, rows: list[Row]) -> Batch:
+        """The batch of rows preempted earlier (``Batch.step``), their caches prefilled again."""
+        return Batch(self, [], rows)
+
     def stream(self, requests: list[Request]) -> Iterator[Event]:
-        """Events as tokens are produced, for all requests decoded together."""
+        """Events as tokens are produced, for all requests decoded together (rows preempted for want of cache
+        pages resume once the others have finished)."""
         batch = self.start(requests)
         yield from batch.first_events
-        while batch.rows:
-            yield from batch.step()
+        waiting: list[Row] = []
+        while batch.rows or waiting:
+            if batch.rows:
+                yield from batch.step()
+            waiting += batch.take_preempted()
+            if waiting and not batch.rows:
+                batch.release()
+                resumed = self.resume(waiting[:1])
+                waiting = waiting[1:]
+                resumed.stats = batch.stats
+                batch = resumed
         self.last_stats = batch.stats
 
     def generate(self, requests: list[Request]) -> list[Result]:
@@ -352,11 +377,15 @@ class _Poisoned(Exception):
 class Batch:
     """Rows decoded together over one latent cache; see the module docstring for the layout."""
 
-    def __init__(self, engine: Engine, requests: list[Request]):
+    def __init__(self, engine: Engine, requests: list[Request], resumed: list[Row] | None = None):
+        """Prefill ``requests``; or, given ``resumed`` (rows preempted earlier, ``step``), prefill again what
+        their caches held (prompt and generated tokens) and go on from their newest token."""
         self.engine, self.model, self.device = engine, engine.model, engine.device
         self.stats = Stats()
         self.T = 2 if engine.speculative else 1
-        self.rows: list[Row] = []
+        self.resumed = resumed is not None
+        self.rows: list[Row] = list(resumed or [])
+        self.pages: list[list[int]] = []
         failed = []
         for r in requests:
             try:
@@ -364,7 +393,11 @@ class Batch:
             except Exception as exc:  # e.g. a seed torch cannot take: this request fails, not the batch
                 failed.append(Event(r, [], "", "error", error=f"cannot start this request: {exc}"))
         t0 = time.perf_counter()
-        self.first_events = failed + self._prefill()
+        try:
+            self.first_events = failed + self._prefill()
+        except BaseException:
+            self.release()  # a prefill that fails (the pool full, say) keeps no page
+            raise
         self._prefilled()
         self.drop([b for b, r in enumerate(self.rows) if r.finish_reason])
         self.stats.prefill_s = time.perf_counter() - t0
@@ -400,16 +433,41 @@ class Batch:
         return ids, positions
 
     # ---- cache bookkeeping ---------------------------------------------------------------
-    def _alloc(self, batch: int, slots: int) -> None:
-        self.cache: LatentCache = self.model.new_cache(batch, slots, dtype=self.engine.cache_dtype)
-        self.valid = torch.zeros(batch, slots, dtype=torch.bool)
-        self._record_cache()
+    # Row b holds pages ``self.pages[b]`` of the engine's pool, its slots shifted right by ``self.shifts[b]``
+    # (``LatentCache.paged``); ``self.cache`` is the page table over them, remade when pages change hands.
+    def _alloc(self, shifts: list[int]) -> None:
+        """Rows whose own slots start at ``shifts`` (their left padding), holding no page yet."""
+        self.pages: list[list[int]] = [[] for _ in shifts]
+        self.shifts = list(shifts)
+        self.valid = torch.zeros(len(shifts), 0, dtype=torch.bool)
+        self.holes = False
+        self.preempted: list[Row] = []
+        self._map()
 
-    def _capacity_for(self, cur: int) -> int:
-        """Slots needed from ``cur`` so that every row can finish (holes may cost a slot per step)."""
-        remaining = max((r.request.max_new_tokens - len(r.generated) for r in self.rows), default=0)
-        per_step = 1 if len(self.rows) == 1 else self.T
-        return cur + per_step * remaining + self.T
+    def _map(self) -> None:
+        self.cache: LatentCache = self.engine.pool.cache(self.pages, self.shifts)
+        held = len({page for pages in self.pages for page in pages}) * self.engine.pool.page_bytes
+        if held > self.stats.cache_bytes:
+            self.stats.cache_bytes = held
+            self.stats.cache_bytes_per_token_per_layer = self.cache.bytes_per_token_per_layer()
+
+    def _reserve(self, end: int) -> None:
+        """Pages for every row's slots below ``end``, and ``valid`` that wide: PoolFull when the pool lacks
+        them (the pages taken until then stay the rows')."""
+        pool, taken = self.engine.pool, False
+        try:
+            for b, pages in enumerate(self.pages):
+                need = pool.pages_for(end - self.shifts[b]) - len(pages)
+                if need > 0:
+                    pages += pool.take(need)
+                    taken = True
+        finally:
+            if taken:
+                self._map()
+        if self.valid.shape[1] < end:  # grown by half again at least: a step does not copy it each time
+            wider = torch.zeros(len(self.rows), max(end, self.valid.shape[1] * 3 // 2), dtype=torch.bool)
+            wider[:, : self.valid.shape[1]] = self.valid
+            self.valid = wider
 
     def _mask(self, start: int, T: int) -> torch.Tensor | None:
         """bool [B, T, start + T]: a query sees valid keys and always itself (no empty softmax)."""
@@ -420,113 +478,126 @@ class Batch:
         self_slot = torch.arange(S)[None, :] == torch.arange(start, S)[:, None]  # [T, S]
         return (keys | self_slot[None]).to(self.device)
 
-    def _reshape(self, keep: list[int], shift: int, slots: int) -> tuple[LatentCache, torch.Tensor]:
-        """Rows ``keep`` of the cache moved ``shift`` slots right into a new cache of ``slots`` slots:
-        (cache, valid)."""
-        return self._moved_into(self.model.new_cache(len(keep), slots, dtype=self.engine.cache_dtype),
-                                torch.zeros(len(keep), slots, dtype=torch.bool), 0, keep, shift)
-
-    def _moved_into(self, cache: LatentCache, valid: torch.Tensor, row: int, keep: list[int],
-                    shift: int) -> tuple[LatentCache, torch.Tensor]:
-        """Copy rows ``keep`` of this batch's cache and ``valid`` into ``cache`` and ``valid`` from row ``row``
-        on, ``shift`` slots to the right (a negative shift drops the first -shift slots, which must be holes
-        of every row in ``keep``: ``_first_live_slot``); returns (cache, valid)."""
-        cur, rows, first = self.cur, slice(row, row + len(keep)), max(0, -shift)
-        idx = torch.tensor(keep, dtype=torch.long)
-        on_device = idx.to(self.device)
-        cache.kv[:, rows, first + shift : cur + shift] = self.cache.kv[:, on_device, first:cur]
-        cache.pe[:, rows, first + shift : cur + shift] = self.cache.pe[:, on_device, first:cur]
-        valid[rows, first + shift : cur + shift] = self.valid[idx, first:cur]
-        return cache, valid
-
-    def _first_live_slot(self, rows: list[int]) -> int:
-        """The first slot below ``cur`` that any of ``rows`` holds a token in (``cur`` when none does): every
-        slot before it is a hole of all of them, which a reshape may drop."""
-        live = self.valid[rows, : self.cur].any(0) if rows else torch.zeros(0, dtype=torch.bool)
+    def _first_live_slot(self) -> int:
+        """The first slot below ``cur`` that any row holds a token in (``cur`` when none does): every slot
+        before it is a hole of all rows, which ``_trim`` may drop."""
+        live = self.valid[:, : self.cur].any(0)
         return int(live.int().argmax()) if bool(live.any()) else self.cur
 
-    def _set(self, cache: LatentCache, valid: torch.Tensor, cur: int) -> None:
-        self.cache, self.valid, self.cur = cache, valid, cur
-        self.holes = bool((~valid[:, :cur]).any())
-        self._record_cache()
-
-    def _record_cache(self) -> None:
-        layers, rows, slots = self.cache.kv.shape[:3]
-        if self.cache.nbytes > self.stats.cache_bytes and rows * slots:
-            self.stats.cache_bytes = self.cache.nbytes
-            self.stats.cache_bytes_per_token_per_layer = self.cache.nbytes / (layers * rows * slots)
+    def _trim(self) -> None:
+        """Drop the slots before the first one any row holds (every row's shift and ``cur`` go down alike;
+        no byte moves): see the module docstring."""
+        lead = self._first_live_slot() if self.rows else 0
+        if lead:
+            self.shifts = [s - lead for s in self.shifts]
+            self.valid = self.valid[:, lead:].clone()
+            self.cur -= lead
+        self.holes = bool((~self.valid[:, : self.cur]).any())
 
     def _ensure_capacity(self) -> None:
-        if self.cur + self.T > self.cache.max_len:
-            rows = list(range(len(self.rows)))
-            lead = self._first_live_slot(rows)
-            cur = self.cur - lead
-            self._set(*self._reshape(rows, -lead, self._capacity_for(cur)), cur)
+        self._reserve(self.cur + self.T)
+
+    def release(self) -> None:
+        """Give every row's pages back to the pool (the batch is done with)."""
+        for pages in self.pages:
+            self.engine.pool.release(pages)
+        self.pages = [[] for _ in self.pages]
 
     def drop(self, finished: list[int]) -> None:
         """Remove rows (finished or cancelled) so that they cost nothing from the next step on."""
         if not finished:
             return
-        keep = [b for b in range(len(self.rows)) if b not in set(finished)]
-        if keep:  # the slots before the first one a kept row holds go too (see the module docstring)
-            lead = self._first_live_slot(keep)
-            self._set(*self._reshape(keep, -lead, self.cache.max_len - lead), self.cur - lead)
+        gone = set(finished)
+        for b in gone:
+            self.engine.pool.release(self.pages[b])
+        keep = [b for b in range(len(self.rows)) if b not in gone]
         self.rows = [self.rows[b] for b in keep]
+        self.pages, self.shifts = [self.pages[b] for b in keep], [self.shifts[b] for b in keep]
+        self.valid = self.valid[keep]
+        self._trim()
+        self._map()
 
     def merge(self, other: Batch) -> None:
         """Continuous batching: take ``other``'s rows into this batch. Both histories are shifted so that they
         end at the same slot, the shorter one right, and slots that none of a batch's rows holds dropped from
-        its left; positions are per row, so nothing is recomputed."""
-        mine, theirs = list(range(len(self.rows))), list(range(len(other.rows)))
-        cur = max(self.cur - self._first_live_slot(mine), other.cur - other._first_live_slot(theirs))
-        slots = max(self._capacity_for(cur), other._capacity_for(cur), self.cache.max_len + cur - self.cur,
-                    other.cache.max_len + cur - other.cur)
-        n = len(mine) + len(theirs)
-        cache = self.model.new_cache(n, slots, dtype=self.engine.cache_dtype)
-        valid = torch.zeros(n, slots, dtype=torch.bool)
-        self._moved_into(cache, valid, 0, mine, cur - self.cur)
-        other._moved_into(cache, valid, len(mine), theirs, cur - other.cur)
-        self._set(cache, valid, cur)  # rows join only once the cache holds them (a failure leaves this batch whole)
+        its left; positions are per row, so nothing is recomputed, and the pages stay where they are."""
+        for batch in (self, other):
+            batch._trim()
+        cur = max(self.cur, other.cur)
+        width = max(self.valid.shape[1] + cur - self.cur, other.valid.shape[1] + cur - other.cur)
+        valid = torch.zeros(len(self.rows) + len(other.rows), width, dtype=torch.bool)
+        for batch, rows in ((self, slice(0, len(self.rows))), (other, slice(len(self.rows), None))):
+            d = cur - batch.cur
+            valid[rows, d : d + batch.valid.shape[1]] = batch.valid
+        self.shifts = [s + cur - self.cur for s in self.shifts] + [s + cur - other.cur for s in other.shifts]
+        self.pages = self.pages + other.pages
+        other.pages = []
         self.rows = self.rows + other.rows
+        self.preempted += other.preempted
+        self.valid, self.cur = valid, cur
+        self.holes = bool((~valid[:, :cur]).any())
+        self._map()
         self.stats.prefill_s += other.stats.prefill_s
         self.stats.cache_bytes = max(self.stats.cache_bytes, other.stats.cache_bytes)
 
     # ---- prefill ---------------------------------------------------------------------------
     @torch.inference_mode()
     def _prefill(self) -> list[Event]:
-        prompts = [r.request.prompt_ids for r in self.rows]
+        prompts = [held_tokens(r) for r in self.rows]
         B, L = len(prompts), max((len(p) for p in prompts), default=0)
         self.cur = 0
-        self._alloc(B, self._capacity_for(L) if B else 0)
-        self.holes = False
+        pads = [L - len(p) for p in prompts]
+        self._alloc(pads)
         if not B:
             return []
-        pads = torch.tensor([L - len(p) for p in prompts])
+        self._reserve(L + self.T)
+        pads = torch.tensor(pads)
         ids = torch.tensor([[0] * (L - len(p)) + list(p) for p in prompts])  # [B, L] left-padded
         self.valid[:, :L] = torch.arange(L)[None, :] >= pads[:, None]
         self.holes = bool(pads.any())
         positions = (torch.arange(L)[None, :] - pads[:, None]).clamp(min=0)  # [B, L]
         mask = self._mask(0, L)
         firsts, owner = shared_prompts(prompts)
-        if len(firsts) < B:  # the same prompt on several rows (n choices): one forward, its cache copied
+        if len(firsts) < B:  # the same prompt on several rows (n choices): one forward, its pages shared
             h = self.model.hidden_states(ids[firsts].to(self.device), positions=positions[firsts].to(self.device),
-                                         cache=self.cache, start_pos=0, mask=None if mask is None else mask[firsts])
-            on_device = owner.to(self.device)
-            self.cache.kv[:, :B] = self.cache.kv[:, on_device]
-            self.cache.pe[:, :B] = self.cache.pe[:, on_device]
-            h = h[on_device]
+                                         cache=self._select(firsts), start_pos=0,
+                                         mask=None if mask is None else mask[firsts])
+            self._share_prompts(firsts, owner.tolist(), L)
+            h = h[owner.to(self.device)]
         else:
             h = self.model.hidden_states(ids.to(self.device), positions=positions.to(self.device), cache=self.cache,
                                          start_pos=0, mask=mask)
-        logits = self.model.lm_head(h[:, -1]).cpu()  # [B, V]
-        self._check_poison(logits)
-        events = [self._guarded(row, lambda row=row, b=b: self._sample(row, logits[b][None], False))
-                  for b, row in enumerate(self.rows)]
         self.cur = L
+        if self.resumed:  # each row's newest token is already chosen: only its draft is made again
+            logits, events = None, []
+        else:
+            logits = self.model.lm_head(h[:, -1]).cpu()  # [B, V]
+            self._check_poison(logits)
+            events = [self._guarded(row, lambda row=row, b=b: self._sample(row, logits[b][None], False))
+                      for b, row in enumerate(self.rows)]
         if self.engine.speculative:
             nxt = torch.cat([ids[:, 1:], torch.tensor([[r.last] for r in self.rows])], dim=1)
             events += self._draft(h, nxt.to(self.device), positions.to(self.device), 0, [L] * B)
         return events
+
+    def _select(self, rows: list[int]) -> LatentCache:
+        """The cache of some rows (their pages and shifts)."""
+        return self.engine.pool.cache([self.pages[b] for b in rows], [self.shifts[b] for b in rows])
+
+    def _share_prompts(self, firsts: list[int], owner: list[int], L: int) -> None:
+        """Rows whose prompt another row (``firsts[owner[b]]``) was prefilled for: they share its pages that the
+        prompt fills, and take copies of the rest (which each row goes on writing)."""
+        pool = self.engine.pool
+        for b, o in enumerate(owner):
+            first = firsts[o]
+            if b == first:
+                continue
+            full = min((L - self.shifts[b]) // pool.page_tokens, len(self.pages[first]))
+            pool.release(self.pages[b][:full])
+            pool.hold(self.pages[first][:full])
+            pool.copy(self.pages[first][full:], self.pages[b][full:])
+            self.pages[b][:full] = self.pages[first][:full]
+        self._map()
 
     def _prefill_from(self, start: int) -> list[Event]:
         """Prefill slots [start, L) of prompts that all have L tokens, into a cache that already holds
@@ -606,9 +677,9 @@ class Batch:
         """One forward of the main model for every row (plus one MTP forward when speculating)."""
         t0 = time.perf_counter()
         events = self._cancel()
+        events += self._make_room()
         if not self.rows:
             return events
-        self._ensure_capacity()
         B, T, start = len(self.rows), self.T, self.cur
         ids, positions = self._feed()
         self._valid_np[:, start : start + T] = True
@@ -659,9 +730,31 @@ class Batch:
 
     def _rows(self, rows: slice) -> LatentCache:
         """A view of the cache holding only ``rows``: what a micro-batch writes lands in the batch's cache."""
-        view = self.model.new_cache(0, 0, dtype=self.engine.cache_dtype)
-        view.kv, view.pe = self.cache.kv[:, rows], self.cache.pe[:, rows]
-        return view
+        return self.cache.select(rows)
+
+    def _make_room(self) -> list[Event]:
+        """Pages for this step's slots. When the pool has too few, the newest rows are preempted (their pages
+        given back, the rows kept in ``preempted`` to be resumed when there is room, as vLLM's recompute
+        preemption does) until the rest fit; a row that does not fit alone fails. Returns its error event."""
+        while True:
+            try:
+                self._ensure_capacity()
+                return []
+            except PoolFull as full:
+                if len(self.rows) == 1:
+                    event = self.rows[0].fail(f"the latent cache ({self.engine.pool.pages} pages of "
+                                              f"{self.engine.pool.page_tokens} tokens) cannot hold this request's "
+                                              f"context: {full}; raise --kv-cache-bytes")
+                    self.drop([0])
+                    return [event]
+                row = self.rows[-1]
+                self.drop([len(self.rows) - 1])
+                self.preempted.append(row)
+                self.stats.preemptions += 1
+
+    def take_preempted(self) -> list[Row]:
+        rows, self.preempted = self.preempted, []
+        return rows
 
     def _draft(self, h: torch.Tensor, next_ids: torch.Tensor, positions: torch.Tensor, start: int,
                counts: list[int]) -> list[Event]:

@@ -45,6 +45,7 @@ import torch
 
 from dsv3.errors import DSV3Error
 from dsv3.infer.engine import Batch, Engine, Event, Request, _Poisoned
+from dsv3.model.mla import LatentCache
 
 Hasher = Callable[[bytes, tuple[int, ...]], bytes]
 MAGIC = b"DSV3PFX1"
@@ -205,14 +206,14 @@ class PrefixCache:
         for block in chain:
             block.refs -= 1
 
-    def copy_into(self, kv: torch.Tensor, pe: torch.Tensor, chain: list[Block]) -> int:
-        """Write ``chain`` into one row's cache kv [layers, S, r], pe [layers, S, rope]: the main layers'
+    def copy_into(self, cache: LatentCache, row: int, chain: list[Block]) -> int:
+        """Write ``chain`` into row ``row`` of ``cache`` (its slot j the prompt's token j): the main layers'
         slots [0, n), the MTP layers' [0, n - 1) (see the module docstring); returns n."""
         n, m = len(chain) * self.block_tokens, self.main_layers
-        for dst, part in ((kv, [b.kv for b in chain]), (pe, [b.pe for b in chain])):
-            flat = torch.cat(part, dim=1)  # [layers, n, .]; MTP layers hold slots -1 .. n - 2
-            dst[:m, :n] = flat[:m]
-            dst[m : self.layers, : n - 1] = flat[m:, 1:]
+        kv, pe = (torch.cat(part, dim=1) for part in ([b.kv for b in chain], [b.pe for b in chain]))  # [layers, n, .]
+        cache.write_row(row, 0, kv[:m], pe[:m])
+        if self.layers > m:  # MTP layers hold slots -1 .. n - 2
+            cache.write_row(row, 0, kv[m:, 1:], pe[m:, 1:], first_layer=m)
         return n
 
     def _block_slice(self, t: torch.Tensor, i: int) -> torch.Tensor:
@@ -415,7 +416,7 @@ class CachingBatch(Batch):
                 continue
             prompt = row.request.prompt_ids
             first = self.cur - len(prompt)  # prompts are left-padded: row b's ends at slot cur
-            cache.insert(prompt, self.cache.kv[:, b, first : self.cur], self.cache.pe[:, b, first : self.cur])
+            cache.insert(prompt, *self.cache.read_row(b, first, self.cur))
 
 
 class PrefixBatch(CachingBatch):
@@ -429,15 +430,14 @@ class PrefixBatch(CachingBatch):
 
     @torch.inference_mode()
     def _prefill(self) -> list[Event]:
-        self.cur, self.holes = 0, False
+        self.cur = 0
+        self._alloc([0] * len(self.rows))
         if not self.rows:  # no request could start (their error events are already out)
-            self._alloc(0, 0)
             return []
-        self._alloc(len(self.rows), self._capacity_for(len(self.rows[0].request.prompt_ids)))
+        self._reserve(len(self.rows[0].request.prompt_ids) + self.T)
         for b, row in enumerate(self.rows):
             chain = self.chains[id(row.request)]
-            row.request.cached_tokens = self.engine.prefix_cache.copy_into(self.cache.kv[:, b], self.cache.pe[:, b],
-                                                                           chain)
+            row.request.cached_tokens = self.engine.prefix_cache.copy_into(self.cache, b, chain)
         cached = self.rows[0].request.cached_tokens
         # with MTP from slot cached - 1: the blocks lack its MTP entry (see the module docstring)
         return self._prefill_from(cached - 1 if self.engine.speculative else cached)

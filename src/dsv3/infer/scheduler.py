@@ -22,8 +22,9 @@ from collections import deque
 from collections.abc import Callable
 
 from dsv3.infer.chunked_prefill import MAX_CHUNK_TOKENS, ChunkedPrefill
-from dsv3.infer.engine import Batch, Engine, Event, Request, merged
+from dsv3.infer.engine import Batch, Engine, Event, Request, Row, held_tokens, merged
 from dsv3.infer.metrics import ServingMetrics
+from dsv3.infer.page_pool import PoolFull
 
 Deliver = Callable[[Event | BaseException], None]
 
@@ -35,6 +36,7 @@ class Scheduler:
         self.listeners: dict[int, Deliver] = {}
         self.batch: Batch | None = None
         self.prefilling: deque[Request | ChunkedPrefill] = deque()  # admitted, prefill not finished (in order)
+        self.resuming: deque[Row] = deque()  # preempted for want of cache pages (``Batch.step``), to prefill again
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.driven = False  # True: the caller's thread runs the decode loop (``drive``), start makes none
@@ -127,9 +129,14 @@ class Scheduler:
 
     def _prefill_next(self) -> None:
         """Prefill work up to the budget (``engine.max_prefill_tokens`` while a batch decodes; all of it when
-        None or when nothing decodes): one chunk of a long prompt, or the next prompts whose lengths fit
-        together; each finished batch joins."""
+        None or when nothing decodes): rows preempted for want of cache pages first, then one chunk of a long
+        prompt, or the next prompts whose lengths fit together; each finished batch joins."""
         self._drop_cancelled()
+        if self.batch is not None:
+            self.resuming += self.batch.take_preempted()
+        if self.resuming:
+            self._resume()
+            return
         if not self.prefilling:
             return
         # a budget only while streams decode: chunks exist to let them go on, and with none running a whole
@@ -141,18 +148,37 @@ class Scheduler:
         take = self._fitting(budget)
         if not take:  # the next prompt alone is over the budget: chunk it
             request = self.prefilling[0]
-            self.metrics.admitted(request)
             try:
                 self.prefilling[0] = ChunkedPrefill(self.engine, request, min(budget, MAX_CHUNK_TOKENS))
+            except PoolFull:
+                return  # a batch runs (budget is set only then): it gives pages back as its rows finish
             except Exception as exc:
                 self.prefilling.popleft()
                 self._fail([request], exc)
                 return
+            self.metrics.admitted(request)
             self._advance(self.prefilling[0])
             return
-        for r in take:
-            self.metrics.admitted(r)
         for fresh in self._prefill(take):
+            self._join(fresh)
+
+    def _resume(self) -> None:
+        """Prefill the preempted rows again, as many as the pool has pages for, oldest first."""
+        while self.resuming:
+            row = self.resuming[0]
+            try:
+                fresh = self.engine.resume([row])
+            except PoolFull:
+                if self.batch is None or not self.batch.rows:  # nothing left to wait for
+                    self.resuming.popleft()
+                    self._fail([row.request], PoolFull.alone(len(held_tokens(row))))
+                    continue
+                return
+            except Exception as exc:
+                self.resuming.popleft()
+                self._fail([row.request], exc)
+                continue
+            self.resuming.popleft()
             self._join(fresh)
 
     def _fitting(self, budget: int | None) -> list[Request]:
@@ -173,8 +199,16 @@ class Scheduler:
         seconds = self._recent_step_s() if batch is not None else None
         try:
             fresh = work.advance(seconds, first=len(batch.rows) * batch.T if batch is not None else 1)
+        except PoolFull:
+            if batch is not None:  # the running rows give pages back as they finish: wait for them
+                return
+            self.prefilling.popleft()
+            work.release()
+            self._fail([work.request], PoolFull.alone(len(work.request.prompt_ids)))
+            return
         except Exception as exc:  # this request fails alone
             self.prefilling.popleft()
+            work.release()
             self._fail([work.request], exc)
             return
         if fresh is not None:
@@ -198,20 +232,47 @@ class Scheduler:
         """Requests whose clients went away while they waited for (or were in) their prefill."""
         for work in [w for w in self.prefilling if _request_of(w).cancelled]:
             self.prefilling.remove(work)
+            if isinstance(work, ChunkedPrefill):
+                work.release()
             request = _request_of(work)
             self.listeners.pop(id(request), None)
             self.metrics.finished(request, "cancelled")
 
     def _prefill(self, requests: list[Request]) -> list[Batch]:
         """The new requests prefilled together; when that fails, each alone, so that a request that
-        breaks the prefill fails by itself (per-row failures are already the row's own error event)."""
+        breaks the prefill fails by itself (per-row failures are already the row's own error event). When
+        the cache has no pages for a request, it and those after it wait at the head of ``prefilling`` while
+        rows run that will give some back."""
         try:
-            return [self.engine.start(requests)]
-        except Exception as exc:
-            if len(requests) == 1:
-                self._fail(requests, exc)
+            batch = self.engine.start(requests)
+        except PoolFull:
+            if len(requests) > 1:
+                return self._prefill_each(requests)
+            if self.batch is not None and self.batch.rows:
+                self.prefilling.appendleft(requests[0])
                 return []
-        return [b for r in requests for b in self._prefill([r])]
+            self.metrics.admitted(requests[0])
+            self._fail(requests, PoolFull.alone(len(requests[0].prompt_ids)))
+            return []
+        except Exception as exc:
+            if len(requests) > 1:
+                return self._prefill_each(requests)
+            self.metrics.admitted(requests[0])
+            self._fail(requests, exc)
+            return []
+        for r in requests:
+            self.metrics.admitted(r)
+        return [batch]
+
+    def _prefill_each(self, requests: list[Request]) -> list[Batch]:
+        batches = []
+        for i, r in enumerate(requests):
+            batches += self._prefill([r])
+            if self.prefilling and self.prefilling[0] is r:  # it waits for pages: so do the ones after it
+                self.prefilling.popleft()
+                self.prefilling.extendleft(reversed(requests[i:]))
+                break
+        return batches
 
     def _join(self, fresh: Batch) -> None:
         """Merge a prefilled batch into the running one at this step boundary."""

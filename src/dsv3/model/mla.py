@@ -122,6 +122,34 @@ class LatentCache:
         self.kv[layer].flatten(0, 1)[at] = c_kv.flatten(0, 1)[keep].to(self.kv.dtype)
         self.pe[layer].flatten(0, 1)[at] = k_pe.flatten(0, 1)[keep].to(self.pe.dtype)
 
+    def row_slots(self, row: int, start: int, end: int) -> torch.Tensor:
+        """Where slots [start, end) of one row lie, as ``slots`` gives them. Paged caches only."""
+        return LatentCache.paged(self.kv, self.pe, self.table[row : row + 1], self.shift[row : row + 1]).slots(
+            1, start, end)[0]
+
+    def read_row(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every layer's c_KV [L, end - start, r] and k_R [L, end - start, rope] of one row's slots [start, end)
+        (a copy; slots the row does not hold read as the pages' first slot)."""
+        if self.table is None:
+            return self.kv[:, row, start:end].clone(), self.pe[:, row, start:end].clone()
+        at = self.row_slots(row, start, end).clamp(min=0).to(self.kv.device)
+        return self.kv.flatten(1, 2)[:, at], self.pe.flatten(1, 2)[:, at]
+
+    def write_row(self, row: int, start: int, kv: torch.Tensor, pe: torch.Tensor, first_layer: int = 0) -> None:
+        """Write kv [l, n, r] and pe [l, n, rope] into layers [first_layer, first_layer + l) of one row at slots
+        [start, start + n) (every one of them the row's)."""
+        layers = slice(first_layer, first_layer + kv.shape[0])
+        if self.table is None:
+            self.kv[layers, row, start : start + kv.shape[1]] = kv.to(self.kv.dtype)
+            self.pe[layers, row, start : start + pe.shape[1]] = pe.to(self.pe.dtype)
+            return
+        at = self.row_slots(row, start, start + kv.shape[1])
+        if bool((at < 0).any()):
+            raise ValueError(f"cache write at slots [{start}, {start + kv.shape[1]}) outside row {row}'s pages")
+        at = at.to(self.kv.device)
+        self.kv.flatten(1, 2)[layers, at] = kv.to(self.kv.dtype)
+        self.pe.flatten(1, 2)[layers, at] = pe.to(self.pe.dtype)
+
     def read(self, layer: int, rows: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """c_KV [rows, end, r] and k_R [rows, end, rope] of slots [0, end) (a view of the plain cache; a
         gather of a paged one, whose slots a row does not hold read as the pages' first slot)."""

@@ -104,9 +104,10 @@ def pack_row(engine: Engine, batch: Batch, b: int, state: RowState) -> Parcel:
     """Row ``b`` of a prefilled batch as a parcel: its state, and c_kv and k_pe of its own (valid) slots
     only, in slot order, for the layers decoding reads."""
     layers = cache_layers(engine)
-    slots = batch.valid[b].to(batch.cache.kv.device)  # [max_len]: padding and holes are not the row's
+    slots = batch.valid[b, : batch.cur].to(batch.cache.kv.device)  # padding and holes are not the row's
+    kv, pe = batch.cache.read_row(b, 0, batch.cur)
     raw = torch.frombuffer(bytearray(pickle.dumps(state)), dtype=torch.uint8)
-    return Parcel(raw, batch.cache.kv[:layers, b, slots].clone(), batch.cache.pe[:layers, b, slots].clone())
+    return Parcel(raw, kv[:layers, slots], pe[:layers, slots])
 
 
 def unpack_state(parcel: Parcel) -> RowState:
@@ -115,18 +116,19 @@ def unpack_state(parcel: Parcel) -> RowState:
 
 def batch_from_cache(engine: Engine, row: Row, kv: torch.Tensor, pe: torch.Tensor) -> Batch:
     """A one-row batch whose cache holds ``kv``/``pe`` [layers, slots, width] at slots [0, slots), all valid,
-    with room to finish; the state a one-row prefill leaves behind (see engine.Batch's cache layout)."""
+    in pages of the engine's pool; the state a one-row prefill leaves behind (see engine.Batch's cache layout)."""
     batch = Batch.__new__(Batch)  # not Batch(): that would prefill
     batch.engine, batch.model, batch.device = engine, engine.model, engine.device
     batch.stats, batch.T, batch.rows, batch.first_events = Stats(), 2 if engine.speculative else 1, [row], []
+    batch.resumed = False
     n = kv.shape[1]
+    batch.cur = 0
+    batch._alloc([0])
+    batch._reserve(n + batch.T)
+    batch.cache.write_row(0, 0, kv, pe)
+    batch.valid[:, :n] = True
     batch.cur = n
-    full = engine.model.new_cache(1, batch._capacity_for(n), dtype=engine.cache_dtype)
-    full.kv[: kv.shape[0], 0, :n] = kv.to(full.kv.device)
-    full.pe[: pe.shape[0], 0, :n] = pe.to(full.pe.device)
-    valid = torch.zeros(1, full.max_len, dtype=torch.bool)
-    valid[:, :n] = True
-    batch._set(full, valid, n)
+    batch.holes = False
     return batch
 
 
