@@ -15,7 +15,7 @@ about 20 ms a forward in fixed costs alone; the numbers may differ from a whole 
 as a cached prefix's do. The last chunk is prefilled by the batch the request joins
 (``Batch._prefill_from``), which samples its first token; with MTP speculation each chunk also runs the MTP
 layer over its slots, whose next tokens are the prompt's own (the last chunk's last one is the first
-sampled token, as in a whole prefill). With a prefix cache, a prompt's cached blocks are copied in first
+sampled token, as in a whole prefill). With a prefix cache, a prompt's cached blocks' pages are mapped first
 and only the rest is chunked; the finished prompt's blocks are cached as a whole prefill's are.
 
 A chunk's cost grows with its tokens and with the slots they attend to, so a fixed size that suits the
@@ -51,7 +51,7 @@ class ChunkedPrefill:
         self.engine, self.request, self.chunk_tokens = engine, request, chunk_tokens
         self.pages: list[int] = []  # the prompt's pages of the engine's pool, so far
         self.seconds_per_token: float | None = None  # the last chunk's measured cost
-        self.done = self._copy_cached_prefix()
+        self.done = self._map_cached_prefix()
 
     @property
     def remaining(self) -> int:
@@ -74,20 +74,14 @@ class ChunkedPrefill:
         self.engine.pool.release(self.pages)
         self.pages = []
 
-    def _copy_cached_prefix(self) -> int:
-        """Copy the prompt's cached blocks (if any) into the cache; returns the first slot left to prefill
-        (with MTP, the slot before the prefix's end: the cached blocks lack its MTP entry)."""
+    def _map_cached_prefix(self) -> int:
+        """Map the prompt's cached blocks (if any) at the head of its pages; returns the first slot left to
+        prefill (with MTP, the slot before the prefix's end, whose MTP entry is the request's own)."""
         cache = self.engine.prefix_cache
         if cache is None:
             return 0
-        chain = cache.match(self.request.prompt_ids)
-        try:
-            n = len(chain) * cache.block_tokens
-            if chain:
-                self._reserve(n)
-                cache.copy_into(self.cache, 0, chain)
-        finally:
-            cache.release(chain)
+        self.pages = cache.lease(self.request.prompt_ids)
+        n = len(self.pages) * cache.block_tokens
         self.request.cached_tokens = n
         return n - 1 if n and self.engine.speculative else n
 

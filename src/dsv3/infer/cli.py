@@ -17,6 +17,7 @@ import typer
 
 from dsv3.errors import DSV3Error
 from dsv3.infer.options import CACHE_DTYPE, CHAT_TEMPLATE, DRAFT_VOCAB, DTYPE, SPECULATIVE, THREADS, WEIGHTS
+from dsv3.infer.units import parse_size
 from dsv3.option_lists import parse_list
 
 generate_app = typer.Typer(add_completion=False, help="Generate text from a checkpoint (latent-cache decode, MTP).")
@@ -35,12 +36,14 @@ def at_least(value: int | float | None, low: int | float, flag: str) -> None:
 
 def build_engine(model_dir: str, dtype: str, weights: str, cache_dtype: str, speculative: str,
                  ignore_eos: bool = False, tokenizer_needed_for: str | None = None, threads: int = 0,
-                 draft_vocab: int = 0, experts: list[int] | None = None, chat_template: str | None = None):
+                 draft_vocab: int = 0, experts: list[int] | None = None, chat_template: str | None = None,
+                 kv_cache_bytes: str | None = None):
     """Model, tokenizer and engine from the shared command-line options. ``tokenizer_needed_for`` says
     why a tokenizer is required (the error names it), or None when it is optional. ``draft_vocab`` K > 0
     drafts over the checkpoint's K most frequent tokens (``draft_vocab.json``). ``experts``: the routed
     experts an expert-parallel rank loads (the others are never read). ``chat_template``: a Jinja file
-    used instead of the checkpoint's chat template (``--chat-template``)."""
+    used instead of the checkpoint's chat template (``--chat-template``). ``kv_cache_bytes``: the latent
+    cache's pages (``--kv-cache-bytes``; None: the engine's default)."""
     import torch
 
     at_least(threads, 0, "--threads")
@@ -56,6 +59,7 @@ def build_engine(model_dir: str, dtype: str, weights: str, cache_dtype: str, spe
     at_least(draft_vocab, 0, "--draft-vocab")
     if draft_vocab and speculative != "mtp":
         raise DSV3Error("--draft-vocab restricts MTP drafts: it needs --speculative mtp")
+    pool = {} if kv_cache_bytes is None else {"kv_cache_bytes": parse_size(kv_cache_bytes, "--kv-cache-bytes")}
     compute = parse_dtype(dtype, "--dtype", ("fp32", "bf16"))
     cache = parse_dtype(cache_dtype, "--cache-dtype", ("fp32", "bf16", "fp8"))
     folder = resolve_checkpoint(model_dir)
@@ -70,7 +74,7 @@ def build_engine(model_dir: str, dtype: str, weights: str, cache_dtype: str, spe
 
         vocab = load(folder, draft_vocab, model.config.vocab_size)
     return Engine(model, tokenizer, speculative=speculative == "mtp", cache_dtype=cache, eos_token_ids=eos,
-                  draft_vocab=vocab, chat_template=template)
+                  draft_vocab=vocab, chat_template=template, **pool)
 
 
 def sampling_from_flags(greedy: bool, temperature: float | None, top_p: float | None, top_k: int | None,
@@ -315,6 +319,9 @@ def serve(
     api_key: str | None = typer.Option(None, "--api-key", metavar="KEY", envvar="DSV3_API_KEY", show_default=False,
                                        show_envvar=False, help="Answer /v1 requests only with 'Authorization: "
                                                                "Bearer KEY' (default: $DSV3_API_KEY, or open)."),
+    kv_cache_bytes: str | None = typer.Option(None, "--kv-cache-bytes", metavar="SIZE", show_default=False,
+                                       help="Memory for the latent cache of running requests and cached "
+                                            "prefixes, e.g. 8G: taken as used (default: 4GiB)."),
     prefix_cache_bytes: str | None = typer.Option(None, "--prefix-cache-bytes", metavar="SIZE", show_default=False,
                                            help="Memory for cached prompt prefixes, e.g. 512M; 0 turns the "
                                                 "cache off (default: 1G; with --ep, per prefilling rank)."),
@@ -365,7 +372,8 @@ def serve(
             raise DSV3Error("--ep N prefills whole prompts for now: drop --max-prefill-tokens (it would be ignored)")
         check_prefix_flags(prefix_cache_bytes or "1G", prefix_block_tokens, prefix_cache_dir)
         engine_args = dict(dtype=dtype, weights=weights, cache_dtype=cache_dtype, speculative=speculative,
-                           threads=threads, draft_vocab=draft_vocab, chat_template=chat_template)
+                           threads=threads, draft_vocab=draft_vocab, chat_template=chat_template,
+                           kv_cache_bytes=kv_cache_bytes)
         opts = GroupOptions(ep, prefill_ranks, dispatch, combine, redundant_experts, eplb_every, micro_batches,
                             prefix_cache_bytes or "1G", prefix_block_tokens, prefix_cache_dir)
         serve_group(opts, model, host, port, max_batch, engine_args, quiet, api_key)
@@ -376,7 +384,7 @@ def serve(
                         "--micro-batches need --ep N (several processes)")
     folder = resolve_checkpoint(model)
     engine = build_engine(str(folder), dtype, weights, cache_dtype, speculative, threads=threads,
-                          draft_vocab=draft_vocab, chat_template=chat_template)
+                          draft_vocab=draft_vocab, chat_template=chat_template, kv_cache_bytes=kv_cache_bytes)
     attach_prefix_cache(engine, prefix_cache_bytes or "1G", prefix_block_tokens, prefix_cache_dir)
     engine.max_prefill_tokens = (MAX_PREFILL_TOKENS if max_prefill_tokens is None else max_prefill_tokens) or None
     name = _model_name(model)
@@ -417,7 +425,6 @@ def run_beside(server, sock, scheduler) -> None:
 
 def check_prefix_flags(size: str, block_tokens: int, directory: str | None) -> int:
     """The prefix cache's budget in bytes from its flags, or the error that names the wrong one."""
-    from dsv3.infer.prefix_cache import parse_size
 
     at_least(block_tokens, 1, "--prefix-block-tokens")
     max_bytes = parse_size(size, "--prefix-cache-bytes")

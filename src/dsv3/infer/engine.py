@@ -1,16 +1,22 @@
-"""The decoding engine: expanded prefill, absorbed decode over one preallocated latent cache, batches of
-prompts of different lengths, and MTP speculative decoding.
+"""The decoding engine: expanded prefill, absorbed decode over a paged latent cache, batches of prompts
+of different lengths, and MTP speculative decoding.
 
-Cache layout. A batch shares one slot counter ``cur``: every step writes its chunk at slots
-[cur, cur + T) for all rows. Positions (for RoPE) are kept per row, separately from slots, and a
-bool ``valid[B, S]`` says which slots hold a row's real tokens. Left padding, a rejected draft in one
-row while another row accepted, and rows shifted when two batches merge all become invalid slots
-("holes") that the attention mask hides. When a row leaves, joins or the cache grows, the slots before
-the first one any remaining row holds are dropped (every row shifted left alike): under a steady stream
-of requests the batch never empties, and without that its slot counter, and with it every step's
-attention span and the cache, would grow by a slot a step for as long as the server runs. With one row
-there are never holes: a rejected draft's slot is simply overwritten by the next step (the cache is
-positional), and no mask is built at all.
+Cache layout. Every batch's latent cache lives in pages of one pool (``dsv3.infer.page_pool``): a row
+holds a list of pages, taken as its context grows and given back when it ends. A batch shares one slot
+counter ``cur``: every step writes its chunk at slots [cur, cur + T) for all rows. A row's slots are
+shifted right by its own ``shift`` in its pages (``LatentCache.paged``), so that left padding and the
+right-alignment of a merge cost no bytes: merging two batches concatenates their page tables, dropping a
+row gives its pages back. Positions (for RoPE) are kept per row, separately from slots, and a bool
+``valid[B, S]`` says which slots hold a row's real tokens. Left padding, a rejected draft in one row
+while another row accepted, and rows shifted when two batches merge all become invalid slots ("holes")
+that the attention mask hides. When a row leaves or joins, the slots before the first one any remaining
+row holds are dropped (every row's shift and ``cur`` go down alike): under a steady stream of requests
+the batch never empties, and without that its slot counter, and with it every step's attention span,
+would grow by a slot a step for as long as the server runs. With one row there are never holes: a
+rejected draft's slot is simply overwritten by the next step (the cache is positional), and no mask is
+built at all. When the pool has no page for a step, the newest rows are preempted: they give their
+pages back and are prefilled again (prompt and generated tokens) once there is room, with the tokens
+and draws they would have had (``Batch.step``, ``Engine.resume``).
 
 Speculation (MTP depth 1, as DeepSeek-V3 ships). The MTP layer at position i reads the main model's
 final hidden state at i and the embedding of token i + 1 and predicts token i + 2. Each step feeds
@@ -285,6 +291,15 @@ class Engine:
         # whose forward generators ``drive`` interleaves (expert-parallel serving gives its lockstep's driver).
         self.micro_batches = 1
         self.drive: Callable[[list[Generator]], list] = run_interleaved
+
+    def repage(self, page_tokens: int) -> None:
+        """Make the pool's pages ``page_tokens`` long (a prefix cache's blocks are pages), before any is taken."""
+        if page_tokens == self.pool.page_tokens:
+            return
+        if self.pool.free < self.pool.pages:
+            raise DSV3Error("the latent cache's pages cannot change size while requests hold some")
+        budget = (self.pool.pages + 1) * self.pool.page_bytes  # the blank page too
+        self.pool = PagePool(self.model, budget, page_tokens, self.cache_dtype, self.device)
 
     def start(self, requests: list[Request]) -> Batch:
         """Prefill ``requests`` as one batch; the first token of each is in ``batch.first_events``.
@@ -568,7 +583,7 @@ class Batch:
             h = self.model.hidden_states(ids.to(self.device), positions=positions.to(self.device), cache=self.cache,
                                          start_pos=0, mask=mask)
         self.cur = L
-        if self.resumed:  # each row's newest token is already chosen: only its draft is made again
+        if self.resumed:  # each row's newest token and draft are already chosen: only the caches are made again
             logits, events = None, []
         else:
             logits = self.model.lm_head(h[:, -1]).cpu()  # [B, V]
@@ -764,6 +779,8 @@ class Batch:
         n = next_ids.shape[1]
         h_mtp = self.engine.decoder.mtp_hidden(0, h, next_ids, positions, cache=self.cache, start_pos=start,
                                                mask=self._mask(start, n))
+        if self.resumed and start == 0:  # the rows keep the drafts they had: the same random draws follow
+            return []
         h_last = self._last_committed(h_mtp, counts)
         vocab = self.engine.draft_vocab
         logits = (self.engine.decoder.mtp_logits(0, h_last) if vocab is None

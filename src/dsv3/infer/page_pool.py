@@ -11,6 +11,8 @@ masked key still multiplies its value by a zero weight, and 0 * NaN is NaN). Whe
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from dsv3.errors import DSV3Error
@@ -18,6 +20,7 @@ from dsv3.model.mla import LatentCache
 
 DEFAULT_PAGE_TOKENS = 16
 DEFAULT_POOL_BYTES = 4 * 1024**3
+BLANK = 0  # the page of zeros
 
 
 class PoolFull(DSV3Error):
@@ -47,19 +50,23 @@ class PagePool:
         self.page_tokens = page_tokens
         width = cfg.kv_lora_rank + cfg.qk_rope_head_dim
         self.page_bytes = self.layers * page_tokens * width * torch.empty(0, dtype=dtype).element_size()
-        pages = max_bytes // self.page_bytes
+        pages = max_bytes // self.page_bytes - 1  # the blank page counts too
         if pages < 1:
-            raise DSV3Error(f"--kv-cache-bytes {max_bytes} holds no page of the latent cache "
-                            f"({self.page_bytes} bytes: {page_tokens} tokens of every layer)")
+            raise DSV3Error(f"--kv-cache-bytes {max_bytes} holds fewer than 2 pages of the latent cache "
+                            f"({self.page_bytes} bytes each: {page_tokens} tokens of every layer; one stays blank)")
         device = device if device is not None else model.inv_freq.device
-        self.kv = torch.empty(self.layers, pages, page_tokens, cfg.kv_lora_rank, dtype=dtype, device=device)
-        self.pe = torch.empty(self.layers, pages, page_tokens, cfg.qk_rope_head_dim, dtype=dtype, device=device)
-        self.refs = [0] * pages
-        self._free = list(range(pages - 1, -1, -1))  # pop() hands out the lowest page first
+        # page 0 is BLANK, zeros for good: what the slots a row does not hold read (LatentCache.paged)
+        self.kv = torch.empty(self.layers, pages + 1, page_tokens, cfg.kv_lora_rank, dtype=dtype, device=device)
+        self.pe = torch.empty(self.layers, pages + 1, page_tokens, cfg.qk_rope_head_dim, dtype=dtype, device=device)
+        self.kv[:, BLANK], self.pe[:, BLANK] = 0, 0
+        self.refs = [0] * (pages + 1)
+        self._free = list(range(pages, BLANK, -1))  # pop() hands out the lowest page first
+        self.reclaim: Callable[[int], None] | None = None  # asked to free pages before take refuses (prefix cache)
 
     @property
     def pages(self) -> int:
-        return len(self.refs)
+        """Pages that requests and the prefix cache can hold (the blank page aside)."""
+        return len(self.refs) - 1
 
     @property
     def free(self) -> int:
@@ -69,7 +76,10 @@ class PagePool:
         return -(-tokens // self.page_tokens)
 
     def take(self, n: int) -> list[int]:
-        """``n`` zeroed pages, each held once; PoolFull (nothing taken) when fewer are free."""
+        """``n`` zeroed pages, each held once; PoolFull (nothing taken) when fewer are free, even after
+        ``reclaim``."""
+        if n > len(self._free) and self.reclaim is not None:
+            self.reclaim(n)
         if n > len(self._free):
             raise PoolFull(n, len(self._free))
         taken = [self._free.pop() for _ in range(n)]
@@ -109,4 +119,4 @@ class PagePool:
         table = torch.full((len(tables), max(width, 1)), -1, dtype=torch.int32)
         for b, pages in enumerate(tables):
             table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        return LatentCache.paged(self.kv, self.pe, table, torch.tensor(shifts, dtype=torch.int64))
+        return LatentCache.paged(self.kv, self.pe, table, torch.tensor(shifts, dtype=torch.int64), BLANK)

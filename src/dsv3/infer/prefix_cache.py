@@ -1,11 +1,13 @@
-"""Paged prefix cache: fixed-size blocks of the MLA latent cache reused across requests.
+"""Paged prefix cache: pages of the MLA latent cache reused across requests.
 
-A prompt is cut into blocks of ``block_tokens`` tokens. Block i's key is a hash of block i - 1's key
-and block i's tokens (a hash chain), so a key names a whole prefix. A block holds what the latent
-cache holds for its slots: c_KV and the roped k_R of every layer, the MTP layer's too when the engine
-speculates (MLA's cache is small enough to keep and move: 70 KB per token for V3). A request whose
-prompt starts with cached blocks copies them into its own working cache (which stays contiguous, so
-decoding is unchanged) and prefills only the rest, its positions continuing from the prefix.
+A prompt is cut into blocks of ``block_tokens`` tokens, the engine's cache page size. Block i's key is a
+hash of block i - 1's key and block i's tokens (a hash chain), so a key names a whole prefix. A block is
+a page of the engine's pool (``dsv3.infer.page_pool``) holding what the latent cache holds for its
+slots: c_KV and the roped k_R of every layer, the MTP layer's too. When a prompt's prefill is done, the
+pages its full blocks fill become the cache's (it holds them, no byte copied); a request whose prompt
+starts with cached blocks maps those same pages at the head of its page table (``lease``) and prefills
+only the rest, its positions continuing from the prefix. A page stays while the cache or any request
+holds it.
 
 Correctness rules:
 
@@ -13,19 +15,25 @@ Correctness rules:
   parent is the block matched just before, so a hash collision can never serve another prompt's
   blocks (the on-disk tier stores the whole prefix and compares it).
 - Only blocks that end before the prompt's last token are cached or reused: that token is always
-  prefilled, since its logits give the first reply token.
-- The MTP layer's entry at slot j reads token j + 1, so it belongs to the block holding token j + 1:
-  a block keeps the MTP entries of the slots one to its left (block 0's first is unused). A reused
-  prefix of P tokens then brings MTP entries up to slot P - 2; with speculation the prefill starts one
-  slot early and writes slot P - 1 (the main layers' entry there comes out the same).
-- Eviction is LRU under a byte budget over blocks that no request holds and that have no cached
-  children (a chain is freed from its tail, never leaving unreachable blocks behind).
+  prefilled, since its logits give the first reply token; and no request writes into a page it shares,
+  since every later write lands at or after that token's slot.
+- The MTP layer's entry at slot j reads token j + 1: the last entry of a page was written reading the
+  first token after its block in the prompt that filled it (the block's ``next_token``). A request that
+  reuses the chain up to that page but goes on with another token needs its own entry there, so with
+  speculation the last page of a hit is the request's own copy, and its prefill starts one slot early
+  and writes that slot (the main layers' entry comes out the same). A block is cached as a child only of
+  a parent whose ``next_token`` is the block's first token, so every page inside a hit is followed by
+  the token its entry read (after a branch point, the branches other than the first are cached up to
+  it; their requests still reuse everything before it).
+- Eviction is LRU under a byte budget over blocks that have no cached children (a chain is freed from
+  its tail, never leaving unreachable blocks behind); an evicted block's page returns to the pool once
+  no request holds it. When the pool runs out of pages, the engine asks the cache to evict first.
 
 On-disk tier (``directory``): an evicted block is written there atomically (temporary file, fsync,
-rename) and read back on a later miss, as DeepSeek's context cache keeps prefixes on disk. A file is
-used only when its magic, model fingerprint, dtype, shapes, full prefix tokens and SHA-256 all check
-out; anything else (a corrupt, truncated or foreign file) is ignored, counted and removed, so that the
-block is written afresh. A chain longer than the memory budget goes to disk block by block.
+rename) and read back into a page on a later miss, as DeepSeek's context cache keeps prefixes on disk. A
+file is used only when its magic, model fingerprint, dtype, shapes, full prefix tokens and SHA-256 all
+check out; anything else (a corrupt, truncated or foreign file) is ignored, counted and removed, so that
+the block is written afresh. A chain longer than the memory budget goes to disk block by block.
 """
 
 from __future__ import annotations
@@ -45,10 +53,10 @@ import torch
 
 from dsv3.errors import DSV3Error
 from dsv3.infer.engine import Batch, Engine, Event, Request, _Poisoned
-from dsv3.model.mla import LatentCache
+from dsv3.infer.page_pool import PagePool, PoolFull
 
 Hasher = Callable[[bytes, tuple[int, ...]], bytes]
-MAGIC = b"DSV3PFX1"
+MAGIC = b"DSV3PFX2"  # 2: a block is a page, its MTP entries at their own slots
 DEFAULT_BLOCK_TOKENS = 16
 
 
@@ -59,20 +67,16 @@ def chain_hash(parent: bytes, tokens: tuple[int, ...]) -> bytes:
 
 @dataclass(eq=False)
 class Block:
-    """One cached block: kv [layers, n, r] and pe [layers, n, rope] of ``tokens``, after ``parent``."""
+    """One cached block: the pool's page ``page`` (None while only on disk) holds ``tokens``, after ``parent``."""
 
     key: bytes
     tokens: tuple[int, ...]
     parent: Block | None
-    kv: torch.Tensor
-    pe: torch.Tensor
-    refs: int = 0  # requests copying it right now: not evictable
+    page: int | None = None
+    next_token: int = -1  # the prompt's token after this block, which the page's last MTP entry read
+    refs: int = 0  # held while its chain is being inserted: not evictable
     children: int = 0  # resident blocks whose parent it is: not evictable (they would be unreachable)
     on_disk: bool = False
-
-    @property
-    def nbytes(self) -> int:
-        return self.kv.nbytes + self.pe.nbytes
 
     def prefix(self) -> list[int]:
         """Every token from the prompt's start to this block's end (walks the parents)."""
@@ -128,22 +132,20 @@ def model_fingerprint(model, dtype: torch.dtype, layers: int, block_tokens: int)
 
 
 class PrefixCache:
-    """Blocks of the latent cache keyed by a hash chain of token ids; see the module docstring."""
+    """Blocks of the latent cache keyed by a hash chain of token ids, in pages of ``pool``; see the module
+    docstring. ``speculative``: the requests draft with the MTP layer (whose entries the blocks then keep,
+    and whose rule on a hit's last page applies)."""
 
-    def __init__(self, model, max_bytes: int, block_tokens: int = DEFAULT_BLOCK_TOKENS, speculative: bool = False,
-                 dtype: torch.dtype | None = None, directory: str | Path | None = None,
-                 hasher: Hasher = chain_hash):
-        if block_tokens < 1:
-            raise DSV3Error(f"the prefix cache's block size must be >= 1 token, got {block_tokens}")
+    def __init__(self, model, pool: PagePool, max_bytes: int, speculative: bool = False,
+                 directory: str | Path | None = None, hasher: Hasher = chain_hash):
         if max_bytes < 0:
             raise DSV3Error(f"the prefix cache's size must be >= 0 bytes, got {max_bytes}")
         cfg = model.config
-        self.block_tokens, self.max_bytes, self.hasher = block_tokens, max_bytes, hasher
-        self.main_layers = cfg.num_hidden_layers
-        self.layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if speculative else 0)
-        self.dtype = dtype or next(model.parameters()).dtype
-        self.device = model.inv_freq.device
-        self.fingerprint = model_fingerprint(model, self.dtype, self.layers, block_tokens)
+        self.pool, self.block_tokens, self.max_bytes, self.hasher = pool, pool.page_tokens, max_bytes, hasher
+        self.speculative = speculative
+        self.layers = cfg.num_hidden_layers + (cfg.num_nextn_predict_layers if speculative else 0)  # what disk keeps
+        self.dtype = pool.kv.dtype
+        self.fingerprint = model_fingerprint(model, self.dtype, self.layers, self.block_tokens)
         self.root = bytes.fromhex(self.fingerprint)[:16]  # the chain starts from the model: no cross-model keys
         self.directory = Path(directory) if directory is not None else None
         if self.directory is not None:
@@ -153,16 +155,28 @@ class PrefixCache:
                 raise DSV3Error(f"cannot use {self.directory} as the prefix cache folder: "
                                 f"{exc.strerror or exc}") from None
         self.blocks: OrderedDict[bytes, Block] = OrderedDict()  # least recently used first
-        self.used_bytes = 0
         self.counters = CacheCounters()
+        pool.reclaim = self.reclaim
 
     @classmethod
     def for_engine(cls, engine: Engine, max_bytes: int, block_tokens: int = DEFAULT_BLOCK_TOKENS,
                    directory: str | Path | None = None, hasher: Hasher = chain_hash) -> PrefixCache:
-        """A cache laid out as ``engine``'s latent cache, attached to it (``engine.start`` then uses it)."""
-        cache = cls(engine.model, max_bytes, block_tokens, engine.speculative, engine.cache_dtype, directory, hasher)
+        """A cache over ``engine``'s pool, attached to it (``engine.start`` then uses it); the pool's pages are
+        made ``block_tokens`` long (before any request runs)."""
+        if block_tokens < 1:
+            raise DSV3Error(f"the prefix cache's block size must be >= 1 token, got {block_tokens}")
+        engine.repage(block_tokens)
+        cache = cls(engine.model, engine.pool, max_bytes, engine.speculative, directory, hasher)
         engine.prefix_cache = cache
         return cache
+
+    @property
+    def block_bytes(self) -> int:
+        return self.pool.page_bytes
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(b.page is not None for b in self.blocks.values()) * self.block_bytes
 
     def snapshot(self) -> CacheSnapshot:
         c = self.counters
@@ -182,60 +196,56 @@ class PrefixCache:
         """Full blocks of a prompt of ``n_tokens`` that may be cached: all that end before its last token."""
         return (n_tokens - 1) // self.block_tokens
 
-    def match(self, prompt: Sequence[int]) -> list[Block]:
-        """The longest cached chain of full blocks that starts ``prompt``, each held (``release`` it)."""
-        bs, chain = self.block_tokens, []
-        key, parent = self.root, None
+    def lease(self, prompt: Sequence[int]) -> list[int]:
+        """The pages of the longest cached chain of full blocks that starts ``prompt``, each held once for the
+        caller (who releases them to the pool); with speculation the last is the caller's own copy (see
+        the module docstring). Its length times ``block_tokens`` is the prompt's cached tokens."""
+        bs, pages = self.block_tokens, []
+        key, parent, chain = self.root, None, []
         for i in range(self.usable_blocks(len(prompt))):
             tokens = tuple(prompt[i * bs : (i + 1) * bs])
             key = self.hasher(key, tokens)
             block = self.blocks.get(key)
             if block is None or block.tokens != tokens or block.parent is not parent:
-                block = self._read(key, prompt[: (i + 1) * bs], parent)
+                block, page = self._read(key, prompt[: (i + 1) * bs], parent)
                 if block is None:
                     break
-            block.refs += 1
+            else:
+                page = block.page
+                self.pool.hold([page])
+            pages.append(page)
             chain.append(block)
             parent = block
         self._touch(chain)
+        if self.speculative and pages:
+            try:
+                own = self.pool.take(1)
+            except PoolFull:  # no page for the copy: lease one block less
+                self.pool.release(pages[-1:])
+                pages, chain = pages[:-1], chain[:-1]
+            else:
+                self.pool.copy(pages[-1:], own)
+                self.pool.release(pages[-1:])
+                pages[-1] = own[0]
         self.counters.queries += len(prompt)
-        self.counters.hits += len(chain) * bs
-        return chain
-
-    def release(self, chain: list[Block]) -> None:
-        for block in chain:
-            block.refs -= 1
-
-    def copy_into(self, cache: LatentCache, row: int, chain: list[Block]) -> int:
-        """Write ``chain`` into row ``row`` of ``cache`` (its slot j the prompt's token j): the main layers'
-        slots [0, n), the MTP layers' [0, n - 1) (see the module docstring); returns n."""
-        n, m = len(chain) * self.block_tokens, self.main_layers
-        kv, pe = (torch.cat(part, dim=1) for part in ([b.kv for b in chain], [b.pe for b in chain]))  # [layers, n, .]
-        cache.write_row(row, 0, kv[:m], pe[:m])
-        if self.layers > m:  # MTP layers hold slots -1 .. n - 2
-            cache.write_row(row, 0, kv[m:, 1:], pe[m:, 1:], first_layer=m)
-        return n
-
-    def _block_slice(self, t: torch.Tensor, i: int) -> torch.Tensor:
-        """Block i's share of a prefilled row t [layers, len, .]: main slots [s, e), MTP slots [s - 1, e - 1)."""
-        s, e, m = i * self.block_tokens, (i + 1) * self.block_tokens, self.main_layers
-        mtp = t[m : self.layers, max(s - 1, 0) : e - 1]
-        if s == 0:
-            mtp = torch.cat([mtp.new_zeros(mtp.shape[0], 1, mtp.shape[2]), mtp], dim=1)
-        return torch.cat([t[:m, s:e], mtp], dim=0)
+        self.counters.hits += len(pages) * bs
+        return pages
 
     # ---- insertion and eviction ----------------------------------------------------------------
-    def insert(self, prompt: Sequence[int], kv: torch.Tensor, pe: torch.Tensor) -> int:
-        """Store the usable blocks of ``prompt`` from its prefilled cache kv [layers, len, r] (slot j holds
-        token j); blocks already cached are only touched. Returns the number of new blocks."""
+    def insert(self, prompt: Sequence[int], pages: Sequence[int]) -> int:
+        """Keep the usable blocks of ``prompt`` from the pages of its prefilled row (page i holding tokens
+        [i * block_tokens, (i + 1) * block_tokens)); blocks already cached are only touched. Returns the
+        number of new blocks."""
         bs, key, parent, chain, new = self.block_tokens, self.root, None, [], 0
         try:
             for i in range(self.usable_blocks(len(prompt))):
                 tokens = tuple(prompt[i * bs : (i + 1) * bs])
+                if self.speculative and parent is not None and parent.next_token != tokens[0]:
+                    break  # the parent's page holds another continuation's MTP entry (see the module docstring)
                 key = self.hasher(key, tokens)
                 block = self.blocks.get(key)
                 if block is None:
-                    block = self._keep(Block(key, tokens, parent, self._block_slice(kv, i), self._block_slice(pe, i)))
+                    block = self._keep(Block(key, tokens, parent, next_token=prompt[(i + 1) * bs]), pages[i])
                     if block is None:
                         break
                     new += 1
@@ -245,15 +255,16 @@ class PrefixCache:
                 chain.append(block)
                 parent = block
         finally:
-            self.release(chain)
+            for block in chain:
+                block.refs -= 1
         self._touch(chain)
         return new
 
-    def _keep(self, block: Block) -> Block | None:
-        """``block`` made resident when its parent is and room can be made, else written to the on-disk
-        tier when there is one (a chain longer than memory goes on there); None when kept nowhere."""
-        if self._resident(block.parent) and self._make_room(block.nbytes):
-            self._admit(block)
+    def _keep(self, block: Block, page: int) -> Block | None:
+        """``block`` made resident on ``page`` when its parent is and room can be made, else written to the
+        on-disk tier when there is one (a chain longer than memory goes on there); None when kept nowhere."""
+        if self._resident(block.parent) and self._make_room():
+            self._admit(block, page)
             self.counters.inserted += 1
             return block
         if self.directory is None:
@@ -261,37 +272,52 @@ class PrefixCache:
         if self._path(block.key).is_file():
             block.on_disk = True
         else:
-            self._write(block)
+            self._write(block, page)
         return block if block.on_disk else None
 
     def _resident(self, block: Block | None) -> bool:
         return block is None or self.blocks.get(block.key) is block
 
-    def _admit(self, block: Block) -> None:
+    def _admit(self, block: Block, page: int) -> None:
+        """Make ``block`` resident on ``page`` (the cache holds the page from now on)."""
+        self.pool.hold([page])
+        block.page = page
         self.blocks[block.key] = block
-        self.used_bytes += block.nbytes
         if block.parent is not None:
             block.parent.children += 1
 
-    def _make_room(self, nbytes: int) -> bool:
-        """Evict least recently used free leaves until ``nbytes`` more fit the budget."""
-        if nbytes > self.max_bytes:
+    def _evictable(self) -> Block | None:
+        return next((b for b in self.blocks.values() if b.refs == 0 and b.children == 0), None)
+
+    def _make_room(self) -> bool:
+        """Evict least recently used free leaves until one more block fits the budget."""
+        if self.block_bytes > self.max_bytes:
             return False
-        while self.used_bytes + nbytes > self.max_bytes:
-            victim = next((b for b in self.blocks.values() if b.refs == 0 and b.children == 0), None)
+        while self.used_bytes + self.block_bytes > self.max_bytes:
+            victim = self._evictable()
             if victim is None:
                 return False
             self._evict(victim)
         return True
 
+    def reclaim(self, pages: int) -> None:
+        """Evict least recently used blocks until the pool has ``pages`` free, or nothing more can go (the
+        pool asks before it refuses pages; blocks whose pages requests hold free nothing and stay)."""
+        for block in list(self.blocks.values()):
+            if self.pool.free >= pages:
+                return
+            if block.refs == 0 and block.children == 0 and self.pool.refs[block.page] == 1:
+                self._evict(block)
+
     def _evict(self, block: Block) -> None:
         del self.blocks[block.key]
-        self.used_bytes -= block.nbytes
         if block.parent is not None:
             block.parent.children -= 1
         self.counters.evicted += 1
         if self.directory is not None and not block.on_disk:
-            self._write(block)
+            self._write(block, block.page)
+        self.pool.release([block.page])
+        block.page = None
 
     def _touch(self, chain: list[Block]) -> None:
         """Mark ``chain`` recently used, its root most recently: eviction then takes tails first."""
@@ -303,13 +329,15 @@ class PrefixCache:
     def _path(self, key: bytes) -> Path:
         return self.directory / f"{key.hex()}.blk"
 
-    def _write(self, block: Block) -> None:
-        """Write ``block`` atomically; a full or read-only disk costs the block, never the request."""
-        kv, pe = block.kv.contiguous().cpu(), block.pe.contiguous().cpu()
+    def _write(self, block: Block, page: int) -> None:
+        """Write ``block`` (held in ``page``) atomically; a full or read-only disk costs the block, never the
+        request."""
+        kv = self.pool.kv[: self.layers, page].contiguous().cpu()
+        pe = self.pool.pe[: self.layers, page].contiguous().cpu()
         payload = kv.view(torch.uint8).numpy().tobytes() + pe.view(torch.uint8).numpy().tobytes()
         header = json.dumps({"fingerprint": self.fingerprint, "dtype": str(self.dtype).removeprefix("torch."),
                              "kv_shape": list(kv.shape), "pe_shape": list(pe.shape), "tokens": block.prefix(),
-                             "sha256": hashlib.sha256(payload).hexdigest()}).encode()
+                             "next_token": block.next_token, "sha256": hashlib.sha256(payload).hexdigest()}).encode()
         path = self._path(block.key)
         try:
             fd, tmp = tempfile.mkstemp(dir=self.directory, prefix=".tmp-", suffix=".blk")
@@ -328,29 +356,35 @@ class PrefixCache:
         block.on_disk = True
         self.counters.disk_writes += 1
 
-    def _read(self, key: bytes, prefix: Sequence[int], parent: Block | None) -> Block | None:
-        """The block ``key`` from disk when its file is sound and holds exactly ``prefix``; it becomes
-        resident when there is room (else it serves this request only)."""
+    def _read(self, key: bytes, prefix: Sequence[int], parent: Block | None) -> tuple[Block | None, int]:
+        """The block ``key`` from disk when its file is sound and holds exactly ``prefix``, read into a page
+        held once for the caller: (block, page), or (None, -1). The block becomes resident when there is
+        room (else it serves this request only)."""
         if self.directory is None:
-            return None
+            return None, -1
         path = self._path(key)
         if not path.is_file():
-            return None
+            return None, -1
         try:
-            kv, pe = self._parse(path.read_bytes(), prefix)
+            kv, pe, next_token = self._parse(path.read_bytes(), prefix)
         except (OSError, ValueError, KeyError, TypeError, RuntimeError, json.JSONDecodeError, struct.error) as exc:
             self._reject(f"{path.name}: {exc}")
             path.unlink(missing_ok=True)  # named by this model's chain yet unusable: make way for a sound copy
-            return None
-        block = Block(key, tuple(prefix[-self.block_tokens :]), parent, kv.to(self.device), pe.to(self.device),
-                      on_disk=True)
+            return None, -1
+        try:
+            page = self.pool.take(1)[0]
+        except PoolFull:
+            return None, -1
+        self.pool.kv[: self.layers, page] = kv.to(self.pool.kv.device)
+        self.pool.pe[: self.layers, page] = pe.to(self.pool.pe.device)
+        block = Block(key, tuple(prefix[-self.block_tokens :]), parent, next_token=next_token, on_disk=True)
         self.counters.disk_reads += 1
-        if key not in self.blocks and self._resident(parent) and self._make_room(block.nbytes):
-            self._admit(block)
-        return block
+        if key not in self.blocks and self._resident(parent) and self._make_room():
+            self._admit(block, page)
+        return block, page
 
-    def _parse(self, data: bytes, prefix: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """kv, pe from a block file, or ValueError saying what does not check out."""
+    def _parse(self, data: bytes, prefix: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """kv, pe and the next token from a block file, or ValueError saying what does not check out."""
         if data[: len(MAGIC)] != MAGIC:
             raise ValueError("not a dsv3 prefix-cache block")
         (n,) = struct.unpack("<Q", data[len(MAGIC) : len(MAGIC) + 8])
@@ -362,7 +396,8 @@ class PrefixCache:
         if head["dtype"] != str(self.dtype).removeprefix("torch.") or list(head["tokens"]) != list(prefix):
             raise ValueError("another dtype or another prefix")
         kv_shape, pe_shape = [int(x) for x in head["kv_shape"]], [int(x) for x in head["pe_shape"]]
-        if kv_shape[:2] != [self.layers, self.block_tokens] or pe_shape[:2] != kv_shape[:2]:
+        if kv_shape[:2] != [self.layers, self.block_tokens] or pe_shape[:2] != kv_shape[:2] or \
+                kv_shape[2] != self.pool.kv.shape[3] or pe_shape[2] != self.pool.pe.shape[3]:
             raise ValueError(f"shapes {kv_shape}, {pe_shape} do not fit this cache")
         if hashlib.sha256(payload).hexdigest() != head["sha256"]:
             raise ValueError("checksum mismatch (corrupt or truncated)")
@@ -371,7 +406,8 @@ class PrefixCache:
         if len(payload) != n_kv + item * pe_shape[0] * pe_shape[1] * pe_shape[2]:
             raise ValueError("payload size does not match the shapes")
         raw = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        return raw[:n_kv].view(self.dtype).view(kv_shape), raw[n_kv:].view(self.dtype).view(pe_shape)
+        return raw[:n_kv].view(self.dtype).view(kv_shape), raw[n_kv:].view(self.dtype).view(pe_shape), \
+            int(head["next_token"])
 
     def _reject(self, reason: str) -> None:
         self.counters.disk_rejected += 1
@@ -383,18 +419,25 @@ class PrefixCache:
         a hit from the end of their prefix, together when their prefix and prompt lengths agree (no
         padding then: a shared system prompt under a load generator's fixed lengths); then all are
         merged into one batch."""
-        plans = [(r, self.match(r.prompt_ids)) for r in requests]
+        leases = {id(r): self.lease(r.prompt_ids) for r in requests}
+        batches: list[Batch] = []
         try:
-            misses = [r for r, chain in plans if not chain]
-            batches = self._prefill_together(engine, misses) if misses else []
-            shapes: dict[tuple[int, int], list[tuple[Request, list[Block]]]] = {}
-            for r, chain in plans:
-                if chain:
-                    shapes.setdefault((len(chain), len(r.prompt_ids)), []).append((r, chain))
-            batches += [PrefixBatch(engine, [r for r, _ in group], [c for _, c in group]) for group in shapes.values()]
+            misses = [r for r in requests if not leases[id(r)]]
+            batches += self._prefill_together(engine, misses) if misses else []
+            shapes: dict[tuple[int, int], list[Request]] = {}
+            for r in requests:
+                if leases[id(r)]:
+                    shapes.setdefault((len(leases[id(r)]), len(r.prompt_ids)), []).append(r)
+            for rows in shapes.values():
+                given = [leases.pop(id(r)) for r in rows]  # the batch owns them from here on
+                batches.append(PrefixBatch(engine, rows, given))
+        except BaseException:
+            for batch in batches:
+                batch.release()
+            raise
         finally:
-            for _, chain in plans:
-                self.release(chain)
+            for pages in leases.values():
+                self.pool.release(pages)
         return Engine._merged(batches) if batches else CachingBatch(engine, [])
 
     @staticmethod
@@ -407,7 +450,7 @@ class PrefixCache:
 
 
 class CachingBatch(Batch):
-    """A batch whose finished prefill stores its prompts' blocks in the engine's prefix cache."""
+    """A batch whose finished prefill gives its prompts' full blocks to the engine's prefix cache."""
 
     def _prefilled(self) -> None:
         cache: PrefixCache = self.engine.prefix_cache
@@ -415,46 +458,33 @@ class CachingBatch(Batch):
             if row.finish_reason == "error":  # its cache may hold NaN: keep none of it
                 continue
             prompt = row.request.prompt_ids
-            first = self.cur - len(prompt)  # prompts are left-padded: row b's ends at slot cur
-            cache.insert(prompt, *self.cache.read_row(b, first, self.cur))
+            if self.shifts[b] == self.cur - len(prompt):  # prompts are left-padded: row b's ends at slot cur
+                cache.insert(prompt, self.pages[b])
 
 
 class PrefixBatch(CachingBatch):
     """Requests whose prompts start with cached blocks, all with the same prompt and prefix lengths: the
-    blocks are copied into each row's cache and only the rest of each prompt is prefilled (at positions
+    blocks' pages head each row's page table and only the rest of each prompt is prefilled (at positions
     that continue from the prefix), with no padding."""
 
-    def __init__(self, engine: Engine, requests: list[Request], chains: list[list[Block]]):
-        self.chains = {id(r): chain for r, chain in zip(requests, chains, strict=True)}
+    def __init__(self, engine: Engine, requests: list[Request], leased: list[list[int]]):
+        self.leased = {id(r): pages for r, pages in zip(requests, leased, strict=True)}
         super().__init__(engine, requests)
 
     @torch.inference_mode()
     def _prefill(self) -> list[Event]:
         self.cur = 0
         self._alloc([0] * len(self.rows))
+        self.pages = [self.leased.pop(id(row.request)) for row in self.rows]
+        for pages in self.leased.values():  # requests that could not start: their pages go back
+            self.engine.pool.release(pages)
+        self.leased = {}
+        self._map()
         if not self.rows:  # no request could start (their error events are already out)
             return []
+        cached = len(self.pages[0]) * self.engine.pool.page_tokens
         self._reserve(len(self.rows[0].request.prompt_ids) + self.T)
-        for b, row in enumerate(self.rows):
-            chain = self.chains[id(row.request)]
-            row.request.cached_tokens = self.engine.prefix_cache.copy_into(self.cache, b, chain)
-        cached = self.rows[0].request.cached_tokens
-        # with MTP from slot cached - 1: the blocks lack its MTP entry (see the module docstring)
+        for row in self.rows:
+            row.request.cached_tokens = cached
+        # with MTP from slot cached - 1: the last page's MTP entry is the request's own (see the module docstring)
         return self._prefill_from(cached - 1 if self.engine.speculative else cached)
-
-
-def parse_size(text: str, flag: str) -> int:
-    """Bytes from '0', '512M', '1.5G' (powers of 1000, as the reports print them) or '64Ki', '2GiB'
-    (powers of 1024): one clear error otherwise."""
-    s = text.strip().upper().removesuffix("B")
-    binary = s.endswith("I")
-    s = s.removesuffix("I")
-    unit = s[-1:] if s[-1:] in ("K", "M", "G", "T") else ""
-    scale = (1024 if binary else 1000) ** ("KMGT".index(unit) + 1) if unit else 1
-    try:
-        value = float(s[: len(s) - len(unit)])
-    except ValueError:
-        raise DSV3Error(f"{flag} must be a size such as 0, 512M or 2G, got {text!r}") from None
-    if not 0 <= value < float("inf"):
-        raise DSV3Error(f"{flag} must be >= 0, got {text!r}")
-    return int(value * scale)

@@ -3,6 +3,8 @@ three significant digits, so that a line of the report fits 80 columns and reads
 
 from __future__ import annotations
 
+from dsv3.errors import DSV3Error
+
 
 def fmt_duration(seconds: float) -> str:
     """0.00042 -> '420 µs', 0.0123 -> '12.3 ms', 1.5 -> '1.50 s'."""
@@ -34,3 +36,20 @@ def _sig3(x: float) -> str:
     if abs(x) >= 100:
         return f"{x:.0f}"
     return f"{x:.1f}" if abs(x) >= 10 else f"{x:.2f}"
+
+
+def parse_size(text: str, flag: str) -> int:
+    """Bytes from '0', '512M', '1.5G' (powers of 1000, as the reports print them) or '64Ki', '2GiB'
+    (powers of 1024): one clear error otherwise."""
+    s = text.strip().upper().removesuffix("B")
+    binary = s.endswith("I")
+    s = s.removesuffix("I")
+    unit = s[-1:] if s[-1:] in ("K", "M", "G", "T") else ""
+    scale = (1024 if binary else 1000) ** ("KMGT".index(unit) + 1) if unit else 1
+    try:
+        value = float(s[: len(s) - len(unit)])
+    except ValueError:
+        raise DSV3Error(f"{flag} must be a size such as 0, 512M or 2G, got {text!r}") from None
+    if not 0 <= value < float("inf"):
+        raise DSV3Error(f"{flag} must be >= 0, got {text!r}")
+    return int(value * scale)

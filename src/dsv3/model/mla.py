@@ -27,7 +27,9 @@ class LatentCache:
     page ``table[b, q // page_tokens]`` at offset ``q % page_tokens`` (a page of -1: none mapped). A merge
     that right-aligns a row beside longer ones only adds to its shift, and pages can be shared by rows
     that start with the same tokens, so neither moves a byte. The slots a row does not hold (``q`` < 0, or
-    an unmapped page) are masked out of its attention by the engine; reading them gives any slot's values.
+    an unmapped page) are masked out of its attention by the engine, and read as page ``blank``'s first
+    slot, which the pool keeps at zero: a masked key still multiplies its value by a zero weight, and the
+    garbage of a freed page (NaN, say) must not reach the output as 0 * NaN.
 
     ``LatentCache(cfg, B, S)`` is the plain case: one page per row holding all its slots (``table`` None:
     row b is page b, shift 0), the layout [L, B, S, r] the module path and the static step index directly.
@@ -36,6 +38,7 @@ class LatentCache:
 
     table: torch.Tensor | None = None  # int32 [B, pages per row]; None: row b is page b
     shift: torch.Tensor | None = None  # int64 [B]
+    blank: int = 0  # a page of zeros: what the slots a row does not hold read (paged caches)
 
     def __init__(self, cfg: ModelConfig, batch_size: int, max_len: int, layers: int | None = None,
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
@@ -48,15 +51,18 @@ class LatentCache:
         self.kv, self.pe = (torch.zeros(shape, dtype=dtype, device=device) for shape in shapes)
 
     @classmethod
-    def paged(cls, kv: torch.Tensor, pe: torch.Tensor, table: torch.Tensor, shift: torch.Tensor) -> LatentCache:
+    def paged(cls, kv: torch.Tensor, pe: torch.Tensor, table: torch.Tensor, shift: torch.Tensor,
+              blank: int = 0) -> LatentCache:
         """Rows ``table`` [B, n] (int32 page numbers, -1: none) of the pages kv [L, P, page_tokens, r] and pe
-        [L, P, page_tokens, rope], each row's slots shifted right by ``shift`` [B] (int64)."""
+        [L, P, page_tokens, rope], each row's slots shifted right by ``shift`` [B] (int64); page ``blank``
+        holds zeros (no row's)."""
         if table.dim() != 2 or shift.shape != (table.shape[0],) or kv.shape[:3] != pe.shape[:3]:
             raise ValueError(f"page table {tuple(table.shape)}, shift {tuple(shift.shape)} and pages "
                              f"{tuple(kv.shape)}/{tuple(pe.shape)} do not fit")
         cache = cls.__new__(cls)
         cache.kv, cache.pe = kv, pe
         cache.table, cache.shift = table.to(torch.int32).contiguous(), shift.to(torch.int64).contiguous()
+        cache.blank = blank
         return cache
 
     @property
@@ -90,7 +96,7 @@ class LatentCache:
             view = LatentCache.__new__(LatentCache)
             view.kv, view.pe = self.kv[:, rows], self.pe[:, rows]
             return view
-        return LatentCache.paged(self.kv, self.pe, self.table[rows], self.shift[rows])
+        return LatentCache.paged(self.kv, self.pe, self.table[rows], self.shift[rows], self.blank)
 
     def slots(self, rows: int, start: int, end: int) -> torch.Tensor:
         """Where slots [start, end) of rows [0, rows) lie: flat indices [rows, end - start] into the pages'
@@ -101,6 +107,9 @@ class LatentCache:
         page = self.table[:rows].to(torch.int64).gather(1, col)
         inside = (q >= 0) & (q < self.table.shape[1] * n) & (page >= 0)
         return torch.where(inside, page * n + q % n, torch.full_like(q, -1))
+
+    def _blank_for_unheld(self, at: torch.Tensor) -> torch.Tensor:
+        return torch.where(at < 0, self.blank * self.page_tokens, at).to(self.kv.device)
 
     def write(self, layer: int, start: int, c_kv: torch.Tensor, k_pe: torch.Tensor) -> None:
         """Write c_kv [B, T, r] and k_pe [B, T, rope] at slots [start, start + T) of rows [0, B); in a paged
@@ -124,15 +133,15 @@ class LatentCache:
 
     def row_slots(self, row: int, start: int, end: int) -> torch.Tensor:
         """Where slots [start, end) of one row lie, as ``slots`` gives them. Paged caches only."""
-        return LatentCache.paged(self.kv, self.pe, self.table[row : row + 1], self.shift[row : row + 1]).slots(
-            1, start, end)[0]
+        return LatentCache.paged(self.kv, self.pe, self.table[row : row + 1], self.shift[row : row + 1],
+                                 self.blank).slots(1, start, end)[0]
 
     def read_row(self, row: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer's c_KV [L, end - start, r] and k_R [L, end - start, rope] of one row's slots [start, end)
-        (a copy; slots the row does not hold read as the pages' first slot)."""
+        (a copy; slots the row does not hold read as zeros, from the blank page)."""
         if self.table is None:
             return self.kv[:, row, start:end].clone(), self.pe[:, row, start:end].clone()
-        at = self.row_slots(row, start, end).clamp(min=0).to(self.kv.device)
+        at = self._blank_for_unheld(self.row_slots(row, start, end))
         return self.kv.flatten(1, 2)[:, at], self.pe.flatten(1, 2)[:, at]
 
     def write_row(self, row: int, start: int, kv: torch.Tensor, pe: torch.Tensor, first_layer: int = 0) -> None:
@@ -152,10 +161,10 @@ class LatentCache:
 
     def read(self, layer: int, rows: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """c_KV [rows, end, r] and k_R [rows, end, rope] of slots [0, end) (a view of the plain cache; a
-        gather of a paged one, whose slots a row does not hold read as the pages' first slot)."""
+        gather of a paged one, whose slots a row does not hold read as zeros, from the blank page)."""
         if self.table is None:
             return self.kv[layer, :rows, :end], self.pe[layer, :rows, :end]
-        at = self.slots(rows, 0, end).clamp(min=0).to(self.kv.device)
+        at = self._blank_for_unheld(self.slots(rows, 0, end))
         return self.kv[layer].flatten(0, 1)[at], self.pe[layer].flatten(0, 1)[at]
 
 
