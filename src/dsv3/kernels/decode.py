@@ -117,9 +117,13 @@ class AttentionPlan:
         c_kv, k_pe = linear(x, self.kv_a, use_kernels).split([m.kv_rank, m.rope], dim=-1)
         cache.write(m.layer_idx, start_pos, rms_norm(m.kv_a_layernorm, c_kv, use_kernels),
                     rotate(k_pe.unsqueeze(2), rot)[:, :, 0])
-        S = start_pos + T
-        out = mla_decode(q.view(B, T, m.n_heads, m.nope + m.rope), *cos_sin, self.w_uk, self.w_uv,
-                         cache.kv[m.layer_idx, :B, :S], cache.pe[m.layer_idx, :B, :S], bias, m.scale, use_kernels)
+        S, layer = start_pos + T, m.layer_idx
+        if cache.table is None:
+            kv, pe, pages = cache.kv[layer, :B, :S], cache.pe[layer, :B, :S], {}
+        else:  # the layer's pages, read in place through the table
+            kv, pe, pages = cache.kv[layer], cache.pe[layer], {"table": cache.table, "shift": cache.shift, "slots": S}
+        out = mla_decode(q.view(B, T, m.n_heads, m.nope + m.rope), *cos_sin, self.w_uk, self.w_uv, kv, pe, bias,
+                         m.scale, use_kernels, **pages)
         return linear(out, self.o, use_kernels)
 
 
@@ -499,8 +503,9 @@ class Step:
 
     def with_rope_rows(self) -> None:
         """Give the kernels' descriptor the RoPE rows themselves (for positions its table lacks)."""
-        self.kernel = dk.block_step(self.kernel.fields["rows"], self.T, self.start_pos, *self.cos_sin, self.cache.kv,
-                                    self.cache.pe, self.bias)
+        c = self.cache
+        self.kernel = dk.block_step(self.kernel.fields["rows"], self.T, self.start_pos, *self.cos_sin, c.kv, c.pe,
+                                    self.bias, c.table, c.shift)
 
     @staticmethod
     def _bias(device, T: int, start_pos: int, mask: torch.Tensor | None) -> torch.Tensor | None:
@@ -515,11 +520,16 @@ class Step:
 
     @staticmethod
     def kernel_fits(cache: LatentCache, rows: int, T: int, dtype: torch.dtype) -> bool:
-        """Whether the kernels can run steps of ``rows`` x ``T`` tokens over this cache (while it has room)."""
-        kv, pe = cache.kv, cache.pe
+        """Whether the kernels can run steps of ``rows`` x ``T`` tokens over this cache (while it has room): a
+        plain one, or a paged one whose table and shift they read (``LatentCache.paged`` makes them so)."""
+        kv, pe, table, shift = cache.kv, cache.pe, cache.table, cache.shift
+        pages = (kv.shape[:3] == pe.shape[:3] and table.dtype == torch.int32 and table.device.type == "cpu"
+                 and table.stride(1) == 1 and table.shape[1] > 0 and shift.dtype == torch.int64
+                 and shift.device.type == "cpu" and shift.is_contiguous()) if table is not None else (
+                     rows <= pe.shape[1])
         return (dtype in dk.A_KIND and rows * T <= dk.MAX_KERNEL_ROWS and kv.dtype in dk.A_KIND
                 and pe.dtype == kv.dtype and kv.device.type == "cpu" and pe.device.type == "cpu"
-                and kv.stride(-1) == 1 and pe.stride(-1) == 1 and rows <= kv.shape[1] and rows <= pe.shape[1]
+                and kv.stride(-1) == 1 and pe.stride(-1) == 1 and rows <= cache.rows and pages
                 and kv.shape[0] == pe.shape[0])
 
     @property
@@ -583,7 +593,8 @@ class FastDecode:
                 and positions.shape[1] == T and positions.is_contiguous() and positions.device.type == "cpu"):
             if not Step.kernel_fits(cache, rows, T, self.dtype):
                 return None
-            return dk.block_step(rows, T, step.start_pos, *step.cos_sin, cache.kv, cache.pe, step.bias)
+            return dk.block_step(rows, T, step.start_pos, *step.cos_sin, cache.kv, cache.pe, step.bias, cache.table,
+                                 cache.shift)
         cos, sin = self.rope.tables(cache.max_len, positions.device)
         key = (rows, T, torch.get_num_threads())
         made = self._table_steps.get(key)
@@ -592,7 +603,9 @@ class FastDecode:
                 return None
             made = self._table_steps[key] = (cache.kv, cache.pe, cos, dk.table_step(rows, T, cos, sin, cache.kv,
                                                                                       cache.pe))
-        return dk.retarget(made[3], step.start_pos, positions, step.bias)
+        if cache.table is not None and not Step.kernel_fits(cache, rows, T, self.dtype):
+            return None  # the pool fits, this step's table may not (the descriptor is re-pointed at each)
+        return dk.retarget(made[3], step.start_pos, positions, step.bias, cache.table, cache.shift)
 
     def _run(self, plan: BlockPlan, x: torch.Tensor, step: Step) -> torch.Tensor:
         """One block: the block kernel (in place on x), the attention kernel then the per-op MoE half, the

@@ -26,7 +26,7 @@
 /* The version of this file's calling interface (its exported functions' arguments and structures), which
  * decode_kernels.py checks at load (dsv3_abi): raise it with any change of a signature. */
 #ifndef DSV3_KERNELS_ABI
-#define DSV3_KERNELS_ABI 4
+#define DSV3_KERNELS_ABI 5
 #endif
 int64_t dsv3_abi(void) { return DSV3_KERNELS_ABI; }
 
@@ -1073,6 +1073,85 @@ static float blk_dot(const void *a, int kind, int64_t off, const float *b, int64
 #define ATT_KEYS 3 /* keys per score micro-kernel: 4 x 3 accumulators, 3 rows and a query vector in registers */
 #endif
 
+/* Where a batch row's cache slots lie (dsv3.model.mla.LatentCache): slot s of row b is at the row's
+ * physical position q = s - shift[b], in page table[b * table_stride + q / page_tokens] at offset
+ * q % page_tokens (a page of -1: none mapped; table_cols pages a row; a page number outside [0, n_pages) is
+ * taken as none, so a bad table cannot reach past the pool). table NULL: the plain cache, one page per row
+ * (row b is page b, shift 0). The pages' own strides (elements between pages, between slots) are the
+ * caller's: kv_bstride/pe_bstride and kv_sstride/pe_sstride. */
+typedef struct {
+    const int32_t *table;
+    int64_t table_stride, table_cols;
+    const int64_t *shift; /* [rows] or NULL (all 0) */
+    int64_t page_tokens, n_pages;
+} PageMap;
+
+/* The page holding slot s of row b, its offset in *off; -1 for a slot before the row's shift (its left
+ * padding, never stored), -2 for one past its mapped pages or in an unmapped one. */
+static inline int64_t page_of(const PageMap *m, int64_t b, int64_t s, int64_t *off) {
+    if (!m->table) {
+        *off = s;
+        return b;
+    }
+    const int64_t q = s - (m->shift ? m->shift[b] : 0), pt = m->page_tokens;
+    if (q < 0) return -1;
+    if (q >= m->table_cols * pt) return -2;
+    const int64_t c = q / pt, page = m->table[b * m->table_stride + c];
+    *off = q - c * pt;
+    return page >= 0 && page < m->n_pages ? page : -2;
+}
+
+/* The cache rows of one batch row's keys as a task reads them: att_keys gives each key's address. */
+typedef struct {
+    const PageMap *map; /* NULL: the plain cache, keys ``kv_row`` bytes apart from kv, pe */
+    int64_t b;
+    const char *kv, *pe;          /* the layer's page 0 (paged), or the row's first key (plain) */
+    size_t kv_page, pe_page, kv_row, pe_row; /* bytes between pages, between slots */
+    const char *kv_none, *pe_none; /* where a key the row does not hold is read: its first held slot */
+} RowKeys;
+
+static RowKeys row_keys(const PageMap *map, int64_t b, const void *kv, const void *pe, int64_t kv_pstride,
+                        int64_t kv_sstride, int64_t pe_pstride, int64_t pe_sstride, size_t es) {
+    RowKeys k = {map->table ? map : NULL, b, (const char *)kv, (const char *)pe, (size_t)kv_pstride * es,
+                 (size_t)pe_pstride * es, (size_t)kv_sstride * es, (size_t)pe_sstride * es, NULL, NULL};
+    if (!k.map) {
+        k.kv += (size_t)b * k.kv_page, k.pe += (size_t)b * k.pe_page;
+        return k;
+    }
+    /* Keys the row does not hold have bias -inf, but their rows are still read (a tile is scored whole): read
+     * them where the row's own values lie, finite, not in another row's pages (or past the pool's end). */
+    int64_t page = 0;
+    for (int64_t c = 0; c < map->table_cols; c++) {
+        const int64_t at = map->table[b * map->table_stride + c];
+        if (at >= 0 && at < map->n_pages) {
+            page = at;
+            break;
+        }
+    }
+    k.kv_none = k.kv + (size_t)page * k.kv_page, k.pe_none = k.pe + (size_t)page * k.pe_page;
+    return k;
+}
+
+/* The addresses kr[j], pr[j] of keys s0 + j, j < n. A tile's keys are scored and summed in the same order
+ * whatever their addresses, so a paged cache gives the plain cache's bits for the same values. */
+static inline __attribute__((always_inline)) void att_keys(const RowKeys *k, int64_t s0, int64_t n,
+                                                           const char **kr, const char **pr) {
+    if (!k->map) {
+        for (int64_t j = 0; j < n; j++) kr[j] = k->kv + (size_t)(s0 + j) * k->kv_row, pr[j] = k->pe + (size_t)(s0 + j) * k->pe_row;
+        return;
+    }
+    for (int64_t j = 0; j < n; j++) {
+        int64_t off;
+        const int64_t page = page_of(k->map, k->b, s0 + j, &off);
+        if (page < 0) {
+            kr[j] = k->kv_none, pr[j] = k->pe_none;
+            continue;
+        }
+        kr[j] = k->kv + (size_t)page * k->kv_page + (size_t)off * k->kv_row;
+        pr[j] = k->pe + (size_t)page * k->pe_page + (size_t)off * k->pe_row;
+    }
+}
+
 /* Weights read after the attention (the block's output projection, router and shared expert), fetched
  * into L2 while the attention computes: at long contexts it is FMA-bound and leaves the memory idle. Each
  * thread walks its own share of the ranges, a few cache lines per score step. */
@@ -1144,18 +1223,18 @@ static inline __attribute__((always_inline)) void att_dots(int kind, const float
         }
 }
 
-/* sc[i * ATT_TILE + j] = q_lat[i] . kv_j + q_pe[i] . pe_j for ATT_QUERIES queries and n keys, ATT_KEYS keys
- * at a time (the last keys repeated to fill a pass). A score's summation order is fixed (its chain over kv
- * then pe, reduced, plus the scalar tails), whatever the other queries and keys of the call. */
+/* sc[i * ATT_TILE + j] = q_lat[i] . kv[j] + q_pe[i] . pe[j] for ATT_QUERIES queries and n keys (their rows
+ * at kv[j], pe[j]), ATT_KEYS keys at a time (the last keys repeated to fill a pass). A score's summation order
+ * is fixed (its chain over kv then pe, reduced, plus the scalar tails), whatever the other queries and keys of
+ * the call. */
 static inline __attribute__((always_inline)) void att_tile_scores(int kind, const float *q_lat, const float *q_pe,
-                                                                  int64_t r, int64_t p, const char *kv,
-                                                                  size_t kv_row, const char *pe, size_t pe_row,
-                                                                  int64_t n, float *sc) {
+                                                                  int64_t r, int64_t p, const char *const *kv,
+                                                                  const char *const *pe, int64_t n, float *sc) {
     for (int64_t j = 0; j < n; j += ATT_KEYS) {
         const char *kr[ATT_KEYS], *pr[ATT_KEYS];
         for (int u = 0; u < ATT_KEYS; u++) {
             const int64_t ju = j + u < n ? j + u : n - 1;
-            kr[u] = kv + ju * kv_row, pr[u] = pe + ju * pe_row;
+            kr[u] = kv[ju], pr[u] = pe[ju];
         }
         __m256 acc[ATT_QUERIES][ATT_KEYS];
         float tail[ATT_QUERIES][ATT_KEYS] = {{0.0f}};
@@ -1172,17 +1251,17 @@ static inline __attribute__((always_inline)) void att_tile_scores(int kind, cons
     }
 }
 
-/* o[i] += sum_j p[i][j] * row_j for ATT_QUERIES queries over n keys (rows ``row`` bytes apart);
+/* o[i] += sum_j p[i][j] * rows[j] for ATT_QUERIES queries over n keys;
  * o [ATT_QUERIES, r] fp32, p [ATT_QUERIES, ATT_TILE]; from bf16 rows o comes interleaved (as att_dots reads
  * them). KIND is a constant after inlining. */
-static inline __attribute__((always_inline)) void att_values(int kind, float *o, const float *p, const char *rows,
-                                                             size_t row, int64_t n, int64_t r) {
+static inline __attribute__((always_inline)) void att_values(int kind, float *o, const float *p,
+                                                             const char *const *rows, int64_t n, int64_t r) {
     int64_t k = 0;
     for (; k + 16 <= r; k += 16) {
         __m256 a[ATT_QUERIES][2];
         for (int i = 0; i < ATT_QUERIES; i++) a[i][0] = _mm256_loadu_ps(o + i * r + k), a[i][1] = _mm256_loadu_ps(o + i * r + k + 8);
         for (int64_t j = 0; j < n; j++) {
-            const char *rj = rows + j * row;
+            const char *rj = rows[j];
             const __m256 v0 = kind == A_BF16 ? bf16_even8((const uint16_t *)rj + k) : blk_load8(rj, kind, k);
             const __m256 v1 = kind == A_BF16 ? bf16_odd8((const uint16_t *)rj + k) : blk_load8(rj, kind, k + 8);
             for (int i = 0; i < ATT_QUERIES; i++) {
@@ -1195,7 +1274,7 @@ static inline __attribute__((always_inline)) void att_values(int kind, float *o,
     }
     for (; k < r; k++)
         for (int64_t j = 0; j < n; j++) {
-            const float v = blk_load(rows + j * row, kind, k);
+            const float v = blk_load(rows[j], kind, k);
             for (int i = 0; i < ATT_QUERIES; i++) o[i * r + k] += p[i * ATT_TILE + j] * v;
         }
 }
@@ -1246,11 +1325,17 @@ typedef struct { /* dsv3_mla_decode's arguments, for its tasks */
     const float *cos, *sin, *bias;
     const void *w_uk, *w_uv; /* fp32 or bf16 (wkind) */
     int64_t wkind, akind, rot_bstride, uk_hstride, uk_rstride, uv_hstride, uv_rstride, T, H, S, nope, p, r, v;
-    int64_t kv_bstride, kv_sstride, pe_bstride, pe_sstride, bias_bstride;
+    int64_t kv_bstride, kv_sstride, pe_bstride, pe_sstride, bias_bstride; /* b: between pages (plain: rows) */
     float scale;
     void *out;
     const PfRanges *pf; /* or NULL */
+    PageMap pages;
 } AttArgs;
+
+/* Row b's keys in this attention's cache (es bytes a value). */
+static RowKeys att_row_keys(const AttArgs *a, int64_t b, size_t es) {
+    return row_keys(&a->pages, b, a->kv, a->pe, a->kv_bstride, a->kv_sstride, a->pe_bstride, a->pe_sstride, es);
+}
 
 /* Query i of a task, m = m0 + i: q_lat[i] = W_UK[h]^T q_nope * scale, q_pe[i] = rope(q_pe) * scale. */
 static void att_query(const AttArgs *a, int64_t b, int64_t m, float *q_lat, float *q_pe) {
@@ -1280,13 +1365,16 @@ static inline void att_prefetch_row(const char *row, size_t bytes) {
     _mm_prefetch(row + bytes - 1, _MM_HINT_T0);
 }
 
-/* The tile ATT_PF tiles after the one at key s0 (kv_t, pe_t; S keys in all, es bytes a value): the cache
- * streams from L3 or memory, so fetch it ahead of the work. */
-static inline void att_prefetch_ahead(const char *kv_t, size_t kv_row, const char *pe_t, size_t pe_row, int64_t r,
-                                      int64_t p, size_t es, int64_t s0, int64_t S) {
-    for (int64_t j = 0; j < ATT_TILE && s0 + ATT_PF * ATT_TILE + j < S; j++) {
-        att_prefetch_row(kv_t + (ATT_PF * ATT_TILE + j) * kv_row, (size_t)r * es);
-        att_prefetch_row(pe_t + (ATT_PF * ATT_TILE + j) * pe_row, (size_t)p * es);
+/* The tile ATT_PF tiles after the one at key s0 (S keys in all, es bytes a value): the cache streams from
+ * L3 or memory, so fetch it ahead of the work. */
+static inline __attribute__((always_inline)) void att_prefetch_ahead(const RowKeys *k, int64_t r, int64_t p,
+                                                                     size_t es, int64_t s0, int64_t S) {
+    const int64_t at = s0 + ATT_PF * ATT_TILE, n = S - at < ATT_TILE ? S - at : ATT_TILE;
+    const char *kr[ATT_TILE], *pr[ATT_TILE];
+    att_keys(k, at, n, kr, pr);
+    for (int64_t j = 0; j < n; j++) {
+        att_prefetch_row(kr[j], (size_t)r * es);
+        att_prefetch_row(pr[j], (size_t)p * es);
     }
 }
 
@@ -1342,19 +1430,19 @@ static inline __attribute__((always_inline)) void att_task(int kind, const AttAr
             interleave(q_pe + i * p, 1, p, row), memcpy(q_pe + i * p, row, (size_t)p * sizeof(float));
         }
     }
-    const size_t es = kind == A_F32 ? 4 : 2, kv_row = (size_t)a->kv_sstride * es, pe_row = (size_t)a->pe_sstride * es;
-    const char *kv_b = (const char *)a->kv + (size_t)(b * a->kv_bstride) * es;
-    const char *pe_b = (const char *)a->pe + (size_t)(b * a->pe_bstride) * es;
+    const size_t es = kind == A_F32 ? 4 : 2;
+    const RowKeys keys = att_row_keys(a, b, es);
+    const char *kv_t[ATT_TILE], *pe_t[ATT_TILE];
     int64_t first, end;
     att_span(bias_row, mb, S, &first, &end);
     for (int64_t s0 = first; s0 < end; s0 += ATT_TILE) {
         const int64_t n = S - s0 < ATT_TILE ? S - s0 : ATT_TILE;
-        const char *kv_t = kv_b + s0 * kv_row, *pe_t = pe_b + s0 * pe_row;
-        att_prefetch_ahead(kv_t, kv_row, pe_t, pe_row, r, p, es, s0, end);
+        att_keys(&keys, s0, n, kv_t, pe_t);
+        att_prefetch_ahead(&keys, r, p, es, s0, end);
         for (int64_t g = 0; g < quads; g++) {
             const int64_t i0 = g * ATT_QUERIES;
             float *scg = sc + i0 * ATT_TILE;
-            att_tile_scores(kind, q_lat + i0 * r, q_pe + i0 * p, r, p, kv_t, kv_row, pe_t, pe_row, n, scg);
+            att_tile_scores(kind, q_lat + i0 * r, q_pe + i0 * p, r, p, kv_t, pe_t, n, scg);
             for (int64_t i = i0; i < i0 + ATT_QUERIES; i++) {
                 float *si = sc + i * ATT_TILE;
                 if (i >= mb) { /* a padding query: weights 0 */
@@ -1365,7 +1453,7 @@ static inline __attribute__((always_inline)) void att_task(int kind, const AttAr
                     for (int64_t j = 0; j < n; j++) si[j] += bias_row[i][s0 + j];
                 att_softmax_tile(si, n, mx + i, sum + i, o_lat + i * r, r);
             }
-            att_values(kind, o_lat + i0 * r, scg, kv_t, kv_row, n, r);
+            att_values(kind, o_lat + i0 * r, scg, kv_t, n, r);
         }
     }
     for (int i = 0; i < mb; i++) {
@@ -1402,13 +1490,13 @@ DP_INLINE void dp_dots(const uint16_t *q, int64_t ldq, const uint16_t *const *k,
 
 /* att_tile_scores for a bf16 cache and bf16 queries qb [ATT_QUERIES, w] (the kv part, padded to a multiple of
  * 32, then the pe part, padded too). */
-DP_INLINE void dp_tile_scores(const uint16_t *qb, int64_t w, int64_t wr, int64_t r, int64_t p, const char *kv,
-                              size_t kv_row, const char *pe, size_t pe_row, int64_t n, float *sc) {
+DP_INLINE void dp_tile_scores(const uint16_t *qb, int64_t w, int64_t wr, int64_t r, int64_t p,
+                              const char *const *kv, const char *const *pe, int64_t n, float *sc) {
     for (int64_t j = 0; j < n; j += ATT_KEYS) {
         const uint16_t *kr[ATT_KEYS], *pr[ATT_KEYS];
         for (int u = 0; u < ATT_KEYS; u++) {
             const int64_t ju = j + u < n ? j + u : n - 1;
-            kr[u] = (const uint16_t *)(kv + ju * kv_row), pr[u] = (const uint16_t *)(pe + ju * pe_row);
+            kr[u] = (const uint16_t *)kv[ju], pr[u] = (const uint16_t *)pe[ju];
         }
         __m512 acc[ATT_QUERIES][ATT_KEYS];
         for (int i = 0; i < ATT_QUERIES; i++)
@@ -1428,16 +1516,15 @@ DP_INLINE void dp_tile_scores(const uint16_t *qb, int64_t w, int64_t wr, int64_t
  * the two rows are interleaved (unpacklo/unpackhi, within 128-bit lanes) against the weights' bf16 pairs
  * pp[i][j / 2] (weight j low, j + 1 high; 0 past n). So o [ATT_QUERIES, w] holds each block's values in that
  * order (dp_unpermute). */
-DP_INLINE void dp_values(float *o, int64_t w, const uint32_t *pp, const char *rows, size_t row, int64_t n,
-                         int64_t r) {
+DP_INLINE void dp_values(float *o, int64_t w, const uint32_t *pp, const char *const *rows, int64_t n, int64_t r) {
     for (int64_t c = 0; c < r; c += DP_WIDTH) {
         const __mmask32 m = dp_mask(r - c);
         __m512 lo[ATT_QUERIES], hi[ATT_QUERIES];
         for (int i = 0; i < ATT_QUERIES; i++)
             lo[i] = _mm512_loadu_ps(o + i * w + c), hi[i] = _mm512_loadu_ps(o + i * w + c + 16);
         for (int64_t j = 0; j < n; j += 2) {
-            const __m512i a = _mm512_maskz_loadu_epi16(m, (const uint16_t *)(rows + j * row) + c);
-            const __m512i b = j + 1 < n ? _mm512_maskz_loadu_epi16(m, (const uint16_t *)(rows + (j + 1) * row) + c)
+            const __m512i a = _mm512_maskz_loadu_epi16(m, (const uint16_t *)rows[j] + c);
+            const __m512i b = j + 1 < n ? _mm512_maskz_loadu_epi16(m, (const uint16_t *)rows[j + 1] + c)
                                         : _mm512_setzero_si512();
             const __m512i l = _mm512_unpacklo_epi16(a, b), h = _mm512_unpackhi_epi16(a, b);
             for (int i = 0; i < ATT_QUERIES; i++) {
@@ -1485,18 +1572,17 @@ static DP_TARGET void dp_task(const AttArgs *a, int64_t b, int64_t m0, int mb) {
         bias_row[i] = a->bias ? a->bias + b * a->bias_bstride + ((m0 + i) / a->H) * S : NULL;
         mx[i] = -INFINITY, sum[i] = 0.0f;
     }
-    const size_t kv_row = (size_t)a->kv_sstride * 2, pe_row = (size_t)a->pe_sstride * 2;
-    const char *kv_b = (const char *)a->kv + (size_t)(b * a->kv_bstride) * 2;
-    const char *pe_b = (const char *)a->pe + (size_t)(b * a->pe_bstride) * 2;
+    const RowKeys keys = att_row_keys(a, b, 2);
+    const char *kv_t[ATT_TILE], *pe_t[ATT_TILE];
     int64_t first, end;
     att_span(bias_row, mb, S, &first, &end);
     for (int64_t s0 = first; s0 < end; s0 += ATT_TILE) {
         const int64_t n = S - s0 < ATT_TILE ? S - s0 : ATT_TILE;
-        const char *kv_t = kv_b + s0 * kv_row, *pe_t = pe_b + s0 * pe_row;
-        att_prefetch_ahead(kv_t, kv_row, pe_t, pe_row, r, p, 2, s0, end);
+        att_keys(&keys, s0, n, kv_t, pe_t);
+        att_prefetch_ahead(&keys, r, p, 2, s0, end);
         for (int64_t g = 0; g < quads; g++) {
             const int64_t i0 = g * ATT_QUERIES;
-            dp_tile_scores(qb + i0 * w, w, wr, r, p, kv_t, kv_row, pe_t, pe_row, n, sc + i0 * ATT_TILE);
+            dp_tile_scores(qb + i0 * w, w, wr, r, p, kv_t, pe_t, n, sc + i0 * ATT_TILE);
             for (int64_t i = i0; i < i0 + ATT_QUERIES; i++) {
                 float *si = sc + i * ATT_TILE;
                 if (i >= mb) { /* a padding query: weights 0 */
@@ -1508,7 +1594,7 @@ static DP_TARGET void dp_task(const AttArgs *a, int64_t b, int64_t m0, int mb) {
                 att_softmax_tile(si, n, mx + i, sum + i, o + i * wr, wr);
                 dp_pairs(si, n, pp + i * (ATT_TILE / 2));
             }
-            dp_values(o + i0 * wr, wr, pp + i0 * (ATT_TILE / 2), kv_t, kv_row, n, r);
+            dp_values(o + i0 * wr, wr, pp + i0 * (ATT_TILE / 2), kv_t, n, r);
         }
     }
     for (int i = 0; i < mb; i++) {
@@ -1530,7 +1616,9 @@ static DP_TARGET void dp_task(const AttArgs *a, int64_t b, int64_t m0, int mb) {
  * the latent cache (softmax of scale * (q_lat . kv + q_pe . pe) + bias), then out[b, t, h * v:(h + 1) * v] = W_UV[h] o_lat.
  * W_UK[h] is [nope, r] and W_UV[h] is [v, r], fp32 or bf16 (wkind: kv_b_proj's own bf16 weights are read
  * in place, converted exactly), at w + h * hstride elements, rows ``rstride`` apart.
- * out [B, T, H * v] in the activation dtype. Returns 0.
+ * out [B, T, H * v] in the activation dtype. The cache's keys [0, S) of row b are found through ``pages``
+ * (PageMap: NULL table for the plain cache, row b then at kv + b * kv_bstride); a key a row does not hold
+ * must have bias -inf (it is read, from the row's first held slot, and weighted 0). Returns 0.
  *
  * The attention is compute-bound (at context 2048 a layer's 8 queries take 2048 x (160 + 128) FMAs each,
  * against 0.6 MB of cache), so it is organised for the FMA units: each task takes up to ATT_GROUP queries
@@ -1543,11 +1631,11 @@ static int mla_decode(const PfRanges *pf, const void *q, int akind, const float 
                     const void *w_uk, int64_t uk_hstride, int64_t uk_rstride, const void *w_uv, int64_t uv_hstride,
                     int64_t uv_rstride, int wkind, const void *kv, const void *pe, int ckind, int64_t B, int64_t T, int64_t H,
                     int64_t S, int64_t nope, int64_t p, int64_t r, int64_t v, int64_t kv_bstride, int64_t kv_sstride,
-                    int64_t pe_bstride, int64_t pe_sstride, const float *bias, int64_t bias_bstride, float scale,
-                    void *out, int nthreads) {
+                    int64_t pe_bstride, int64_t pe_sstride, const PageMap *pages, const float *bias,
+                    int64_t bias_bstride, float scale, void *out, int nthreads) {
     const AttArgs a = {q, kv, pe, cos, sin, bias, w_uk, w_uv, wkind, akind, rot_bstride, uk_hstride, uk_rstride,
                        uv_hstride, uv_rstride, T, H, S, nope, p, r, v, kv_bstride, kv_sstride, pe_bstride,
-                       pe_sstride, bias_bstride, scale, out, pf};
+                       pe_sstride, bias_bstride, scale, out, pf, *pages};
     const int64_t M = T * H;
     const int64_t group = B * ((M + ATT_GROUP - 1) / ATT_GROUP) >= nthreads ? ATT_GROUP : ATT_QUERIES;
     const int64_t mblocks = (M + group - 1) / group;
@@ -1571,15 +1659,20 @@ static int mla_decode(const PfRanges *pf, const void *q, int akind, const float 
     return 0;
 }
 
+/* mla_decode, its cache seen through a PageMap: table [B, table_cols] (rows table_stride apart) of n_pages
+ * pages kv_bstride / pe_bstride elements apart, page_tokens slots each, shift [B] or NULL; table NULL: the
+ * plain cache. */
 int dsv3_mla_decode(const void *q, int akind, const float *cos, const float *sin, int64_t rot_bstride,
                     const void *w_uk, int64_t uk_hstride, int64_t uk_rstride, const void *w_uv, int64_t uv_hstride,
                     int64_t uv_rstride, int wkind, const void *kv, const void *pe, int ckind, int64_t B, int64_t T, int64_t H,
                     int64_t S, int64_t nope, int64_t p, int64_t r, int64_t v, int64_t kv_bstride, int64_t kv_sstride,
-                    int64_t pe_bstride, int64_t pe_sstride, const float *bias, int64_t bias_bstride, float scale,
-                    void *out, int nthreads) {
+                    int64_t pe_bstride, int64_t pe_sstride, const int32_t *table, int64_t table_stride,
+                    int64_t table_cols, const int64_t *shift, int64_t page_tokens, int64_t n_pages,
+                    const float *bias, int64_t bias_bstride, float scale, void *out, int nthreads) {
+    const PageMap pages = {table, table_stride, table_cols, shift, page_tokens, n_pages};
     return mla_decode(NULL, q, akind, cos, sin, rot_bstride, w_uk, uk_hstride, uk_rstride, w_uv, uv_hstride, uv_rstride,
                       wkind, kv, pe, ckind, B, T, H, S, nope, p, r, v, kv_bstride, kv_sstride, pe_bstride, pe_sstride,
-                      bias, bias_bstride, scale, out, nthreads);
+                      &pages, bias, bias_bstride, scale, out, nthreads);
 }
 
 /* ---- A whole transformer block's decode step in one call ----------------------------------------------
@@ -1619,8 +1712,9 @@ typedef struct { /* one decode step, shared by all blocks */
     int64_t rows, T, start; /* rows x T new tokens, written at cache slots [start, start + T) */
     const float *cos, *sin; /* [rows or 1, T, rope/2] fp32, or NULL: looked up for ``positions`` */
     int64_t rot_bstride;    /* 0 when one rotation serves every row */
-    void *kv, *pe;          /* the latent cache [layers, batch, slots, r | rope] */
-    int64_t ckind, kv_lstride, kv_bstride, kv_sstride, pe_lstride, pe_bstride, pe_sstride;
+    void *kv, *pe;          /* the latent cache [layers, pages, slots, r | rope] (plain: a page per row) */
+    int64_t ckind, kv_lstride, kv_bstride, kv_sstride, pe_lstride, pe_bstride, pe_sstride; /* b: between pages */
+    PageMap pages;          /* where each row's slots lie (pages.table NULL: row b is page b) */
     const float *bias; /* additive mask [rows or 1, T, start + T], or NULL */
     int64_t bias_bstride, nthreads;
     const int64_t *positions;          /* [rows or 1, T] (with cos NULL) */
@@ -1707,8 +1801,20 @@ static void blk_experts(const BlkExperts *e, const void *x, int akind, int64_t M
                         nthreads);
 }
 
+/* Whether every slot the step writes, [start, start + T) of each row, lies in the row's pages or before its
+ * shift (left padding, not stored): 0, or -3 (LatentCache.write's error: a slot outside a row's pages). */
+static int blk_check_slots(const BlkStep *s) {
+    for (int64_t b = 0; b < s->rows; b++)
+        for (int64_t t = 0; t < s->T; t++) {
+            int64_t off;
+            if (page_of(&s->pages, b, s->start + t, &off) == -2) return -3;
+        }
+    return 0;
+}
+
 /* The cache write of the new tokens: c_KV normed (kv_a_layernorm, in the activation dtype) and k_R roped
- * (in fp32), from kv_a's output kv [M, r + rope], each converted to the cache's dtype. */
+ * (in fp32), from kv_a's output kv [M, r + rope], each converted to the cache's dtype; a slot before a row's
+ * shift is not stored (blk_check_slots has refused any other slot outside the pages). */
 static void blk_write_latents(const BlkDesc *d, const BlkStep *s, const void *kv) {
     const int ak = (int)d->akind, ck = (int)s->ckind;
     const int64_t r = d->kv_rank, p = d->rope, width = r + p;
@@ -1716,9 +1822,11 @@ static void blk_write_latents(const BlkDesc *d, const BlkStep *s, const void *kv
     void *c = malloc((size_t)(r > 0 ? r : 1) * aes);
     for (int64_t b = 0; b < s->rows; b++) {
         for (int64_t t = 0; t < s->T; t++) {
-            const int64_t m = b * s->T + t, slot = s->start + t;
-            char *kv_out = (char *)s->kv + (size_t)(d->layer * s->kv_lstride + b * s->kv_bstride + slot * s->kv_sstride) * ces;
-            char *pe_out = (char *)s->pe + (size_t)(d->layer * s->pe_lstride + b * s->pe_bstride + slot * s->pe_sstride) * ces;
+            int64_t off;
+            const int64_t m = b * s->T + t, page = page_of(&s->pages, b, s->start + t, &off);
+            if (page < 0) continue;
+            char *kv_out = (char *)s->kv + (size_t)(d->layer * s->kv_lstride + page * s->kv_bstride + off * s->kv_sstride) * ces;
+            char *pe_out = (char *)s->pe + (size_t)(d->layer * s->pe_lstride + page * s->pe_bstride + off * s->pe_sstride) * ces;
             blk_rms_norm((const char *)kv + (size_t)(m * width) * aes, 0, d->kv_norm, d->kv_eps, ak, 1, r, c, 0);
             for (int64_t i = 0; i < r; i++) blk_store(kv_out, ck, i, blk_load(c, ak, i));
             const float *cs = s->cos + s->rot_bstride * b + t * (p / 2), *sn = s->sin + s->rot_bstride * b + t * (p / 2);
@@ -1781,9 +1889,11 @@ static void blk_read_after_attention(const BlkDesc *d, PfRanges *after) {
 
 /* One block's decode step on x [rows * T, dim] (activation dtype), in place: x += attn(norm(x)), then
  * x += ffn(norm(x)); the new tokens' latents are written to the cache at layer ``d->layer``. Returns 0, or
- * -2 (nothing done) when a position lies outside the step's RoPE table. */
+ * (nothing done) -2 when a position lies outside the step's RoPE table, -3 when a slot it writes lies outside
+ * a row's pages. */
 static void decode_block(const BlkDesc *d, const BlkStep *s, void *x);
 int dsv3_decode_block(const BlkDesc *d, const BlkStep *s, void *x) {
+    if (blk_check_slots(s)) return -3;
     BlkStep local;
     float *rope_rows;
     const BlkStep *step = blk_rope_rows(s, &local, &rope_rows);
@@ -1824,7 +1934,7 @@ static void decode_block(const BlkDesc *d, const BlkStep *s, void *x) {
                     d->uv_hstride, d->uv_rstride, (int)d->w_kind,
                     (const char *)s->kv + (size_t)(d->layer * s->kv_lstride) * ces, (const char *)s->pe + (size_t)(d->layer * s->pe_lstride) * ces, (int)s->ckind, s->rows, s->T,
                     H, S, d->nope, d->rope, d->kv_rank, d->v_dim, s->kv_bstride, s->kv_sstride, s->pe_bstride,
-                    s->pe_sstride, s->bias, s->bias_bstride, d->softmax_scale, att, nt);
+                    s->pe_sstride, &s->pages, s->bias, s->bias_bstride, d->softmax_scale, att, nt);
     PROF(PH_ATT);
     blk_linear(&d->o, att, ak, M, y, nt, NULL);
     PROF(PH_O);
@@ -1857,13 +1967,15 @@ typedef struct { /* the model around its blocks (made once per set of block plan
 /* The embedding of ids [rows * T], every block (dsv3_decode_block), the final norm into h [rows * T, dim] and
  * the head into logits [rows * T, head.n]: what FastDecode runs per step as separate calls, in one, so that no
  * interpreter work sits between the weight streams. Returns 0, or (nothing computed, cache untouched) -1 when
- * an id is outside [0, vocab), -2 when a position is outside the step's RoPE table. */
+ * an id is outside [0, vocab), -2 when a position is outside the step's RoPE table, -3 when a slot it writes
+ * is outside a row's pages. */
 int dsv3_decode_step(const StepDesc *m, const BlkStep *s, const int64_t *ids, void *h, void *logits) {
     const int ak = (int)m->akind;
     const int64_t M = s->rows * s->T, D = m->dim;
     const size_t row = (size_t)D * (ak == A_F32 ? 4 : 2);
     for (int64_t i = 0; i < M; i++)
         if (ids[i] < 0 || ids[i] >= m->vocab) return -1;
+    if (blk_check_slots(s)) return -3;
     BlkStep local;
     float *rope_rows;
     const BlkStep *step = blk_rope_rows(s, &local, &rope_rows);
@@ -1962,6 +2074,9 @@ static const DescField STEP_FIELDS[] = {
     FIELD(BlkStep, bias, F_PTR), FIELD(BlkStep, bias_bstride, F_I64), FIELD(BlkStep, nthreads, F_I64),
     FIELD(BlkStep, positions, F_PTR), FIELD(BlkStep, pos_bstride, F_I64), FIELD(BlkStep, table_cos, F_PTR),
     FIELD(BlkStep, table_sin, F_PTR), FIELD(BlkStep, table_len, F_I64), FIELD(BlkStep, half, F_I64),
+    FIELD(BlkStep, pages.table, F_PTR), FIELD(BlkStep, pages.table_stride, F_I64),
+    FIELD(BlkStep, pages.table_cols, F_I64), FIELD(BlkStep, pages.shift, F_PTR),
+    FIELD(BlkStep, pages.page_tokens, F_I64), FIELD(BlkStep, pages.n_pages, F_I64),
 };
 static const DescField MODEL_FIELDS[] = {
     FIELD(StepDesc, akind, F_I64), FIELD(StepDesc, dim, F_I64), FIELD(StepDesc, vocab, F_I64),

@@ -35,12 +35,13 @@ import torch
 import torch.nn.functional as F
 
 from dsv3.kernels import c_build
+from dsv3.model.mla import LatentCache
 from dsv3.precision.fp8 import dequantize_weight_blocks
 
 SOURCE = Path(__file__).with_name("decode_kernels.c")
 W_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 A_KIND = {torch.float32: 0, torch.bfloat16: 1}
-ABI = 4  # decode_kernels.c's DSV3_KERNELS_ABI: the calling interface this module's declarations (_declare) match
+ABI = 5  # decode_kernels.c's DSV3_KERNELS_ABI: the calling interface this module's declarations (_declare) match
 MAX_KERNEL_ROWS = 64  # more rows than this: a real matmul (PyTorch's) is the better tool
 FP8_SCALE_SHIFT = 256.0  # the C side's FP8 scales are scale_inv * 256 (its powers of two do the rest exactly)
 
@@ -52,7 +53,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
                                         i32, i32]
     lib.dsv3_route.argtypes = [p, p, i64, i64, p, i32, i64, i32, i64, i64, i32, i64, i32, ctypes.c_float, p, p, i32]
     lib.dsv3_mla_decode.argtypes = [p, i32, p, p, i64, p, i64, i64, p, i64, i64, i32, p, p, i32] + [i64] * 12 + [
-        p, i64, ctypes.c_float, p, i32]
+        p, i64, i64, p, i64, i64, p, i64, ctypes.c_float, p, i32]
     lib.dsv3_scan_logits.argtypes = [p, i32, i64, i64, i64, p]
     for fn in (lib.dsv3_linear, lib.dsv3_swiglu_experts, lib.dsv3_route, lib.dsv3_mla_decode, lib.dsv3_scan_logits):
         fn.restype = i32
@@ -230,13 +231,30 @@ def route(x: torch.Tensor, router, use_kernel: bool = True) -> tuple[torch.Tenso
 
 def mla_decode(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
                kv: torch.Tensor, pe: torch.Tensor, bias: torch.Tensor | None, scale: float,
-               use_kernel: bool = True) -> torch.Tensor:
+               use_kernel: bool = True, table: torch.Tensor | None = None, shift: torch.Tensor | None = None,
+               slots: int = 0) -> torch.Tensor:
     """The absorbed MLA attention of a decode step (``torch.ops.dsv3.mla_decode``, whose docstring gives the
     shapes), or the reference without kernels. W_UK/W_UV fp32 or bf16 are read in place (bf16 converted
-    exactly, so the numbers are those of an fp32 copy)."""
+    exactly, so the numbers are those of an fp32 copy). With ``table``, kv/pe are one layer's pages of a paged
+    cache and the rows' first ``slots`` slots are read through the table and ``shift`` (``paged_rows``)."""
     if not use_kernel:
+        if table is not None:
+            kv, pe = paged_rows(kv, pe, table, shift, q.shape[0], slots)
         return mla_decode_reference(q, cos, sin, w_uk, w_uv, kv, pe, bias, scale)
-    return torch.ops.dsv3.mla_decode(q, cos, sin, w_uk, w_uv, kv, pe, bias, scale)
+    return torch.ops.dsv3.mla_decode(q, cos, sin, w_uk, w_uv, kv, pe, bias, scale, table, shift, slots)
+
+
+def paged_rows(kv: torch.Tensor, pe: torch.Tensor, table: torch.Tensor, shift: torch.Tensor | None, rows: int,
+               slots: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots [0, slots) of rows [0, rows) of one layer's pages kv [P, page_tokens, r], pe [P, page_tokens, rope]
+    seen through ``table`` [rows, n] and ``shift`` [rows] (``LatentCache.paged``'s layout): kv [rows, slots, r]
+    and pe [rows, slots, rope], a copy, with 0 in the slots a row does not hold (what the kernels read there
+    only ever gets weight 0, so its value must not be a NaN of another row's page)."""
+    shift = torch.zeros(table.shape[0], dtype=torch.int64, device=table.device) if shift is None else shift
+    at = LatentCache.paged(kv[None], pe[None], table, shift).slots(rows, 0, slots).to(kv.device)
+    held = (at >= 0)[..., None]
+    at = at.clamp(min=0)
+    return (torch.where(held, t.flatten(0, 1)[at], torch.zeros((), dtype=t.dtype)) for t in (kv, pe))
 
 
 def mla_decode_reference(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_uk: torch.Tensor,
@@ -381,20 +399,34 @@ def route_constants(router) -> tuple[dict, list[torch.Tensor]] | None:
     return fields, tensors
 
 
-def _cache_fields(kv: torch.Tensor, pe: torch.Tensor) -> dict:
-    """A step descriptor's cache fields for the latent cache kv/pe [L, B, S, .] (last dim contiguous)."""
+def _cache_fields(kv: torch.Tensor, pe: torch.Tensor, table: torch.Tensor | None = None,
+                  shift: torch.Tensor | None = None) -> dict:
+    """A step descriptor's cache fields for the latent cache kv/pe [L, P, page_tokens, .] (last dim
+    contiguous) seen through ``table`` [rows, n] int32 and ``shift`` [rows] int64 (rows contiguous;
+    ``LatentCache.paged``), or, table None, the plain cache [L, B, S, .] (row b is page b)."""
     (kl, kb, ks), (pl, pb, ps) = kv.stride()[:3], pe.stride()[:3]
     return {"kv": kv.data_ptr(), "pe": pe.data_ptr(), "ckind": A_KIND[kv.dtype], "kv_lstride": kl, "kv_bstride": kb,
-            "kv_sstride": ks, "pe_lstride": pl, "pe_bstride": pb, "pe_sstride": ps}
+            "kv_sstride": ks, "pe_lstride": pl, "pe_bstride": pb, "pe_sstride": ps,
+            "pages": _page_fields(table, shift, kv.shape[2], kv.shape[1])}
+
+
+def _page_fields(table: torch.Tensor | None, shift: torch.Tensor | None, page_tokens: int, n_pages: int) -> dict:
+    """The step descriptor's page map (``PageMap``): all null for the plain cache."""
+    if table is None:
+        return {"table": None, "table_stride": 0, "table_cols": 0, "shift": None, "page_tokens": page_tokens,
+                "n_pages": n_pages}
+    return {"table": table.data_ptr(), "table_stride": table.stride(0), "table_cols": table.shape[1],
+            "shift": _ptr(shift), "page_tokens": page_tokens, "n_pages": n_pages}
 
 
 def block_step(rows: int, T: int, start: int, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor,
-               pe: torch.Tensor, bias: torch.Tensor | None) -> Descriptor:
+               pe: torch.Tensor, bias: torch.Tensor | None, table: torch.Tensor | None = None,
+               shift: torch.Tensor | None = None) -> Descriptor:
     """The per-step descriptor with its RoPE rows: cos/sin [rows|1, T, rope/2] fp32 contiguous, the cache's
-    kv/pe [L, B, S, .] (last dim contiguous), bias [rows|1, T, start + T] fp32 contiguous or None. The caller
-    keeps the tensors alive while the step runs."""
+    kv/pe (``_cache_fields``: with ``table`` and ``shift`` for a paged cache), bias [rows|1, T, start + T] fp32
+    contiguous or None. The caller keeps the tensors alive while the step runs."""
     return Descriptor("step", rows=rows, T=T, start=start, cos=cos.data_ptr(), sin=sin.data_ptr(),
-                      rot_bstride=0 if cos.shape[0] == 1 else cos.stride(0), **_cache_fields(kv, pe),
+                      rot_bstride=0 if cos.shape[0] == 1 else cos.stride(0), **_cache_fields(kv, pe, table, shift),
                       bias=_ptr(bias), bias_bstride=0 if bias is None or bias.shape[0] == 1 else bias.stride(0),
                       nthreads=torch.get_num_threads())
 
@@ -403,27 +435,46 @@ def table_step(rows: int, T: int, table_cos: torch.Tensor, table_sin: torch.Tens
                pe: torch.Tensor) -> Descriptor:
     """A per-step descriptor whose RoPE rows the kernels look up themselves, in the tables of cos and sin of
     positions [0, n) ([n, rope/2] fp32 contiguous), for the positions ``retarget`` points it at: made once
-    for a cache and reused step after step, which saves the per-step indexing and descriptor (tens of
-    microseconds of interpreter work a step)."""
+    for a cache (a paged cache's pool: ``retarget`` points it at each step's page table) and reused step after
+    step, which saves the per-step indexing and descriptor (tens of microseconds of interpreter work a step)."""
     n, half = table_cos.shape
     return Descriptor("step", rows=rows, T=T, **_cache_fields(kv, pe), nthreads=torch.get_num_threads(),
                       table_cos=table_cos.data_ptr(), table_sin=table_sin.data_ptr(), table_len=n, half=half)
 
 
-def retarget(step: Descriptor, start: int, positions: torch.Tensor, bias: torch.Tensor | None) -> Descriptor:
+def retarget(step: Descriptor, start: int, positions: torch.Tensor, bias: torch.Tensor | None,
+             table: torch.Tensor | None = None, shift: torch.Tensor | None = None) -> Descriptor:
     """A ``table_step`` descriptor pointed at this step: its first cache slot, positions [rows|1, T] (int64,
-    contiguous) and bias (as ``block_step``). The caller keeps the tensors alive while the step runs."""
+    contiguous), bias (as ``block_step``) and, for a paged cache, its page table and shift (set only when they
+    changed: a pool's rows are regrouped between steps, its pages stay). The caller keeps the tensors alive
+    while the step runs."""
     step.set(start=start, positions=positions.data_ptr(),
              pos_bstride=0 if positions.shape[0] == 1 else positions.shape[1], bias=_ptr(bias),
              bias_bstride=0 if bias is None or bias.shape[0] == 1 else bias.stride(0))
+    pages = step.fields["pages"]
+    if table is not None or pages["table"] is not None:
+        now = _page_fields(table, shift, pages["page_tokens"], pages["n_pages"])
+        if now != pages:
+            step.set(pages=now)
     return step
+
+
+PAGE_ERROR = -3  # the kernels' status for a cache write outside a row's pages (nothing done)
+
+
+def _page_error() -> ValueError:
+    return ValueError("cache write at a slot outside a row's pages")
 
 
 def decode_block(desc: int, step: int, x: torch.Tensor) -> bool:
     """Run one block on x [rows * T, dim] (contiguous, the block's activation dtype) in place; ``desc`` and
     ``step`` are the addresses of a "block" and a "step" ``Descriptor``. False (nothing done) when the step looks its
-    RoPE rows up in a table that lacks one of its positions."""
-    return _block_functions()[0](desc, step, x.data_ptr()) == 0
+    RoPE rows up in a table that lacks one of its positions; ValueError (nothing done) when a slot it writes lies
+    outside a row's pages (as ``LatentCache.write``)."""
+    status = _block_functions()[0](desc, step, x.data_ptr())
+    if status == PAGE_ERROR:
+        raise _page_error()
+    return status == 0
 
 
 def decode_step(desc: int, step: int, ids: torch.Tensor, h: torch.Tensor, logits: torch.Tensor) -> bool:
@@ -431,10 +482,12 @@ def decode_step(desc: int, step: int, ids: torch.Tensor, h: torch.Tensor, logits
     [rows, T, dim] and the head's logits [rows, T, N] (both contiguous, the activation dtype), written in
     place; ``desc`` and ``step`` are the addresses of a "model" and a "step" ``Descriptor``. IndexError (and nothing
     computed) for an id outside the embedding, as ``nn.Embedding`` raises; False (nothing computed) as
-    ``decode_block``."""
+    ``decode_block`` (and its ValueError)."""
     status = _block_functions()[2](desc, step, ids.data_ptr(), h.data_ptr(), logits.data_ptr())
     if status == -1:
         raise IndexError("index out of range in self")
+    if status == PAGE_ERROR:
+        raise _page_error()
     return status == 0
 
 

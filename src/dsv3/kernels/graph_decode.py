@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from dsv3.kernels.decode import FastDecode
-from dsv3.kernels.static_decode import StaticDecode, unsupported
+from dsv3.kernels.static_decode import StaticDecode, plain_cache, unsupported
 from dsv3.model.mla import LatentCache
 from dsv3.model.transformer import Transformer
 
@@ -62,12 +62,13 @@ class GraphDecode:
                           absorb: bool | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """``Transformer.hidden_and_logits`` for a decode step. A plain step (one token a row, at most 32 rows)
         runs in its rung's graph and returns no hidden states (None: only the MTP step, which runs the
-        modules, reads them)."""
+        modules, reads them). A paged cache is refused (ValueError): the rungs copy plain rows."""
         B, T = input_ids.shape
         if cache is None or start_pos == 0 or T != 1 or B > LADDER[-1] or absorb is False:
             return self.model.hidden_and_logits(input_ids, positions=positions, cache=cache, start_pos=start_pos,
                                                 mask=mask, absorb=absorb)
         rung = next(r for r in LADDER if r >= B)
+        plain_cache(cache)
         static, step = self._rung(rung, cache.max_len, cache.kv.dtype)
         self._bind(cache, static)
         device, S = static.kv.device, static.kv.shape[2]

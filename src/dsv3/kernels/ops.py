@@ -29,6 +29,7 @@ from dsv3.kernels.decode_kernels import (
     ExpertWeights,
     Weight,
     mla_decode_reference,
+    paged_rows,
     swiglu_experts_reference,
 )
 from dsv3.model.moe import gate_values, select_experts
@@ -174,38 +175,59 @@ def _route_fake(x, weight, bias, top_k, n_group, topk_group, softmax, group_sum,
 
 @torch.library.custom_op("dsv3::mla_decode", mutates_args=())
 def mla_decode(q: Tensor, cos: Tensor, sin: Tensor, w_uk: Tensor, w_uv: Tensor, kv: Tensor, pe: Tensor,
-               bias: Tensor | None, scale: float) -> Tensor:
+               bias: Tensor | None, scale: float, table: Tensor | None = None, shift: Tensor | None = None,
+               slots: int = 0) -> Tensor:
     """MLA's absorbed attention from the query projection to the heads' outputs: q [B, T, H, nope + rope];
     cos/sin [B|1, T, rope/2] fp32; W_UK [H, nope, r], W_UV [H, v, r]; the latent cache's rows kv [B, S, r],
-    pe [B, S, rope]; bias [B|1, T, S] (-inf hides a key) or None. Returns [B, T, H * v] in q's dtype."""
+    pe [B, S, rope]; bias [B|1, T, S] (-inf hides a key) or None. Returns [B, T, H * v] in q's dtype.
+
+    A paged cache (``LatentCache.paged``): kv [P, page_tokens, r] and pe [P, page_tokens, rope] are one layer's
+    pages, ``table`` [B, n] int32 (-1: no page) and ``shift`` [B] int64 (None: 0) place each row's slots, and
+    the rows' first ``slots`` slots are attended (S = slots). A slot a row does not hold must have bias -inf."""
+    if table is not None:
+        kv, pe = paged_rows(kv, pe, table, shift, q.shape[0], slots)
     return mla_decode_reference(q, cos, sin, w_uk, w_uv, kv, pe, bias, scale)
 
 
+def _pages_read(kv: Tensor, pe: Tensor, table: Tensor | None, shift: Tensor | None, rows: int, slots: int) -> bool:
+    """Whether the kernel reads these pages through this table and shift (or there is none)."""
+    if table is None:
+        return shift is None
+    return (kv.shape[:2] == pe.shape[:2] and table.dtype == torch.int32 and table.dim() == 2
+            and table.stride(1) == 1 and table.shape[0] >= rows
+            and table.shape[1] > 0 and slots > 0 and _on_cpu(table, shift)
+            and (shift is None or (shift.dtype == torch.int64 and shift.dim() == 1 and shift.is_contiguous()
+                                   and shift.shape[0] >= rows)))
+
+
 @mla_decode.register_kernel("cpu")
-def _mla_decode_cpu(q, cos, sin, w_uk, w_uv, kv, pe, bias, scale):
+def _mla_decode_cpu(q, cos, sin, w_uk, w_uv, kv, pe, bias, scale, table=None, shift=None, slots=0):
     lib = dk._load()[0]
     if (lib is None or q.dtype not in A_KIND or kv.dtype not in A_KIND or pe.dtype != kv.dtype
             or not _on_cpu(cos, sin, w_uk, w_uv, kv, pe, bias) or w_uk.dtype not in A_KIND
-            or w_uv.dtype != w_uk.dtype or any(t.stride(-1) != 1 for t in (kv, pe, w_uk, w_uv))):
-        return mla_decode._init_fn(q, cos, sin, w_uk, w_uv, kv, pe, bias, scale)
+            or w_uv.dtype != w_uk.dtype or any(t.stride(-1) != 1 for t in (kv, pe, w_uk, w_uv))
+            or not _pages_read(kv, pe, table, shift, q.shape[0], slots)):
+        return mla_decode._init_fn(q, cos, sin, w_uk, w_uv, kv, pe, bias, scale, table, shift, slots)
     B, T, H, _ = q.shape
     nope, r, v, p = w_uk.shape[1], w_uk.shape[2], w_uv.shape[1], pe.shape[-1]
     q, cos, sin = q.contiguous(), cos.float().contiguous(), sin.float().contiguous()
     if bias is not None:
         bias = bias.float().contiguous()
+    S = kv.shape[1] if table is None else slots
+    pages = (None, 0, 0) if table is None else (table.data_ptr(), table.stride(0), table.shape[1])
     out = q.new_empty(B, T, H * v)
     lib.dsv3_mla_decode(q.data_ptr(), A_KIND[q.dtype], cos.data_ptr(), sin.data_ptr(),
                         0 if cos.shape[0] == 1 else cos.stride(0), w_uk.data_ptr(), w_uk.stride(0), w_uk.stride(1),
                         w_uv.data_ptr(), w_uv.stride(0), w_uv.stride(1), A_KIND[w_uk.dtype], kv.data_ptr(),
-                        pe.data_ptr(), A_KIND[kv.dtype], B, T, H, kv.shape[1], nope, p, r, v, kv.stride(0),
-                        kv.stride(1), pe.stride(0), pe.stride(1), _ptr(bias),
-                        0 if bias is None or bias.shape[0] == 1 else bias.stride(0), scale, out.data_ptr(),
+                        pe.data_ptr(), A_KIND[kv.dtype], B, T, H, S, nope, p, r, v, kv.stride(0),
+                        kv.stride(1), pe.stride(0), pe.stride(1), *pages, _ptr(shift), kv.shape[1], kv.shape[0],
+                        _ptr(bias), 0 if bias is None or bias.shape[0] == 1 else bias.stride(0), scale, out.data_ptr(),
                         torch.get_num_threads())
     return out
 
 
 @mla_decode.register_fake
-def _mla_decode_fake(q, cos, sin, w_uk, w_uv, kv, pe, bias, scale):
+def _mla_decode_fake(q, cos, sin, w_uk, w_uv, kv, pe, bias, scale, table=None, shift=None, slots=0):
     B, T, H, _ = q.shape
     return q.new_empty(B, T, H * w_uv.shape[1])
 

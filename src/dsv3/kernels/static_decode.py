@@ -43,6 +43,15 @@ from dsv3.model.rope import apply_rope
 from dsv3.model.transformer import Transformer
 
 
+def plain_cache(cache: LatentCache) -> LatentCache:
+    """``cache`` when it is plain ([L, B, S, .], row b in slots [b, :S]: the layout a static step copies and
+    indexes directly); ValueError for a paged one (``LatentCache.paged``), which it would read wrongly."""
+    if cache.table is not None:
+        raise ValueError("a static (compiled or CUDA-graph) decode step needs a plain latent cache, not a paged one "
+                         f"({cache.rows} rows in pages of {cache.page_tokens} slots)")
+    return cache
+
+
 def unsupported(model: Transformer) -> str | None:
     """Why ``StaticDecode`` cannot run this model, or None."""
     for i, layer in enumerate(model.main_layers):
