@@ -571,8 +571,7 @@ class FastDecode:
         self._table_steps: dict[tuple, tuple] = {}
 
     def _usable(self, cache: LatentCache | None, start_pos: int, absorb: bool | None) -> bool:
-        # a paged cache goes through the modules (LatentCache.read) until the kernels address pages
-        return cache is not None and cache.table is None and (absorb is True or (start_pos > 0 and absorb is None))
+        return cache is not None and (absorb is True or (start_pos > 0 and absorb is None))
 
     def _plan(self, i: int) -> BlockPlan:
         self.blocks[i] = self.blocks[i].current()
