@@ -118,6 +118,9 @@ def test_the_server_lets_requests_wait_for_pages_and_answers_all(model, tokenize
     engine = pool_engine(model, 12, tokenizer=tokenizer)
     with serving(create_app(engine, model_name="tiny", max_batch=8)) as url, ThreadPoolExecutor(8) as pool:
         replies = list(pool.map(lambda b: httpx.post(url + "/v1/completions", json=b, timeout=120).json(), bodies))
+        metrics = httpx.get(url + "/metrics").text
     assert [r["choices"][0]["text"] for r in replies] == want
     assert all(r["choices"][0]["finish_reason"] == "length" for r in replies)
     assert engine.pool.free == engine.pool.pages
+    preempted = next(line for line in metrics.splitlines() if line.startswith("dsv3_num_preemptions_total"))
+    assert int(preempted.split()[-1]) > 0  # some waited as preempted rows, not only as new requests

@@ -162,6 +162,7 @@ class ServingMetrics:
         self.queue_time = Histogram(TTFT_BUCKETS)
         self.drafted = 0  # MTP: draft tokens verified, and how many of them were accepted
         self.accepted = 0
+        self.preemptions = 0  # requests preempted for want of cache pages
         self.timings: dict[int, _Timing] = {}
         self.running: Callable[[], int] = lambda: 0
         self.waiting: Callable[[], int] = lambda: 0
@@ -213,6 +214,10 @@ class ServingMetrics:
     def step(self, batch_size: int) -> None:
         self.batch_size.observe(batch_size)
 
+    def preempted(self, rows: int) -> None:
+        """A decode step preempted ``rows`` requests for want of cache pages (they resume later)."""
+        self.preemptions += rows
+
     # ---- rendering (the HTTP thread) ------------------------------------------------------------
     def render(self) -> str:
         out: list[str] = []
@@ -245,6 +250,8 @@ class ServingMetrics:
         family("spec_decode_accepted_tokens", "counter",
                "MTP draft tokens accepted (acceptance rate: accepted / draft tokens).",
                [f"spec_decode_accepted_tokens_total {self.accepted}"])
+        family("num_preemptions", "counter", "Requests preempted for want of latent cache pages (resumed later).",
+               [f"num_preemptions_total {self.preemptions}"])
         family("requests_running", "gauge", "Requests being decoded.", [f"requests_running {self.running()}"])
         family("requests_waiting", "gauge", "Requests queued, not yet prefilled.",
                [f"requests_waiting {self.waiting()}"])

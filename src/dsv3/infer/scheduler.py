@@ -99,10 +99,14 @@ class Scheduler:
                 stats = self.batch.stats
                 drafted, accepted = stats.drafted, stats.accepted
                 events = self.batch.step()
+                preempted = self.batch.take_preempted()  # before the batch may go: they wait for pages
+                self.resuming += preempted
+                self.metrics.preempted(len(preempted))
                 self.metrics.speculated(stats.drafted - drafted, stats.accepted - accepted)
                 self._send(events)
             except Exception as exc:  # a failing step must not kill the server: fail its requests
-                self._fail([r.request for r in self.batch.rows], exc)
+                self._fail([r.request for r in self.batch.rows + self.batch.take_preempted()], exc)
+                self.batch.release()
                 self.batch = None
                 continue
             if not self.batch.rows:
@@ -132,8 +136,6 @@ class Scheduler:
         None or when nothing decodes): rows preempted for want of cache pages first, then one chunk of a long
         prompt, or the next prompts whose lengths fit together; each finished batch joins."""
         self._drop_cancelled()
-        if self.batch is not None:
-            self.resuming += self.batch.take_preempted()
         if self.resuming:
             self._resume()
             return
@@ -229,14 +231,20 @@ class Scheduler:
         return self._step_s
 
     def _drop_cancelled(self) -> None:
-        """Requests whose clients went away while they waited for (or were in) their prefill."""
+        """Requests whose clients went away while they waited for (or were in) their prefill, or for pages
+        to resume."""
         for work in [w for w in self.prefilling if _request_of(w).cancelled]:
             self.prefilling.remove(work)
             if isinstance(work, ChunkedPrefill):
                 work.release()
-            request = _request_of(work)
-            self.listeners.pop(id(request), None)
-            self.metrics.finished(request, "cancelled")
+            self._cancelled(_request_of(work))
+        for row in [r for r in self.resuming if r.request.cancelled]:
+            self.resuming.remove(row)
+            self._cancelled(row.request)
+
+    def _cancelled(self, request: Request) -> None:
+        self.listeners.pop(id(request), None)
+        self.metrics.finished(request, "cancelled")
 
     def _prefill(self, requests: list[Request]) -> list[Batch]:
         """The new requests prefilled together; when that fails, each alone, so that a request that
@@ -281,6 +289,7 @@ class Scheduler:
         except Exception as exc:  # the running batch is left as it was: only the newcomers fail
             self._send([ev for ev in fresh.first_events if ev.finish_reason])
             self._fail([r.request for r in fresh.rows], exc)
+            fresh.release()
             return
         self._send(fresh.first_events)
 
