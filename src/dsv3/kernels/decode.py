@@ -486,6 +486,7 @@ class Step:
                  mask: torch.Tensor | None, cache: LatentCache):
         self.rope, self.positions, self.T = rope, positions, T
         self.mask, self.start_pos, self.cache = mask, start_pos, cache
+        self.max_len = cache.max_len  # once a step: a paged cache computes it from its table (a few tensor ops)
         self.bias = self._bias(positions.device, T, start_pos, mask)
         self._rot = self._cos_sin = None
         self.kernel: dk.Descriptor | None = None
@@ -498,7 +499,7 @@ class Step:
     def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [*positions.shape, rope/2] fp32 (the per-op and module paths' rotation)."""
         if self._cos_sin is None:
-            self._cos_sin = self.rope(self.positions, self.cache.max_len)
+            self._cos_sin = self.rope(self.positions, self.max_len)
         return self._cos_sin
 
     def with_rope_rows(self) -> None:
@@ -579,7 +580,7 @@ class FastDecode:
 
     def _step(self, positions: torch.Tensor, T: int, start_pos: int, mask, cache: LatentCache, rows: int) -> Step:
         step = Step(self.rope, positions, T, start_pos, mask, cache)
-        if self.block_kernel and start_pos + T <= cache.max_len and dk.block_kernel_available():
+        if self.block_kernel and start_pos + T <= step.max_len and dk.block_kernel_available():
             step.kernel = self._kernel_step(step, rows)
         return step
 
@@ -594,7 +595,7 @@ class FastDecode:
                 return None
             return dk.block_step(rows, T, step.start_pos, *step.cos_sin, cache.kv, cache.pe, step.bias, cache.table,
                                  cache.shift)
-        cos, sin = self.rope.tables(cache.max_len, positions.device)
+        cos, sin = self.rope.tables(step.max_len, positions.device)
         key = (rows, T, torch.get_num_threads())
         made = self._table_steps.get(key)
         if made is None or made[0] is not cache.kv or made[1] is not cache.pe or made[2] is not cos:

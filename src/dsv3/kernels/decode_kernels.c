@@ -1133,22 +1133,27 @@ static RowKeys row_keys(const PageMap *map, int64_t b, const void *kv, const voi
 }
 
 /* The addresses kr[j], pr[j] of keys s0 + j, j < n. A tile's keys are scored and summed in the same order
- * whatever their addresses, so a paged cache gives the plain cache's bits for the same values. */
+ * whatever their addresses, so a paged cache gives the plain cache's bits for the same values. A paged row is
+ * walked a page at a time: one table look-up and division a page, not one a key (the addresses are made for
+ * every tile, and again for its prefetch). */
 static inline __attribute__((always_inline)) void att_keys(const RowKeys *k, int64_t s0, int64_t n,
                                                            const char **kr, const char **pr) {
     if (!k->map) {
         for (int64_t j = 0; j < n; j++) kr[j] = k->kv + (size_t)(s0 + j) * k->kv_row, pr[j] = k->pe + (size_t)(s0 + j) * k->pe_row;
         return;
     }
-    for (int64_t j = 0; j < n; j++) {
+    for (int64_t j = 0; j < n;) {
         int64_t off;
         const int64_t page = page_of(k->map, k->b, s0 + j, &off);
         if (page < 0) {
             kr[j] = k->kv_none, pr[j] = k->pe_none;
+            j++;
             continue;
         }
-        kr[j] = k->kv + (size_t)page * k->kv_page + (size_t)off * k->kv_row;
-        pr[j] = k->pe + (size_t)page * k->pe_page + (size_t)off * k->pe_row;
+        const char *kp = k->kv + (size_t)page * k->kv_page, *pp = k->pe + (size_t)page * k->pe_page;
+        const int64_t run = k->map->page_tokens - off < n - j ? k->map->page_tokens - off : n - j;
+        for (int64_t i = 0; i < run; i++, j++)
+            kr[j] = kp + (size_t)(off + i) * k->kv_row, pr[j] = pp + (size_t)(off + i) * k->pe_row;
     }
 }
 
@@ -1366,7 +1371,8 @@ static inline void att_prefetch_row(const char *row, size_t bytes) {
 }
 
 /* The tile ATT_PF tiles after the one at key s0 (S keys in all, es bytes a value): the cache streams from
- * L3 or memory, so fetch it ahead of the work. */
+ * L3 or memory, so fetch it ahead of the work. (Fetching the first ATT_PF tiles as well, at the first one,
+ * made the attention slower, over plain and paged caches alike.) */
 static inline __attribute__((always_inline)) void att_prefetch_ahead(const RowKeys *k, int64_t r, int64_t p,
                                                                      size_t es, int64_t s0, int64_t S) {
     const int64_t at = s0 + ATT_PF * ATT_TILE, n = S - at < ATT_TILE ? S - at : ATT_TILE;
