@@ -62,7 +62,7 @@ class LatentCache:
         cache = cls.__new__(cls)
         cache.kv, cache.pe = kv, pe
         cache.table, cache.shift = table.to(torch.int32).contiguous(), shift.to(torch.int64).contiguous()
-        cache.blank = blank
+        cache.blank, cache._max_len = blank, None
         return cache
 
     @property
@@ -75,13 +75,14 @@ class LatentCache:
 
     @property
     def max_len(self) -> int:
-        """Slots every row can write below: the smallest of shift + mapped pages' slots over the rows."""
+        """Slots every row can write below: the smallest of shift + mapped pages' slots over the rows (of a
+        paged cache, worked out once: its table and shifts do not change, the engine makes a new one)."""
         if self.table is None:
             return self.kv.shape[2]
-        if not self.rows:
-            return 0
-        mapped = (self.table >= 0).sum(1).to(torch.int64)
-        return int((self.shift + mapped * self.page_tokens).min())
+        if self._max_len is None:
+            mapped = (self.table >= 0).sum(1).to(torch.int64)
+            self._max_len = int((self.shift + mapped * self.page_tokens).min()) if self.rows else 0
+        return self._max_len
 
     @property
     def nbytes(self) -> int:
