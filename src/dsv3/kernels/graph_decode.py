@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from dsv3.kernels.decode import FastDecode
-from dsv3.kernels.static_decode import StaticDecode, plain_cache, unsupported
+from dsv3.kernels.static_decode import StaticDecode, unsupported
 from dsv3.model.mla import LatentCache
 from dsv3.model.transformer import Transformer
 
@@ -61,43 +61,34 @@ class GraphDecode:
                           cache: LatentCache | None = None, start_pos: int = 0, mask: torch.Tensor | None = None,
                           absorb: bool | None = None) -> tuple[torch.Tensor | None, torch.Tensor]:
         """``Transformer.hidden_and_logits`` for a decode step. A plain step (one token a row, at most 32 rows)
-        runs in its rung's graph and returns no hidden states (None: only the MTP step, which runs the
-        modules, reads them). A paged cache is refused (ValueError): the rungs copy plain rows."""
+        over a paged cache (the engine's) runs in its rung's graph, reading and writing the pool in place, and
+        returns no hidden states (None: only the MTP step, which runs the modules, reads them)."""
         B, T = input_ids.shape
-        if cache is None or start_pos == 0 or T != 1 or B > LADDER[-1] or absorb is False:
+        if (cache is None or cache.table is None or start_pos == 0 or T != 1 or B > LADDER[-1]
+                or absorb is False):
             return self.model.hidden_and_logits(input_ids, positions=positions, cache=cache, start_pos=start_pos,
                                                 mask=mask, absorb=absorb)
+        if start_pos >= cache.max_len:  # what LatentCache.write says on the module path
+            raise ValueError(f"cache overflow: writing up to position {start_pos + 1} in a cache of {cache.max_len}")
         rung = next(r for r in LADDER if r >= B)
-        plain_cache(cache)
-        static, step = self._rung(rung, cache.max_len, cache.kv.dtype)
-        self._bind(cache, static)
-        device, S = static.kv.device, static.kv.shape[2]
+        static, step = self._rung(rung, cache, start_pos + 1)
+        static.map(cache)
+        device, S = static.kv.device, static.max_len
         ids = torch.zeros(rung, 1, dtype=torch.long, device=device)
         ids[:B] = input_ids
         at = torch.zeros(rung, 1, dtype=torch.long, device=device)
         at[:B] = start_pos if positions is None else positions.expand(B, 1)
-        valid = torch.ones(rung, S, dtype=torch.bool, device=device)  # padding rows see everything (finite)
+        valid = torch.ones(rung, S, dtype=torch.bool, device=device)  # padding rows see the blank page (finite)
         if mask is not None:
             valid[:B, : start_pos + 1] = mask[:, 0]
         return None, step(ids, at, torch.tensor(start_pos, device=device), valid)[:B, None]
 
-    def _rung(self, rung: int, slots: int, dtype: torch.dtype) -> tuple[StaticDecode, Callable]:
-        """The rung's static step with at least ``slots`` cache slots of ``dtype`` (made, or made anew, here)."""
+    def _rung(self, rung: int, cache: LatentCache, slots: int) -> tuple[StaticDecode, Callable]:
+        """The rung's static step over the pool of ``cache`` with at least ``slots`` slots a row (made, or made
+        anew, here: the first time, for another pool, or for more slots)."""
         made = self.rungs.get(rung)
-        if made is None or made[0].kv.shape[2] < slots or made[0].kv.dtype != dtype:
+        if made is None or made[0].kv is not cache.kv or made[0].pe is not cache.pe or made[0].max_len < slots:
             size = max(MIN_SLOTS, 1 << (slots - 1).bit_length())
-            static = StaticDecode(self.model, rung, size, cache_dtype=dtype)
+            static = StaticDecode(self.model, rung, size, pages=(cache.kv, cache.pe), blank=cache.blank)
             made = self.rungs[rung] = (static, static.compiled(self.mode) if self.compile else static)
         return made
-
-    @staticmethod
-    def _bind(cache: LatentCache, static: StaticDecode) -> None:
-        """Point the engine's cache [L, B, S, .] at the first B rows and S slots of the rung's static cache,
-        copying its contents there first (nothing to do when it already points there)."""
-        B, S = cache.kv.shape[1:3]
-        kv, pe = static.kv[:, :B, :S], static.pe[:, :B, :S]
-        if cache.kv.data_ptr() == kv.data_ptr() and cache.kv.stride() == kv.stride() and cache.kv.shape == kv.shape:
-            return
-        kv.copy_(cache.kv)
-        pe.copy_(cache.pe)
-        cache.kv, cache.pe = kv, pe
