@@ -179,11 +179,15 @@ class StaticDecode(nn.Module):
     def _store(self, layer: int, write: tuple[torch.Tensor, torch.Tensor], c_kv: torch.Tensor,
                k_pe: torch.Tensor) -> None:
         """Write each row's latents c_kv [B, 1, r], k_pe [B, 1, rope] in place at its flat index (zeros where
-        ``write`` says the row writes none: the blank page stays blank)."""
+        ``write`` says the row writes none: the blank page stays blank). One ``index_put_`` on the whole pool,
+        not on a view of it: compiled, a view's mutation is functionalized into a copy of the whole pool every
+        step, the whole tensor's is done in place (tests/kernels/test_graph_decode.py checks it)."""
         at, live = write
-        for pages, new in ((self.kv[layer], c_kv), (self.pe[layer], k_pe)):
+        n = self.kv.shape[2]
+        where = (torch.full_like(at, layer), at.div(n, rounding_mode="floor"), at % n)
+        for pages, new in ((self.kv, c_kv), (self.pe, k_pe)):
             new = torch.where(live, new[:, 0], torch.zeros((), dtype=new.dtype, device=new.device))
-            pages.flatten(0, 1).index_copy_(0, at, new.to(pages.dtype))
+            pages.index_put_(where, new.to(pages.dtype))
 
     def _attention(self, mla: MLA, x: torch.Tensor, cos, sin, write, read: torch.Tensor, allowed: torch.Tensor):
         """MLA's absorbed decode over the pages: the latents stored, then each row's slots gathered through
