@@ -4,12 +4,15 @@ sizes, a batch running in the smallest graph that holds it.
 
 Why: on a GPU a decode step of a small batch is bound by kernel launches, not by bytes (the module path issues
 thousands per token, docs/gpu.md); replayed as one CUDA graph the step costs a few. A graph replays fixed
-shapes at fixed addresses, so each rung of the ladder (1, 2, 4, 8, 16, 32 rows) has its own static latent
-cache, and the engine's cache is bound to it: on the first step over a cache the engine has not shown before
-(after prefill, a merge, a dropped row, more slots) its rows are copied into the rung's cache once and the
-engine's ``LatentCache`` is pointed at views of it, so the graph's writes are the engine's. Rows past the
-batch are padding (their tokens are never read). Plain steps only: the MTP verification step (two tokens a
-row), a batch over 32 rows and prefill run the model's modules, as ``Engine(fast=False)`` does.
+shapes at fixed addresses, and the engine's latent cache gives both: every batch's cache is a page table over
+one pool allocated once per engine (``infer.page_pool``). Each rung of the ladder (1, 2, 4, 8, 16, 32 rows) is
+a static step built over that pool itself (made again only for another pool or more slots than it has), and
+each step copies the batch's page table and shifts into the rung's fixed-shape index buffers
+(``StaticDecode.map``); the graph then reads and writes the pages in place, so a merge, a dropped row or a
+row's new page costs nothing but that small copy, and the cache's contents are never copied. Rows past the
+batch are padding, mapped to the blank page (their tokens are never read). Plain steps over a paged cache
+only: the MTP verification step (two tokens a row), a batch over 32 rows, prefill and a plain cache run the
+model's modules, as ``Engine(fast=False)`` does.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from dsv3.model.mla import LatentCache
 from dsv3.model.transformer import Transformer
 
 LADDER = (1, 2, 4, 8, 16, 32)
-MIN_SLOTS = 256  # a rung's cache holds at least this many slots, then powers of two (each growth recaptures)
+MIN_SLOTS = 256  # a rung's step attends over at least this many slots a row, then powers of two (each recaptures)
 
 
 def decode_step(model: Transformer) -> FastDecode | GraphDecode:
@@ -39,7 +42,7 @@ class GraphDecode:
     """The decode-step interface of a :class:`Transformer` (``hidden_and_logits``, ``hidden_states``,
     ``lm_head``, ``mtp_hidden``, ``mtp_logits``), plain steps through the rung's compiled static step.
     ``mode`` is ``torch.compile``'s ("reduce-overhead" captures CUDA graphs); ``compile=False`` runs the
-    static steps eagerly (the CPU tests of the binding)."""
+    static steps eagerly (the CPU tests)."""
 
     def __init__(self, model: Transformer, mode: str | None = "reduce-overhead", compile: bool = True):
         self.model, self.mode, self.compile = model, mode, compile

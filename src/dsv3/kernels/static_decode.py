@@ -6,10 +6,16 @@ a few launches. That needs every shape and every Python-level value to stay the 
 which the engine's step does not give: its cache grows with the batch, ``start_pos`` is a Python int (a
 new graph per position), the routed experts run on data-dependent row counts. Here:
 
-* the latent cache is allocated once (``batch`` rows x ``max_len`` slots) and held as buffers of this
-  module, so a CUDA graph sees the same addresses every replay;
-* the step writes its latents at ``slot``, a 0-d tensor, with ``index_copy_``, and attends over all
-  ``max_len`` slots through a mask (slot <= the current one, and ``valid``, the engine's per-row slots);
+* the latent cache is a pool of pages that never moves, held as buffers of this module (the engine's own
+  pool, ``infer.page_pool``, or, standing alone, a plain cache of ``batch`` rows x ``max_len`` slots: one page
+  per row), so a CUDA graph sees the same addresses every replay; each row's slots are found through the
+  buffers ``table`` and ``shift`` (``LatentCache.paged``'s page table, a fixed [batch, max_len / page_tokens]),
+  copied into before a step (``map``), so a batch that gains, loses or moves rows needs no new graph and no
+  copy of the cache;
+* the step writes its latents at ``slot``, a 0-d tensor, with one ``index_put_`` into the pool (rows past the
+  batch, mapped to the blank page, write zeros there), and attends over all ``max_len`` slots through a mask
+  (slot <= the current one, the slots the row holds, and ``valid``, the engine's per-row slots): on the
+  module path each row's slots gathered through their flat indices, on the CPU ops read in place;
 * the routed experts gather each row's top-k weights (``kernels.gathered_swiglu``) instead of grouping
   rows by expert.
 
