@@ -118,9 +118,9 @@ class StaticDecode(nn.Module):
     @property
     def cache(self) -> LatentCache:
         """The step's cache as a LatentCache (same tensors), for the model's own prefill: the plain cache, or
-        the pool seen through the current ``table`` and ``shift``."""
+        the pool seen through the current ``table`` and ``shift`` (copies on the CPU, where LatentCache keeps them)."""
         if not self.plain:
-            return LatentCache.paged(self.kv, self.pe, self.table, self.shift, self.blank)
+            return LatentCache.paged(self.kv, self.pe, self.table.cpu(), self.shift.cpu(), self.blank)
         view = self.model.new_cache(0, 0, dtype=self.kv.dtype)
         view.kv, view.pe = self.kv, self.pe
         return view
