@@ -1,6 +1,7 @@
 """CUDA check of the engine's decode step on a GPU (``dsv3.kernels.graph_decode``): ``StaticDecode`` compiled and
-captured as CUDA graphs for a ladder of batch sizes, bound to the engine's cache. Its greedy tokens must equal
-the CPU engine's (tiny model, fp32) at batch 1, 3 (in the 4-row graph) and 32, then its time per step at each.
+captured as CUDA graphs for a ladder of batch sizes, reading and writing the engine's pool of cache pages in
+place. Its greedy tokens must equal the CPU engine's (tiny model, fp32) at batch 1, 3 (in the 4-row graph) and
+32, then its time per step at each.
 
 JSON lines on stdout; exit 1 when a check fails, 0 with a "skipped" line without CUDA.
 DSV3_GPU_CHECK_DEVICE=cpu runs the same code on the CPU (GraphDecode compiled without CUDA graphs).

@@ -2,8 +2,9 @@
 shift, pages shared by a pool), read and written in place: the attention op (``torch.ops.dsv3.mla_decode``), the
 block and step kernels and the per-op path (``FastDecode``, MTP layer included) give over scattered pages the bits
 they give over the plain cache holding the same values, write the same latents, never let a slot a row does not
-hold (NaN there) reach the output, and refuse a write to a slot outside a row's pages; the static (CUDA-graph)
-step refuses a paged cache. Both SIMD paths (AVX-512 and its bf16 dot products, AVX2 FMAs) at 1 and 2 threads."""
+hold (NaN there) reach the output, and refuse a write to a slot outside a row's pages (the static, CUDA-graph
+step over pages: tests/kernels/test_graph_decode.py). Both SIMD paths (AVX-512 and its bf16 dot products, AVX2
+FMAs) at 1 and 2 threads."""
 
 import math
 import sys
@@ -16,7 +17,6 @@ from dsv3.kernels import decode
 from dsv3.kernels import decode_kernels as dk
 from dsv3.kernels import int_weights as iw
 from dsv3.kernels.decode import FastDecode
-from dsv3.kernels.graph_decode import GraphDecode
 from dsv3.model.mla import LatentCache
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "infer"))
@@ -298,11 +298,3 @@ def test_a_write_outside_a_rows_pages_is_refused_and_writes_nothing(mode):
     with pytest.raises(ValueError, match=f"{said} outside a row's pages"):
         decode_ragged(model, decoder, paged, valid, L, pads, steps, T)
     assert torch.equal(paged.kv, before[0]) and torch.equal(paged.pe, before[1])
-
-
-def test_the_static_step_refuses_a_paged_cache():
-    """GraphDecode's rungs copy and index plain rows [L, B, S, .]: a paged cache is refused, not misread."""
-    model = tiny_model()
-    _, paged, _, L, _ = prefilled(model, 16, 1, 1)
-    with pytest.raises(ValueError, match="plain latent cache"):
-        GraphDecode(model, compile=False).hidden_and_logits(torch.tensor([[1], [2], [3]]), cache=paged, start_pos=L)

@@ -1,5 +1,6 @@
-"""The static-shape decode step (gpt-fast's approach, for torch.compile and CUDA graphs) against the module
-path: the same logits step by step, with a masked slot, and one graph for every step once compiled."""
+"""The static-shape decode step (gpt-fast's approach, for torch.compile and CUDA graphs) standing alone, over a
+plain cache it owns (one page per row), against the module path: the same logits step by step, with a masked
+slot, and one graph for every step once compiled. Over an engine's pool of pages: tests/kernels/test_graph_decode.py."""
 
 import pytest
 import torch
@@ -19,11 +20,15 @@ def model():
     return Transformer(CFG).eval()
 
 
-def test_each_step_equals_the_module_path_with_a_masked_slot(model):
-    """Row 1 has a slot its queries must not see (a pad or a rejected draft's hole)."""
+@pytest.mark.parametrize("path", ["ops", "modules"])
+def test_each_step_equals_the_module_path_with_a_masked_slot(model, path):
+    """Row 1 has a slot its queries must not see (a pad or a rejected draft's hole); over the CPU ops and over
+    the model's modules (the CUDA code: each row's slots gathered from its page)."""
     B, P, steps = 2, 6, 5
     prompt = torch.randint(0, CFG.vocab_size, (B, P))
     static = StaticDecode(model, B, 16)
+    if path == "modules":
+        static.plans = None
     reference = model.new_cache(B, 16)
     valid = torch.zeros(B, 16, dtype=torch.bool)
     valid[:, :P] = True

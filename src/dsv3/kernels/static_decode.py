@@ -6,10 +6,16 @@ a few launches. That needs every shape and every Python-level value to stay the 
 which the engine's step does not give: its cache grows with the batch, ``start_pos`` is a Python int (a
 new graph per position), the routed experts run on data-dependent row counts. Here:
 
-* the latent cache is allocated once (``batch`` rows x ``max_len`` slots) and held as buffers of this
-  module, so a CUDA graph sees the same addresses every replay;
-* the step writes its latents at ``slot``, a 0-d tensor, with ``index_copy_``, and attends over all
-  ``max_len`` slots through a mask (slot <= the current one, and ``valid``, the engine's per-row slots);
+* the latent cache is a pool of pages that never moves, held as buffers of this module (the engine's own
+  pool, ``infer.page_pool``, or, standing alone, a plain cache of ``batch`` rows x ``max_len`` slots: one page
+  per row), so a CUDA graph sees the same addresses every replay; each row's slots are found through the
+  buffers ``table`` and ``shift`` (``LatentCache.paged``'s page table, a fixed [batch, max_len / page_tokens]),
+  copied into before a step (``map``), so a batch that gains, loses or moves rows needs no new graph and no
+  copy of the cache;
+* the step writes its latents at ``slot``, a 0-d tensor, with one ``index_put_`` into the pool (rows past the
+  batch, mapped to the blank page, write zeros there), and attends over all ``max_len`` slots through a mask
+  (slot <= the current one, the slots the row holds, and ``valid``, the engine's per-row slots): on the
+  module path each row's slots gathered through their flat indices, on the CPU ops read in place;
 * the routed experts gather each row's top-k weights (``kernels.gathered_swiglu``) instead of grouping
   rows by expert.
 
@@ -43,15 +49,6 @@ from dsv3.model.rope import apply_rope
 from dsv3.model.transformer import Transformer
 
 
-def plain_cache(cache: LatentCache) -> LatentCache:
-    """``cache`` when it is plain ([L, B, S, .], row b in slots [b, :S]: the layout a static step copies and
-    indexes directly); ValueError for a paged one (``LatentCache.paged``), which it would read wrongly."""
-    if cache.table is not None:
-        raise ValueError("a static (compiled or CUDA-graph) decode step needs a plain latent cache, not a paged one "
-                         f"({cache.rows} rows in pages of {cache.page_tokens} slots)")
-    return cache
-
-
 def unsupported(model: Transformer) -> str | None:
     """Why ``StaticDecode`` cannot run this model, or None."""
     for i, layer in enumerate(model.main_layers):
@@ -69,21 +66,43 @@ def unsupported(model: Transformer) -> str | None:
 class StaticDecode(nn.Module):
     """Greedy-ready decode over a fixed ``batch`` x ``max_len`` latent cache: ``prefill`` once, then call
     the module (compiled or not) once per step. ``compiled(mode)`` gives the compiled step
-    (``mode="reduce-overhead"`` on CUDA captures it as a CUDA graph)."""
+    (``mode="reduce-overhead"`` on CUDA captures it as a CUDA graph).
 
-    def __init__(self, model: Transformer, batch: int, max_len: int, cache_dtype: torch.dtype | None = None):
+    The cache is a pool of pages kv [L, P, page_tokens, r] and pe [L, P, page_tokens, rope] read and written
+    in place through the buffers ``table`` [batch, max_len / page_tokens] (int32, -1: no page) and ``shift``
+    [batch] (int64), ``LatentCache.paged``'s layout. Without ``pages`` the step owns a plain cache, one page of
+    ``max_len`` slots per row (row b is page b). With ``pages`` (an engine's pool; ``blank`` its page of zeros)
+    ``map`` points the buffers at a batch's rows before each step, and the pool is never copied."""
+
+    def __init__(self, model: Transformer, batch: int, max_len: int, cache_dtype: torch.dtype | None = None,
+                 pages: tuple[torch.Tensor, torch.Tensor] | None = None, blank: int = -1):
         super().__init__()
         why = unsupported(model)
         if why:
             raise DSV3Error(f"cannot build a static decode step: {why}")
         self.model = model.eval()
-        cache = model.new_cache(batch, max_len, dtype=cache_dtype or next(model.parameters()).dtype)
-        self.register_buffer("kv", cache.kv.to(model.inv_freq.device), persistent=False)  # [L, B, S, r]
-        self.register_buffer("pe", cache.pe.to(model.inv_freq.device), persistent=False)  # [L, B, S, rope]
-        self.register_buffer("slots", torch.arange(max_len, device=model.inv_freq.device), persistent=False)
+        device = model.inv_freq.device
+        self.plain = pages is None
+        if pages is None:  # one page per row: [L, B, max_len, .]
+            cache = model.new_cache(batch, max_len, dtype=cache_dtype or next(model.parameters()).dtype)
+            pages, blank = (cache.kv.to(device), cache.pe.to(device)), -1
+        self.register_buffer("kv", pages[0], persistent=False)  # [L, P, page_tokens, r]: the pool itself
+        self.register_buffer("pe", pages[1], persistent=False)  # [L, P, page_tokens, rope]
+        self.blank = blank  # the page of zeros padding rows read (-1: none, a plain cache has no padding)
+        n = self.kv.shape[2]
+        cols = -(-max_len // n)
+        table = torch.arange(batch, dtype=torch.int32)[:, None] if self.plain else torch.full((batch, cols), blank)
+        self.register_buffer("table", table.to(torch.int32).to(device), persistent=False)  # [B, cols]
+        self.register_buffer("shift", torch.zeros(batch, dtype=torch.int64, device=device), persistent=False)
+        self.register_buffer("slots", torch.arange(cols * n, device=device), persistent=False)  # [S]
         # on the CPU: each block's weights as the ops read them, and the head's (None: the modules run)
         self.plans = self._kernel_plans() if self.kv.device.type == "cpu" else None
         self.head = weight_of(model.lm_head)
+
+    @property
+    def max_len(self) -> int:
+        """Slots each row attends over (``max_len`` rounded up to whole pages)."""
+        return self.slots.shape[0]
 
     def _kernel_plans(self) -> list[tuple[AttentionPlan, FeedForwardPlan]] | None:
         """Each block's weights as the CPU ops read them, or None when one of them (or the head) cannot be read."""
@@ -98,10 +117,45 @@ class StaticDecode(nn.Module):
 
     @property
     def cache(self) -> LatentCache:
-        """The static cache as a LatentCache (same tensors), for the model's own prefill."""
+        """The step's cache as a LatentCache (same tensors), for the model's own prefill: the plain cache, or
+        the pool seen through the current ``table`` and ``shift`` (copies on the CPU, where LatentCache keeps them)."""
+        if not self.plain:
+            return LatentCache.paged(self.kv, self.pe, self.table.cpu(), self.shift.cpu(), self.blank)
         view = self.model.new_cache(0, 0, dtype=self.kv.dtype)
         view.kv, view.pe = self.kv, self.pe
         return view
+
+    def map(self, cache: LatentCache) -> None:
+        """Point the step at the rows of ``cache``, a paged view of this step's pool (``LatentCache.paged``):
+        its page table and shifts copied into ``table`` and ``shift`` (the pages stay where they are); rows past
+        the cache's are padding, mapped to the blank page (they read zeros, and write zeros there)."""
+        if cache.kv is not self.kv or cache.table is None or self.plain:
+            raise ValueError("StaticDecode.map needs a paged view of the pool the step was built over")
+        B, cols = cache.rows, min(cache.table.shape[1], self.table.shape[1])
+        table = torch.full(self.table.shape, -1, dtype=torch.int32)
+        table[:B, :cols] = cache.table[:, :cols]
+        table[B:] = self.blank
+        shift = torch.zeros(self.shift.shape, dtype=torch.int64)
+        shift[:B] = cache.shift
+        self.table.copy_(table)
+        self.shift.copy_(shift)
+
+    def _places(self, at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where slots ``at`` [B, n] (long) of each row lie: flat indices [B, n] into a layer's pages
+        (page * page_tokens + offset; the blank page's first slot for one the row does not hold) and whether the
+        row holds it (bool [B, n]), by ``LatentCache.slots``'s formula on the buffers."""
+        n, cols = self.kv.shape[2], self.table.shape[1]
+        q = at - self.shift[:, None]
+        page = self.table.to(torch.int64).gather(1, q.div(n, rounding_mode="floor").clamp(0, cols - 1))
+        held = (q >= 0) & (q < cols * n) & (page >= 0)
+        return torch.where(held, page * n + q % n, max(self.blank, 0) * n), held
+
+    def _writer(self, slot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where each row writes slot ``slot``: flat indices [B] and bool [B, 1], False for a padding row (mapped
+        to the blank page) or a slot the row does not hold, whose latents are written as zeros on the blank page."""
+        at, held = self._places(slot.view(1, 1).expand(self.shift.shape[0], 1))
+        page = at.div(self.kv.shape[2], rounding_mode="floor")
+        return at[:, 0], held & (page != self.blank)
 
     @torch.no_grad()
     def prefill(self, ids_BP: torch.Tensor) -> torch.Tensor:
@@ -113,52 +167,68 @@ class StaticDecode(nn.Module):
     def forward(self, ids_B1: torch.Tensor, positions_B1: torch.Tensor, slot: torch.Tensor,
                 valid_BS: torch.Tensor) -> torch.Tensor:
         """One decode step: tokens ids [B, 1] at RoPE positions [B, 1], written at cache slot ``slot`` (0-d
-        long tensor); each row attends to the slots up to ``slot`` that ``valid`` [B, max_len] allows.
-        Returns the logits [B, V]."""
+        long tensor; every row's, as the engine's rows share a slot counter); each row attends to the slots up
+        to ``slot`` that ``valid`` [B, max_len] allows and it holds. Returns the logits [B, V]."""
         m = self.model
         cos, sin = m.angles(positions_B1)
-        allowed_B1S = (valid_BS & (self.slots <= slot))[:, None]
+        read, held = self._places(self.slots.expand(self.shift.shape[0], -1))
+        allowed_B1S = (valid_BS & held & (self.slots <= slot))[:, None]
+        write = self._writer(slot)
         x = m.model.embed_tokens(ids_B1)
         if self.plans is not None:
-            return self._kernel_step(x, cos, sin, slot, allowed_B1S)
+            return self._kernel_step(x, cos, sin, write, allowed_B1S)
         for layer in m.main_layers:
-            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, slot, allowed_B1S)
+            x = x + self._attention(layer.self_attn, layer.input_layernorm(x), cos, sin, write, read, allowed_B1S)
             x = x + self._feed_forward(layer.mlp, layer.post_attention_layernorm(x))
         return m.lm_head(m.model.norm(x))[:, -1]
 
-    def _attention(self, mla: MLA, x: torch.Tensor, cos, sin, slot: torch.Tensor, allowed: torch.Tensor):
+    def _store(self, layer: int, write: tuple[torch.Tensor, torch.Tensor], c_kv: torch.Tensor,
+               k_pe: torch.Tensor) -> None:
+        """Write each row's latents c_kv [B, 1, r], k_pe [B, 1, rope] in place at its flat index (zeros where
+        ``write`` says the row writes none: the blank page stays blank). One ``index_put_`` on the whole pool,
+        not on a view of it: compiled, a view's mutation is functionalized into a copy of the whole pool every
+        step, the whole tensor's is done in place (tests/kernels/test_graph_decode.py checks it)."""
+        at, live = write
+        n = self.kv.shape[2]
+        where = (torch.full_like(at, layer), at.div(n, rounding_mode="floor"), at % n)
+        for pages, new in ((self.kv, c_kv), (self.pe, k_pe)):
+            new = torch.where(live, new[:, 0], torch.zeros((), dtype=new.dtype, device=new.device))
+            pages.index_put_(where, new.to(pages.dtype))
+
+    def _attention(self, mla: MLA, x: torch.Tensor, cos, sin, write, read: torch.Tensor, allowed: torch.Tensor):
+        """MLA's absorbed decode over the pages: the latents stored, then each row's slots gathered through
+        ``read`` [B, S] (flat indices) for ``MLA.latent_attention``."""
         q_nope, q_pe = mla._query(x, cos, sin)
         c_kv, k_pe = mla.latent(x, cos, sin)
-        B, i = x.shape[0], mla.layer_idx
-        kv, pe = self.kv[i, :B], self.pe[i, :B]
-        kv.index_copy_(1, slot.view(1), c_kv.to(kv.dtype))
-        pe.index_copy_(1, slot.view(1), k_pe.to(pe.dtype))
-        out = mla.latent_attention(q_nope, q_pe, kv.to(x.dtype), pe.to(x.dtype), allowed)
+        self._store(mla.layer_idx, write, c_kv, k_pe)
+        kv, pe = (t[mla.layer_idx].flatten(0, 1)[read].to(x.dtype) for t in (self.kv, self.pe))  # [B, S, .]
+        out = mla.latent_attention(q_nope, q_pe, kv, pe, allowed)
         return mla.o_proj(out.flatten(2))
 
-    def _kernel_step(self, x: torch.Tensor, cos, sin, slot: torch.Tensor, allowed_B1S: torch.Tensor) -> torch.Tensor:
+    def _kernel_step(self, x: torch.Tensor, cos, sin, write, allowed_B1S: torch.Tensor) -> torch.Tensor:
         """``forward`` from the embeddings x [B, 1, D] on, over the CPU ops: the logits [B, V]."""
         bias = torch.zeros(allowed_B1S.shape).masked_fill(~allowed_B1S, float("-inf"))
         for layer, (attention, feed_forward) in zip(self.model.main_layers, self.plans, strict=True):
-            x = x + self._kernel_attention(attention, _norm(layer.input_layernorm, x), cos, sin, slot, bias)
+            x = x + self._kernel_attention(attention, _norm(layer.input_layernorm, x), cos, sin, write, bias)
             x = x + _kernel_feed_forward(feed_forward, _norm(layer.post_attention_layernorm, x))
         return dk.linear(_norm(self.model.model.norm, x), self.head)[:, -1]
 
-    def _kernel_attention(self, plan: AttentionPlan, x: torch.Tensor, cos, sin, slot: torch.Tensor,
+    def _kernel_attention(self, plan: AttentionPlan, x: torch.Tensor, cos, sin, write,
                           bias: torch.Tensor) -> torch.Tensor:
-        """MLA's absorbed decode over the static cache in ops: the projections, the latent written at
-        ``slot``, one ``dsv3::mla_decode`` over every slot (``bias`` hides the ones not allowed)."""
+        """MLA's absorbed decode over the pages in ops: the projections, the latents stored (``_store``), one
+        ``dsv3::mla_decode`` reading every slot in place through ``table`` and ``shift`` (``bias`` hides the
+        ones not allowed)."""
         mla, (B, T, _) = plan.mla, x.shape
         if len(plan.q) == 2:
             q = dk.linear(_norm(mla.q_a_layernorm, dk.linear(x, plan.q[0])), plan.q[1])
         else:
             q = dk.linear(x, plan.q[0])
         c_kv, k_pe = dk.linear(x, plan.kv_a).split([mla.kv_rank, mla.rope], dim=-1)
-        kv, pe = self.kv[mla.layer_idx, :B], self.pe[mla.layer_idx, :B]
-        kv.index_copy_(1, slot.view(1), _norm(mla.kv_a_layernorm, c_kv).to(kv.dtype))
-        pe.index_copy_(1, slot.view(1), apply_rope(k_pe.unsqueeze(2), cos, sin).squeeze(2).to(pe.dtype))
-        out = dk.mla_decode(q.view(B, T, mla.n_heads, mla.nope + mla.rope), cos, sin, plan.w_uk, plan.w_uv, kv, pe,
-                            bias, mla.scale)
+        i = mla.layer_idx
+        self._store(i, write, _norm(mla.kv_a_layernorm, c_kv), apply_rope(k_pe.unsqueeze(2), cos, sin).squeeze(2))
+        out = dk.mla_decode(q.view(B, T, mla.n_heads, mla.nope + mla.rope), cos, sin, plan.w_uk, plan.w_uv,
+                            self.kv[i], self.pe[i], bias, mla.scale, table=self.table, shift=self.shift,
+                            slots=self.max_len)
         return dk.linear(out, plan.o)
 
     @staticmethod
@@ -200,7 +270,7 @@ def greedy(step, static: StaticDecode, prompt_BP: torch.Tensor, new_tokens: int)
     """Greedy continuation [B, new_tokens] of equal-length prompts through ``step`` (``static`` itself or
     its compiled form): the loop a benchmark times."""
     B, P = prompt_BP.shape
-    valid = torch.zeros(B, static.kv.shape[2], dtype=torch.bool, device=prompt_BP.device)
+    valid = torch.zeros(B, static.max_len, dtype=torch.bool, device=prompt_BP.device)
     valid[:, :P] = True
     token = static.prefill(prompt_BP).argmax(-1)
     out = [token]
