@@ -3,7 +3,8 @@
 Three figures on the ``small`` shape (``--layers`` layers, random weights, bf16, ``--threads`` threads):
 
 * ``merge_ms``: merging a ``--long``-token row (prefilled by ``ChunkedPrefill``, as the server does) into a
-  batch of ``--streams`` decoding rows (``dsv3.infer.engine.merged``): the new cache's allocation and copies;
+  batch of ``--streams`` decoding rows (``dsv3.infer.engine.merged``): remapping the page tables (before the
+  cache was paged: the new cache's allocation and copies);
 * ``step_ms_before`` / ``step_ms_after``: the median decode step of the streams alone, and of the streams
   with the long row beside them (each row attends over its own slots only when the attention skips what
   its mask hides);

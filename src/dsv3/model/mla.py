@@ -44,10 +44,10 @@ class LatentCache:
                  dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"):
         layers = cfg.num_hidden_layers + cfg.num_nextn_predict_layers if layers is None else layers
         shapes = (layers, batch_size, max_len, cfg.kv_lora_rank), (layers, batch_size, max_len, cfg.qk_rope_head_dim)
-        # Ordinary pages, not huge ones (``dsv3.model.huge_pages``, which the weights use): a server allocates a
-        # cache whenever rows join or leave its batch, and with THP's usual ``defrag`` setting (madvise) each
-        # first touch of an advised huge page may stall in compaction, for as long as memory's fragmentation
-        # makes it (``benchmarks/batch_join.py``: merging a 4,000-token row took 48 ms before, 10 ms now).
+        # Ordinary pages, not huge ones (``dsv3.model.huge_pages``, which the weights use): with THP's usual
+        # ``defrag`` setting (madvise) each first touch of an advised huge page may stall in compaction, for as
+        # long as memory's fragmentation makes it (``benchmarks/batch_join.py``: merging a 4,000-token row into
+        # a batch whose new cache sat on huge pages took 48 ms, 10 ms on ordinary ones).
         self.kv, self.pe = (torch.zeros(shape, dtype=dtype, device=device) for shape in shapes)
 
     @classmethod
