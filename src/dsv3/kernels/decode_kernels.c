@@ -4,8 +4,9 @@
  * registers. No dequantized copy of a matrix is ever made, and a decode step's whole routed MoE is one call;
  * so is a whole block (dsv3_decode_block).
  * On CPUs that also have AVX512-BF16, bf16 weights times bf16 activations (except on Intel's, see gemv_dots) and
- * a bf16 model's attention over a bf16 cache use its bf16 dot products; with AVX-512F, integer groups and the
- * GEMVs of several activation rows have AVX-512 paths (chosen at run time; the rest of the file is AVX2 only).
+ * a bf16 model's attention over a bf16 cache use its bf16 dot products; with AVX-512F, integer groups, FP8
+ * weights (from one activation row) and the GEMVs of several activation rows have AVX-512 paths (chosen at run
+ * time; the rest of the file is AVX2 only).
  *
  * Built and loaded at first use by decode_kernels.py (cc -O3 -mavx2 -mfma -mf16c -fopenmp); every function
  * has a plain PyTorch reference there, and the tests compare the two.
@@ -179,8 +180,7 @@ static inline __attribute__((always_inline)) __m256i fp8_to_top(int first) {
  * column order, fp8_group_column) are its bytes 3, 1, 2 and 0 of every dword: block q is [vector q of the
  * first half | vector q of the second], so the tile's chain a (the first 8 columns of each block) reads the
  * first half only and chain b the second, and the AVX-512 tiles convert both halves in one 64-byte register
- * with the same 9 operations (fp8_group_z): 64 weights per 9 where AVX2 converts 32, the conversion being
- * what bounds the one-row FP8 GEMV (not memory: decode_kernels_speed.py --kinds fp8). The activations come in
+ * with the same 9 operations (fp8_group_z): 64 weights per 9 where AVX2 converts 32. The activations come in
  * that order (fp8_group_order). */
 #define FP8_GROUP 64
 static inline __attribute__((always_inline)) void fp8_group_block(const uint8_t *half, int second, __m256 *w0,
@@ -497,12 +497,17 @@ static inline __attribute__((always_inline)) ZMM_TARGET void tilez(int kind, int
 #undef ZFOLD
 }
 
-/* FP8 weights in the AVX-512 micro-tile, read in place from one row on (no panel below PANEL_MIN_ROWS_FP8 rows):
- * a whole 64-column group's 64 bytes are its two 32-byte halves side by side, so fp8_group_block's operations on
- * the 512-bit register give its blocks [first half's vector q | second half's] directly, 64 weights per 9
- * operations (AVX2: 32 per 9). ZR_FP8 activation rows at most: NR x 2 converted blocks and NR x ZR_FP8
- * accumulators fill the 32 registers. */
+/* FP8 weights in the AVX-512 micro-tile, read in place from ZMM_MIN_ROWS_FP8 rows on (no panel below
+ * PANEL_MIN_ROWS_FP8 rows): a whole 64-column group's 64 bytes are its two 32-byte halves side by side, so
+ * fp8_group_block's operations on the 512-bit register give its blocks [first half's vector q | second half's]
+ * directly, 64 weights per 9 operations (AVX2: 32 per 9). ZR_FP8 activation rows at most: NR x 2 converted
+ * blocks and NR x ZR_FP8 accumulators fill the 32 registers. On the Intel Xeon host against the AVX2 tiles of
+ * 32-column groups (decode_kernels_speed.py --baseline-rev 594cce4 --kinds fp8 --rows 1,2,3 --threads 1, each
+ * small matrix called alone): 1.24-1.57x at 3 rows, 0.95-1.09x at 2, 0.93-0.95x at one row. */
 #define ZR_FP8 3
+#ifndef ZMM_MIN_ROWS_FP8
+#define ZMM_MIN_ROWS_FP8 1
+#endif
 static inline __attribute__((always_inline)) ZMM_TARGET void fp8_group_z(const uint8_t *group, int second, __m512 *w0,
                                                                         __m512 *w1) {
     __m512i v = _mm512_loadu_si512((const void *)group);
@@ -695,7 +700,9 @@ static void gemv_tiles(int kind, const void *w, const void *scales, int64_t N, i
     const size_t tile_bytes = NR * row_bytes, ahead = tile_bytes > PF_BYTES ? tile_bytes : PF_BYTES;
     /* several rows of fp32 weights or a panel, or enough rows of bf16 ones: the AVX-512 micro-tile, where it runs */
     const int tiled = panel ? W_F32 : kind;
-    const int wide = dsv3_int_avx512(-1) && (tiled == W_F32 ? M >= 2 : tiled == W_BF16 ? M >= ZMM_MIN_ROWS_BF16 : 1);
+    const int wide = dsv3_int_avx512(-1) && (tiled == W_F32    ? M >= 2
+                                             : tiled == W_BF16 ? M >= ZMM_MIN_ROWS_BF16
+                                                               : M >= ZMM_MIN_ROWS_FP8);
     const int zr = tiled == W_FP8 ? ZR_FP8 : ZR; /* activation rows per AVX-512 micro-tile */
     /* passes over a tile: tilec's two per micro-tile, tilez's one; each prefetches a slice of the next tile */
     int64_t passes = 0;
