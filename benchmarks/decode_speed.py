@@ -16,8 +16,9 @@ decodes greedily; the timed decode steps of all implementations alternate in rou
 that machine load hits them alike, and each figure is the median over rounds of the mean step time.
 
 Roofline: the bytes one decode step must read (the weights a token touches: attention, dense and shared
-FFNs, the top-k routed experts, router and head, in the implementation's own storage format; plus the
-latent cache at that context) divided by the read bandwidth measured here with torch (``x.sum()`` over
+FFNs, the top-k routed experts, router and head, in the implementation's own storage format, or as the copy a
+step reads instead: an FP8 model's ``kv_b_proj`` in the compute dtype, ``read_as_copies``; plus the latent cache
+at that context) divided by the read bandwidth measured here with torch (``x.sum()`` over
 256 MB at the start and 128 MB after every round; the best value seen in the run).
 ``roofline_fraction`` = that time / the measured time per token (1.0 = at the memory limit).
 
@@ -57,7 +58,9 @@ from dsv3.infer.fp8_weights import resident_bytes
 from dsv3.infer.loading import load_model
 from dsv3.kernels.decode_kernels import bf16_dots, kernel_status
 from dsv3.model import Transformer, huge_pages
+from dsv3.model.mla import MLA
 from dsv3.option_lists import parse_list
+from dsv3.precision.fp8_linear import FP8BlockLinear
 
 
 def log(msg: str) -> None:
@@ -118,11 +121,27 @@ def routed_share(cfg, tokens: int) -> float:
     return 1 - (1 - cfg.num_experts_per_tok / cfg.n_routed_experts) ** tokens
 
 
+def read_as_copies(model: Transformer) -> dict[int, int]:
+    """Bytes per step of the tensors a decode step reads as a copy in another format, by the stored tensor's id:
+    an FP8 ``kv_b_proj`` is used as per-head matrices (W_UK, W_UV), dequantized once into a copy of the compute
+    dtype that the attention reads every step (``dsv3.kernels.decode.AttentionPlan``), so the step reads that
+    copy's bytes, not the FP8 blocks and their scales."""
+    copies = {}
+    for m in model.modules():
+        if isinstance(m, MLA) and type(m.kv_b_proj) is FP8BlockLinear:
+            lin = m.kv_b_proj
+            copies[id(lin.weight_fp8)] = lin.weight_fp8.numel() * torch.empty((), dtype=lin.dtype).element_size()
+            copies[id(lin.weight_scale_inv)] = 0
+    return copies
+
+
 def weight_bytes_per_token(model: Transformer, tokens: int = 1, mtp: bool = False) -> int:
-    """Bytes of the weights one decode step over ``tokens`` tokens reads, as stored: every tensor of the main
-    layers, final norm and head once, the routed experts' at ``routed_share`` of their size, one embedding
-    row per token. ``mtp``: the MTP layer's forward instead (its block, projections and the shared head)."""
+    """Bytes of the weights one decode step over ``tokens`` tokens reads, as stored (or as the copy the step
+    reads instead, ``read_as_copies``): every tensor of the main layers, final norm and head once, the routed
+    experts' at ``routed_share`` of their size, one embedding row per token. ``mtp``: the MTP layer's forward
+    instead (its block, projections and the shared head)."""
     share = routed_share(model.config, tokens)
+    copies = read_as_copies(model)
     tensors = lambda m: [*m.parameters(), *m.buffers()]  # noqa: E731
     routed = {id(t) for moe in model.moe_layers() for t in tensors(moe.experts)}
     in_mtp = {id(t) for layer in model.mtp_layers for t in tensors(layer)}
@@ -135,7 +154,7 @@ def weight_bytes_per_token(model: Transformer, tokens: int = 1, mtp: bool = Fals
     for t in members:
         if id(t) not in skip and id(t) not in seen:
             seen.add(id(t))
-            total += int(t.nbytes * (share if id(t) in routed else 1))
+            total += int(copies.get(id(t), t.nbytes) * (share if id(t) in routed else 1))
     return total
 
 

@@ -125,12 +125,13 @@ def on_both_paths(fn):
 @pytest.mark.parametrize("kind", ["fp32", "bf16", "fp8"])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16])
 def test_avx512_micro_tiles_give_the_avx2_sums_to_the_bit(kind, act):
-    """Several activation rows of fp32 or bf16 weights (or a converted panel: FP8 from 8 rows, bf16 from 24) run
-    in AVX-512 micro-tiles of up to 6 rows whose lanes hold the AVX2 tile's two chains: the same products in the
-    same order, so the outputs equal the AVX2 path's bit for bit, on every edge shape and row count."""
-    for n, k in [*SHAPES, (64, 512)]:
+    """Several activation rows of fp32 or bf16 weights (or a converted panel: FP8 from 8 rows, bf16 from 24), and
+    FP8 weights read in place from one row on, run in AVX-512 micro-tiles whose lanes hold the AVX2 tile's two
+    chains: the same products in the same order, so the outputs equal the AVX2 path's bit for bit, on every
+    edge shape (K past whole 64-column FP8 groups: 16-column blocks, an 8-step, a scalar tail) and row count."""
+    for n, k in [*SHAPES, (64, 512), (9, 219)]:
         w = make_weight(kind, n, k)
-        for rows in (2, 3, 6, 7, 8, 13, 16, 24, 25, 64):
+        for rows in (1, 2, 3, 4, 6, 7, 8, 13, 16, 24, 25, 64):
             x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows)).to(act)
             wide, avx2 = on_both_paths(lambda: dk.linear(x, w))  # noqa: B023 (called at once)
             assert torch.equal(wide, avx2), (n, k, rows)
@@ -155,20 +156,20 @@ def test_avx512_swiglu_experts_equal_the_avx2_path(kind):
 
 
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 16, 64])
-def test_fp8_reads_every_e4m3_code_exactly_even_with_denormals_flushed(rows):
+def test_fp8_reads_every_e4m3_code_exactly_even_with_denormals_flushed(rows, gemv_path):
     """All 254 finite e4m3 codes, each picked out by a one-hot activation (at each of the four byte positions
-    of a 32-column group, in a last 16-column block, an 8-step and the scalar tail; single-row and many-row
-    kernels): the kernel's conversion is the dequantization bit for
+    of a 64-column group, in both of its halves, in a last 16-column block, an 8-step and the scalar tail;
+    single-row and many-row kernels, AVX-512 and AVX2): the kernel's conversion is the dequantization bit for
     bit, subnormals included, also when the process flushes denormals (the kernel turns DAZ off while it
     runs, and restores it)."""
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
     finite = codes[torch.isfinite(codes.float())]
-    K = 219  # 6 groups of 32, a 16-column block, an 8-step, 3 columns of tail
+    K = 219  # 3 groups of 64, a 16-column block, an 8-step, 3 columns of tail
     w = dk.Weight(finite[:, None].expand(-1, K).contiguous(), torch.full((2, 2), 0.25), torch.float32)
     if not torch.set_flush_denormal(True):
         pytest.skip("this CPU cannot flush denormals")
     try:
-        for col in (3, 5, 130, 132, 200, 211, 217):
+        for col in (3, 5, 34, 40, 130, 132, 166, 169, 200, 211, 217):
             x = torch.zeros(rows, K)
             x[:, col] = 1.0
             got = dk.linear(x, w)

@@ -66,3 +66,37 @@ def test_the_large_shape_is_past_a_last_level_cache():
     total = sum(p.numel() for p in model.parameters()) * 4
     experts = sum(p.numel() for moe in model.moe_layers() for p in moe.experts.parameters()) * 4
     assert total >= 1.5e9 and experts > 0.8 * total
+
+
+def test_fp8_step_bytes_count_the_attention_copy_of_kv_b_as_the_decode_path_makes_it():
+    """An FP8 model's kv_b_proj is read by the attention as a bf16 copy (W_UK, W_UV), not as FP8 blocks: the
+    bound's bytes per step count that copy's bytes in their place (and no scales), and the other tensors as
+    stored; a bf16 model reads kv_b in place."""
+    sys.path.insert(0, str(BENCH.parent))
+    import decode_speed
+    from dsv3.config import preset
+    from dsv3.infer.fp8_weights import to_fp8_weights
+    from dsv3.kernels.decode import AttentionPlan
+    from dsv3.model import Transformer
+    from dsv3.model.mla import MLA
+
+    torch.manual_seed(0)
+    bf16 = Transformer(preset("nano")).to(torch.bfloat16).eval()
+    assert decode_speed.read_as_copies(bf16) == {}
+    fp8 = to_fp8_weights(Transformer(preset("nano")).to(torch.bfloat16).eval())
+    copies = decode_speed.read_as_copies(fp8)
+    mlas = [m for m in fp8.modules() if isinstance(m, MLA)]  # the main layers' and the MTP layer's
+    assert len(mlas) == len(fp8.main_layers) + len(fp8.mtp_layers) and len(copies) == 2 * len(mlas)
+    for mla in mlas:
+        plan, kv_b = AttentionPlan(mla, torch.bfloat16), mla.kv_b_proj
+        assert copies[id(kv_b.weight_fp8)] == plan.w_uk.nbytes + plan.w_uv.nbytes == kv_b.weight_fp8.numel() * 2
+        assert copies[id(kv_b.weight_scale_inv)] == 0
+    main = [layer.self_attn.kv_b_proj for layer in fp8.main_layers]
+    with_copies = decode_speed.weight_bytes_per_token(fp8)
+    decode_speed.read_as_copies, keep = (lambda model: {}), decode_speed.read_as_copies
+    try:
+        as_stored = decode_speed.weight_bytes_per_token(fp8)
+    finally:
+        decode_speed.read_as_copies = keep
+    assert with_copies - as_stored == sum(kv.weight_fp8.numel() * 2 - kv.weight_fp8.nbytes - kv.weight_scale_inv.nbytes
+                                          for kv in main)

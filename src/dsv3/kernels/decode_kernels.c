@@ -4,8 +4,9 @@
  * registers. No dequantized copy of a matrix is ever made, and a decode step's whole routed MoE is one call;
  * so is a whole block (dsv3_decode_block).
  * On CPUs that also have AVX512-BF16, bf16 weights times bf16 activations (except on Intel's, see gemv_dots) and
- * a bf16 model's attention over a bf16 cache use its bf16 dot products; with AVX-512F, integer groups and the
- * GEMVs of several activation rows have AVX-512 paths (chosen at run time; the rest of the file is AVX2 only).
+ * a bf16 model's attention over a bf16 cache use its bf16 dot products; with AVX-512F, integer groups, FP8
+ * weights (from one activation row) and the GEMVs of several activation rows have AVX-512 paths (chosen at run
+ * time; the rest of the file is AVX2 only).
  *
  * Built and loaded at first use by decode_kernels.py (cc -O3 -mavx2 -mfma -mf16c -fopenmp); every function
  * has a plain PyTorch reference there, and the tests compare the two.
@@ -99,7 +100,7 @@ static void store(void *out, int okind, const float *y, int64_t n, int accumulat
  * FP8 conversion without F16C (whose vcvtph2ps is one per two cycles on AMD Zen 3: 4 weights per cycle at
  * best): an e4m3 byte at the top of a 32-bit lane (zeros below), shifted right arithmetically by 4 and masked
  * to sign, 4 exponent and 3 mantissa bits, is the fp32 number e4m3 value * 2^-120 exactly (e4m3 subnormals
- * become fp32 subnormals, so the kernel clears DAZ while it runs). Whole 32-column groups shift two bytes per
+ * become fp32 subnormals, so the kernel clears DAZ while it runs). Whole 64-column groups shift two bytes per
  * 16-bit word at once (fp8_group_block); a last 16-column block gets its bytes there by one byte shuffle per 8
  * (fp8_to_top); a last group of 8 columns by sign extension and a left shift
  * by 20, which gives the same numbers at one more operation per 8 on the shift unit, the bottleneck of this
@@ -171,35 +172,38 @@ static inline __attribute__((always_inline)) __m256i fp8_to_top(int first) {
                             z, z, z, b, z, z, z, (char)(b + 1), z, z, z, (char)(b + 2), z, z, z, (char)(b + 3));
 }
 
-/* Whole 32-column groups of FP8 weights convert two bytes per 16-bit word: one 32-byte load holds 8 dwords of
- * 4 bytes (b3 at the top); an arithmetic shift of each 16-bit word by 4 puts b3 (high word) and b1 (low word)
- * where fp8_top_to_f32 puts one byte, the mask keeps b3 as fp32, and the same masked after a 32-bit shift by
- * 16 gives b1; shifting each word left by 8 first does the same for b2 and b0. 9 operations per 32 weights
- * where the byte shuffle takes 12 (and two broadcasts): 1.03-1.27x on one row at one thread, where the FP8
- * GEMV is bound by these operations, not memory (decode_kernels_speed.py --kinds fp8 --rows 1,2,16
- * --baseline-rev); 0.93-0.98x at two rows, whose two passes each convert their half. The group's two
- * 16-column blocks are (b3s, b1s) and (b2s, b0s), the order fp8_group_order gives the activations. */
-#define FP8_GROUP 32
-static inline __attribute__((always_inline)) void fp8_group_block(const uint8_t *group, int second, __m256 *w0,
+/* Whole 64-column groups of FP8 weights convert two bytes per 16-bit word. A 32-byte half of a group holds 8
+ * dwords of 4 bytes (b3 at the top); an arithmetic shift of each 16-bit word by 4 puts b3 (high word) and b1
+ * (low word) where fp8_top_to_f32 puts one byte, the mask keeps b3 as fp32, and the same masked after a 32-bit
+ * shift by 16 gives b1; shifting each word left by 8 first does the same for b2 and b0: 9 operations per 32
+ * weights where the byte shuffle takes 12 (and two broadcasts). A group's four 16-column blocks (the kernel's
+ * column order, fp8_group_column) are its bytes 3, 1, 2 and 0 of every dword: block q is [vector q of the
+ * first half | vector q of the second], so the tile's chain a (the first 8 columns of each block) reads the
+ * first half only and chain b the second, and the AVX-512 tiles convert both halves in one 64-byte register
+ * with the same 9 operations (fp8_group_z): 64 weights per 9 where AVX2 converts 32. The activations come in
+ * that order (fp8_group_order). */
+#define FP8_GROUP 64
+static inline __attribute__((always_inline)) void fp8_group_block(const uint8_t *half, int second, __m256 *w0,
                                                                   __m256 *w1) {
-    __m256i v = _mm256_loadu_si256((const __m256i *)group);
+    __m256i v = _mm256_loadu_si256((const __m256i *)half);
     if (second) v = _mm256_slli_epi16(v, 8);
     const __m256i w = _mm256_srai_epi16(v, 4), mask = _mm256_set1_epi32((int)0x87F00000);
     *w0 = _mm256_castsi256_ps(_mm256_and_si256(w, mask));
     *w1 = _mm256_castsi256_ps(_mm256_and_si256(_mm256_slli_epi32(w, 16), mask));
 }
 
-/* One of fp8_group_block's two vectors: half 0 (w0) or 1 (w1). */
-static inline __attribute__((always_inline)) __m256 fp8_group_half(const uint8_t *group, int second, int half) {
+/* Vector q (0 to 3: bytes 3, 1, 2, 0 of its dwords) of a group's 32-byte half. */
+static inline __attribute__((always_inline)) __m256 fp8_group_vector(const uint8_t *half, int q) {
     __m256 w0, w1;
-    fp8_group_block(group, second, &w0, &w1);
-    return half ? w1 : w0;
+    fp8_group_block(half, q >= 2, &w0, &w1);
+    return q & 1 ? w1 : w0;
 }
 
-/* The natural column of position i (< 32) of a whole FP8 group in the kernel's order (fp8_group_block). */
+/* The natural column of position i (< 64) of a whole FP8 group in the kernel's order: block i / 16 takes byte
+ * 3, 1, 2 or 0 of dword i % 16. */
 static inline int fp8_group_column(int i) {
-    static const int byte_of_vector[4] = {3, 1, 2, 0};
-    return 4 * (i % 8) + byte_of_vector[i / 8];
+    static const int byte_of_block[4] = {3, 1, 2, 0};
+    return 4 * (i % 16) + byte_of_block[i / 16];
 }
 
 /* The 16 columns k..k+15 as two vectors of 8 in the GEMV's column order (see interleave): bf16 as its even
@@ -253,8 +257,8 @@ static inline __attribute__((always_inline)) void tail(int kind, const void *con
  * (weight row, activation row), accumulator a takes the first vector of each 16-column block (wload16) and b
  * the second (a also a last group of 8 columns), then a + b is reduced by hsum4, then the columns past the
  * last multiple of 8 are added one by one (tail). For bf16 weights the two vectors are the block's even and
- * odd columns, so the activations come interleaved to match (interleave); for FP8 weights each whole 32-column
- * group is two blocks of strided columns, and fp8_group_order orders the activations to match. */
+ * odd columns, so the activations come interleaved to match (interleave); for FP8 weights each whole 64-column
+ * group is four blocks of strided columns, and fp8_group_order orders the activations to match. */
 
 /* xi = x [M, K] with each whole 16-column block reordered as its 8 even columns then its 8 odd ones (the
  * order wload16 gives bf16 weights in); the columns past the last whole block as they are. */
@@ -285,14 +289,17 @@ static inline __attribute__((always_inline)) void tile1(int kind, const void *co
     const int es = kind == W_F32 ? 4 : kind == W_BF16 ? 2 : 1;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, b0 = a0, b1 = a0, b2 = a0, b3 = a0, w0, w1;
     int64_t k = 0;
-    if (kind == W_FP8) /* whole groups: their two blocks in turn, as the 16-column loop below would take them */
+    if (kind == W_FP8) /* whole groups: blocks 0 and 1, then 2 and 3 (chain a the first half, b the second) */
         for (; k + FP8_GROUP <= K; k += FP8_GROUP) {
             if (pf) prefetch(pf + k * NR, FP8_GROUP * NR);
-            for (int blk = 0; blk < 2; blk++) {
-                const int64_t kb = k + 16 * blk;
-                const __m256 x0 = _mm256_loadu_ps(x + kb), x1 = _mm256_loadu_ps(x + kb + 8);
-#define FP8_ROW(r, a, b)                                                                                 \
-    fp8_group_block((const uint8_t *)r + k, blk, &w0, &w1), a = _mm256_fmadd_ps(w0, x0, a), b = _mm256_fmadd_ps(w1, x1, b)
+            for (int second = 0; second < 2; second++) {
+                const float *xk = x + k + 32 * second;
+                __m256 h0, h1;
+#define FP8_ROW(r, a, b)                                                                                      \
+    fp8_group_block((const uint8_t *)r + k, second, &w0, &w1), fp8_group_block((const uint8_t *)r + k + 32, second, \
+                                                                               &h0, &h1),                          \
+        a = _mm256_fmadd_ps(w0, _mm256_loadu_ps(xk), a), b = _mm256_fmadd_ps(h0, _mm256_loadu_ps(xk + 8), b),      \
+        a = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xk + 16), a), b = _mm256_fmadd_ps(h1, _mm256_loadu_ps(xk + 24), b)
                 FP8_ROW(r0, a0, b0), FP8_ROW(r1, a1, b1), FP8_ROW(r2, a2, b2), FP8_ROW(r3, a3, b3);
 #undef FP8_ROW
             }
@@ -343,16 +350,26 @@ static inline __attribute__((always_inline)) void halfc(int kind, int C, const v
     } while (0)
 #define BLOCK_HALF(r) wload16_half(kind, r, k - off, (int)half)
 #define LAST_EIGHT(r) wload8(kind, r, k)
-#define GROUP_FIRST(r) fp8_group_half((const uint8_t *)(r) + k - off, 0, (int)half)
-#define GROUP_SECOND(r) fp8_group_half((const uint8_t *)(r) + k - off - 16, 1, (int)half)
+/* block q of the group at k - off - 16 q: vector q of its half (the first for chain a, the second for b) */
+#define GROUP_BLOCK(r, q) fp8_group_vector((const uint8_t *)(r) + k - off - 16 * (q) + 32 * half, q)
+#define GROUP_0(r) GROUP_BLOCK(r, 0)
+#define GROUP_1(r) GROUP_BLOCK(r, 1)
+#define GROUP_2(r) GROUP_BLOCK(r, 2)
+#define GROUP_3(r) GROUP_BLOCK(r, 3)
     int64_t k = off;
-    if (kind == W_FP8) /* whole groups: their two blocks in turn */
+    if (kind == W_FP8) /* whole groups: their four blocks in turn */
         for (const int64_t groups = K / FP8_GROUP * FP8_GROUP; k - off < groups; k += 16) {
             if (pf) prefetch(pf + (k >> 4) * pfs, pfs);
-            HALFC_COLUMNS(GROUP_FIRST);
+            HALFC_COLUMNS(GROUP_0);
             k += 16;
             if (pf) prefetch(pf + (k >> 4) * pfs, pfs);
-            HALFC_COLUMNS(GROUP_SECOND);
+            HALFC_COLUMNS(GROUP_1);
+            k += 16;
+            if (pf) prefetch(pf + (k >> 4) * pfs, pfs);
+            HALFC_COLUMNS(GROUP_2);
+            k += 16;
+            if (pf) prefetch(pf + (k >> 4) * pfs, pfs);
+            HALFC_COLUMNS(GROUP_3);
         }
     for (; k < whole; k += 16) {
         if (pf) prefetch(pf + (k >> 4) * pfs, pfs);
@@ -365,8 +382,11 @@ static inline __attribute__((always_inline)) void halfc(int kind, int C, const v
 #undef HALFC_COLUMNS
 #undef BLOCK_HALF
 #undef LAST_EIGHT
-#undef GROUP_FIRST
-#undef GROUP_SECOND
+#undef GROUP_BLOCK
+#undef GROUP_0
+#undef GROUP_1
+#undef GROUP_2
+#undef GROUP_3
     acc[0] = a0, acc[1] = a1, acc[2] = a2, acc[3] = a3, acc[4] = b0, acc[5] = b1, acc[6] = b2, acc[7] = b3;
     acc[8] = c0, acc[9] = c1, acc[10] = c2, acc[11] = c3;
 }
@@ -477,7 +497,94 @@ static inline __attribute__((always_inline)) ZMM_TARGET void tilez(int kind, int
 #undef ZFOLD
 }
 
-/* tilez with the weight kind (W_F32 or W_BF16) and the activation rows (1 to ZR) as constants. */
+/* FP8 weights in the AVX-512 micro-tile, read in place from ZMM_MIN_ROWS_FP8 rows on (no panel below
+ * PANEL_MIN_ROWS_FP8 rows): a whole 64-column group's 64 bytes are its two 32-byte halves side by side, so
+ * fp8_group_block's operations on the 512-bit register give its blocks [first half's vector q | second half's]
+ * directly, 64 weights per 9 operations (AVX2: 32 per 9). ZR_FP8 activation rows at most: NR x 2 converted
+ * blocks and NR x ZR_FP8 accumulators fill the 32 registers. On the Intel Xeon host against the AVX2 tiles of
+ * 32-column groups (decode_kernels_speed.py --baseline-rev 594cce4 --kinds fp8 --rows 1,2,3 --threads 1, each
+ * small matrix called alone): 1.24-1.57x at 3 rows, 0.95-1.09x at 2, 0.93-0.95x at one row. */
+#define ZR_FP8 3
+#ifndef ZMM_MIN_ROWS_FP8
+#define ZMM_MIN_ROWS_FP8 1
+#endif
+static inline __attribute__((always_inline)) ZMM_TARGET void fp8_group_z(const uint8_t *group, int second, __m512 *w0,
+                                                                        __m512 *w1) {
+    __m512i v = _mm512_loadu_si512((const void *)group);
+    if (second) v = _mm512_slli_epi16(v, 8);
+    const __m512i w = _mm512_srai_epi16(v, 4), mask = _mm512_set1_epi32((int)0x87F00000);
+    *w0 = _mm512_castsi512_ps(_mm512_and_si512(w, mask));
+    *w1 = _mm512_castsi512_ps(_mm512_and_si512(_mm512_slli_epi32(w, 16), mask));
+}
+
+/* res[i * NR + r] as tilec computes it for FP8 weights (value * 2^-120) and C (1 to ZR_FP8) activation rows in
+ * fp8_group_order: whole groups (fp8_group_z), then 16-column blocks (sign extension and a shift by 20, as
+ * wload8), a last 8 columns in the low lanes; prefetching pfs bytes from pf on per 16 columns (pf NULL: none). */
+static inline __attribute__((always_inline)) ZMM_TARGET void tilez_fp8(int C, const void *const *rows, int64_t K,
+                                                                       const float *x, int64_t ldx, float *res,
+                                                                       const char *pf, int pfs) {
+    __m512 acc[NR][ZR_FP8];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    int64_t k = 0;
+    for (; k + FP8_GROUP <= K; k += FP8_GROUP) {
+        if (pf) prefetch(pf + (k >> 4) * pfs, 4 * pfs);
+#pragma GCC unroll 2
+        for (int second = 0; second < 2; second++) {
+            __m512 w[NR][2];
+#pragma GCC unroll 8
+            for (int r = 0; r < NR; r++) fp8_group_z((const uint8_t *)rows[r] + k, second, &w[r][0], &w[r][1]);
+#pragma GCC unroll 8
+            for (int c = 0; c < C; c++) {
+                const float *xk = x + c * ldx + k + 32 * second;
+                const __m512 x0 = _mm512_loadu_ps(xk), x1 = _mm512_loadu_ps(xk + 16);
+#pragma GCC unroll 8
+                for (int r = 0; r < NR; r++)
+                    acc[r][c] = _mm512_fmadd_ps(w[r][1], x1, _mm512_fmadd_ps(w[r][0], x0, acc[r][c]));
+            }
+        }
+    }
+    const __m512i mask = _mm512_set1_epi32((int)0x87F00000);
+#define ZFP8_LOAD(row) _mm512_castsi512_ps(_mm512_and_si512(                                              \
+    _mm512_slli_epi32(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)(row) + k))), 20), mask))
+    for (; k + 16 <= K; k += 16) {
+        if (pf) prefetch(pf + (k >> 4) * pfs, pfs);
+        __m512 w[NR];
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; r++) w[r] = ZFP8_LOAD(rows[r]);
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) {
+            const __m512 xv = _mm512_loadu_ps(x + c * ldx + k);
+#pragma GCC unroll 8
+            for (int r = 0; r < NR; r++) acc[r][c] = _mm512_fmadd_ps(w[r], xv, acc[r][c]);
+        }
+    }
+#undef ZFP8_LOAD
+    if (K % 16 >= 8) { /* a last group of 8 columns: chain a only */
+        if (pf) prefetch(pf + (k >> 4) * pfs, pfs);
+        __m512 w[NR];
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; r++) w[r] = _mm512_castps256_ps512(wload8(W_FP8, rows[r], k));
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) {
+            const __m512 xv = _mm512_castps256_ps512(_mm256_loadu_ps(x + c * ldx + k));
+#pragma GCC unroll 8
+            for (int r = 0; r < NR; r++) acc[r][c] = _mm512_mask3_fmadd_ps(w[r], xv, acc[r][c], 0x00FF);
+        }
+        k += 8;
+    }
+#define ZFOLD(v) _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c++) {
+        _mm_storeu_ps(res + c * NR, hsum4(ZFOLD(acc[0][c]), ZFOLD(acc[1][c]), ZFOLD(acc[2][c]), ZFOLD(acc[3][c])));
+        tail(W_FP8, rows, k, K, x + c * ldx, res + c * NR);
+    }
+#undef ZFOLD
+}
+
+/* tilez with the weight kind (W_F32, W_BF16 or W_FP8) and the activation rows (1 to ZR; FP8: ZR_FP8) as constants. */
 static ZMM_TARGET void run_tilez(int kind, int mb, const void *const *rows, int64_t K, const float *x, int64_t ldx,
                                  float *res, const char *pf, int pfs) {
 #define ZTILE_CASES(KIND)                                                                                  \
@@ -490,7 +597,10 @@ static ZMM_TARGET void run_tilez(int kind, int mb, const void *const *rows, int6
         default: tilez(KIND, 6, rows, K, x, ldx, res, pf, pfs); break;                                     \
     }
     if (kind == W_F32) { ZTILE_CASES(W_F32) }
-    else { ZTILE_CASES(W_BF16) }
+    else if (kind == W_BF16) { ZTILE_CASES(W_BF16) }
+    else if (mb == 1) tilez_fp8(1, rows, K, x, ldx, res, pf, pfs);
+    else if (mb == 2) tilez_fp8(2, rows, K, x, ldx, res, pf, pfs);
+    else tilez_fp8(3, rows, K, x, ldx, res, pf, pfs);
 #undef ZTILE_CASES
 }
 
@@ -512,11 +622,9 @@ static void to_panel(int kind, const void *const *rows, int64_t K, float *panel,
         } else {
             for (; k + FP8_GROUP <= K; k += FP8_GROUP) {
                 if (pf) prefetch(pf + (r * K + k) * es, FP8_GROUP);
-                for (int blk = 0; blk < 2; blk++) {
-                    __m256 w0, w1;
-                    fp8_group_block((const uint8_t *)rows[r] + k, blk, &w0, &w1);
-                    _mm256_storeu_ps(panel + r * K + k + 16 * blk, w0);
-                    _mm256_storeu_ps(panel + r * K + k + 16 * blk + 8, w1);
+                for (int q = 0; q < 4; q++) { /* block q: [first half's vector q | second half's] */
+                    _mm256_storeu_ps(panel + r * K + k + 16 * q, fp8_group_vector((const uint8_t *)rows[r] + k, q));
+                    _mm256_storeu_ps(panel + r * K + k + 16 * q + 8, fp8_group_vector((const uint8_t *)rows[r] + k + 32, q));
                 }
             }
             for (; k + 8 <= K; k += 8) {
@@ -528,7 +636,7 @@ static void to_panel(int kind, const void *const *rows, int64_t K, float *panel,
     }
 }
 
-/* xo = x [M, K] with each whole 32-column group in the order its FP8 weights convert in (fp8_group_column);
+/* xo = x [M, K] with each whole 64-column group in the order its FP8 weights convert in (fp8_group_column);
  * the columns past the last whole group as they are. Once per call: the row blocks' scales then multiply
  * contiguous runs (prescale). */
 static void fp8_group_order(const float *x, int64_t M, int64_t K, float *xo) {
@@ -592,10 +700,13 @@ static void gemv_tiles(int kind, const void *w, const void *scales, int64_t N, i
     const size_t tile_bytes = NR * row_bytes, ahead = tile_bytes > PF_BYTES ? tile_bytes : PF_BYTES;
     /* several rows of fp32 weights or a panel, or enough rows of bf16 ones: the AVX-512 micro-tile, where it runs */
     const int tiled = panel ? W_F32 : kind;
-    const int wide = dsv3_int_avx512(-1) && (tiled == W_F32 ? M >= 2 : tiled == W_BF16 && M >= ZMM_MIN_ROWS_BF16);
+    const int wide = dsv3_int_avx512(-1) && (tiled == W_F32    ? M >= 2
+                                             : tiled == W_BF16 ? M >= ZMM_MIN_ROWS_BF16
+                                                               : M >= ZMM_MIN_ROWS_FP8);
+    const int zr = tiled == W_FP8 ? ZR_FP8 : ZR; /* activation rows per AVX-512 micro-tile */
     /* passes over a tile: tilec's two per micro-tile, tilez's one; each prefetches a slice of the next tile */
     int64_t passes = 0;
-    for (int64_t m0 = 0; m0 < M; m0 += wide ? ZR : group_rows(M - m0)) passes += wide ? 1 : 2;
+    for (int64_t m0 = 0; m0 < M; m0 += wide ? zr : group_rows(M - m0)) passes += wide ? 1 : 2;
     const int64_t slice = (int64_t)(tile_bytes + passes - 1) / passes, steps = K / 16 > 0 ? K / 16 : 1;
     const int pfs = (int)((slice + steps - 1) / steps);
     const float y_shift = kind == W_FP8 ? FP8_Y_SHIFT : 1.0f;
@@ -629,7 +740,7 @@ static void gemv_tiles(int kind, const void *w, const void *scales, int64_t N, i
             for (int r = 0; r < NR; r++) rows[r] = pan + r * K;
         }
         for (int64_t m0 = 0, g = 0; m0 < M; g++) {
-            const int mb = wide ? (M - m0 < ZR ? (int)(M - m0) : ZR) : group_rows(M - m0);
+            const int mb = wide ? (M - m0 < zr ? (int)(M - m0) : zr) : group_rows(M - m0);
             float res[ZR * NR];
             if (wide)
                 run_tilez(tiled, mb, rows, K, xa + m0 * K, K, res, pf + g * slice, pfs);

@@ -10,7 +10,8 @@ slow to keep up with memory), and one call computes all routed experts of a step
 is one call too. Where the CPU has AVX512-BF16, bf16 weights times bf16 activations and a bf16 model's
 attention over a bf16 cache take its bf16 dot products instead of AVX2 FMAs (``bf16_dots``; on Intel CPUs the
 GEMVs take AVX-512 FMAs instead, about four times the dot products' rate there); with AVX-512F the GEMVs of
-several rows run 512-bit FMAs that give the AVX2 sums to the bit (``int_weights.avx512`` switches both). A
+several rows, and of FP8 weights from one row, run 512-bit FMAs that give the AVX2 sums to the bit
+(``int_weights.avx512`` switches both). A
 row's result does not depend on how many rows share the call (the summation order is fixed), so batched and
 single-row decode give the same numbers. ``benchmarks/decode_kernels_speed.py`` measures them against the read
 bandwidth.
