@@ -176,7 +176,7 @@ class PrefixCache:
 
     @property
     def used_bytes(self) -> int:
-        return sum(b.page is not None for b in self.blocks.values()) * self.block_bytes
+        return len(self.blocks) * self.block_bytes  # every resident block holds one page
 
     def snapshot(self) -> CacheSnapshot:
         c = self.counters
