@@ -16,14 +16,6 @@ needs_kernels = pytest.mark.skipif(iw.int_kernel_status() != "ok", reason=f"C ke
 ROWS = [1, 3, 9, 16, 17, 64, 65]  # one row, partial tiles, a full AVX-512 tile, past it, the most, the reference
 
 
-@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(params=[True, False], ids=["avx512", "avx2"])
 def path(request):
     if request.param and not iw.avx512(True):

@@ -18,14 +18,6 @@ needs_kernels = pytest.mark.skipif(not dk.kernels_available(), reason=f"C kernel
 ROWS = [1, 3, 64, 65]  # one row, a partial micro-tile, the kernels' most, and one past it (the reference)
 
 
-@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 def weight(kind: str, *shape: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """(the op's weight, its FP8 scales or None, the weight as the reference reads it in fp32)."""
     w = torch.randn(*shape, generator=torch.Generator().manual_seed(seed)) / shape[-1] ** 0.5

@@ -26,14 +26,6 @@ needs_kernels = pytest.mark.skipif(not dk.kernels_available(), reason=f"C kernel
 NEG = float("-inf")
 
 
-@pytest.fixture(params=[1, 2], ids=["1 thread", "2 threads"])
-def threads(request):
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
-
-
 @pytest.fixture(params=["avx512", "avx2"])
 def simd(request):
     """The kernels' AVX-512 paths (GEMV micro-tiles, the bf16 attention's VDPBF16PS) or their AVX2 ones (FMAs);
