@@ -56,8 +56,13 @@ class PagePool:
                             f"({self.page_bytes} bytes each: {page_tokens} tokens of every layer; one stays blank)")
         device = device if device is not None else model.inv_freq.device
         # page 0 is BLANK, zeros for good: what the slots a row does not hold read (LatentCache.paged)
-        self.kv = torch.empty(self.layers, pages + 1, page_tokens, cfg.kv_lora_rank, dtype=dtype, device=device)
-        self.pe = torch.empty(self.layers, pages + 1, page_tokens, cfg.qk_rope_head_dim, dtype=dtype, device=device)
+        try:
+            self.kv = torch.empty(self.layers, pages + 1, page_tokens, cfg.kv_lora_rank, dtype=dtype, device=device)
+            self.pe = torch.empty(self.layers, pages + 1, page_tokens, cfg.qk_rope_head_dim, dtype=dtype,
+                                  device=device)
+        except (RuntimeError, MemoryError) as exc:  # more than the system lets this process reserve
+            raise DSV3Error(f"cannot reserve {max_bytes:,} bytes for the latent cache: the system refused "
+                            f"({type(exc).__name__}); lower --kv-cache-bytes") from None
         self.kv[:, BLANK], self.pe[:, BLANK] = 0, 0
         self.refs = [0] * (pages + 1)
         self._free = list(range(pages, BLANK, -1))  # pop() hands out the lowest page first
