@@ -211,7 +211,8 @@ def test_a_step_past_the_rows_pages_is_refused_as_on_the_module_path(model):
     for decoder in (model, GraphDecode(model, compile=False)):
         with pytest.raises(ValueError, match="cache overflow"):
             decoder.hidden_and_logits(torch.tensor([[1], [2]]), cache=cache, start_pos=8)
-    assert torch.equal(pool.kv, before)
+    # bit for bit: pages never handed out hold whatever memory held (NaN too, which equals nothing)
+    assert torch.equal(pool.kv.view(torch.uint8), before.view(torch.uint8))
 
 
 def test_the_engine_picks_its_step_by_device(model):
