@@ -1,4 +1,4 @@
-"""The decode step's absorbed attention over a bf16 cache, alone: fp32 FMAs against AVX512-BF16 dot products.
+"""The decode step's absorbed attention over a bf16 cache, alone: fp32 FMAs, AVX512-BF16 dot products, AMX tiles.
 
     .venv/bin/python benchmarks/decode_attention.py                  # the table
     .venv/bin/python benchmarks/decode_attention.py --contexts 256,4096 --threads 1,2 --json
@@ -6,17 +6,19 @@
 ``dsv3_mla_decode`` (src/dsv3/kernels/decode_kernels.c) takes one layer's queries from the query projection to
 the heads' outputs: W_UK into the query, RoPE, attention over the latent cache, W_UV. For a bf16 model over
 a bf16 cache it runs in fp32 FMAs or, on CPUs with AVX512-BF16, in bf16 dot products (the queries and each
-tile's softmax weights rounded to bf16; ``decode_kernels.bf16_dots``). For the ``--preset``'s
+tile's softmax weights rounded to bf16; ``decode_kernels.bf16_dots``), and with the same roundings in AMX
+tiles where the CPU has AMX-BF16 (``decode_kernels.amx``; Intel Sapphire Rapids on). For the ``--preset``'s
 attention shape (``small``: 8 heads, latent 128, RoPE 32) this measures, at each context and thread count:
 
-* time: microseconds per call (one layer, batch 1, one query token) of each path, the two alternating
+* time: microseconds per call (one layer, ``--batch`` rows, one query token each) of each path, the paths
+  alternating
   within every round and each figure the median over ``--repeats`` rounds; warm (the cache and weights
   stay in the CPU's caches between calls, unlike a real decode step, which streams ~100 MB of weights
   between two layers' attentions), so this times the arithmetic;
 * accuracy: the relative error (Frobenius norm) of each path's output against the same computation in
   fp32 arithmetic (``mla_decode_reference``), beside that of the module path, whose bf16 einsums
   (``MLA.latent_attention``) round the queries, the scores, the softmax weights and the latent output;
-  the dot products also against fp32 arithmetic on their own bf16-rounded queries
+  the dot products and the tiles also against fp32 arithmetic on their own bf16-rounded queries
   (``mla_decode_reference(..., bf16_queries=True)``), which leaves only the rounding of the weights.
   Median and largest over ``--draws`` random inputs (queries, cache, the layer's weights at init).
 """
@@ -38,21 +40,27 @@ from dsv3.kernels import decode_kernels as dk
 from dsv3.model.mla import MLA
 from dsv3.model.rope import apply_rope
 
-PATHS = ("fp32 FMAs", "bf16 dots")
+PATHS = ("fp32 FMAs", "bf16 dots", "AMX tiles")
 
 
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def inputs(mla: MLA, context: int, seed: int) -> tuple:
-    """mla_decode's arguments for one query token over ``context`` cached latents (bf16), seeded."""
+def use(path: str) -> None:
+    """The kernels' attention on ``path`` for this process."""
+    dk.bf16_dots(path != "fp32 FMAs")
+    dk.amx(path == "AMX tiles")
+
+
+def inputs(mla: MLA, context: int, seed: int, batch: int = 1) -> tuple:
+    """mla_decode's arguments for one query token per row over ``context`` cached latents (bf16), seeded."""
     g = torch.Generator().manual_seed(seed)
     H, nope, p = mla.n_heads, mla.nope, mla.rope
-    q = torch.randn(1, 1, H, nope + p, generator=g).bfloat16()
-    angles = torch.rand(1, 1, p // 2, generator=g) * 6
-    kv = torch.randn(1, context, mla.kv_rank, generator=g).bfloat16()
-    pe = torch.randn(1, context, p, generator=g).bfloat16()
+    q = torch.randn(batch, 1, H, nope + p, generator=g).bfloat16()
+    angles = torch.rand(batch, 1, p // 2, generator=g) * 6
+    kv = torch.randn(batch, context, mla.kv_rank, generator=g).bfloat16()
+    pe = torch.randn(batch, context, p, generator=g).bfloat16()
     w_uk, w_uv = mla._absorbed_weights()
     return q, angles.cos(), angles.sin(), w_uk.detach(), w_uv.detach(), kv, pe, None, mla.scale
 
@@ -67,8 +75,8 @@ def module_path(mla: MLA, args: tuple) -> torch.Tensor:
         return mla.latent_attention(q_nope, q_pe, kv, pe, allowed).flatten(2)
 
 
-def timed(args: tuple, dots: bool, calls: int) -> float:
-    dk.bf16_dots(dots)
+def timed(args: tuple, path: str, calls: int) -> float:
+    use(path)
     dk.mla_decode(*args)
     t0 = time.perf_counter()
     for _ in range(calls):
@@ -76,44 +84,53 @@ def timed(args: tuple, dots: bool, calls: int) -> float:
     return (time.perf_counter() - t0) / calls
 
 
-def speed(mla: MLA, context: int, threads: int, repeats: int) -> dict:
+def speed(mla: MLA, paths: tuple[str, ...], context: int, threads: int, batch: int, repeats: int) -> dict:
     torch.set_num_threads(threads)
-    args = inputs(mla, context, seed=context)
-    calls = max(20, 200_000 // context)
-    rounds = {path: [] for path in PATHS}
+    args = inputs(mla, context, seed=context, batch=batch)
+    calls = max(20, 200_000 // (context * batch))
+    rounds = {path: [] for path in paths}
     for _ in range(repeats):
-        for path in PATHS:
-            rounds[path].append(timed(args, path == "bf16 dots", calls))
-    us = {path: 1e6 * statistics.median(rounds[path]) for path in PATHS}
-    return {"context": context, "threads": threads, "us_per_call": us,
-            "ns_per_key_and_head": {path: 1e3 * us[path] / (context * mla.n_heads) for path in PATHS},
-            "dots_speedup": us["fp32 FMAs"] / us["bf16 dots"]}
+        for path in paths:
+            rounds[path].append(timed(args, path, calls))
+    us = {path: 1e6 * statistics.median(rounds[path]) for path in paths}
+    out = {"context": context, "threads": threads, "batch": batch, "us_per_call": us,
+           "ns_per_key_and_head": {path: 1e3 * us[path] / (context * batch * mla.n_heads) for path in paths},
+           "dots_speedup": us["fp32 FMAs"] / us["bf16 dots"]}
+    if "AMX tiles" in paths:
+        out["amx_speedup"] = us["bf16 dots"] / us["AMX tiles"]  # over the dot products
+    return out
 
 
-def accuracy(mla: MLA, context: int, draws: int) -> dict:
-    errors = {"fp32 FMAs": [], "bf16 dots": [], "bf16 dots vs bf16 queries": [], "module path": []}
+def accuracy(mla: MLA, paths: tuple[str, ...], context: int, draws: int) -> dict:
+    rounded = [p for p in paths if p != "fp32 FMAs"]
+    errors = {name: [] for name in (*paths, *(f"{p} vs bf16 queries" for p in rounded), "module path")}
     for seed in range(draws):
         args = inputs(mla, context, seed=1000 + seed)
         ref = dk.mla_decode_reference(*args).float()
+        own = dk.mla_decode_reference(*args, bf16_queries=True).float()
         err = lambda got, want=ref, ref=ref: ((got.float() - want).norm() / ref.norm()).item()  # noqa: E731
-        for path in PATHS:
-            dk.bf16_dots(path == "bf16 dots")
-            errors[path].append(err(dk.mla_decode(*args)))
-        errors["bf16 dots vs bf16 queries"].append(
-            err(dk.mla_decode(*args), dk.mla_decode_reference(*args, bf16_queries=True).float()))
+        for path in paths:
+            use(path)
+            got = dk.mla_decode(*args)
+            errors[path].append(err(got))
+            if path in rounded:
+                errors[f"{path} vs bf16 queries"].append(err(got, own))
         errors["module path"].append(err(module_path(mla, args)))
     return {"context": context, "draws": draws,
             "relative_error": {k: {"median": statistics.median(v), "max": max(v)} for k, v in errors.items()}}
 
 
 def report(result: dict) -> str:
+    paths = result["paths"]
     lines = [f"{result['preset']} attention, bf16 cache; kernels: {result['kernels']}",
-             "", "time per call (us, median), one layer, batch 1, one query token, warm:",
-             f"{'context':>8} {'threads':>7} {'fp32 FMAs':>10} {'bf16 dots':>10} {'speed-up':>8}"]
+             "", f"time per call (us, median), one layer, batch {result['batch']}, one query token a row, warm;",
+             "speed-ups: dots over FMAs" + (", tiles over dots:" if "AMX tiles" in paths else ":"),
+             f"{'context':>8} {'threads':>7} " + " ".join(f"{p:>10}" for p in paths) + f" {'speed-ups':>16}"]
     for r in result["speed"]:
         us = r["us_per_call"]
-        lines.append(f"{r['context']:>8} {r['threads']:>7} {us['fp32 FMAs']:>10.1f} {us['bf16 dots']:>10.1f} "
-                     f"{r['dots_speedup']:>7.2f}x")
+        ups = f"{r['dots_speedup']:.2f}x" + (f" {r['amx_speedup']:.2f}x" if "amx_speedup" in r else "")
+        lines.append(f"{r['context']:>8} {r['threads']:>7} " + " ".join(f"{us[p]:>10.1f}" for p in paths)
+                     + f" {ups:>16}")
     lines += ["", "relative error against fp32 arithmetic (median / max over draws):"]
     for r in result["accuracy"]:
         lines.append(f"context {r['context']}, {r['draws']} draws:")
@@ -127,6 +144,7 @@ def main() -> None:
     ap.add_argument("--preset", default="small", help="the model shape whose attention is measured")
     ap.add_argument("--contexts", default="256,2048,4096")
     ap.add_argument("--threads", default="1")
+    ap.add_argument("--batch", type=int, default=1, help="rows attended at once, one query token each")
     ap.add_argument("--repeats", type=int, default=7, help="timing rounds (median)")
     ap.add_argument("--draws", type=int, default=20, help="random inputs per context for the errors")
     ap.add_argument("--json", action="store_true")
@@ -137,26 +155,27 @@ def main() -> None:
     try:
         contexts, threads = parse_ints(args.contexts, "--contexts"), parse_ints(args.threads, "--threads")
         cfg = preset(args.preset)
-        if args.repeats < 1 or args.draws < 1:
-            raise DSV3Error("--repeats and --draws must be at least 1")
+        if args.repeats < 1 or args.draws < 1 or args.batch < 1:
+            raise DSV3Error("--repeats, --draws and --batch must be at least 1")
     except DSV3Error as exc:
         ap.error(str(exc))
     if not dk.kernels_available():
         sys.exit(f"error: the decode kernels do not run here: {dk.kernel_status()}")
     if not dk.bf16_dots():
         sys.exit("error: this CPU lacks AVX512-BF16 (or DSV3_DECODE_BF16_DOTS=0): only one path to measure")
+    paths = PATHS if dk.amx() else PATHS[:2]
     torch.manual_seed(0)
     mla = MLA(cfg, 0).to(torch.bfloat16).eval()
-    result = {"benchmark": "decode_attention", "preset": args.preset, "kernels": dk.kernel_status(), "speed": [],
-              "accuracy": []}
+    result = {"benchmark": "decode_attention", "preset": args.preset, "kernels": dk.kernel_status(),
+              "paths": list(paths), "batch": args.batch, "speed": [], "accuracy": []}
     try:
         for ctx in contexts:
             for t in threads:
                 log(f"context {ctx}, {t} thread(s)")
-                result["speed"].append(speed(mla, ctx, t, args.repeats))
-            result["accuracy"].append(accuracy(mla, ctx, args.draws))
+                result["speed"].append(speed(mla, paths, ctx, t, args.batch, args.repeats))
+            result["accuracy"].append(accuracy(mla, paths, ctx, args.draws))
     finally:
-        dk.bf16_dots(True)
+        use(paths[-1])
     print(json.dumps(result) if args.json else report(result))
 
 

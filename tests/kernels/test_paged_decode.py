@@ -3,8 +3,8 @@ shift, pages shared by a pool), read and written in place: the attention op (``t
 block and step kernels and the per-op path (``FastDecode``, MTP layer included) give over scattered pages the bits
 they give over the plain cache holding the same values, write the same latents, never let a slot a row does not
 hold (NaN there) reach the output, and refuse a write to a slot outside a row's pages (the static, CUDA-graph
-step over pages: tests/kernels/test_graph_decode.py). Both SIMD paths (AVX-512 and its bf16 dot products, AVX2
-FMAs) at 1 and 2 threads."""
+step over pages: tests/kernels/test_graph_decode.py). Every SIMD path (AMX tiles, AVX-512 and its bf16 dot products,
+AVX2 FMAs) at 1 and 2 threads."""
 
 import math
 import sys
@@ -26,19 +26,23 @@ needs_kernels = pytest.mark.skipif(not dk.kernels_available(), reason=f"C kernel
 NEG = float("-inf")
 
 
-@pytest.fixture(params=["avx512", "avx2"])
+@pytest.fixture(params=["amx", "avx512", "avx2"])
 def simd(request):
-    """The kernels' AVX-512 paths (GEMV micro-tiles, the bf16 attention's VDPBF16PS) or their AVX2 ones (FMAs);
-    restored after."""
-    dots = dk.bf16_dots()
-    on = request.param == "avx512"
-    if on and not (iw.avx512(True) and dots):
+    """The bf16 attention in AMX tiles, the kernels' AVX-512 paths (GEMV micro-tiles, the bf16 attention's
+    VDPBF16PS) or their AVX2 ones (FMAs); restored after."""
+    dots, tiles = dk.bf16_dots(), dk.amx()
+    path = request.param
+    if path == "amx" and not tiles:
+        pytest.skip("needs AMX-BF16 (CPU and kernel)")
+    if path != "avx2" and not (iw.avx512(True) and dots):
         pytest.skip("needs AVX-512F and AVX512-BF16")
-    iw.avx512(on)
-    dk.bf16_dots(on)
-    yield request.param
+    iw.avx512(path != "avx2")
+    dk.bf16_dots(path != "avx2")
+    dk.amx(path == "amx")
+    yield path
     iw.avx512(True)
     dk.bf16_dots(dots)
+    dk.amx(tiles)
 
 
 def page_out(kv: torch.Tensor, pe: torch.Tensor, shift: list[int], ends: list[int], page_tokens: int,

@@ -27,7 +27,7 @@
 /* The version of this file's calling interface (its exported functions' arguments and structures), which
  * decode_kernels.py checks at load (dsv3_abi): raise it with any change of a signature. */
 #ifndef DSV3_KERNELS_ABI
-#define DSV3_KERNELS_ABI 5
+#define DSV3_KERNELS_ABI 6
 #endif
 int64_t dsv3_abi(void) { return DSV3_KERNELS_ABI; }
 
@@ -1727,6 +1727,264 @@ static DP_TARGET void dp_task(const AttArgs *a, int64_t b, int64_t m0, int mb) {
 #define dp_task(a, b, m0, mb) ((void)0)
 #endif
 
+/* ---- The attention over a bf16 cache in AMX tiles ---------------------------------------------------------
+ * Intel's AMX (Sapphire Rapids on) multiplies 16 x 32 bf16 tiles into 16 x 16 fp32 sums in one instruction
+ * (TDPBF16PS): 8,192 multiply-adds, where VDPBF16PS does 32 (and on those CPUs issues at a quarter of the
+ * FMA rate, see gemv_dots). With the dot products on and AMX usable (the CPU has AMX-BF16, the kernel lets
+ * the process use its tile registers: dsv3_amx), a bf16 model's attention over a bf16 cache runs here, with
+ * dp_task's roundings (queries and each tile's softmax weights in bf16, every product exact, every sum fp32),
+ * up to 16 queries a task and 32 keys a tile:
+ *
+ *   scores^T [32 keys, 16 queries] = K [32 keys, W] x Q^T (the tile's keys copied into one block, so a
+ *   paged cache reads as a plain one; Q^T made once a task in the pairs-of-rows order AMX takes its right
+ *   operand in), transposed in registers to one row a query, softmax online as att_task's, then
+ *   o [16 queries, r] += P [16, 32 keys] x V (V's rows paired as dp_values pairs them, so o comes in its
+ *   order: dp_unpermute).
+ *
+ * A query's scores and outputs are sums over the same products in the same order whatever the other queries
+ * of its task, so the thread count still changes no bit. */
+
+#if DP_COMPILER && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <cpuid.h>
+#define AMX_COMPILER 1
+#define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+#define AMX_Q 16    /* queries per task: a tile's rows */
+#define AMX_KEYS 128 /* keys per tile: four TDPBF16PS depths in bf16 (amx_values) */
+
+/* Whether this CPU and kernel let the process use AMX-BF16: CPUID, the OS's saved state (XCR0's tile bits),
+ * and the kernel's permission for the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16 on). */
+static int amx_usable(void) {
+    unsigned a, b, c, d;
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d) || !(d & (1u << 22)) || !(d & (1u << 24))) return 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d) || !(c & (1u << 27))) return 0; /* OSXSAVE */
+    unsigned lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    if ((lo & (3u << 17)) != (3u << 17)) return 0;
+    return syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+}
+
+static int amx_can = -1, amx_on = 1;
+
+/* Whether the attention takes AMX tiles where the bf16 dot products are on: want 0 turns them off, 1 on where
+ * the CPU and kernel allow, -1 asks. Returns the state. */
+int dsv3_amx(int want) {
+    if (amx_can < 0) {
+        __builtin_cpu_init();
+        amx_can = __builtin_cpu_supports("avx512bf16") && amx_usable();
+    }
+    if (want >= 0) amx_on = want != 0;
+    return amx_can && amx_on;
+}
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} AmxConfig;
+
+/* Tiles 0-1: two halves of a tile's scores^T; 2: keys; 3: Q^T; 4: outputs; 5: softmax weights; 6: values.
+ * All 16 rows of 64 bytes. */
+static AMX_TARGET void amx_configure(void) {
+    AmxConfig cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette = 1;
+    for (int t = 0; t < 7; t++) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+/* out [16, ldo] (its columns [0, 16)) = in [16, 16]^T, in registers. */
+static inline __attribute__((always_inline)) AMX_TARGET void transpose16(const float *in, float *out, int64_t ldo) {
+    __m512 r[16], t[16];
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(in + 16 * i);
+    for (int i = 0; i < 8; i++)
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]), t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    for (int i = 0; i < 4; i++) { /* u[4i + k], lane L: column 4L + k of rows 4i .. 4i + 3 */
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 1]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 2]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, c)), r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, c));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(b, d)), r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(b, d));
+    }
+    for (int k = 0; k < 4; k++) {
+        const __m512 x0 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0x44), x1 = _mm512_shuffle_f32x4(r[k], r[4 + k], 0xEE);
+        const __m512 y0 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0x44), y1 = _mm512_shuffle_f32x4(r[8 + k], r[12 + k], 0xEE);
+        _mm512_storeu_ps(out + (0 + k) * ldo, _mm512_shuffle_f32x4(x0, y0, 0x88));
+        _mm512_storeu_ps(out + (4 + k) * ldo, _mm512_shuffle_f32x4(x0, y0, 0xDD));
+        _mm512_storeu_ps(out + (8 + k) * ldo, _mm512_shuffle_f32x4(x1, y1, 0x88));
+        _mm512_storeu_ps(out + (12 + k) * ldo, _mm512_shuffle_f32x4(x1, y1, 0xDD));
+    }
+}
+
+/* A task's scratch in bytes: Q^T, keys copied, scores^T and scores, softmax weights, paired values, outputs,
+ * one query in fp32 and a row of zeros. */
+static size_t amx_scratch_bytes(int64_t r, int64_t p) {
+    const int64_t wr = dp_padded(r), W = wr + dp_padded(p);
+    return (size_t)(W / 2 * AMX_Q * 4 + AMX_KEYS * W * 2 + 2 * AMX_Q * AMX_KEYS * 4 + AMX_Q * AMX_KEYS * 2
+                    + AMX_KEYS / 2 * wr * 4 + AMX_Q * wr * 4 + (r + p) * 4 + W * 2) + 64;
+}
+
+/* Where 16 keys' rows are for a tile load: kv at kv, pe at pe, rows kv_ld / pe_ld bytes apart. */
+typedef struct { const char *kv, *pe; int64_t kv_ld, pe_ld; } AmxRows;
+
+/* n bf16 values from src to dst, the rest of [0, n32) zeros (n32 a multiple of 32). */
+static inline __attribute__((always_inline)) AMX_TARGET void amx_copy(uint16_t *dst, const void *src, int64_t n,
+                                                                     int64_t n32) {
+    for (int64_t c = 0; c < n32; c += 32)
+        _mm512_storeu_si512((void *)(dst + c), _mm512_maskz_loadu_epi16(dp_mask(n - c), (const uint16_t *)src + c));
+}
+
+/* Keys [j, j + 16) of a tile where the AMX loads read them: in place when they lie evenly spaced (a plain cache,
+ * or 16 slots of one page) and their rows are whole 32-value chunks, else copied into keys [16][W]. */
+static AMX_TARGET AmxRows amx_rows(const char *const *kv_t, const char *const *pe_t, int64_t r, int64_t p,
+                                   int64_t W, uint16_t *keys) {
+    const int64_t kv_ld = kv_t[1] - kv_t[0], pe_ld = pe_t[1] - pe_t[0];
+    int even = r % 32 == 0 && p % 32 == 0 && kv_ld > 0 && pe_ld > 0;
+    for (int i = 2; even && i < 16; i++) even = kv_t[i] - kv_t[0] == i * kv_ld && pe_t[i] - pe_t[0] == i * pe_ld;
+    if (even) return (AmxRows){kv_t[0], pe_t[0], kv_ld, pe_ld};
+    const int64_t wr = dp_padded(r);
+    for (int i = 0; i < 16; i++) {
+        amx_copy(keys + i * W, kv_t[i], r, wr);
+        amx_copy(keys + i * W + wr, pe_t[i], p, W - wr);
+    }
+    return (AmxRows){(const char *)keys, (const char *)(keys + wr), W * 2, W * 2};
+}
+
+/* scores^T of 32 keys, a and b their two halves: st [32 keys][16 queries]. */
+static inline __attribute__((always_inline)) AMX_TARGET void amx_scores(const uint32_t *qt, AmxRows a, AmxRows b,
+                                                                       int64_t wr, int64_t W, float *st) {
+    _tile_zero(0);
+    _tile_zero(1);
+    for (int64_t c = 0; c < W / 32; c++) {
+        const int kvc = c * 32 < wr;
+        const int64_t off = kvc ? c * 64 : (c * 32 - wr) * 2;
+        _tile_loadd(3, qt + c * 256, 64);
+        _tile_loadd(2, (kvc ? a.kv : a.pe) + off, kvc ? a.kv_ld : a.pe_ld);
+        _tile_dpbf16ps(0, 2, 3);
+        _tile_loadd(2, (kvc ? b.kv : b.pe) + off, kvc ? b.kv_ld : b.pe_ld);
+        _tile_dpbf16ps(1, 2, 3);
+    }
+    _tile_stored(0, st, 64);
+    _tile_stored(1, st + 16 * AMX_Q, 64);
+}
+
+/* o [16, wr] += P [16, 128 keys] x V [128 keys, wr]: the weights in tiles 5, 2, 0, 1 (32 keys each), each
+ * 16-channel block of o loaded once, the values' pairs of the four key groups through tiles 6 and 3. */
+static inline __attribute__((always_inline)) AMX_TARGET void amx_values(const uint16_t *pw, const uint32_t *vp,
+                                                                       int64_t wr, float *o) {
+    const int64_t set = wr * 16; /* uint32 per key group's pairs */
+    _tile_loadd(5, pw, AMX_KEYS * 2);
+    _tile_loadd(2, pw + 32, AMX_KEYS * 2);
+    _tile_loadd(0, pw + 64, AMX_KEYS * 2);
+    _tile_loadd(1, pw + 96, AMX_KEYS * 2);
+    for (int64_t c = 0; c < wr / 16; c++) {
+        _tile_loadd(4, o + c * 16, wr * 4);
+        _tile_loadd(6, vp + c * 256, 64);
+        _tile_dpbf16ps(4, 5, 6);
+        _tile_loadd(3, vp + set + c * 256, 64);
+        _tile_dpbf16ps(4, 2, 3);
+        _tile_loadd(6, vp + 2 * set + c * 256, 64);
+        _tile_dpbf16ps(4, 0, 6);
+        _tile_loadd(3, vp + 3 * set + c * 256, 64);
+        _tile_dpbf16ps(4, 1, 3);
+        _tile_stored(4, o + c * 16, wr * 4);
+    }
+}
+
+/* The values' rows of 32 keys in pairs, as dp_values pairs them: vp [wr / 16][16 pairs][16 channels]. */
+static inline __attribute__((always_inline)) AMX_TARGET void amx_pair_values(const char *const *kv_t, int64_t r,
+                                                                            int64_t wr, uint32_t *vp) {
+    for (int k = 0; k < 16; k++)
+        for (int64_t c = 0; c < wr; c += 32) {
+            const __mmask32 m = dp_mask(r - c);
+            const __m512i x = _mm512_maskz_loadu_epi16(m, (const uint16_t *)kv_t[2 * k] + c);
+            const __m512i y = _mm512_maskz_loadu_epi16(m, (const uint16_t *)kv_t[2 * k + 1] + c);
+            uint32_t *dst = vp + (c / 16) * 256 + k * 16;
+            _mm512_storeu_si512((void *)dst, _mm512_unpacklo_epi16(x, y));
+            _mm512_storeu_si512((void *)(dst + 256), _mm512_unpackhi_epi16(x, y));
+        }
+}
+
+/* dp_task in AMX tiles: queries [m0, m0 + mb) of batch row b (mb <= AMX_Q), AMX_KEYS keys a tile, each
+ * 16-channel block of the outputs loaded and stored once a tile; scratch: amx_scratch_bytes. */
+static AMX_TARGET void amx_task(const AttArgs *a, int64_t b, int64_t m0, int mb, char *scratch) {
+    const int64_t r = a->r, p = a->p, S = a->S, wr = dp_padded(r), W = wr + dp_padded(p);
+    uint32_t *qt = (uint32_t *)scratch;                  /* [W / 32][16 pairs][16 queries] */
+    uint16_t *keys = (uint16_t *)(qt + W / 2 * AMX_Q);   /* [AMX_KEYS][W]: keys copied (amx_rows) */
+    float *st = (float *)(keys + AMX_KEYS * W);          /* [AMX_KEYS][16 queries] */
+    float *sc = st + AMX_KEYS * AMX_Q;                   /* [16 queries][AMX_KEYS] */
+    uint16_t *pw = (uint16_t *)(sc + AMX_Q * AMX_KEYS);  /* [16 queries][AMX_KEYS] bf16 */
+    uint32_t *vp = (uint32_t *)(pw + AMX_Q * AMX_KEYS);  /* [AMX_KEYS / 32][wr / 16][16 pairs][16 channels] */
+    float *o = (float *)(vp + AMX_KEYS / 2 * wr);        /* [16 queries][wr], dp_values' order */
+    float *q32 = o + AMX_Q * wr;                         /* [r + p] */
+    const char *zeros = (const char *)(q32 + r + p);     /* [W] bf16: the keys past a tile's end */
+    memset(qt, 0, (size_t)(W / 2 * AMX_Q * 4));
+    memset(pw, 0, (size_t)(AMX_Q * AMX_KEYS * 2 + AMX_KEYS / 2 * wr * 4)); /* and vp: finite where unwritten */
+    memset(o, 0, (size_t)((AMX_Q * wr + r + p) * 4 + W * 2));
+    float mx[AMX_Q], sum[AMX_Q];
+    const float *bias_row[AMX_Q];
+    for (int i = 0; i < mb; i++) {
+        memset(q32, 0, (size_t)(r + p) * sizeof(float));
+        att_query(a, b, m0 + i, q32, q32 + r);
+        for (int64_t k = 0; k < W / 2; k++) { /* channel pair (2k, 2k + 1) of [q_lat, 0 .. | q_pe, 0 ..] */
+            uint16_t v[2];
+            for (int e = 0; e < 2; e++) {
+                const int64_t c = 2 * k + e;
+                const float x = c < wr ? (c < r ? q32[c] : 0.0f) : (c - wr < p ? q32[r + c - wr] : 0.0f);
+                v[e] = f32_to_bf16(x);
+            }
+            qt[(k / 16) * 256 + (k % 16) * AMX_Q + i] = (uint32_t)v[0] | (uint32_t)v[1] << 16;
+        }
+        bias_row[i] = a->bias ? a->bias + b * a->bias_bstride + ((m0 + i) / a->H) * S : NULL;
+        mx[i] = -INFINITY, sum[i] = 0.0f;
+    }
+    memset(q32, 0, (size_t)(r + p) * sizeof(float));
+    const RowKeys rk = att_row_keys(a, b, 2);
+    const char *kv_t[AMX_KEYS], *pe_t[AMX_KEYS];
+    int64_t first, end;
+    att_span(bias_row, mb, S, &first, &end);
+    amx_configure();
+    for (int64_t s0 = first; s0 < end; s0 += AMX_KEYS) {
+        const int64_t n = end - s0 < AMX_KEYS ? end - s0 : AMX_KEYS;
+        att_keys(&rk, s0, n, kv_t, pe_t);
+        for (int64_t j = n; j < AMX_KEYS; j++) kv_t[j] = pe_t[j] = zeros; /* weighted 0, and finite */
+        for (int64_t h = 0; h < AMX_KEYS / ATT_TILE; h++)
+            att_prefetch_ahead(&rk, r, p, 2, s0 + AMX_KEYS - ATT_PF * ATT_TILE + h * ATT_TILE, end);
+        for (int64_t h = 0; h < AMX_KEYS / 32 && 32 * h < n; h++) {
+            const AmxRows lo = amx_rows(kv_t + 32 * h, pe_t + 32 * h, r, p, W, keys + 32 * h * W);
+            const AmxRows hi = amx_rows(kv_t + 32 * h + 16, pe_t + 32 * h + 16, r, p, W, keys + (32 * h + 16) * W);
+            amx_scores(qt, lo, hi, wr, W, st + h * 32 * AMX_Q);
+            transpose16(st + h * 32 * AMX_Q, sc + h * 32, AMX_KEYS);
+            transpose16(st + h * 32 * AMX_Q + 16 * AMX_Q, sc + h * 32 + 16, AMX_KEYS);
+            amx_pair_values(kv_t + 32 * h, r, wr, vp + h * wr * 16);
+        }
+        for (int i = 0; i < mb; i++) {
+            float *si = sc + i * AMX_KEYS;
+            if (bias_row[i])
+                for (int64_t j = 0; j < n; j++) si[j] += bias_row[i][s0 + j];
+            att_softmax_tile(si, n, mx + i, sum + i, o + i * wr, wr);
+            for (int64_t h = 0; h < AMX_KEYS / 32; h++) {
+                const int64_t nh = n - 32 * h;
+                dp_pairs(si + 32 * h, nh < 0 ? 0 : nh > 32 ? 32 : nh, (uint32_t *)(pw + i * AMX_KEYS + 32 * h));
+            }
+        }
+        amx_values(pw, vp, wr, o);
+    }
+    _tile_release();
+    for (int i = 0; i < mb; i++) {
+        dp_unpermute(o + i * wr, r, q32);
+        att_output(a, b, m0 + i, q32, sum[i]);
+    }
+}
+#define USE_AMX(dots) ((dots) && dsv3_amx(-1))
+#else
+int dsv3_amx(int want) { (void)want; return 0; }
+#define USE_AMX(dots) 0
+#define amx_task(a, b, m0, mb, scratch) ((void)0)
+#define amx_scratch_bytes(r, p) ((size_t)0)
+#define AMX_Q ATT_GROUP
+#endif
+
 /* The absorbed MLA attention of a decode step from the query projection to the heads' outputs, for
  * B rows x T tokens x H heads (query m = t * H + h): q [B, T, H, nope + rope] (activation dtype) ->
  * q_lat = W_UK[h]^T q_nope, q_pe roped by cos/sin [B or 1, T, rope/2] (interleaved pairs), attention over
@@ -1754,23 +2012,27 @@ static int mla_decode(const PfRanges *pf, const void *q, int akind, const float 
                        uv_hstride, uv_rstride, T, H, S, nope, p, r, v, kv_bstride, kv_sstride, pe_bstride,
                        pe_sstride, bias_bstride, scale, out, pf, *pages};
     const int64_t M = T * H;
-    const int64_t group = B * ((M + ATT_GROUP - 1) / ATT_GROUP) >= nthreads ? ATT_GROUP : ATT_QUERIES;
+    const int dots = USE_BF16_DOTS(ckind, akind), amx = USE_AMX(dots);
+    const int64_t most = amx ? AMX_Q : ATT_GROUP; /* queries a task may take */
+    int64_t group = B * ((M + most - 1) / most) >= nthreads ? most : ATT_GROUP;
+    if (B * ((M + group - 1) / group) < nthreads) group = ATT_QUERIES;
     const int64_t mblocks = (M + group - 1) / group;
-    const int dots = USE_BF16_DOTS(ckind, akind);
 #pragma omp parallel num_threads(nthreads)
     {
         float *buf = (float *)malloc((size_t)ATT_FLOATS(r, p) * sizeof(float));
+        char *tiles = amx ? (char *)malloc(amx_scratch_bytes(r, p)) : NULL;
         pf_start(pf, omp_get_thread_num(), omp_get_num_threads());
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < B * mblocks; task++) {
             const int64_t b = task / mblocks, m0 = (task % mblocks) * group;
             const int mb = M - m0 < group ? (int)(M - m0) : (int)group;
             memset(buf, 0, (size_t)(ATT_GROUP * (2 * r + p)) * sizeof(float));
-            if (dots) dp_task(&a, b, m0, mb);
+            if (amx) amx_task(&a, b, m0, mb, tiles);
+            else if (dots) dp_task(&a, b, m0, mb);
             else if (ckind == A_F32) att_task(A_F32, &a, b, m0, mb, buf);
             else att_task(A_BF16, &a, b, m0, mb, buf);
         }
-        free(buf);
+        free(buf), free(tiles);
         pf_cursor.r = NULL;
     }
     return 0;

@@ -42,7 +42,7 @@ from dsv3.precision.fp8 import dequantize_weight_blocks
 SOURCE = Path(__file__).with_name("decode_kernels.c")
 W_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 A_KIND = {torch.float32: 0, torch.bfloat16: 1}
-ABI = 5  # decode_kernels.c's DSV3_KERNELS_ABI: the calling interface this module's declarations (_declare) match
+ABI = 6  # decode_kernels.c's DSV3_KERNELS_ABI: the calling interface this module's declarations (_declare) match
 MAX_KERNEL_ROWS = 64  # more rows than this: a real matmul (PyTorch's) is the better tool
 FP8_SCALE_SHIFT = 256.0  # the C side's FP8 scales are scale_inv * 256 (its powers of two do the rest exactly)
 
@@ -71,6 +71,8 @@ def _with_bf16_dots(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib = _declare(lib)
     lib.dsv3_bf16_dots.argtypes, lib.dsv3_bf16_dots.restype = [ctypes.c_int], ctypes.c_int
     lib.dsv3_bf16_dots(0 if os.environ.get("DSV3_DECODE_BF16_DOTS", "1") == "0" else 1)
+    lib.dsv3_amx.argtypes, lib.dsv3_amx.restype = [ctypes.c_int], ctypes.c_int
+    lib.dsv3_amx(0 if os.environ.get("DSV3_DECODE_AMX", "1") == "0" else 1)
     return lib
 
 
@@ -101,6 +103,19 @@ def bf16_dots(on: bool | None = None) -> bool:
     if lib is None:
         return False
     return bool(lib.dsv3_bf16_dots(-1 if on is None else int(on)))
+
+
+def amx(on: bool | None = None) -> bool:
+    """Whether a bf16 model's attention over a bf16 cache runs in AMX tiles (Intel's TDPBF16PS, 16 x 16 x 32
+    products an instruction) where the bf16 dot products are on (``bf16_dots``): the same roundings (queries
+    and softmax weights in bf16, products exact, sums fp32), summed in another order. On by default where the
+    CPU has AMX-BF16 and the kernel lets the process use it, off with ``DSV3_DECODE_AMX=0``. ``on`` turns it on
+    (where allowed) or off for this process; returns whether the attention takes it now (false while the dot
+    products are off)."""
+    lib = _load()[0]
+    if lib is None:
+        return False
+    return bool(lib.dsv3_amx(-1 if on is None else int(on))) and bool(lib.dsv3_bf16_dots(-1))
 
 
 class Weight:

@@ -1,0 +1,107 @@
+"""The bf16 attention in AMX tiles (``decode_kernels.amx``): on a CPU with AMX-BF16 a bf16 model's attention over
+a bf16 cache multiplies 16 x 32 tiles instead of VDPBF16PS vectors. It takes the dot-product path's roundings
+(queries and softmax weights in bf16, sums in fp32), so it must match the same reference, agree with that path
+within bf16 rounding, give the same bits at any thread count (its tasks group queries differently with the
+threads), and read in place or through a copy whatever the latent widths (multiples of 32 or not). Paged caches:
+tests/kernels/test_paged_decode.py runs every case there on this path too."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from dsv3.kernels import decode_kernels as dk
+
+needs_amx = pytest.mark.skipif(not (dk.kernels_available() and dk.amx()),
+                               reason="needs AMX-BF16 (CPU and kernel) and the C kernels")
+NEG = float("-inf")
+
+# (heads, nope, rope, latent r, v, cached slots S, tokens T, rows B): widths in place (r, rope multiples of 32),
+# widths copied (r = 40, rope = 8), V3's own latent (512 + 64), several 128-key tiles with a prefill chunk.
+SHAPES = [(4, 16, 32, 64, 16, 33, 1, 1), (4, 16, 8, 40, 16, 200, 2, 3), (16, 16, 64, 512, 16, 300, 1, 2),
+          (2, 16, 32, 96, 16, 1000, 8, 1)]
+
+
+def case(H, nope, rope, r, v, S, T, B, mask, seed=0):
+    """Arguments of ``mla_decode`` in bf16; ``mask``: None, "causal" (token t sees all but the last T - 1 - t
+    slots, as a prefill chunk does) or "merged" (row b right-aligned: its first 37 * b slots masked)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, T, H, nope + rope, generator=g).bfloat16()
+    angles = torch.rand(B, T, rope // 2, generator=g) * 6
+    w_uk, w_uv = (torch.randn(H, n, r, generator=g).div(r ** 0.5).bfloat16() for n in (nope, v))
+    kv, pe = torch.randn(B, S, r, generator=g).bfloat16(), torch.randn(B, S, rope, generator=g).bfloat16()
+    bias = None
+    if mask == "causal":
+        bias = torch.zeros(B, T, S)
+        for t in range(T):
+            bias[:, t, S - (T - 1 - t):] = NEG
+    elif mask == "merged":
+        bias = torch.zeros(B, T, S)
+        for b in range(B):
+            bias[b, :, :37 * b] = NEG
+    return q, angles.cos(), angles.sin(), w_uk, w_uv, kv, pe, bias, 0.3
+
+
+def run(args, amx: bool, threads: int) -> torch.Tensor:
+    """The op with the tiles on or off (the dot products on) at a thread count; the process's settings restored."""
+    before_amx, before_threads = dk.amx(), torch.get_num_threads()
+    try:
+        dk.amx(amx)
+        torch.set_num_threads(threads)
+        return torch.ops.dsv3.mla_decode(*args)
+    finally:
+        dk.amx(before_amx)
+        torch.set_num_threads(before_threads)
+
+
+def close(got: torch.Tensor, want: torch.Tensor) -> None:
+    """Within a few bf16 roundings of the largest value (the summation orders differ)."""
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.isfinite(got).all()
+    torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@needs_amx
+@pytest.mark.parametrize("mask", [None, "causal", "merged"])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "H{}-r{}-rope{}-S{}-T{}-B{}".format(*s[:1], *s[3:4],
+                                                                                                *s[2:3], *s[5:]))
+def test_tiles_match_the_reference_and_the_dot_products_at_any_thread_count(shape, mask):
+    args = case(*shape, mask, seed=sum(shape))
+    one, two = run(args, True, 1), run(args, True, 2)
+    assert torch.equal(one, two)
+    close(one, dk.mla_decode_reference(*args, bf16_queries=True))
+    dots = run(args, False, 1)
+    close(one, dots)
+    if shape[5] > 128:  # past one block of keys the sums run in another order: proof the tiles ran
+        assert not torch.equal(one, dots)
+
+
+@needs_amx
+def test_tiles_skip_the_slots_no_query_sees():
+    """NaN before a right-aligned row's first slot and past a prefill chunk's last one: never read (whole
+    128-key blocks start at the first 32-key tile a query sees), so the output is the one over finite slots."""
+    args = case(4, 16, 32, 64, 16, 400, 2, 2, "merged", seed=9)
+    kv, pe, bias = args[5].clone(), args[6].clone(), args[7].clone()
+    bias[0, :, 390:] = NEG  # row 0 sees slots ..389
+    want = run((*args[:5], kv, pe, bias, args[8]), True, 1)
+    kv[1, :32], pe[1, :32], kv[0, 390:], pe[0, 390:] = float("nan"), float("nan"), float("nan"), float("nan")
+    for threads in (1, 2):
+        assert torch.equal(run((*args[:5], kv, pe, bias, args[8]), True, threads), want)
+
+
+@needs_amx
+def test_tiles_turn_off_with_the_dot_products_and_by_environment():
+    """No tiles without the bf16 dot products (fp32 paths compute differently); ``DSV3_DECODE_AMX=0`` turns
+    them off for a process while leaving the dot products on."""
+    dots = dk.bf16_dots()
+    try:
+        dk.bf16_dots(False)
+        assert not dk.amx()
+    finally:
+        dk.bf16_dots(dots)
+    assert dk.amx()
+    code = "from dsv3.kernels import decode_kernels as dk; print(dk.amx(), dk.bf16_dots())"
+    env = {**os.environ, "DSV3_DECODE_AMX": "0"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.split() == ["False", "True"], done.stderr
