@@ -105,3 +105,17 @@ def test_tiles_turn_off_with_the_dot_products_and_by_environment():
     env = {**os.environ, "DSV3_DECODE_AMX": "0"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert done.stdout.split() == ["False", "True"], done.stderr
+
+
+@needs_amx
+def test_a_query_gets_the_same_bits_whichever_queries_share_its_task():
+    """Two tokens of a row with different first visible slots (a sliding window): one thread attends both in
+    one task from the earlier slot, two threads one each from its own; the 128-key blocks sit at the same
+    slots either way, so every bit agrees, and with the reference."""
+    args = case(4, 16, 32, 64, 16, 400, 2, 1, None, seed=11)
+    bias = torch.zeros(1, 2, 400)
+    bias[0, 0, :40], bias[0, 1, :100] = NEG, NEG  # first visible tiles at 32 and 96
+    args = (*args[:7], bias, args[8])
+    one = run(args, True, 1)
+    assert torch.equal(one, run(args, True, 2))
+    close(one, dk.mla_decode_reference(*args, bf16_queries=True))

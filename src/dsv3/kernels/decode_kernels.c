@@ -1733,7 +1733,7 @@ static DP_TARGET void dp_task(const AttArgs *a, int64_t b, int64_t m0, int mb) {
  * FMA rate, see gemv_dots). With the dot products on and AMX usable (the CPU has AMX-BF16, the kernel lets
  * the process use its tile registers: dsv3_amx), a bf16 model's attention over a bf16 cache runs here, with
  * dp_task's roundings (queries and each tile's softmax weights in bf16, every product exact, every sum fp32),
- * up to 16 queries a task and 32 keys a tile:
+ * up to 16 queries a task, 128 keys a block (its softmax step), 32 keys a tile:
  *
  *   scores^T [32 keys, 16 queries] = K [32 keys, W] x Q^T (the tile's keys copied into one block, so a
  *   paged cache reads as a plain one; Q^T made once a task in the pairs-of-rows order AMX takes its right
@@ -1742,7 +1742,8 @@ static DP_TARGET void dp_task(const AttArgs *a, int64_t b, int64_t m0, int mb) {
  *   order: dp_unpermute).
  *
  * A query's scores and outputs are sums over the same products in the same order whatever the other queries
- * of its task, so the thread count still changes no bit. */
+ * of its task (blocks start at multiples of 128 slots, not at the task's first visible one), so the thread
+ * count still changes no bit. */
 
 #if DP_COMPILER && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
 #include <sys/syscall.h>
@@ -1944,9 +1945,13 @@ static AMX_TARGET void amx_task(const AttArgs *a, int64_t b, int64_t m0, int mb,
     int64_t first, end;
     att_span(bias_row, mb, S, &first, &end);
     amx_configure();
-    for (int64_t s0 = first; s0 < end; s0 += AMX_KEYS) {
+    /* blocks at whole multiples of AMX_KEYS, whatever the task's first slot, so that a key meets the same
+     * tiles, pairs and softmax blocks whichever queries share its task (the thread count groups them) */
+    for (int64_t s0 = first / AMX_KEYS * AMX_KEYS; s0 < end; s0 += AMX_KEYS) {
         const int64_t n = end - s0 < AMX_KEYS ? end - s0 : AMX_KEYS;
-        att_keys(&rk, s0, n, kv_t, pe_t);
+        const int64_t lead = first > s0 ? first - s0 : 0; /* slots before the task's first: never read */
+        att_keys(&rk, s0 + lead, n - lead, kv_t + lead, pe_t + lead);
+        for (int64_t j = 0; j < lead; j++) kv_t[j] = pe_t[j] = zeros;
         for (int64_t j = n; j < AMX_KEYS; j++) kv_t[j] = pe_t[j] = zeros; /* weighted 0, and finite */
         for (int64_t h = 0; h < AMX_KEYS / ATT_TILE; h++)
             att_prefetch_ahead(&rk, r, p, 2, s0 + AMX_KEYS - ATT_PF * ATT_TILE + h * ATT_TILE, end);
@@ -1961,7 +1966,8 @@ static AMX_TARGET void amx_task(const AttArgs *a, int64_t b, int64_t m0, int mb,
         for (int i = 0; i < mb; i++) {
             float *si = sc + i * AMX_KEYS;
             if (bias_row[i])
-                for (int64_t j = 0; j < n; j++) si[j] += bias_row[i][s0 + j];
+                for (int64_t j = lead; j < n; j++) si[j] += bias_row[i][s0 + j];
+            for (int64_t j = 0; j < lead; j++) si[j] = -INFINITY; /* masked for every query of the task */
             att_softmax_tile(si, n, mx + i, sum + i, o + i * wr, wr);
             for (int64_t h = 0; h < AMX_KEYS / 32; h++) {
                 const int64_t nh = n - 32 * h;
