@@ -23,7 +23,7 @@ from dsv3.infer.cluster.affinity import PrefixAffinity
 from dsv3.infer.cluster.rank import Control, RankWorker, Ready, Report, Transfer, WireEvent, WireRequest
 from dsv3.infer.engine import Engine, Request
 from dsv3.infer.prefix_cache import CacheSnapshot
-from dsv3.infer.scheduler import Deliver, Scheduler
+from dsv3.infer.scheduler import Deliver, Scheduler, deliver_all
 
 IDLE_WAIT_S = 0.05  # how long an idle group waits for a request before stepping anyway
 LOAD_REFRESH_S = 1.0  # while busy, the ranks' expert load (/metrics) is gathered at most this often
@@ -244,6 +244,7 @@ class ClusterScheduler(Scheduler):
         return [rid for rid, (request, _) in self.inflight.items() if request.cancelled]
 
     def _deliver(self, events: list[WireEvent]) -> None:
+        out = []
         for wire in events:
             request, rank = self.inflight.get(wire.rid, (None, 0))
             if request is None:
@@ -253,11 +254,12 @@ class ClusterScheduler(Scheduler):
             self.metrics.event(request, len(wire.token_ids), wire.finish_reason)
             deliver = self.listeners.get(wire.rid)
             if deliver is not None:
-                deliver(wire.event(request))
+                out.append((deliver, wire.event(request)))
             if wire.finish_reason:
                 self.listeners.pop(wire.rid, None)
                 self.inflight.pop(wire.rid)
                 self.load[rank] -= 1
+        deliver_all(out)
 
     def describe(self) -> dict:
         """The group's state as JSON (GET /cluster)."""
