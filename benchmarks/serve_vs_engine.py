@@ -10,9 +10,13 @@ client) back to back; the ratios compare each figure's best round (a busy machin
 down, so the best of a few is the least disturbed). The 8-request figure is measured twice: with
 ``--prompt-len`` prompts, whose prefills the server runs between decode steps (the engine's figure
 leaves prefill out), and with ``--short-prompt`` prompts and ``--short-new-tokens`` tokens, where
-decoding is nearly all the work. ``--max-prefill-tokens N`` is given to the server (default: the server's
-own, 128 tokens of prefill between two decode steps, which cuts a 256-token prompt into two chunks, each
-a forward of its own; ``0`` prefills whole prompts).
+decoding is nearly all the work. With long prompts the engine's decode-only figure is out of reach: the
+server must also prefill every prompt, so the script also prints the bound that its engine sets (every prompt
+prefilled at the engine's own batch-8 prefill rate, every token decoded at its batch-8 rate:
+``c8_prefill_and_decode_bound_tokens_per_s``) and the server's share of it. ``--max-prefill-tokens N`` is
+given to the server (default: the server's own, 128 tokens of prefill between two decode steps: a
+256-token prompt is prefilled in chunks of at most 64 tokens, each sized to take about a decode step;
+``0`` prefills whole prompts).
 
     .venv/bin/python benchmarks/serve_vs_engine.py --json
 
@@ -42,6 +46,8 @@ from dsv3.config import preset
 from dsv3.infer.bench_serve import make_prompts, model_card, run
 from dsv3.model import Transformer
 from serve_prefix_cache import server_command, start_server
+
+C8_REQUESTS = 16  # the long-prompt requests sent at concurrency 8
 
 
 def save_checkpoint(folder: Path, layers: int) -> None:
@@ -81,7 +87,7 @@ def one_round(folder: Path, url: str, card: dict, args, seed: int) -> dict:
     row["serve_c1_unstreamed_ms_per_token"] = unstreamed_ms_per_token(url, model, prompts(1, args.prompt_len)[0],
                                                                       args.new_tokens)
     row["engine_b8"] = engine(folder, 8, args.prompt_len, args.new_tokens, t)
-    row["serve_c8"] = run(url, model, prompts(16, args.prompt_len), args.new_tokens, 8, 600)
+    row["serve_c8"] = run(url, model, prompts(C8_REQUESTS, args.prompt_len), args.new_tokens, 8, 600)
     row["engine_b8_short"] = engine(folder, 8, args.short_prompt, args.short_new_tokens, t)
     row["serve_c8_short"] = run(url, model, prompts(32, args.short_prompt), args.short_new_tokens, 8, 600)
     return row
@@ -95,10 +101,19 @@ def best(rows: list[dict]) -> dict:
             "serve_c1_tpot_p50_ms": least(lambda r: r["serve_c1"]["tpot_ms"]["p50"]),
             "serve_c1_unstreamed_ms_per_token": least(lambda r: r["serve_c1_unstreamed_ms_per_token"]),
             "engine_b8_tokens_per_s": most(lambda r: r["engine_b8"]["tokens_per_s"]),
+            "engine_b8_prefill_s": least(lambda r: r["engine_b8"]["prefill_s"]),
             "serve_c8_tokens_per_s": most(lambda r: r["serve_c8"]["output_tokens_per_s"]),
             "serve_c8_tpot_p50_ms": least(lambda r: r["serve_c8"]["tpot_ms"]["p50"]),
             "engine_b8_short_tokens_per_s": most(lambda r: r["engine_b8_short"]["tokens_per_s"]),
             "serve_c8_short_tokens_per_s": most(lambda r: r["serve_c8_short"]["output_tokens_per_s"])}
+
+
+def prefill_and_decode_bound(b: dict, requests: int, new_tokens: int) -> float:
+    """The most output tokens/s a server of this engine can deliver for ``requests`` long-prompt requests at
+    concurrency 8: their prompts prefilled 8 at a time at the engine's batch-8 prefill time, and their
+    tokens decoded at its batch-8 rate, one after the other (a CPU's cores do one or the other)."""
+    tokens = requests * new_tokens
+    return tokens / (requests / 8 * b["engine_b8_prefill_s"] + tokens / b["engine_b8_tokens_per_s"])
 
 
 def ratios(b: dict) -> dict:
@@ -106,6 +121,9 @@ def ratios(b: dict) -> dict:
     return {"c1_tpot_over_step": b["serve_c1_tpot_p50_ms"] / step,
             "c1_unstreamed_over_step": b["serve_c1_unstreamed_ms_per_token"] / step,
             "c8_tokens_per_s_over_engine": b["serve_c8_tokens_per_s"] / b["engine_b8_tokens_per_s"],
+            "c8_prefill_and_decode_bound_over_engine": b["c8_prefill_and_decode_bound_tokens_per_s"]
+            / b["engine_b8_tokens_per_s"],
+            "c8_tokens_per_s_over_bound": b["serve_c8_tokens_per_s"] / b["c8_prefill_and_decode_bound_tokens_per_s"],
             "c8_short_tokens_per_s_over_engine": b["serve_c8_short_tokens_per_s"] / b["engine_b8_short_tokens_per_s"]}
 
 
@@ -138,6 +156,8 @@ def main() -> None:
             proc.wait(timeout=60)
 
     figures = best(rows)
+    figures["c8_prefill_and_decode_bound_tokens_per_s"] = prefill_and_decode_bound(figures, C8_REQUESTS,
+                                                                                   args.new_tokens)
     result = {"shape": f"small, {args.layers} layers, no MTP, bf16", "threads": args.threads,
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "short_prompt": args.short_prompt,
               "short_new_tokens": args.short_new_tokens, "max_prefill_tokens": args.max_prefill_tokens,
