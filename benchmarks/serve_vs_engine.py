@@ -14,9 +14,8 @@ decoding is nearly all the work. With long prompts the engine's decode-only figu
 server must also prefill every prompt, so the script also prints the bound that its engine sets (every prompt
 prefilled at the engine's own batch-8 prefill rate, every token decoded at its batch-8 rate:
 ``c8_prefill_and_decode_bound_tokens_per_s``) and the server's share of it. ``--max-prefill-tokens N`` is
-given to the server (default: the server's own, 128 tokens of prefill between two decode steps: a
-256-token prompt is prefilled in chunks of at most 64 tokens, each sized to take about a decode step;
-``0`` prefills whole prompts).
+given to the server (default: the server's own, 256 tokens of prefill between two decode steps: one
+256-token prompt at a time, whole; ``0`` prefills whole prompts, all that wait together).
 
     .venv/bin/python benchmarks/serve_vs_engine.py --json
 
