@@ -411,13 +411,16 @@ def run_beside(server, sock, scheduler) -> None:
         server.force_exit = server.should_exit
         server.should_exit = True
 
+    from dsv3.infer.heap import loaded_heap_frozen
+
     scheduler.driven = True
     http = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, name="dsv3-http", daemon=True)
     before = {sig: signal.signal(sig, stop_serving) for sig in (signal.SIGINT, signal.SIGTERM)}
     try:
-        http.start()
-        scheduler.drive(until=lambda: not http.is_alive())
-        http.join(timeout=30)
+        with loaded_heap_frozen():
+            http.start()
+            scheduler.drive(until=lambda: not http.is_alive())
+            http.join(timeout=30)
     finally:
         for sig, handler in before.items():
             signal.signal(sig, handler)

@@ -111,6 +111,7 @@ def _serve(opts: GroupOptions, rank: int, world: int, model: str, host: str, por
     from dsv3.infer.cli import build_engine, listen
     from dsv3.infer.cluster.frontend import worker_loop
     from dsv3.infer.cluster.lockstep import make_lockstep, use_micro_batches
+    from dsv3.infer.heap import loaded_heap_frozen
     from dsv3.run_dir import resolve_checkpoint
 
     folder = resolve_checkpoint(model)
@@ -128,7 +129,8 @@ def _serve(opts: GroupOptions, rank: int, world: int, model: str, host: str, por
     sock = agree(lambda: listen(host, port) if rank == 0 else None)
     if rank != 0:
         try:
-            worker_loop(worker)
+            with loaded_heap_frozen():
+                worker_loop(worker)
         except Exception as exc:  # a peer gone or hung: one line from each rank, not a traceback
             reason = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
             raise RankError(f"rank {rank}: the serving group lost a rank, stopping ({reason})") from None
@@ -143,6 +145,7 @@ def _front_end(opts: GroupOptions, engine, worker, world: int, sock, model: str,
     from dsv3.infer.cli import _model_name
     from dsv3.infer.cluster.app import install_unavailable
     from dsv3.infer.cluster.frontend import ClusterScheduler
+    from dsv3.infer.heap import loaded_heap_frozen
     from dsv3.infer.server import create_app
 
     P = opts.prefill_ranks
@@ -163,7 +166,8 @@ def _front_end(opts: GroupOptions, engine, worker, world: int, sock, model: str,
             f"moves its latent cache to a decode rank: {cache_bytes_per_token(engine):,} bytes per token")
     log(f"listening on http://{where}:{bound_port}/v1 (OpenAI API); Ctrl-C stops")
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
-    server.run(sockets=[sock])
+    with loaded_heap_frozen():
+        server.run(sockets=[sock])
 
 
 def attach_prefix_caches(opts: GroupOptions, engine, rank: int) -> None:
