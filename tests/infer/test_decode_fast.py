@@ -17,6 +17,7 @@ from dsv3.kernels import decode_kernels as dk
 from dsv3.kernels.decode import FastDecode, Step
 from dsv3.kernels.int_weights import to_int_weights
 from dsv3.precision.fp8 import quantize_weight_blocks
+from dsv3.testing.ragged import decode_ragged, ragged_mask
 
 sys.path.insert(0, str(Path(__file__).parent))
 from conftest import decisive_routing, tiny_model  # noqa: E402
@@ -275,30 +276,12 @@ def ragged_logits(model, decoder, prompts, steps: int = 3, T: int = 1):
     pads = torch.tensor([L - len(p) for p in prompts])
     valid = torch.zeros(B, cache.max_len, dtype=torch.bool)
     valid[:, :L] = torch.arange(L)[None] >= pads[:, None]
-
-    def mask(start, n):
-        S = start + n
-        return valid[:, None, :S] | (torch.arange(S)[None, :] == torch.arange(start, S)[:, None])[None]
-
-    main, mtp = [], []
     with torch.inference_mode():
         ids = torch.tensor([[0] * (L - len(p)) + p for p in prompts])
         model.hidden_states(ids, positions=(torch.arange(L)[None] - pads[:, None]).clamp(min=0), cache=cache,
-                            mask=mask(0, L))
-        for s in range(steps):
-            start = L + s * T
-            new = torch.tensor([[(11 * s + 5 * b + t + 1) % 300 for t in range(T)] for b in range(B)])
-            positions = (L - pads)[:, None] + s * T + torch.arange(T)
-            valid[:, start : start + T] = True
-            h, logits = decoder.hidden_and_logits(new, positions=positions, cache=cache, start_pos=start,
-                                                  mask=mask(start, T))
-            main.append(logits)
-            h_mtp = decoder.mtp_hidden(0, h, (new + 7) % 300, positions, cache=cache, start_pos=start,
-                                       mask=mask(start, T))
-            mtp.append(decoder.mtp_logits(0, h_mtp))
-            if s == 0:
-                valid[0, start + T - 1] = False  # a rejected draft: a hole every later step must skip
-    return torch.stack(main).float(), torch.stack(mtp).float()
+                            mask=ragged_mask(valid, 0, L))
+    main, mtp = decode_ragged(decoder, cache, valid, L, pads, steps, T)
+    return main.float(), mtp.float()
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp8-fp32"])

@@ -53,6 +53,7 @@ def test_a_request_that_cannot_fit_alone_fails_with_one_clear_error(model):
     engine = pool_engine(model, 2)  # 16 slots
     result = engine.generate([Request(list(range(1, 12)), 30)])[0]
     assert result.finish_reason == "error" and "raise --kv-cache-bytes" in result.error
+    assert "a context of 17 tokens does not fit" in result.error  # the 16 slots held and this step's one
     assert engine.pool.free == engine.pool.pages
 
 

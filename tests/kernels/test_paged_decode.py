@@ -18,6 +18,7 @@ from dsv3.kernels import decode_kernels as dk
 from dsv3.kernels import int_weights as iw
 from dsv3.kernels.decode import FastDecode
 from dsv3.model.mla import LatentCache
+from dsv3.testing.ragged import decode_ragged, ragged_mask
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "infer"))
 from conftest import tiny_model  # noqa: E402
@@ -169,35 +170,6 @@ MODES = {"step kernel": {}, "block kernel": {"step_kernel": False}, "per-op kern
          "per-op torch": {"use_kernels": False}}
 
 
-def ragged_mask(valid: torch.Tensor, start: int, n: int) -> torch.Tensor:
-    """bool [B, n, start + n]: the slots ``valid`` allows, and each new token itself."""
-    S = start + n
-    return valid[:, None, :S] | (torch.arange(S)[None, :] == torch.arange(start, S)[:, None])[None]
-
-
-def decode_ragged(model, decoder, cache: LatentCache, valid: torch.Tensor, L: int, pads: torch.Tensor,
-                  steps: int, T: int):
-    """Teacher-forced decode steps of a prefilled ragged batch (left padding, per-row positions, a hole where row
-    0's second token was rejected), the MTP layer after each: the main and MTP logits [steps, B, T, V]."""
-    B = pads.shape[0]
-    main, mtp = [], []
-    with torch.inference_mode():
-        for s in range(steps):
-            start = L + s * T
-            new = torch.tensor([[(11 * s + 5 * b + t + 1) % 300 for t in range(T)] for b in range(B)])
-            positions = (L - pads)[:, None] + s * T + torch.arange(T)
-            valid[:, start : start + T] = True
-            h, logits = decoder.hidden_and_logits(new, positions=positions, cache=cache, start_pos=start,
-                                                  mask=ragged_mask(valid, start, T))
-            main.append(logits)
-            h_mtp = decoder.mtp_hidden(0, h, (new + 7) % 300, positions, cache=cache, start_pos=start,
-                                       mask=ragged_mask(valid, start, T))
-            mtp.append(decoder.mtp_logits(0, h_mtp))
-            if s == 0:
-                valid[0, start + T - 1] = False
-    return torch.stack(main), torch.stack(mtp)
-
-
 def prefilled(model, page_tokens: int, steps: int, T: int):
     """A ragged batch prefilled by the modules into a plain cache, and the same values in scattered pages whose
     shifts drop each row's left padding. Returns (plain, paged, valid, L, pads)."""
@@ -256,9 +228,9 @@ def test_decode_steps_over_pages_equal_the_plain_cache(threads, simd, mode, dtyp
     plain, paged, valid, L, pads = prefilled(model, page_tokens, steps, T)
     before = valid.clone()
     decoder = FastDecode(model, **MODES[mode])
-    want = decode_ragged(model, decoder, plain, valid, L, pads, steps, T)
+    want = decode_ragged(decoder, plain, valid, L, pads, steps, T)
     calls = paged_calls(monkeypatch)
-    got = decode_ragged(model, decoder, paged, before, L, pads, steps, T)
+    got = decode_ragged(decoder, paged, before, L, pads, steps, T)
     assert calls == {"step kernel": {"step": steps, "block": steps}, "block kernel": {"block": 3 * steps},
                      "per-op kernels": {"attention": 3 * steps}, "per-op torch": {}}[mode]  # 2 layers + MTP
     end = L + steps * T
@@ -292,5 +264,5 @@ def test_a_write_outside_a_rows_pages_is_refused_and_writes_nothing(mode):
     decoder = FastDecode(model, **MODES[mode])
     said = "at a slot" if "kernel" in mode and "per-op" not in mode else r"at slots \[11, 12\)"  # C or Python
     with pytest.raises(ValueError, match=f"{said} outside a row's pages"):
-        decode_ragged(model, decoder, paged, valid, L, pads, steps, T)
+        decode_ragged(decoder, paged, valid, L, pads, steps, T)
     assert torch.equal(paged.kv, before[0]) and torch.equal(paged.pe, before[1])

@@ -766,11 +766,9 @@ class Batch:
             try:
                 self._ensure_capacity()
                 return []
-            except PoolFull as full:
+            except PoolFull:
                 if len(self.rows) == 1:
-                    event = self.rows[0].fail(f"the latent cache ({self.engine.pool.pages} pages of "
-                                              f"{self.engine.pool.page_tokens} tokens) cannot hold this request's "
-                                              f"context: {full}; raise --kv-cache-bytes")
+                    event = self.rows[0].fail(str(PoolFull.alone(len(held_tokens(self.rows[0])) + self.T)))
                     self.drop([0])
                     return [event]
                 row = self.rows[-1]
