@@ -49,6 +49,24 @@ def test_a_full_pool_preempts_and_resumes_rows_with_the_same_tokens(model, specu
         assert tight.pool.free == tight.pool.pages  # every page given back
 
 
+def test_a_preempted_row_resumes_as_soon_as_pages_free_up(model):
+    """``Engine.stream`` (generate, chat) takes a preempted row back while the others still decode, once a
+    finished row has given its pages back, not only after the whole batch has ended; its tokens are those of
+    a pool with room for all."""
+    prompts, lengths = [[5, 6, 7], [40, 41, 42], [7, 8, 9]], [30, 40, 40]
+    want = tokens_of(pool_engine(model).generate([Request(p, n) for p, n in zip(prompts, lengths, strict=True)]))
+    engine = pool_engine(model, 10)  # 80 slots: the newest row is preempted near 24 slots a row
+    requests = [Request(p, n) for p, n in zip(prompts, lengths, strict=True)]
+    order = [requests.index(ev.request) for ev in engine.stream(requests) if ev.token_ids]
+    assert engine.last_stats.preemptions > 0
+    at = [i for i, r in enumerate(order) if r == 2]
+    back = next(b for a, b in zip(at, at[1:], strict=False) if b - a > 3)  # row 2's first token after a pause
+    assert 0 not in order[back:] and 1 in order[back + 1 :], order  # row 0 had ended, row 1 still decoded
+    again = [Request(p, n) for p, n in zip(prompts, lengths, strict=True)]
+    assert tokens_of(pool_engine(model, 10).generate(again)) == want
+    assert engine.pool.free == engine.pool.pages
+
+
 def test_a_request_that_cannot_fit_alone_fails_with_one_clear_error(model):
     engine = pool_engine(model, 2)  # 16 slots
     result = engine.generate([Request(list(range(1, 12)), 30)])[0]

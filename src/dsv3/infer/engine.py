@@ -328,22 +328,41 @@ class Engine:
         return Batch(self, [], rows)
 
     def stream(self, requests: list[Request]) -> Iterator[Event]:
-        """Events as tokens are produced, for all requests decoded together (rows preempted for want of cache
-        pages resume once the others have finished)."""
+        """Events as tokens are produced, for all requests decoded together. Rows preempted for want of cache
+        pages are prefilled again, oldest first, as soon as the pool has pages for them, and join the running
+        batch (as the server's scheduler resumes them); one that does not fit even alone fails."""
         batch = self.start(requests)
         yield from batch.first_events
-        waiting: list[Row] = []
+        stats, waiting = batch.stats, []
         while batch.rows or waiting:
             if batch.rows:
                 yield from batch.step()
             waiting += batch.take_preempted()
-            if waiting and not batch.rows:
-                batch.release()
-                resumed = self.resume(waiting[:1])
-                waiting = waiting[1:]
-                resumed.stats = batch.stats
-                batch = resumed
-        self.last_stats = batch.stats
+            batch, failed = self._resume_waiting(batch, waiting)
+            yield from failed
+        self.last_stats = stats
+
+    def _resume_waiting(self, batch: Batch, waiting: list[Row]) -> tuple[Batch, list[Event]]:
+        """Prefill ``waiting``'s rows again while the pool has pages, merging each into ``batch`` (taken off
+        ``waiting``); returns the batch and the error events of rows that cannot fit alone."""
+        failed = []
+        while waiting:
+            try:
+                fresh = self.resume(waiting[:1])
+            except PoolFull:
+                if batch.rows:  # the running rows give pages back as they finish: wait for them
+                    break
+                row = waiting.pop(0)
+                failed.append(row.fail(str(PoolFull.alone(len(held_tokens(row))))))
+                continue
+            waiting.pop(0)
+            if batch.rows:
+                batch.merge(fresh)  # takes its prefill time into batch.stats
+                continue
+            batch.release()
+            batch.stats.prefill_s += fresh.stats.prefill_s
+            fresh.stats, batch = batch.stats, fresh
+        return batch, failed
 
     def generate(self, requests: list[Request]) -> list[Result]:
         results = {id(r): Result([], "", "", logprobs=[] if r.logprobs is not None else None) for r in requests}
