@@ -19,9 +19,10 @@ needs_amx = pytest.mark.skipif(not (dk.kernels_available() and dk.amx()),
 NEG = float("-inf")
 
 # (heads, nope, rope, latent r, v, cached slots S, tokens T, rows B): widths in place (r, rope multiples of 32),
-# widths copied (r = 40, rope = 8), V3's own latent (512 + 64), several 128-key tiles with a prefill chunk.
+# widths copied (r = 40, rope = 8), V3's own latent (512 + 64), several 128-key tiles with a prefill chunk, and
+# one row of 16 heads over three segments of keys (a decode step at batch 1, which the threads share by segment).
 SHAPES = [(4, 16, 32, 64, 16, 33, 1, 1), (4, 16, 8, 40, 16, 200, 2, 3), (16, 16, 64, 512, 16, 300, 1, 2),
-          (2, 16, 32, 96, 16, 1000, 8, 1)]
+          (2, 16, 32, 96, 16, 1000, 8, 1), (16, 16, 64, 512, 16, 1500, 1, 1)]
 
 
 def case(H, nope, rope, r, v, S, T, B, mask, seed=0):
@@ -115,6 +116,19 @@ def test_a_query_gets_the_same_bits_whichever_queries_share_its_task():
     args = case(4, 16, 32, 64, 16, 400, 2, 1, None, seed=11)
     bias = torch.zeros(1, 2, 400)
     bias[0, 0, :40], bias[0, 1, :100] = NEG, NEG  # first visible tiles at 32 and 96
+    args = (*args[:7], bias, args[8])
+    one = run(args, True, 1)
+    assert torch.equal(one, run(args, True, 2))
+    close(one, dk.mla_decode_reference(*args, bf16_queries=True))
+
+
+@needs_amx
+def test_segments_no_query_sees_add_nothing():
+    """Keys cut into segments of 512 slots, merged per query: a row that sees only the last segment, one whose
+    visible slots straddle two, and one that sees all, against the reference and at both thread counts."""
+    args = case(16, 16, 64, 128, 16, 1300, 1, 3, None, seed=5)
+    bias = torch.zeros(3, 1, 1300)
+    bias[0, :, :1100], bias[1, :, :450], bias[1, :, 700:] = NEG, NEG, NEG
     args = (*args[:7], bias, args[8])
     one = run(args, True, 1)
     assert torch.equal(one, run(args, True, 2))

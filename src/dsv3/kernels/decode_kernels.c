@@ -1741,9 +1741,11 @@ static DP_TARGET void dp_task(const AttArgs *a, int64_t b, int64_t m0, int mb) {
  *   o [16 queries, r] += P [16, 32 keys] x V (V's rows paired as dp_values pairs them, so o comes in its
  *   order: dp_unpermute).
  *
+ * A row's keys are cut into segments of 512 slots, a task each (so that the threads share even one row of 16
+ * heads), whose running maxima, sums and outputs are merged per query in segment order (amx_attention).
  * A query's scores and outputs are sums over the same products in the same order whatever the other queries
- * of its task (blocks start at multiples of 128 slots, not at the task's first visible one), so the thread
- * count still changes no bit. */
+ * of its task (blocks start at multiples of 128 slots and segments at multiples of 512, not at the task's
+ * first visible one), so the thread count still changes no bit. */
 
 #if DP_COMPILER && ((defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && __GNUC__ >= 11))
 #include <sys/syscall.h>
@@ -1753,6 +1755,7 @@ static DP_TARGET void dp_task(const AttArgs *a, int64_t b, int64_t m0, int mb) {
 #define AMX_TARGET __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
 #define AMX_Q 16    /* queries per task: a tile's rows */
 #define AMX_KEYS 128 /* keys per tile: four TDPBF16PS depths in bf16 (amx_values) */
+#define AMX_SEG 512  /* keys per segment: a task's share of a row's keys (amx_attention) */
 
 /* Whether this CPU and kernel let the process use AMX-BF16: CPUID, the OS's saved state (XCR0's tile bits),
  * and the kernel's permission for the tile data (arch_prctl ARCH_REQ_XCOMP_PERM, Linux 5.16 on). */
@@ -1817,13 +1820,18 @@ static inline __attribute__((always_inline)) AMX_TARGET void transpose16(const f
     }
 }
 
-/* A task's scratch in bytes: Q^T, keys copied, scores^T and scores, softmax weights, paired values, outputs,
- * one query in fp32 and a row of zeros. */
+/* A segment task's scratch in bytes: keys copied, scores^T and scores, softmax weights, paired values, one
+ * query in fp32 and a row of zeros. */
 static size_t amx_scratch_bytes(int64_t r, int64_t p) {
     const int64_t wr = dp_padded(r), W = wr + dp_padded(p);
-    return (size_t)(W / 2 * AMX_Q * 4 + AMX_KEYS * W * 2 + 2 * AMX_Q * AMX_KEYS * 4 + AMX_Q * AMX_KEYS * 2
-                    + AMX_KEYS / 2 * wr * 4 + AMX_Q * wr * 4 + (r + p) * 4 + W * 2) + 64;
+    return (size_t)(AMX_KEYS * W * 2 + 2 * AMX_Q * AMX_KEYS * 4 + AMX_Q * AMX_KEYS * 2 + AMX_KEYS / 2 * wr * 4
+                    + (r + p) * 4 + W * 2) + 64;
 }
+
+/* Q^T of a query group for the tiles: [W / 32][16 pairs][AMX_Q queries] uint32, and one segment's result:
+ * each query's running max and sum, then its outputs [AMX_Q][wr] (dp_values' order, not yet divided). */
+static size_t amx_qt_words(int64_t W) { return (size_t)(W / 2 * AMX_Q); }
+static size_t amx_part_floats(int64_t wr) { return (size_t)(2 * AMX_Q + AMX_Q * wr); }
 
 /* Where 16 keys' rows are for a tile load: kv at kv, pe at pe, rows kv_ld / pe_ld bytes apart. */
 typedef struct { const char *kv, *pe; int64_t kv_ld, pe_ld; } AmxRows;
@@ -1906,44 +1914,50 @@ static inline __attribute__((always_inline)) AMX_TARGET void amx_pair_values(con
         }
 }
 
-/* dp_task in AMX tiles: queries [m0, m0 + mb) of batch row b (mb <= AMX_Q), AMX_KEYS keys a tile, each
- * 16-channel block of the outputs loaded and stored once a tile; scratch: amx_scratch_bytes. */
-static AMX_TARGET void amx_task(const AttArgs *a, int64_t b, int64_t m0, int mb, char *scratch) {
+/* Query m of batch row b as column i of its group's Q^T (qt, zeroed where no query is): [q_lat, 0 .. | q_pe,
+ * 0 ..] in bf16 pairs of channels. q32: r + p floats of scratch. */
+static AMX_TARGET void amx_query(const AttArgs *a, int64_t b, int64_t m, int i, uint32_t *qt, float *q32) {
+    const int64_t r = a->r, p = a->p, wr = dp_padded(r), W = wr + dp_padded(p);
+    memset(q32, 0, (size_t)(r + p) * sizeof(float));
+    att_query(a, b, m, q32, q32 + r);
+    for (int64_t k = 0; k < W / 2; k++) { /* channel pair (2k, 2k + 1) */
+        uint16_t v[2];
+        for (int e = 0; e < 2; e++) {
+            const int64_t c = 2 * k + e;
+            const float x = c < wr ? (c < r ? q32[c] : 0.0f) : (c - wr < p ? q32[r + c - wr] : 0.0f);
+            v[e] = f32_to_bf16(x);
+        }
+        qt[(k / 16) * 256 + (k % 16) * AMX_Q + i] = (uint32_t)v[0] | (uint32_t)v[1] << 16;
+    }
+}
+
+/* dp_task in AMX tiles over one segment of the keys, [seg0, seg1): queries [m0, m0 + mb) of batch row b
+ * (mb <= AMX_Q, their Q^T in qt), AMX_KEYS keys a block, each 16-channel block of the outputs loaded and stored
+ * once a tile; the segment's running max, sum and outputs go to part (amx_part_floats); scratch:
+ * amx_scratch_bytes. */
+static AMX_TARGET void amx_segment(const AttArgs *a, int64_t b, int64_t m0, int mb, const uint32_t *qt,
+                                   int64_t seg0, int64_t seg1, char *scratch, float *part) {
     const int64_t r = a->r, p = a->p, S = a->S, wr = dp_padded(r), W = wr + dp_padded(p);
-    uint32_t *qt = (uint32_t *)scratch;                  /* [W / 32][16 pairs][16 queries] */
-    uint16_t *keys = (uint16_t *)(qt + W / 2 * AMX_Q);   /* [AMX_KEYS][W]: keys copied (amx_rows) */
+    uint16_t *keys = (uint16_t *)scratch;                /* [AMX_KEYS][W]: keys copied (amx_rows) */
     float *st = (float *)(keys + AMX_KEYS * W);          /* [AMX_KEYS][16 queries] */
     float *sc = st + AMX_KEYS * AMX_Q;                   /* [16 queries][AMX_KEYS] */
     uint16_t *pw = (uint16_t *)(sc + AMX_Q * AMX_KEYS);  /* [16 queries][AMX_KEYS] bf16 */
     uint32_t *vp = (uint32_t *)(pw + AMX_Q * AMX_KEYS);  /* [AMX_KEYS / 32][wr / 16][16 pairs][16 channels] */
-    float *o = (float *)(vp + AMX_KEYS / 2 * wr);        /* [16 queries][wr], dp_values' order */
-    float *q32 = o + AMX_Q * wr;                         /* [r + p] */
+    float *q32 = (float *)(vp + AMX_KEYS / 2 * wr);      /* [r + p] */
     const char *zeros = (const char *)(q32 + r + p);     /* [W] bf16: the keys past a tile's end */
-    memset(qt, 0, (size_t)(W / 2 * AMX_Q * 4));
+    float *mx = part, *sum = part + AMX_Q, *o = part + 2 * AMX_Q; /* o [16 queries][wr], dp_values' order */
     memset(pw, 0, (size_t)(AMX_Q * AMX_KEYS * 2 + AMX_KEYS / 2 * wr * 4)); /* and vp: finite where unwritten */
-    memset(o, 0, (size_t)((AMX_Q * wr + r + p) * 4 + W * 2));
-    float mx[AMX_Q], sum[AMX_Q];
+    memset(q32, 0, (size_t)((r + p) * 4 + W * 2));
+    memset(o, 0, (size_t)(AMX_Q * wr) * sizeof(float));
     const float *bias_row[AMX_Q];
-    for (int i = 0; i < mb; i++) {
-        memset(q32, 0, (size_t)(r + p) * sizeof(float));
-        att_query(a, b, m0 + i, q32, q32 + r);
-        for (int64_t k = 0; k < W / 2; k++) { /* channel pair (2k, 2k + 1) of [q_lat, 0 .. | q_pe, 0 ..] */
-            uint16_t v[2];
-            for (int e = 0; e < 2; e++) {
-                const int64_t c = 2 * k + e;
-                const float x = c < wr ? (c < r ? q32[c] : 0.0f) : (c - wr < p ? q32[r + c - wr] : 0.0f);
-                v[e] = f32_to_bf16(x);
-            }
-            qt[(k / 16) * 256 + (k % 16) * AMX_Q + i] = (uint32_t)v[0] | (uint32_t)v[1] << 16;
-        }
-        bias_row[i] = a->bias ? a->bias + b * a->bias_bstride + ((m0 + i) / a->H) * S : NULL;
-        mx[i] = -INFINITY, sum[i] = 0.0f;
-    }
-    memset(q32, 0, (size_t)(r + p) * sizeof(float));
-    const RowKeys rk = att_row_keys(a, b, 2);
-    const char *kv_t[AMX_KEYS], *pe_t[AMX_KEYS];
+    for (int i = 0; i < AMX_Q; i++) mx[i] = -INFINITY, sum[i] = 0.0f;
+    for (int i = 0; i < mb; i++) bias_row[i] = a->bias ? a->bias + b * a->bias_bstride + ((m0 + i) / a->H) * S : NULL;
     int64_t first, end;
     att_span(bias_row, mb, S, &first, &end);
+    first = first > seg0 ? first : seg0, end = end < seg1 ? end : seg1;
+    if (first >= end) return; /* no key of the segment is seen: max -inf, sum 0 */
+    const RowKeys rk = att_row_keys(a, b, 2);
+    const char *kv_t[AMX_KEYS], *pe_t[AMX_KEYS];
     amx_configure();
     /* blocks at whole multiples of AMX_KEYS, whatever the task's first slot, so that a key meets the same
      * tiles, pairs and softmax blocks whichever queries share its task (the thread count groups them) */
@@ -1977,18 +1991,80 @@ static AMX_TARGET void amx_task(const AttArgs *a, int64_t b, int64_t m0, int mb,
         amx_values(pw, vp, wr, o);
     }
     _tile_release();
-    for (int i = 0; i < mb; i++) {
-        dp_unpermute(o + i * wr, r, q32);
-        att_output(a, b, m0 + i, q32, sum[i]);
+}
+
+/* Query i of a group: its segments' results (parts, nseg of them, amx_part_floats apart) merged in segment
+ * order, the running maxima brought to the largest (a segment with none seen adds nothing; with one segment
+ * the outputs and sum are that segment's, to the bit), then W_UV and the division (att_output). o: wr floats
+ * of scratch, q32: r. */
+static void amx_merge(const AttArgs *a, int64_t b, int64_t m, int i, const float *parts, int64_t nseg,
+                      float *o, float *q32) {
+    const int64_t wr = dp_padded(a->r);
+    const size_t stride = amx_part_floats(wr);
+    float top = -INFINITY, sum = 0.0f;
+    for (int64_t g = 0; g < nseg; g++) top = parts[g * stride + i] > top ? parts[g * stride + i] : top;
+    memset(o, 0, (size_t)wr * sizeof(float));
+    for (int64_t g = 0; top != -INFINITY && g < nseg; g++) {
+        const float *part = parts + g * stride, mx = part[i];
+        if (mx == -INFINITY) continue;
+        const float f = expf(mx - top), *og = part + 2 * AMX_Q + i * wr;
+        sum += part[AMX_Q + i] * f;
+        for (int64_t k = 0; k < wr; k++) o[k] += og[k] * f;
     }
+    dp_unpermute(o, a->r, q32);
+    att_output(a, b, m, q32, sum);
+}
+
+/* The attention in AMX tiles (mla_decode's path where they run): every row's keys cut into segments of
+ * AMX_SEG slots at fixed places, each (row, query group, segment) a task, so that two threads share even one
+ * row of 16 heads (a decode step at batch 1), then each query's segments merged. The segments depend on the
+ * cache's length only, so the thread count and the rows beside a row change none of its bits. */
+static int amx_attention(const AttArgs *a, int64_t B, int64_t M, int nthreads) {
+    const int64_t r = a->r, p = a->p, wr = dp_padded(r), W = wr + dp_padded(p);
+    const int64_t nseg = (a->S + AMX_SEG - 1) / AMX_SEG;
+    int64_t group = B * ((M + AMX_Q - 1) / AMX_Q) * nseg >= nthreads ? AMX_Q : ATT_GROUP;
+    if (B * ((M + group - 1) / group) * nseg < nthreads) group = ATT_QUERIES;
+    const int64_t mblocks = (M + group - 1) / group, groups = B * mblocks;
+    uint32_t *qts = (uint32_t *)calloc((size_t)groups * amx_qt_words(W), sizeof(uint32_t));
+    float *parts = (float *)malloc((size_t)(groups * nseg) * amx_part_floats(wr) * sizeof(float));
+    if (!qts || !parts) {
+        free(qts), free(parts);
+        return -1;
+    }
+#pragma omp parallel num_threads(nthreads)
+    {
+        char *tiles = (char *)malloc(amx_scratch_bytes(r, p));
+        float *o = (float *)malloc((size_t)(wr + r + p) * sizeof(float));
+        pf_start(a->pf, omp_get_thread_num(), omp_get_num_threads());
+#pragma omp for schedule(static)
+        for (int64_t q = 0; q < B * M; q++) { /* the queries, each into its group's Q^T */
+            const int64_t b = q / M, m = q % M;
+            amx_query(a, b, m, (int)(m % group), qts + (b * mblocks + m / group) * amx_qt_words(W), o);
+        }
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < groups * nseg; task++) {
+            const int64_t g = task / nseg, seg = task % nseg, b = g / mblocks, m0 = (g % mblocks) * group;
+            const int mb = M - m0 < group ? (int)(M - m0) : (int)group;
+            const int64_t seg0 = seg * AMX_SEG, seg1 = seg0 + AMX_SEG < a->S ? seg0 + AMX_SEG : a->S;
+            amx_segment(a, b, m0, mb, qts + g * amx_qt_words(W), seg0, seg1, tiles,
+                        parts + (size_t)task * amx_part_floats(wr));
+        }
+#pragma omp for schedule(static)
+        for (int64_t q = 0; q < B * M; q++) {
+            const int64_t b = q / M, m = q % M, g = b * mblocks + m / group;
+            amx_merge(a, b, m, (int)(m % group), parts + (size_t)(g * nseg) * amx_part_floats(wr), nseg, o, o + wr);
+        }
+        free(tiles), free(o);
+        pf_cursor.r = NULL;
+    }
+    free(qts), free(parts);
+    return 0;
 }
 #define USE_AMX(dots) ((dots) && dsv3_amx(-1))
 #else
 int dsv3_amx(int want) { (void)want; return 0; }
 #define USE_AMX(dots) 0
-#define amx_task(a, b, m0, mb, scratch) ((void)0)
-#define amx_scratch_bytes(r, p) ((size_t)0)
-#define AMX_Q ATT_GROUP
+#define amx_attention(a, B, M, nthreads) (-1)
 #endif
 
 /* The absorbed MLA attention of a decode step from the query projection to the heads' outputs, for
@@ -2018,27 +2094,24 @@ static int mla_decode(const PfRanges *pf, const void *q, int akind, const float 
                        uv_hstride, uv_rstride, T, H, S, nope, p, r, v, kv_bstride, kv_sstride, pe_bstride,
                        pe_sstride, bias_bstride, scale, out, pf, *pages};
     const int64_t M = T * H;
-    const int dots = USE_BF16_DOTS(ckind, akind), amx = USE_AMX(dots);
-    const int64_t most = amx ? AMX_Q : ATT_GROUP; /* queries a task may take */
-    int64_t group = B * ((M + most - 1) / most) >= nthreads ? most : ATT_GROUP;
-    if (B * ((M + group - 1) / group) < nthreads) group = ATT_QUERIES;
+    const int dots = USE_BF16_DOTS(ckind, akind);
+    if (USE_AMX(dots) && amx_attention(&a, B, M, nthreads) == 0) return 0;
+    int64_t group = B * ((M + ATT_GROUP - 1) / ATT_GROUP) >= nthreads ? ATT_GROUP : ATT_QUERIES;
     const int64_t mblocks = (M + group - 1) / group;
 #pragma omp parallel num_threads(nthreads)
     {
         float *buf = (float *)malloc((size_t)ATT_FLOATS(r, p) * sizeof(float));
-        char *tiles = amx ? (char *)malloc(amx_scratch_bytes(r, p)) : NULL;
         pf_start(pf, omp_get_thread_num(), omp_get_num_threads());
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < B * mblocks; task++) {
             const int64_t b = task / mblocks, m0 = (task % mblocks) * group;
             const int mb = M - m0 < group ? (int)(M - m0) : (int)group;
             memset(buf, 0, (size_t)(ATT_GROUP * (2 * r + p)) * sizeof(float));
-            if (amx) amx_task(&a, b, m0, mb, tiles);
-            else if (dots) dp_task(&a, b, m0, mb);
+            if (dots) dp_task(&a, b, m0, mb);
             else if (ckind == A_F32) att_task(A_F32, &a, b, m0, mb, buf);
             else att_task(A_BF16, &a, b, m0, mb, buf);
         }
-        free(buf), free(tiles);
+        free(buf);
         pf_cursor.r = NULL;
     }
     return 0;
