@@ -133,3 +133,17 @@ def test_segments_no_query_sees_add_nothing():
     one = run(args, True, 1)
     assert torch.equal(one, run(args, True, 2))
     close(one, dk.mla_decode_reference(*args, bf16_queries=True))
+
+
+@needs_amx
+def test_one_segment_seen_gives_the_bits_of_a_cache_of_one_segment():
+    """A cache of 1,000 slots whose rows see only the first 400 (two segments, merged) and the same cache cut
+    to those 400 slots (one segment, no merge): the same bits, at both thread counts."""
+    q, cos, sin, w_uk, w_uv, kv, pe, _, scale = case(16, 16, 64, 128, 16, 1000, 1, 2, None, seed=8)
+    bias = torch.zeros(2, 1, 1000)
+    bias[:, :, 400:] = NEG
+    for threads in (1, 2):
+        long = run((q, cos, sin, w_uk, w_uv, kv, pe, bias, scale), True, threads)
+        cut = run((q, cos, sin, w_uk, w_uv, kv[:, :400].contiguous(), pe[:, :400].contiguous(), None, scale), True,
+                  threads)
+        assert torch.equal(long, cut)

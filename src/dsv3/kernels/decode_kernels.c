@@ -2015,6 +2015,32 @@ static void amx_merge(const AttArgs *a, int64_t b, int64_t m, int i, const float
     att_output(a, b, m, q32, sum);
 }
 
+/* amx_attention for a cache of one segment: each task prepares its group's queries, attends and finishes
+ * them (the same functions, so the same bits as through the shared buffers, without their two barriers). */
+static int amx_attention_whole(const AttArgs *a, int64_t B, int64_t M, int64_t group, int nthreads) {
+    const int64_t r = a->r, p = a->p, wr = dp_padded(r), W = wr + dp_padded(p), mblocks = (M + group - 1) / group;
+#pragma omp parallel num_threads(nthreads)
+    {
+        char *tiles = (char *)malloc(amx_scratch_bytes(r, p));
+        float *o = (float *)malloc((size_t)(wr + r + p) * sizeof(float));
+        float *part = (float *)malloc(amx_part_floats(wr) * sizeof(float));
+        uint32_t *qt = (uint32_t *)malloc(amx_qt_words(W) * sizeof(uint32_t));
+        pf_start(a->pf, omp_get_thread_num(), omp_get_num_threads());
+#pragma omp for schedule(static)
+        for (int64_t g = 0; g < B * mblocks; g++) {
+            const int64_t b = g / mblocks, m0 = (g % mblocks) * group;
+            const int mb = M - m0 < group ? (int)(M - m0) : (int)group;
+            memset(qt, 0, amx_qt_words(W) * sizeof(uint32_t));
+            for (int i = 0; i < mb; i++) amx_query(a, b, m0 + i, i, qt, o);
+            amx_segment(a, b, m0, mb, qt, 0, a->S, tiles, part);
+            for (int i = 0; i < mb; i++) amx_merge(a, b, m0 + i, i, part, 1, o, o + wr);
+        }
+        free(tiles), free(o), free(part), free(qt);
+        pf_cursor.r = NULL;
+    }
+    return 0;
+}
+
 /* The attention in AMX tiles (mla_decode's path where they run): every row's keys cut into segments of
  * AMX_SEG slots at fixed places, each (row, query group, segment) a task, so that two threads share even one
  * row of 16 heads (a decode step at batch 1), then each query's segments merged. The segments depend on the
@@ -2025,6 +2051,7 @@ static int amx_attention(const AttArgs *a, int64_t B, int64_t M, int nthreads) {
     int64_t group = B * ((M + AMX_Q - 1) / AMX_Q) * nseg >= nthreads ? AMX_Q : ATT_GROUP;
     if (B * ((M + group - 1) / group) * nseg < nthreads) group = ATT_QUERIES;
     const int64_t mblocks = (M + group - 1) / group, groups = B * mblocks;
+    if (nseg == 1) return amx_attention_whole(a, B, M, group, nthreads);
     uint32_t *qts = (uint32_t *)calloc((size_t)groups * amx_qt_words(W), sizeof(uint32_t));
     float *parts = (float *)malloc((size_t)(groups * nseg) * amx_part_floats(wr) * sizeof(float));
     if (!qts || !parts) {
