@@ -660,10 +660,10 @@ class Batch:
                        mask: torch.Tensor | None = None) -> torch.Tensor:
         """The main layers' hidden states [B, L, D] of prompt tokens ids [B, L] at slots [start, start + L).
         At most ``MAX_KERNEL_ROWS`` tokens in all run on the CPU decode step's absorbed path, as a prompt's
-        chunks do (exact over any cache, equal to the module path up to the last bits): the model's modules
-        spend about 15 ms a forward in fixed costs, which made a 16-token prompt's prefill 3.6 times the
-        kernels' (20.7 ms against 5.8 on the small shape at 2 threads). Longer prompts, and every device
-        but the CPU, run the model's modules, whose large matmuls a long prompt fills."""
+        chunks do (exact over any cache, equal to the module path up to the last bits): a short prompt's
+        forward through the model's modules is mostly their fixed costs per call (``prefill_chunk_cost.py``
+        times both paths). Longer prompts, and every device but the CPU, run the model's modules, whose
+        large matmuls a long prompt fills."""
         if isinstance(self.engine.decoder, FastDecode) and ids.numel() <= MAX_KERNEL_ROWS:
             return self.engine.decoder.hidden_states(ids, positions=positions, cache=cache, start_pos=start,
                                                      mask=mask, absorb=True)
