@@ -392,14 +392,16 @@ def add_roofline(node, bandwidth: dict[int, float]) -> None:
             add_roofline(value, bandwidth)
 
 
-def race(impls: dict, prompts: list[list[int]], steps: int, repeats: int,
+def race(impls: dict, prompts: list[list[int]] | dict[str, list[list[int]]], steps: int, repeats: int,
          bandwidth: dict[int, float], probe_mb: int = 128) -> dict[str, float]:
-    """Median seconds per step of each implementation, their decode rounds alternating; the read bandwidth
-    is measured again after every round over ``probe_mb`` MB (its best value is the roofline's: load only
-    lowers it)."""
+    """Median seconds per step of each implementation, their decode rounds alternating (so that the host's
+    drift from minute to minute, often a third on a shared machine, hits them alike); ``prompts`` the same for
+    all or one list per implementation. The read bandwidth is measured again after every round over
+    ``probe_mb`` MB (its best value is the roofline's: load only lowers it)."""
     for name, impl in impls.items():
-        log(f"  prefill {name} ({len(prompts)} x {len(prompts[0])} tokens)")
-        impl.start(prompts, steps * (repeats + 1))
+        mine = prompts[name] if isinstance(prompts, dict) else prompts
+        log(f"  prefill {name} ({len(mine)} x {len(mine[0])} tokens)")
+        impl.start(mine, steps * (repeats + 1))
     times = {name: [] for name in impls}
     for rep in range(repeats + 1):
         for name, impl in impls.items():
@@ -481,12 +483,13 @@ def batch_section(folder, cfg, args, bandwidth) -> list[dict]:
     for name in args.batch_weights:
         model = load_model(folder, {"fp32": torch.float32, "bf16": torch.bfloat16}[name])
         row = {"weights": name, "context": args.batch_context, "threads": threads}
-        impls = {f"batch {b}": Dsv3(model, fast=True) for b in (1, args.batch)}
-        for b, key in ((1, "batch 1"), (args.batch, f"batch {args.batch}")):
-            prompts = prompt_of(args.batch_context, cfg.vocab_size, b)
-            s = race({key: impls[key]}, prompts, args.new_tokens, args.repeats, bandwidth)[key]
+        sizes = {f"batch {b}": b for b in (1, args.batch)}
+        impls = {key: Dsv3(model, fast=True) for key in sizes}
+        prompts = {key: prompt_of(args.batch_context, cfg.vocab_size, b) for key, b in sizes.items()}
+        secs = race(impls, prompts, args.new_tokens, args.repeats, bandwidth)  # rounds alternate: one drift
+        for key, b in sizes.items():
             cache = cache_bytes_per_token(cfg, args.batch_context, impls[key].cache_element)
-            row[key] = figure(s, impls[key].weight_bytes, cache, threads, b)
+            row[key] = figure(secs[key], impls[key].weight_bytes, cache, threads, b)
         one, many = row["batch 1"], row[f"batch {args.batch}"]
         many["bytes_per_step"] = weight_bytes_per_token(model, args.batch) + cache * args.batch  # most experts
         row["batch_over_1"] = many["tokens_per_s"] / one["tokens_per_s"]

@@ -1434,7 +1434,8 @@ static void att_softmax_tile(float *sc, int64_t n, float *m, float *l, float *o,
 
 /* A task's scratch: its queries' q_lat, o_lat [ATT_GROUP, r] and q_pe [ATT_GROUP, p], then one row's worth for
  * reordering. */
-#define ATT_FLOATS(r, p) (ATT_GROUP * (2 * (r) + (p)) + (r) + (p) + 1)
+#define ATT_FLOATS(r, p) (Z_GROUP * (2 * Z_PAD(r) + Z_PAD(p)) + (r) + (p) + 1)
+#define Z_PAD(n) (((n) + 15) / 16 * 16) /* n rounded up to whole 512-bit vectors of fp32 (z_task's rows) */
 
 typedef struct { /* dsv3_mla_decode's arguments, for its tasks */
     const void *q, *kv, *pe;
@@ -1726,6 +1727,153 @@ static DP_TARGET void dp_task(const AttArgs *a, int64_t b, int64_t m0, int mb) {
 #define USE_BF16_DOTS(ckind, akind) 0
 #define dp_task(a, b, m0, mb) ((void)0)
 #endif
+
+/* ---- The attention over an fp32 cache in AVX-512 FMAs ---------------------------------------------------
+ * att_task's computation 16 lanes wide, where the CPU has AVX-512F (dsv3_int_avx512 turns it off, as it does
+ * the GEMV's AVX-512 tiles, so both paths are tested on one machine). Two changes besides the width, both for
+ * where a batch's cache comes from (its rows are megabytes each, read from L3 or memory, not from L1):
+ * a task takes up to Z_GROUP queries (all 16 heads of a row at one token), so a row's cache is read once, not
+ * once per 8 heads; and each tile's keys are scored 8 queries at a time (Z_QUERIES x Z_KEYS accumulators), so
+ * each key vector loaded serves 8 queries, while the next tile's rows are fetched into L2 a few at a time
+ * between the score steps (att_task fetches two tiles ahead at once, more than L1 holds at this width).
+ * A score is one 16-lane chain over the kv then the pe columns (masked past a multiple of 16: no scalar tail),
+ * folded onto 8 lanes and summed as dp_task's: another order than the AVX2 chains', so the paths differ in the
+ * last bits of a score, as dp_task's does. The outputs take att_values' products in its order, lane by lane.
+ * A query's arithmetic does not depend on the queries beside it, so the thread count changes no bit. */
+#define Z_QUERIES 8 /* queries per micro-kernel: Z_QUERIES x Z_KEYS accumulators, Z_KEYS rows and a query vector */
+#define Z_KEYS 3
+#define Z_GROUP 16 /* queries per task while the tasks still cover the threads */
+
+/* The first n (of 16) lanes; none for n <= 0. */
+static inline __attribute__((always_inline)) __mmask16 z_mask(int64_t n) {
+    return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
+}
+
+/* The 16 sums of each of a, b, c, d as one vector of 4 (the upper 8 lanes added onto the lower, then hsum4). */
+static inline __attribute__((always_inline)) ZMM_TARGET __m128 z_hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
+#define Z_FOLD(v) _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))
+    return hsum4(Z_FOLD(a), Z_FOLD(b), Z_FOLD(c), Z_FOLD(d));
+#undef Z_FOLD
+}
+
+/* acc[i][u] += q_i . k_u over n fp32 values: q [Z_QUERIES, ldq] zero-padded to a multiple of 16; the rows
+ * k[u] read with masks, so nothing past their n values. */
+static inline __attribute__((always_inline)) ZMM_TARGET void z_dots(const float *q, int64_t ldq,
+                                                                    const float *const *k, int64_t n,
+                                                                    __m512 acc[Z_QUERIES][Z_KEYS]) {
+    for (int64_t c = 0; c < n; c += 16) {
+        const __mmask16 m = z_mask(n - c);
+        __m512 kv[Z_KEYS];
+        for (int u = 0; u < Z_KEYS; u++) kv[u] = _mm512_maskz_loadu_ps(m, k[u] + c);
+        for (int i = 0; i < Z_QUERIES; i++) {
+            __m512 qi = _mm512_loadu_ps(q + i * ldq + c);
+            __asm__("" : "+v"(qi)); /* one load per query vector, not one folded into each FMA */
+            for (int u = 0; u < Z_KEYS; u++) acc[i][u] = _mm512_fmadd_ps(qi, kv[u], acc[i][u]);
+        }
+    }
+}
+
+/* Rows [0, n) of the next tile (kv rows of r values, pe rows of p; fp32) into L2, rows [j, j + Z_KEYS) of it. */
+static inline __attribute__((always_inline)) void z_fetch(const char *const *kv, const char *const *pe, int64_t n,
+                                                          int64_t j, int64_t r, int64_t p) {
+    for (int64_t u = j; u < j + Z_KEYS && u < n; u++) {
+        for (int64_t b = 0; b < r * 4; b += 64) _mm_prefetch(kv[u] + b, _MM_HINT_T1);
+        for (int64_t b = 0; b < p * 4; b += 64) _mm_prefetch(pe[u] + b, _MM_HINT_T1);
+    }
+}
+
+/* att_tile_scores for an fp32 cache: queries q [Z_QUERIES, w] (the kv part padded to wr, then the pe part);
+ * the next tile's nn rows (next_kv, next_pe) fetched meanwhile. */
+static inline __attribute__((always_inline)) ZMM_TARGET void z_tile_scores(
+    const float *q, int64_t w, int64_t wr, int64_t r, int64_t p, const char *const *kv, const char *const *pe,
+    int64_t n, float *sc, const char *const *next_kv, const char *const *next_pe, int64_t nn) {
+    for (int64_t j = 0; j < n; j += Z_KEYS) {
+        const float *kr[Z_KEYS], *pr[Z_KEYS];
+        for (int u = 0; u < Z_KEYS; u++) {
+            const int64_t ju = j + u < n ? j + u : n - 1;
+            kr[u] = (const float *)kv[ju], pr[u] = (const float *)pe[ju];
+        }
+        __m512 acc[Z_QUERIES][Z_KEYS];
+        for (int i = 0; i < Z_QUERIES; i++)
+            for (int u = 0; u < Z_KEYS; u++) acc[i][u] = _mm512_setzero_ps();
+        if (pf_cursor.r) pf_step(PF_LINES_PER_STEP);
+        z_fetch(next_kv, next_pe, nn, j, r, p);
+        z_dots(q, w, kr, r, acc);
+        z_dots(q + wr, w, pr, p, acc);
+        for (int u = 0; u < Z_KEYS && j + u < n; u++)
+            for (int i0 = 0; i0 < Z_QUERIES; i0 += 4) {
+                float d[4];
+                _mm_storeu_ps(d, z_hsum4(acc[i0][u], acc[i0 + 1][u], acc[i0 + 2][u], acc[i0 + 3][u]));
+                for (int i = 0; i < 4; i++) sc[(i0 + i) * ATT_TILE + j + u] = d[i];
+            }
+    }
+}
+
+/* att_values for fp32 rows, 32 channels a pass: o [Z_QUERIES, w] += p [Z_QUERIES, ATT_TILE] x rows. */
+static inline __attribute__((always_inline)) ZMM_TARGET void z_values(float *o, int64_t w, const float *p,
+                                                                      const char *const *rows, int64_t n,
+                                                                      int64_t r) {
+    for (int64_t c = 0; c < r; c += 32) {
+        const __mmask16 m0 = z_mask(r - c), m1 = z_mask(r - c - 16);
+        __m512 lo[Z_QUERIES], hi[Z_QUERIES];
+        for (int i = 0; i < Z_QUERIES; i++)
+            lo[i] = _mm512_maskz_loadu_ps(m0, o + i * w + c), hi[i] = _mm512_maskz_loadu_ps(m1, o + i * w + c + 16);
+        for (int64_t j = 0; j < n; j++) {
+            const float *rj = (const float *)rows[j] + c;
+            const __m512 x0 = _mm512_maskz_loadu_ps(m0, rj), x1 = _mm512_maskz_loadu_ps(m1, rj + 16);
+            for (int i = 0; i < Z_QUERIES; i++) {
+                const __m512 pw = _mm512_set1_ps(p[i * ATT_TILE + j]);
+                lo[i] = _mm512_fmadd_ps(pw, x0, lo[i]);
+                hi[i] = _mm512_fmadd_ps(pw, x1, hi[i]);
+            }
+        }
+        for (int i = 0; i < Z_QUERIES; i++)
+            _mm512_mask_storeu_ps(o + i * w + c, m0, lo[i]), _mm512_mask_storeu_ps(o + i * w + c + 16, m1, hi[i]);
+    }
+}
+
+/* att_task for an fp32 cache in AVX-512 FMAs: queries [m0, m0 + mb) of batch row b (mb <= Z_GROUP). buf:
+ * ATT_FLOATS(r, p) floats, the queries [Z_GROUP, w] then the outputs [Z_GROUP, wr] (zeroed here). */
+static ZMM_TARGET void z_task(const AttArgs *a, int64_t b, int64_t m0, int mb, float *buf) {
+    const int64_t r = a->r, p = a->p, S = a->S, groups = (mb + Z_QUERIES - 1) / Z_QUERIES;
+    const int64_t wr = Z_PAD(r), w = wr + Z_PAD(p);
+    float *q = buf, *o = buf + Z_GROUP * w;
+    memset(buf, 0, (size_t)(Z_GROUP * (w + wr)) * sizeof(float));
+    float sc[Z_GROUP * ATT_TILE], mx[Z_GROUP], sum[Z_GROUP];
+    const float *bias_row[Z_GROUP];
+    for (int i = 0; i < mb; i++) {
+        att_query(a, b, m0 + i, q + i * w, q + i * w + wr);
+        bias_row[i] = a->bias ? a->bias + b * a->bias_bstride + ((m0 + i) / a->H) * S : NULL;
+        mx[i] = -INFINITY, sum[i] = 0.0f;
+    }
+    const RowKeys keys = att_row_keys(a, b, 4);
+    const char *kv_t[ATT_TILE], *pe_t[ATT_TILE], *next_kv[ATT_TILE], *next_pe[ATT_TILE];
+    int64_t first, end;
+    att_span(bias_row, mb, S, &first, &end);
+    for (int64_t s0 = first; s0 < end; s0 += ATT_TILE) {
+        const int64_t n = S - s0 < ATT_TILE ? S - s0 : ATT_TILE;
+        const int64_t nn = end - s0 - ATT_TILE < 0 ? 0 : end - s0 - ATT_TILE < ATT_TILE ? end - s0 - ATT_TILE : ATT_TILE;
+        att_keys(&keys, s0, n, kv_t, pe_t);
+        if (nn) att_keys(&keys, s0 + ATT_TILE, nn, next_kv, next_pe);
+        for (int64_t g = 0; g < groups; g++) {
+            const int64_t i0 = g * Z_QUERIES;
+            z_tile_scores(q + i0 * w, w, wr, r, p, kv_t, pe_t, n, sc + i0 * ATT_TILE, next_kv, next_pe,
+                          g == 0 ? nn : 0);
+            for (int64_t i = i0; i < i0 + Z_QUERIES; i++) {
+                float *si = sc + i * ATT_TILE;
+                if (i >= mb) { /* a padding query: weights 0 */
+                    memset(si, 0, (size_t)n * sizeof(float));
+                    continue;
+                }
+                if (bias_row[i])
+                    for (int64_t j = 0; j < n; j++) si[j] += bias_row[i][s0 + j];
+                att_softmax_tile(si, n, mx + i, sum + i, o + i * wr, r);
+            }
+            z_values(o + i0 * wr, wr, sc + i0 * ATT_TILE, kv_t, n, r);
+        }
+    }
+    for (int i = 0; i < mb; i++) att_output(a, b, m0 + i, o + i * wr, sum[i]);
+}
 
 /* ---- The attention over a bf16 cache in AMX tiles ---------------------------------------------------------
  * Intel's AMX (Sapphire Rapids on) multiplies 16 x 32 bf16 tiles into 16 x 16 fp32 sums in one instruction
@@ -2110,7 +2258,8 @@ int dsv3_amx(int want) { (void)want; return 0; }
  * of ATT_TILE keys: a tile's scores four queries by two keys at a time (the scale folded into the
  * queries), their exponentials against a running max (online softmax), then the tile's rows weighted
  * into the outputs while still in L1. A query's arithmetic is the same in every grouping, so the result
- * does not depend on the thread count. */
+ * does not depend on the thread count. An fp32 cache on an AVX-512 CPU takes z_task (16 lanes, up to 16
+ * queries a task); a bf16 one the dot products (dp_task) or AMX tiles (amx_attention) where the CPU has them. */
 static int mla_decode(const PfRanges *pf, const void *q, int akind, const float *cos, const float *sin, int64_t rot_bstride,
                     const void *w_uk, int64_t uk_hstride, int64_t uk_rstride, const void *w_uv, int64_t uv_hstride,
                     int64_t uv_rstride, int wkind, const void *kv, const void *pe, int ckind, int64_t B, int64_t T, int64_t H,
@@ -2121,9 +2270,11 @@ static int mla_decode(const PfRanges *pf, const void *q, int akind, const float 
                        uv_hstride, uv_rstride, T, H, S, nope, p, r, v, kv_bstride, kv_sstride, pe_bstride,
                        pe_sstride, bias_bstride, scale, out, pf, *pages};
     const int64_t M = T * H;
-    const int dots = USE_BF16_DOTS(ckind, akind);
+    const int dots = USE_BF16_DOTS(ckind, akind), wide = !dots && ckind == A_F32 && dsv3_int_avx512(-1);
     if (USE_AMX(dots) && amx_attention(&a, B, M, nthreads) == 0) return 0;
     int64_t group = B * ((M + ATT_GROUP - 1) / ATT_GROUP) >= nthreads ? ATT_GROUP : ATT_QUERIES;
+    if (wide) /* the widest group that still gives every thread a task: a row's cache read as few times as that allows */
+        group = B * ((M + Z_GROUP - 1) / Z_GROUP) >= nthreads ? Z_GROUP : group;
     const int64_t mblocks = (M + group - 1) / group;
 #pragma omp parallel num_threads(nthreads)
     {
@@ -2135,6 +2286,7 @@ static int mla_decode(const PfRanges *pf, const void *q, int akind, const float 
             const int mb = M - m0 < group ? (int)(M - m0) : (int)group;
             memset(buf, 0, (size_t)(ATT_GROUP * (2 * r + p)) * sizeof(float));
             if (dots) dp_task(&a, b, m0, mb);
+            else if (wide) z_task(&a, b, m0, mb, buf);
             else if (ckind == A_F32) att_task(A_F32, &a, b, m0, mb, buf);
             else att_task(A_BF16, &a, b, m0, mb, buf);
         }
