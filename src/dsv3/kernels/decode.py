@@ -12,7 +12,9 @@ weight once plus a fixed cost per call; the module path makes about 4,000 PyTorc
   all rows of a batch), the absorbed attention in one call over the cached latent, RoPE as one complex
   multiply, the mask built once per step as an additive bias, the router exactly as the model's
   (``Router.forward``) so the same experts are chosen, the RMSNorms in the block kernel's own C code (so
-  the two paths agree to the bit in bf16). About 30 PyTorch calls per block;
+  the two paths agree to the bit in bf16). About 30 PyTorch calls per block. The static-shape step
+  (``static_decode.StaticDecode``) runs this same code on the CPU, compiled into one graph, around its own
+  cache write (``AttentionPlan.project``, then ``AttentionPlan.attend`` over its pool of pages);
 * the block kernel (``BlockKernel``): the same computation, with the same roundings, as one C call per
   block (``dsv3_decode_block``), which reads a descriptor of the block's tensors made once per plan and
   one of the step made once per step: the fixed cost no longer grows with the number of layers;
@@ -69,9 +71,11 @@ def rms_norm(norm: RMSNorm, x: torch.Tensor, use_kernels: bool = False) -> torch
     """RMSNorm.forward in three calls: normalised in fp32, back to x's dtype, times the weight. With
     ``use_kernels``, in the C kernel that the block kernel runs (where it can): the same roundings, and the
     same fp32 sum of squares, so the per-op and block paths agree to the bit in bf16 too (a sum taken in
-    another order now and then rounds one bf16 value the other way, and a decode step amplifies that)."""
-    if use_kernels and _norm_ok(norm, x.dtype) and x.device.type == "cpu" and dk.block_kernel_available():
-        return dk.rms_norm_kernel(x, norm.weight, norm.eps)
+    another order now and then rounds one bf16 value the other way, and a decode step amplifies that). That
+    kernel is called as ``torch.ops.dsv3.rms_norm``, which a compiled step traces (``StaticDecode`` on the
+    CPU); without the C build the op runs these same three calls."""
+    if use_kernels and _norm_ok(norm, x.dtype) and x.device.type == "cpu":
+        return torch.ops.dsv3.rms_norm(x, norm.weight, norm.eps)
     return norm.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=norm.eps).to(x.dtype)
 
 
@@ -109,21 +113,40 @@ class AttentionPlan:
         ``cos_sin`` the same as two fp32 tensors; ``bias`` [B|1, T, S] or None (no mask)."""
         m = self.mla
         B, T, _ = x.shape
+        q, c_kv, k_pe = self.project(x, rot, use_kernels)
+        cache.write(m.layer_idx, start_pos, c_kv, k_pe)
+        S, layer = start_pos + T, m.layer_idx
+        if cache.table is None:
+            kv, pe, pages = cache.kv[layer, :B, :S], cache.pe[layer, :B, :S], {}
+        else:  # the layer's pages, read in place through the table
+            kv, pe, pages = cache.kv[layer], cache.pe[layer], {"table": cache.table, "shift": cache.shift, "slots": S}
+        return self.attend(q, *cos_sin, kv, pe, bias, use_kernels, **pages)
+
+    def project(self, x: torch.Tensor, rot: torch.Tensor,
+                use_kernels: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The projections of x [B, T, D] before the cache: the queries q [B, T, H, nope + rope] and the step's
+        latents, c_kv [B, T, r] normed and k_pe [B, T, rope] rotated (fp32), for the caller to store where its
+        cache keeps them (``LatentCache.write`` here, the pages in place in ``StaticDecode``)."""
+        m = self.mla
+        B, T, _ = x.shape
         if len(self.q) == 2:
             q_a = linear(x, self.q[0], use_kernels)
             q = linear(rms_norm(m.q_a_layernorm, q_a, use_kernels), self.q[1], use_kernels)
         else:
             q = linear(x, self.q[0], use_kernels)
         c_kv, k_pe = linear(x, self.kv_a, use_kernels).split([m.kv_rank, m.rope], dim=-1)
-        cache.write(m.layer_idx, start_pos, rms_norm(m.kv_a_layernorm, c_kv, use_kernels),
-                    rotate(k_pe.unsqueeze(2), rot)[:, :, 0])
-        S, layer = start_pos + T, m.layer_idx
-        if cache.table is None:
-            kv, pe, pages = cache.kv[layer, :B, :S], cache.pe[layer, :B, :S], {}
-        else:  # the layer's pages, read in place through the table
-            kv, pe, pages = cache.kv[layer], cache.pe[layer], {"table": cache.table, "shift": cache.shift, "slots": S}
-        out = mla_decode(q.view(B, T, m.n_heads, m.nope + m.rope), *cos_sin, self.w_uk, self.w_uv, kv, pe, bias,
-                         m.scale, use_kernels, **pages)
+        return (q.view(B, T, m.n_heads, m.nope + m.rope), rms_norm(m.kv_a_layernorm, c_kv, use_kernels),
+                rotate(k_pe.unsqueeze(2), rot)[:, :, 0])
+
+    def attend(self, q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: torch.Tensor, pe: torch.Tensor,
+               bias: torch.Tensor | None, use_kernels: bool, table: torch.Tensor | None = None,
+               shift: torch.Tensor | None = None, slots: int = 0) -> torch.Tensor:
+        """The absorbed attention of queries q [B, T, H, nope + rope] (``project``'s) over the cache's latents,
+        then ``o_proj``: [B, T, D]. kv, pe, ``table``, ``shift`` and ``slots`` as ``mla_decode`` reads them (a
+        layer's rows [B, S, .], or its pages with their table); cos, sin [B|1, T, rope/2] fp32."""
+        m = self.mla
+        out = mla_decode(q, cos, sin, self.w_uk, self.w_uv, kv, pe, bias, m.scale, use_kernels, table=table,
+                         shift=shift, slots=slots)
         return linear(out, self.o, use_kernels)
 
 
@@ -143,22 +166,28 @@ class FeedForwardPlan:
             self.shared = _mlp_weights(mlp) if type(mlp) is MLP else None
             self.ok = self.shared is not None
 
-    def __call__(self, x: torch.Tensor, use_kernels: bool) -> torch.Tensor:
-        """x [B, T, D] -> the layer's output [B, T, D]."""
+    def __call__(self, x: torch.Tensor, use_kernels: bool, count: bool = True) -> torch.Tensor:
+        """x [B, T, D] -> the layer's output [B, T, D]: the router, then the routed experts and the shared ones
+        (a dense MLP is one shared "expert" of gate 1), added in one rounding as the kernels do. ``count``: give
+        the chosen experts to the layer's counters (``MoE.count_routed``); ``StaticDecode`` does not, as on
+        its module branch (a counter is Python state, a list of tensors that a compiled step would guard on)."""
         flat = x.reshape(-1, x.shape[-1])
         out = None
         if self.routed is not None:
             idx, weights = route(flat, self.mlp.gate, use_kernels)
-            self.mlp.count_routed(idx)
+            if count:
+                self.mlp.count_routed(idx)
             out = _swiglu(flat, idx, weights, self.routed, None, use_kernels)
         if self.shared is not None:
             one, gate = self._everyone(flat.shape[0], flat.device)
             out = _swiglu(flat, one, gate, self.shared, out, use_kernels)
         return out.view(x.shape)
 
-
     def _everyone(self, rows: int, device) -> tuple[torch.Tensor, torch.Tensor]:
-        """Routing of every row to the one dense "expert" with gate 1 (made once per row count)."""
+        """Routing of every row to the one dense "expert" with gate 1 (made once per row count; made in the
+        graph when compiled: tensors kept on ``self`` would be state the graph guards on and mutates)."""
+        if torch.compiler.is_compiling():
+            return torch.zeros(rows, 1, dtype=torch.long, device=device), torch.ones(rows, 1, device=device)
         if getattr(self, "_routing", (None,))[0] != (rows, device):
             self._routing = ((rows, device), torch.zeros(rows, 1, dtype=torch.long, device=device),
                              torch.ones(rows, 1, device=device))

@@ -506,8 +506,3 @@ def decode_step(desc: int, step: int, ids: torch.Tensor, h: torch.Tensor, logits
         raise _page_error()
     return status == 0
 
-
-def rms_norm_kernel(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of x [..., n] with ``weight`` [n] of x's dtype (fp32 or bf16, contiguous, CPU), as
-    ``decode.rms_norm`` computes it: ``torch.ops.dsv3.rms_norm``."""
-    return torch.ops.dsv3.rms_norm(x, weight, eps)

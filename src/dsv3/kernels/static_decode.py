@@ -24,11 +24,13 @@ attention is ``MLA.latent_attention``, the absorbed path's own code, so the step
 (tests/kernels/test_static_decode.py). Plain decode only (no MTP drafting), on plain ``GroupedExperts`` with
 the local dispatcher: the layouts a single GPU serves.
 
-On the CPU the same step runs over the decode kernels' custom ops (``torch.ops.dsv3.*``, ``kernels/ops.py``):
-the projections, norms, router, experts, head and the absorbed attention each one op that reads the weights
-in place (the C kernels where they are built, else their PyTorch references), so the step compiles
-(``fullgraph=True``) into a graph of those ops, on the per-op path's weight views (``decode.AttentionPlan``,
-``decode.FeedForwardPlan``). A model they cannot read (a linear layer with a bias, a hook) runs the modules.
+On the CPU the same step runs the per-op path's own code (``decode.AttentionPlan.project`` and ``.attend``,
+``decode.FeedForwardPlan``, ``decode.rms_norm``), only its latents stored in the pool (``_store``) and its
+attention reading every slot through ``table``, ``shift`` and the mask: the projections, norms, router,
+experts, head and the absorbed attention each one of the decode kernels' custom ops (``torch.ops.dsv3.*``,
+``kernels/ops.py``) that reads the weights in place (the C kernels where they are built, else their PyTorch
+references), so the step compiles (``fullgraph=True``) into a graph of those ops. A model they cannot read (a
+linear layer with a bias, a hook) runs the modules.
 """
 
 from __future__ import annotations
@@ -38,14 +40,13 @@ from torch import nn
 
 from dsv3.errors import DSV3Error
 from dsv3.kernels import decode_kernels as dk
-from dsv3.kernels.decode import AttentionPlan, FeedForwardPlan, weight_of
+from dsv3.kernels.decode import AttentionPlan, FeedForwardPlan, rms_norm, weight_of
 from dsv3.model.dispatch import LocalDispatcher
 from dsv3.model.experts import GroupedExperts
 from dsv3.model.kernels import gathered_swiglu
 from dsv3.model.mla import MLA, LatentCache
 from dsv3.model.moe import MoE
 from dsv3.model.norm import RMSNorm
-from dsv3.model.rope import apply_rope
 from dsv3.model.transformer import Transformer
 
 
@@ -206,30 +207,26 @@ class StaticDecode(nn.Module):
         return mla.o_proj(out.flatten(2))
 
     def _kernel_step(self, x: torch.Tensor, cos, sin, write, allowed_B1S: torch.Tensor) -> torch.Tensor:
-        """``forward`` from the embeddings x [B, 1, D] on, over the CPU ops: the logits [B, V]."""
+        """``forward`` from the embeddings x [B, 1, D] on, over the CPU ops (the per-op path's code, as
+        ``decode.BlockPlan`` runs it, on the pool): the logits [B, V]."""
         bias = torch.zeros(allowed_B1S.shape).masked_fill(~allowed_B1S, float("-inf"))
+        rot = torch.complex(cos, sin).unsqueeze(-2)  # [B, 1, 1, rope/2]: the per-op path's rotation
         for layer, (attention, feed_forward) in zip(self.model.main_layers, self.plans, strict=True):
-            x = x + self._kernel_attention(attention, _norm(layer.input_layernorm, x), cos, sin, write, bias)
-            x = x + _kernel_feed_forward(feed_forward, _norm(layer.post_attention_layernorm, x))
-        return dk.linear(_norm(self.model.model.norm, x), self.head)[:, -1]
+            h = rms_norm(layer.input_layernorm, x, True)
+            x = x + self._kernel_attention(attention, h, rot, cos, sin, write, bias)
+            x = x + feed_forward(rms_norm(layer.post_attention_layernorm, x, True), True, count=False)
+        return dk.linear(rms_norm(self.model.model.norm, x, True), self.head)[:, -1]
 
-    def _kernel_attention(self, plan: AttentionPlan, x: torch.Tensor, cos, sin, write,
+    def _kernel_attention(self, plan: AttentionPlan, x: torch.Tensor, rot, cos, sin, write,
                           bias: torch.Tensor) -> torch.Tensor:
-        """MLA's absorbed decode over the pages in ops: the projections, the latents stored (``_store``), one
-        ``dsv3::mla_decode`` reading every slot in place through ``table`` and ``shift`` (``bias`` hides the
-        ones not allowed)."""
-        mla, (B, T, _) = plan.mla, x.shape
-        if len(plan.q) == 2:
-            q = dk.linear(_norm(mla.q_a_layernorm, dk.linear(x, plan.q[0])), plan.q[1])
-        else:
-            q = dk.linear(x, plan.q[0])
-        c_kv, k_pe = dk.linear(x, plan.kv_a).split([mla.kv_rank, mla.rope], dim=-1)
-        i = mla.layer_idx
-        self._store(i, write, _norm(mla.kv_a_layernorm, c_kv), apply_rope(k_pe.unsqueeze(2), cos, sin).squeeze(2))
-        out = dk.mla_decode(q.view(B, T, mla.n_heads, mla.nope + mla.rope), cos, sin, plan.w_uk, plan.w_uv,
-                            self.kv[i], self.pe[i], bias, mla.scale, table=self.table, shift=self.shift,
-                            slots=self.max_len)
-        return dk.linear(out, plan.o)
+        """MLA's absorbed decode over the pages in ops: the plan's projections, the latents stored (``_store``),
+        then the plan's attention, one ``dsv3::mla_decode`` reading every slot in place through ``table`` and
+        ``shift`` (``bias`` hides the ones not allowed)."""
+        q, c_kv, k_pe = plan.project(x, rot, True)
+        i = plan.mla.layer_idx
+        self._store(i, write, c_kv, k_pe)
+        return plan.attend(q, cos, sin, self.kv[i], self.pe[i], bias, True, table=self.table, shift=self.shift,
+                           slots=self.max_len)
 
     @staticmethod
     def _feed_forward(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
@@ -244,25 +241,6 @@ class StaticDecode(nn.Module):
     def compiled(self, mode: str | None = None):
         """The step compiled as one graph (``fullgraph``: a graph break is an error, not a slow path)."""
         return torch.compile(self, fullgraph=True, dynamic=False, mode=mode)
-
-
-def _norm(norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
-    return torch.ops.dsv3.rms_norm(x, norm.weight, norm.eps)
-
-
-def _kernel_feed_forward(plan: FeedForwardPlan, h: torch.Tensor) -> torch.Tensor:
-    """The dense MLP or the MoE layer on h [B, T, D] in ops: the router, then the routed experts and the shared
-    ones (a dense MLP is one shared "expert" of gate 1), added in one rounding as the kernels do."""
-    flat = h.flatten(0, 1)
-    out = None
-    if plan.routed is not None:
-        idx, gates = dk.route(flat, plan.mlp.gate)
-        out = dk.swiglu_experts(flat, idx, gates, plan.routed)
-    if plan.shared is not None:
-        rows = flat.shape[0]
-        everyone = torch.zeros(rows, 1, dtype=torch.long), torch.ones(rows, 1)
-        out = dk.swiglu_experts(flat, *everyone, plan.shared, add_to=out)
-    return out.view_as(h)
 
 
 @torch.no_grad()
