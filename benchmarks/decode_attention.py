@@ -1,13 +1,17 @@
-"""The decode step's absorbed attention over a bf16 cache, alone: fp32 FMAs, AVX512-BF16 dot products, AMX tiles.
+"""The decode step's absorbed attention alone: over a bf16 cache, fp32 FMAs, AVX512-BF16 dot products, AMX
+tiles; over an fp32 cache (``--cache fp32``), AVX2 FMAs and AVX-512 FMAs.
 
     .venv/bin/python benchmarks/decode_attention.py                  # the table
     .venv/bin/python benchmarks/decode_attention.py --contexts 256,4096 --threads 1,2 --json
+    .venv/bin/python benchmarks/decode_attention.py --cache fp32 --batch 16 --threads 1,2
 
 ``dsv3_mla_decode`` (src/dsv3/kernels/decode_kernels.c) takes one layer's queries from the query projection to
 the heads' outputs: W_UK into the query, RoPE, attention over the latent cache, W_UV. For a bf16 model over
 a bf16 cache it runs in fp32 FMAs or, on CPUs with AVX512-BF16, in bf16 dot products (the queries and each
 tile's softmax weights rounded to bf16; ``decode_kernels.bf16_dots``), and with the same roundings in AMX
-tiles where the CPU has AMX-BF16 (``decode_kernels.amx``; Intel Sapphire Rapids on). For the ``--preset``'s
+tiles where the CPU has AMX-BF16 (``decode_kernels.amx``; Intel Sapphire Rapids on). An fp32 model's attention
+over an fp32 cache runs in 8-lane AVX2 FMAs or, where the CPU has AVX-512F, in 16-lane ones that take up to 16
+queries a task (``int_weights.avx512`` chooses). For the ``--preset``'s
 attention shape (``small``: 8 heads, latent 128, RoPE 32) this measures, at each context and thread count:
 
 * time: microseconds per call (one layer, ``--batch`` rows, one query token each) of each path, the paths
@@ -37,10 +41,11 @@ import torch
 from dsv3.config import preset
 from dsv3.errors import DSV3Error
 from dsv3.kernels import decode_kernels as dk
+from dsv3.kernels import int_weights as iw
 from dsv3.model.mla import MLA
 from dsv3.model.rope import apply_rope
 
-PATHS = ("fp32 FMAs", "bf16 dots", "AMX tiles")
+PATHS = {"bf16": ("fp32 FMAs", "bf16 dots", "AMX tiles"), "fp32": ("AVX2 FMAs", "AVX-512 FMAs")}
 
 
 def log(msg: str) -> None:
@@ -49,24 +54,26 @@ def log(msg: str) -> None:
 
 def use(path: str) -> None:
     """The kernels' attention on ``path`` for this process."""
-    dk.bf16_dots(path != "fp32 FMAs")
+    dk.bf16_dots(path not in ("fp32 FMAs", "AVX2 FMAs"))
     dk.amx(path == "AMX tiles")
+    iw.avx512(path != "AVX2 FMAs")
 
 
 def inputs(mla: MLA, context: int, seed: int, batch: int = 1) -> tuple:
-    """mla_decode's arguments for one query token per row over ``context`` cached latents (bf16), seeded."""
+    """mla_decode's arguments for one query token per row over ``context`` cached latents (the layer's dtype),
+    seeded."""
     g = torch.Generator().manual_seed(seed)
-    H, nope, p = mla.n_heads, mla.nope, mla.rope
-    q = torch.randn(batch, 1, H, nope + p, generator=g).bfloat16()
+    H, nope, p, dtype = mla.n_heads, mla.nope, mla.rope, mla.kv_b_proj.weight.dtype
+    q = torch.randn(batch, 1, H, nope + p, generator=g).to(dtype)
     angles = torch.rand(batch, 1, p // 2, generator=g) * 6
-    kv = torch.randn(batch, context, mla.kv_rank, generator=g).bfloat16()
-    pe = torch.randn(batch, context, p, generator=g).bfloat16()
+    kv = torch.randn(batch, context, mla.kv_rank, generator=g).to(dtype)
+    pe = torch.randn(batch, context, p, generator=g).to(dtype)
     w_uk, w_uv = mla._absorbed_weights()
     return q, angles.cos(), angles.sin(), w_uk.detach(), w_uv.detach(), kv, pe, None, mla.scale
 
 
 def module_path(mla: MLA, args: tuple) -> torch.Tensor:
-    """The same attention through the module path's bf16 einsums, [1, 1, H * v]."""
+    """The same attention through the module path's einsums (bf16 ones over a bf16 cache), [1, 1, H * v]."""
     q, cos, sin, _, _, kv, pe, _, _ = args
     q_nope, q_pe = q.split([mla.nope, mla.rope], dim=-1)
     q_pe = apply_rope(q_pe, cos, sin).to(q.dtype)
@@ -94,15 +101,18 @@ def speed(mla: MLA, paths: tuple[str, ...], context: int, threads: int, batch: i
             rounds[path].append(timed(args, path, calls))
     us = {path: 1e6 * statistics.median(rounds[path]) for path in paths}
     out = {"context": context, "threads": threads, "batch": batch, "us_per_call": us,
-           "ns_per_key_and_head": {path: 1e3 * us[path] / (context * batch * mla.n_heads) for path in paths},
-           "dots_speedup": us["fp32 FMAs"] / us["bf16 dots"]}
+           "ns_per_key_and_head": {path: 1e3 * us[path] / (context * batch * mla.n_heads) for path in paths}}
+    if "AVX-512 FMAs" in paths:
+        out["avx512_speedup"] = us["AVX2 FMAs"] / us["AVX-512 FMAs"]
+    if "bf16 dots" in paths:
+        out["dots_speedup"] = us["fp32 FMAs"] / us["bf16 dots"]
     if "AMX tiles" in paths:
         out["amx_speedup"] = us["bf16 dots"] / us["AMX tiles"]  # over the dot products
     return out
 
 
 def accuracy(mla: MLA, paths: tuple[str, ...], context: int, draws: int) -> dict:
-    rounded = [p for p in paths if p != "fp32 FMAs"]
+    rounded = [p for p in paths if p in ("bf16 dots", "AMX tiles")]  # the paths that round the queries to bf16
     errors = {name: [] for name in (*paths, *(f"{p} vs bf16 queries" for p in rounded), "module path")}
     for seed in range(draws):
         args = inputs(mla, context, seed=1000 + seed)
@@ -122,15 +132,17 @@ def accuracy(mla: MLA, paths: tuple[str, ...], context: int, draws: int) -> dict
 
 def report(result: dict) -> str:
     paths = result["paths"]
-    lines = [f"{result['preset']} attention, bf16 cache; kernels: {result['kernels']}",
+    ups_of = {"avx512_speedup": "AVX-512 over AVX2", "dots_speedup": "dots over FMAs", "amx_speedup": "tiles over dots"}
+    named = [name for key, name in ups_of.items() if key in result["speed"][0]]
+    lines = [f"{result['preset']} attention, {result['cache']} cache; kernels: {result['kernels']}",
              "", f"time per call (us, median), one layer, batch {result['batch']}, one query token a row, warm;",
-             "speed-ups: dots over FMAs" + (", tiles over dots:" if "AMX tiles" in paths else ":"),
-             f"{'context':>8} {'threads':>7} " + " ".join(f"{p:>10}" for p in paths) + f" {'speed-ups':>16}"]
+             "speed-ups: " + ", ".join(named) + ":",
+             f"{'context':>8} {'threads':>7} " + " ".join(f"{p:>12}" for p in paths) + f" {'speed-ups':>14}"]
     for r in result["speed"]:
         us = r["us_per_call"]
-        ups = f"{r['dots_speedup']:.2f}x" + (f" {r['amx_speedup']:.2f}x" if "amx_speedup" in r else "")
-        lines.append(f"{r['context']:>8} {r['threads']:>7} " + " ".join(f"{us[p]:>10.1f}" for p in paths)
-                     + f" {ups:>16}")
+        ups = " ".join(f"{r[key]:.2f}x" for key in ups_of if key in r)
+        lines.append(f"{r['context']:>8} {r['threads']:>7} " + " ".join(f"{us[p]:>12.1f}" for p in paths)
+                     + f" {ups:>14}")
     lines += ["", "relative error against fp32 arithmetic (median / max over draws):"]
     for r in result["accuracy"]:
         lines.append(f"context {r['context']}, {r['draws']} draws:")
@@ -145,6 +157,7 @@ def main() -> None:
     ap.add_argument("--contexts", default="256,2048,4096")
     ap.add_argument("--threads", default="1")
     ap.add_argument("--batch", type=int, default=1, help="rows attended at once, one query token each")
+    ap.add_argument("--cache", choices=("bf16", "fp32"), default="bf16", help="the cache's (and model's) dtype")
     ap.add_argument("--repeats", type=int, default=7, help="timing rounds (median)")
     ap.add_argument("--draws", type=int, default=20, help="random inputs per context for the errors")
     ap.add_argument("--json", action="store_true")
@@ -161,13 +174,15 @@ def main() -> None:
         ap.error(str(exc))
     if not dk.kernels_available():
         sys.exit(f"error: the decode kernels do not run here: {dk.kernel_status()}")
-    if not dk.bf16_dots():
+    if args.cache == "bf16" and not dk.bf16_dots():
         sys.exit("error: this CPU lacks AVX512-BF16 (or DSV3_DECODE_BF16_DOTS=0): only one path to measure")
-    paths = PATHS if dk.amx() else PATHS[:2]
+    if args.cache == "fp32" and not iw.avx512(True):
+        sys.exit("error: this CPU lacks AVX-512F: only one path to measure")
+    paths = PATHS[args.cache] if args.cache == "fp32" or dk.amx() else PATHS["bf16"][:2]
     torch.manual_seed(0)
-    mla = MLA(cfg, 0).to(torch.bfloat16).eval()
+    mla = MLA(cfg, 0).to({"bf16": torch.bfloat16, "fp32": torch.float32}[args.cache]).eval()
     result = {"benchmark": "decode_attention", "preset": args.preset, "kernels": dk.kernel_status(),
-              "paths": list(paths), "batch": args.batch, "speed": [], "accuracy": []}
+              "cache": args.cache, "paths": list(paths), "batch": args.batch, "speed": [], "accuracy": []}
     try:
         for ctx in contexts:
             for t in threads:

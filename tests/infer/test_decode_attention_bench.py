@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from dsv3.kernels import decode_kernels as dk
+from dsv3.kernels import int_weights as iw
 
 BENCH = Path(__file__).parents[2] / "benchmarks" / "decode_attention.py"
 
@@ -50,3 +51,18 @@ def test_a_bad_context_list_ends_with_one_error_line():
     bad = run("--contexts", "256,zero")
     assert bad.returncode == 2 and bad.stdout == ""
     assert bad.stderr.strip().splitlines()[-1].startswith("decode_attention.py: error: --contexts")
+
+
+@pytest.mark.skipif(not (dk.kernels_available() and iw.avx512(True)), reason="needs AVX-512F")
+def test_the_fp32_cache_paths_are_timed_and_agree():
+    done = run("--preset", "nano", "--cache", "fp32", "--contexts", "200", "--repeats", "1", "--draws", "2",
+               "--batch", "3", "--json")
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["cache"] == "fp32" and result["paths"] == ["AVX2 FMAs", "AVX-512 FMAs"]
+    (r,) = result["speed"]
+    assert r["avx512_speedup"] == r["us_per_call"]["AVX2 FMAs"] / r["us_per_call"]["AVX-512 FMAs"]
+    assert "dots_speedup" not in r and "amx_speedup" not in r
+    errors = result["accuracy"][0]["relative_error"]
+    assert set(errors) == {"AVX2 FMAs", "AVX-512 FMAs", "module path"}
+    assert errors["AVX2 FMAs"]["max"] < 1e-5 and errors["AVX-512 FMAs"]["max"] < 1e-5  # fp32 sums in two orders
