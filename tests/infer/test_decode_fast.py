@@ -328,7 +328,7 @@ def test_counted_routing_keeps_the_step_kernel_and_counts_what_the_modules_route
     counts.remove()
     steps = 3
     assert len(calls["step"]) == steps and len(calls["block"]) == steps  # the MTP layer's block alone
-    assert all(p.moe_kernel is None for p in fast.blocks)
+    assert all(p.attention_kernel is None for p in fast.blocks)
     assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
     assert counts() == by_modules() and all(sum(layer) for layer in counts()[0])
     assert all(c.kernel_counts.sum() for c in counts.counts[:-1])  # the main layers' decode steps: the kernel's
@@ -339,9 +339,9 @@ def test_counted_routing_keeps_the_step_kernel_and_counts_what_the_modules_route
 @pytest.mark.parametrize("T", [1, 2])
 def test_routing_counted_in_python_keeps_the_block_kernels(precision, T, monkeypatch):
     """A counter only Python can call (no ``kernel_counts``): each MoE block then runs its attention half in
-    the block kernel and its MoE half in separate kernel calls, the block kernels' numbers (to the bit in
-    bf16 and FP8), no block through its modules, the module path's counts, and the step kernel back once
-    the counting stops."""
+    the block kernel and its MoE half on the per-op plan, the block kernels' numbers (to the bit in bf16 and
+    FP8), no block through its modules, the module path's counts, and the step kernel back once the counting
+    stops."""
     model = model_in(precision, against_modules=True)
     fast = decoder_in(model, "step kernel")
     want = ragged_logits(model, decoder_in(model, "block kernel"), PROMPTS, T=T)
@@ -353,7 +353,7 @@ def test_routing_counted_in_python_keeps_the_block_kernels(precision, T, monkeyp
         moe.routed_counters.append(counter)
     calls = count_kernel_calls(monkeypatch)
     got = ragged_logits(model, fast, PROMPTS, T=T)
-    assert [p.moe_kernel is not None for p in fast.blocks] == [p.ffn.routed is not None for p in fast.blocks]
+    assert [p.attention_kernel is not None for p in fast.blocks] == [p.ffn.routed is not None for p in fast.blocks]
     assert all(same_roundings(g, w) for g, w in zip(got, want, strict=True))
     steps, blocks = 3, model.config.num_hidden_layers + 1  # the MTP layer's block too
     assert len(calls["block"]) == steps * blocks and not calls["step"]

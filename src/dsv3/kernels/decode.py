@@ -280,8 +280,8 @@ class BlockPlan:
     An MoE layer that counts its routed tokens (``MoE.routed_counters``, a server's expert load) runs in
     the block kernel when its one counter takes counts from kernels (``kernel_tally``): the kernel adds
     the experts it chooses into that counter's tensor. With other counters its block runs the attention
-    half in the block kernel (``attention_kernel``) and the MoE half in separate kernel calls
-    (``moe_kernel``, else the per-op plan), which route in Python's sight and call every counter."""
+    half in the block kernel (``attention_kernel``) and the MoE half on the per-op plan, which routes in
+    Python's sight and calls every counter."""
 
     def __init__(self, block: Block, dtype: torch.dtype):
         self.block, self.dtype = block, dtype
@@ -293,7 +293,6 @@ class BlockPlan:
         counted = any(self.snapshot.counting) and self.tally is None
         self.kernel = None if counted else BlockKernel.of(self, tally=self.tally)
         self.attention_kernel = BlockKernel.of(self, feed_forward=False) if counted else None
-        self.moe_kernel = MoEHalfKernel.of(self) if self.attention_kernel is not None else None
 
     def current(self) -> BlockPlan:
         """This plan, or a new one when the block's modules changed since it was made."""
@@ -307,70 +306,8 @@ class BlockPlan:
         return self.feed_forward_half(x, use_kernels)
 
     def feed_forward_half(self, x: torch.Tensor, use_kernels: bool) -> torch.Tensor:
-        """x + ffn(norm(x)): the block's second residual branch on the per-op path (through ``moe_kernel``
-        when it has one and x fits it)."""
-        if self.moe_kernel is not None and use_kernels and self.moe_kernel.fits(x):
-            return self.moe_kernel(x)
+        """x + ffn(norm(x)): the block's second residual branch on the per-op path."""
         return x + self.ffn(rms_norm(self.block.post_attention_layernorm, x, use_kernels), use_kernels)
-
-
-class MoEHalfKernel:
-    """A counted MoE block's second half, x + moe(norm(x)), as the block kernel computes it (the same
-    kernels over the same views, ``route_constants`` and ``block_experts``, in the same order, so the
-    same numbers to the bit) but in separate calls, with their arguments made once per plan: it runs for
-    every MoE layer in every decode step, and the per-call checks and conversions of the per-op path's
-    ``rms_norm``, ``route`` and ``swiglu_experts`` were about a quarter of its time on the small shape.
-    The router's choices go to the layer's counters (``MoE.count_routed``)."""
-
-    def __init__(self, plan: BlockPlan, router: tuple[dict, list], routed: dict, shared: dict | None):
-        norm, moe = plan.block.post_attention_layernorm, plan.ffn.mlp
-        self.moe, self.dtype, self.akind = moe, plan.dtype, dk.A_KIND[plan.dtype]
-        self.dim, self.top_k, self.n_experts = norm.weight.shape[0], moe.gate.top_k, moe.gate.n_experts
-        self.keep = [norm.weight.detach(), router[1], routed, shared, plan.ffn.routed, plan.ffn.shared]
-        self.norm = (norm.weight.data_ptr(), norm.eps)
-        r = router[0]
-        self.route = (r["softmax"], r["n_group"], r["topk_group"], r["group_sum"], r["topk"], r["normalize"],
-                      r["route_scale"])
-        self.router = (r["router"], r["router_bias"])
-        self.routed = dk.experts_arguments(routed)
-        self.shared = None if shared is None else dk.experts_arguments(shared)
-        self.functions = dk.moe_functions()
-        self._everyone: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    @classmethod
-    def of(cls, plan: BlockPlan) -> MoEHalfKernel | None:
-        """The block's MoE half in kernel calls, or None when a part cannot run in them (the per-op path
-        then runs it)."""
-        f, norm = plan.ffn, plan.block.post_attention_layernorm
-        if f.routed is None or plan.dtype not in dk.A_KIND or dk.moe_functions() is None or not _norm_ok(
-                norm, plan.dtype):
-            return None
-        router, routed = dk.route_constants(f.mlp.gate), _block_experts(f.routed)
-        shared = _block_experts(f.shared) if f.shared is not None else None
-        if router is None or routed is None or (f.shared is not None and shared is None):
-            return None
-        return cls(plan, router, routed, shared)
-
-    def fits(self, x: torch.Tensor) -> bool:
-        return (x.dtype == self.dtype and x.is_contiguous() and x.device.type == "cpu"
-                and x.numel() // self.dim <= dk.MAX_KERNEL_ROWS)
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        norm, route, experts = self.functions
-        M, D, K, ak, nt = x.numel() // self.dim, self.dim, self.top_k, self.akind, torch.get_num_threads()
-        h = torch.empty(M, D, dtype=self.dtype)
-        norm(x.data_ptr(), self.norm[0], self.norm[1], ak, M, D, h.data_ptr())
-        idx, gates = torch.empty(M, K, dtype=torch.long), torch.empty(M, K)
-        route(*self.router, self.n_experts, D, h.data_ptr(), ak, M, *self.route[:4], K, *self.route[5:],
-              idx.data_ptr(), gates.data_ptr(), nt)
-        self.moe.count_routed(idx)
-        out = torch.empty(M, D, dtype=self.dtype)
-        experts(*self.routed, h.data_ptr(), ak, M, idx.data_ptr(), gates.data_ptr(), K, out.data_ptr(), ak, 0, nt)
-        if self.shared is not None:
-            one, gate = self._everyone.get(M) or self._everyone.setdefault(
-                M, (torch.zeros(M, 1, dtype=torch.long), torch.ones(M, 1)))
-            experts(*self.shared, h.data_ptr(), ak, M, one.data_ptr(), gate.data_ptr(), 1, out.data_ptr(), ak, 1, nt)
-        return x + out.view(x.shape)
 
 
 def kernel_tally(mlp: nn.Module) -> torch.Tensor | None:

@@ -356,20 +356,6 @@ def _block_functions() -> tuple | None:
     return None if lib is None else _declare_block(lib)
 
 
-def moe_functions() -> tuple | None:
-    """(dsv3_rms_norm, dsv3_route, dsv3_swiglu_experts) with their argument types, or None without the C
-    kernels: what ``decode.MoEHalfKernel`` calls with arguments it made once."""
-    lib = _load()[0]
-    return None if lib is None else (_declare_block(lib)[1], lib.dsv3_route, lib.dsv3_swiglu_experts)
-
-
-def experts_arguments(experts: dict) -> tuple:
-    """The leading arguments of ``dsv3_swiglu_experts`` for experts as the block kernel reads them
-    (``block_experts``): the three weights, their FP8 scales, kind, count, inner and outer size."""
-    return tuple(experts.get(k) for k in ("gate", "up", "down", "gate_scale", "up_scale", "down_scale", "kind",
-                                          "n_experts", "inter", "dim"))
-
-
 def block_kernel_available() -> bool:
     return _block_functions() is not None
 
