@@ -442,6 +442,13 @@ static void run_tile(int kind, int mb, const void *const *rows, int64_t K, const
 #define ZMM_MIN_ROWS_BF16 4
 #define ZMM_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c")))
 
+/* The 16 sums of each of a, b, c, d as one vector of 4 (a 512-bit half added onto the other, then hsum4). */
+static inline __attribute__((always_inline)) ZMM_TARGET __m128 hsum4_512(__m512 a, __m512 b, __m512 c, __m512 d) {
+#define FOLD512(v) _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))
+    return hsum4(FOLD512(a), FOLD512(b), FOLD512(c), FOLD512(d));
+#undef FOLD512
+}
+
 /* wload16's 16 columns from k as one vector: [w0 | w1] (bf16: even columns, then odd ones). */
 static inline __attribute__((always_inline)) ZMM_TARGET __m512 zload16(int kind, const void *row, int64_t k) {
     if (kind == W_F32) return _mm512_loadu_ps((const float *)row + k);
@@ -800,13 +807,6 @@ static int64_t dp_padded(int64_t n) { return (n + DP_WIDTH - 1) / DP_WIDTH * DP_
 
 /* The first n (of 32) lanes. */
 DP_INLINE __mmask32 dp_mask(int64_t n) { return n >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << n) - 1u); }
-
-/* The 16 sums of each of a, b, c, d as one vector of 4 (a 512-bit half added onto the other, then hsum4). */
-DP_INLINE __m128 dp_hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-#define DP_FOLD(v) _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))
-    return hsum4(DP_FOLD(a), DP_FOLD(b), DP_FOLD(c), DP_FOLD(d));
-#undef DP_FOLD
-}
 
 /* res[c * NR + r] = sum_k rows[r][k] x[c * ldx + k] for C (1 to DP_ROWS) activation rows: 16 columns per step
  * in 256-bit VDPBF16PS (one 8-lane chain per (weight row, activation row), then hsum4); each weight vector
@@ -1395,9 +1395,13 @@ static inline __attribute__((always_inline)) void att_values(int kind, float *o,
         }
 }
 
-/* Online softmax for one query over a tile: sc [n] (scores, -inf = masked) becomes exp(sc - max) with the
- * running max ``m`` and sum ``l`` updated; the output so far o [r] is rescaled when the max grows. */
-static void att_softmax_tile(float *sc, int64_t n, float *m, float *l, float *o, int64_t r) {
+/* Online softmax for one query over a tile of n keys from slot s0: sc [n] (scores, -inf = masked), plus the
+ * query's bias row [S] from s0 (NULL: none), becomes exp(sc - max) with the running max ``m`` and sum ``l``
+ * updated; the output so far o [r] is rescaled when the max grows. */
+static void att_softmax_tile(float *sc, const float *bias, int64_t s0, int64_t n, float *m, float *l, float *o,
+                             int64_t r) {
+    if (bias)
+        for (int64_t j = 0; j < n; j++) sc[j] += bias[s0 + j];
     float mx = *m;
     int64_t j = 0;
     if (n >= 8) { /* eight running maxima, then one across them: the scalar chain's compares wait on each other */
@@ -1432,8 +1436,8 @@ static void att_softmax_tile(float *sc, int64_t n, float *m, float *l, float *o,
     *l += sum;
 }
 
-/* A task's scratch: its queries' q_lat, o_lat [ATT_GROUP, r] and q_pe [ATT_GROUP, p], then one row's worth for
- * reordering. */
+/* A task's scratch, the larger of att_task's (its queries' q_lat, o_lat [ATT_GROUP, r] and q_pe [ATT_GROUP, p],
+ * then one row's worth for reordering) and z_task's (queries and outputs of Z_GROUP queries, padded). */
 #define ATT_FLOATS(r, p) (Z_GROUP * (2 * Z_PAD(r) + Z_PAD(p)) + (r) + (p) + 1)
 #define Z_PAD(n) (((n) + 15) / 16 * 16) /* n rounded up to whole 512-bit vectors of fp32 (z_task's rows) */
 
@@ -1530,13 +1534,14 @@ static void att_span(const float *const *bias_row, int mb, int64_t S, int64_t *s
 }
 
 /* One task: queries [m0, m0 + mb) of batch row b (mb <= ATT_GROUP), in groups of ATT_QUERIES, over the
- * whole cache one tile at a time. buf: ATT_FLOATS(r, p) floats, the query part zeroed.
+ * whole cache one tile at a time. buf: ATT_FLOATS(r, p) floats (its query part zeroed here).
  * KIND (the cache's dtype) is a constant after inlining. */
 static inline __attribute__((always_inline)) void att_task(int kind, const AttArgs *a, int64_t b, int64_t m0,
                                                            int mb, float *buf) {
     const int64_t r = a->r, p = a->p, S = a->S, quads = (mb + ATT_QUERIES - 1) / ATT_QUERIES;
     float *q_lat = buf, *o_lat = buf + ATT_GROUP * r, *q_pe = buf + 2 * ATT_GROUP * r;
     float *row = q_pe + ATT_GROUP * p; /* [r + p]: a row being reordered */
+    memset(buf, 0, (size_t)(ATT_GROUP * (2 * r + p)) * sizeof(float));
     float sc[ATT_GROUP * ATT_TILE], mx[ATT_GROUP], sum[ATT_GROUP];
     const float *bias_row[ATT_GROUP];
     for (int i = 0; i < mb; i++) {
@@ -1567,9 +1572,7 @@ static inline __attribute__((always_inline)) void att_task(int kind, const AttAr
                     memset(si, 0, (size_t)n * sizeof(float));
                     continue;
                 }
-                if (bias_row[i])
-                    for (int64_t j = 0; j < n; j++) si[j] += bias_row[i][s0 + j];
-                att_softmax_tile(si, n, mx + i, sum + i, o_lat + i * r, r);
+                att_softmax_tile(si, bias_row[i], s0, n, mx + i, sum + i, o_lat + i * r, r);
             }
             att_values(kind, o_lat + i0 * r, scg, kv_t, n, r);
         }
@@ -1624,7 +1627,7 @@ DP_INLINE void dp_tile_scores(const uint16_t *qb, int64_t w, int64_t wr, int64_t
         dp_dots(qb + wr, w, pr, p, acc);
         for (int u = 0; u < ATT_KEYS && j + u < n; u++) {
             float d[ATT_QUERIES];
-            _mm_storeu_ps(d, dp_hsum4(acc[0][u], acc[1][u], acc[2][u], acc[3][u]));
+            _mm_storeu_ps(d, hsum4_512(acc[0][u], acc[1][u], acc[2][u], acc[3][u]));
             for (int i = 0; i < ATT_QUERIES; i++) sc[i * ATT_TILE + j + u] = d[i];
         }
     }
@@ -1707,9 +1710,7 @@ static DP_TARGET void dp_task(const AttArgs *a, int64_t b, int64_t m0, int mb) {
                     memset(pp + i * (ATT_TILE / 2), 0, sizeof(uint32_t) * (ATT_TILE / 2));
                     continue;
                 }
-                if (bias_row[i])
-                    for (int64_t j = 0; j < n; j++) si[j] += bias_row[i][s0 + j];
-                att_softmax_tile(si, n, mx + i, sum + i, o + i * wr, wr);
+                att_softmax_tile(si, bias_row[i], s0, n, mx + i, sum + i, o + i * wr, wr);
                 dp_pairs(si, n, pp + i * (ATT_TILE / 2));
             }
             dp_values(o + i0 * wr, wr, pp + i0 * (ATT_TILE / 2), kv_t, n, r);
@@ -1747,13 +1748,6 @@ static DP_TARGET void dp_task(const AttArgs *a, int64_t b, int64_t m0, int mb) {
 /* The first n (of 16) lanes; none for n <= 0. */
 static inline __attribute__((always_inline)) __mmask16 z_mask(int64_t n) {
     return n >= 16 ? (__mmask16)0xFFFF : n <= 0 ? (__mmask16)0 : (__mmask16)((1u << n) - 1u);
-}
-
-/* The 16 sums of each of a, b, c, d as one vector of 4 (the upper 8 lanes added onto the lower, then hsum4). */
-static inline __attribute__((always_inline)) ZMM_TARGET __m128 z_hsum4(__m512 a, __m512 b, __m512 c, __m512 d) {
-#define Z_FOLD(v) _mm256_add_ps(_mm512_castps512_ps256(v), _mm512_extractf32x8_ps(v, 1))
-    return hsum4(Z_FOLD(a), Z_FOLD(b), Z_FOLD(c), Z_FOLD(d));
-#undef Z_FOLD
 }
 
 /* acc[i][u] += q_i . k_u over n fp32 values: q [Z_QUERIES, ldq] zero-padded to a multiple of 16; the rows
@@ -1803,7 +1797,7 @@ static inline __attribute__((always_inline)) ZMM_TARGET void z_tile_scores(
         for (int u = 0; u < Z_KEYS && j + u < n; u++)
             for (int i0 = 0; i0 < Z_QUERIES; i0 += 4) {
                 float d[4];
-                _mm_storeu_ps(d, z_hsum4(acc[i0][u], acc[i0 + 1][u], acc[i0 + 2][u], acc[i0 + 3][u]));
+                _mm_storeu_ps(d, hsum4_512(acc[i0][u], acc[i0 + 1][u], acc[i0 + 2][u], acc[i0 + 3][u]));
                 for (int i = 0; i < 4; i++) sc[(i0 + i) * ATT_TILE + j + u] = d[i];
             }
     }
@@ -1852,7 +1846,7 @@ static ZMM_TARGET void z_task(const AttArgs *a, int64_t b, int64_t m0, int mb, f
     att_span(bias_row, mb, S, &first, &end);
     for (int64_t s0 = first; s0 < end; s0 += ATT_TILE) {
         const int64_t n = S - s0 < ATT_TILE ? S - s0 : ATT_TILE;
-        const int64_t nn = end - s0 - ATT_TILE < 0 ? 0 : end - s0 - ATT_TILE < ATT_TILE ? end - s0 - ATT_TILE : ATT_TILE;
+        const int64_t after = end - s0 - ATT_TILE, nn = after <= 0 ? 0 : after < ATT_TILE ? after : ATT_TILE;
         att_keys(&keys, s0, n, kv_t, pe_t);
         if (nn) att_keys(&keys, s0 + ATT_TILE, nn, next_kv, next_pe);
         for (int64_t g = 0; g < groups; g++) {
@@ -1865,9 +1859,7 @@ static ZMM_TARGET void z_task(const AttArgs *a, int64_t b, int64_t m0, int mb, f
                     memset(si, 0, (size_t)n * sizeof(float));
                     continue;
                 }
-                if (bias_row[i])
-                    for (int64_t j = 0; j < n; j++) si[j] += bias_row[i][s0 + j];
-                att_softmax_tile(si, n, mx + i, sum + i, o + i * wr, r);
+                att_softmax_tile(si, bias_row[i], s0, n, mx + i, sum + i, o + i * wr, r);
             }
             z_values(o + i0 * wr, wr, sc + i0 * ATT_TILE, kv_t, n, r);
         }
@@ -2127,10 +2119,8 @@ static AMX_TARGET void amx_segment(const AttArgs *a, int64_t b, int64_t m0, int 
         }
         for (int i = 0; i < mb; i++) {
             float *si = sc + i * AMX_KEYS;
-            if (bias_row[i])
-                for (int64_t j = lead; j < n; j++) si[j] += bias_row[i][s0 + j];
             for (int64_t j = 0; j < lead; j++) si[j] = -INFINITY; /* masked for every query of the task */
-            att_softmax_tile(si, n, mx + i, sum + i, o + i * wr, wr);
+            att_softmax_tile(si, bias_row[i], s0, n, mx + i, sum + i, o + i * wr, wr);
             for (int64_t h = 0; h < AMX_KEYS / 32; h++) {
                 const int64_t nh = n - 32 * h;
                 dp_pairs(si + 32 * h, nh < 0 ? 0 : nh > 32 ? 32 : nh, (uint32_t *)(pw + i * AMX_KEYS + 32 * h));
@@ -2284,7 +2274,6 @@ static int mla_decode(const PfRanges *pf, const void *q, int akind, const float 
         for (int64_t task = 0; task < B * mblocks; task++) {
             const int64_t b = task / mblocks, m0 = (task % mblocks) * group;
             const int mb = M - m0 < group ? (int)(M - m0) : (int)group;
-            memset(buf, 0, (size_t)(ATT_GROUP * (2 * r + p)) * sizeof(float));
             if (dots) dp_task(&a, b, m0, mb);
             else if (wide) z_task(&a, b, m0, mb, buf);
             else if (ckind == A_F32) att_task(A_F32, &a, b, m0, mb, buf);
