@@ -267,7 +267,8 @@ def run(cases: list[Case], kinds: list[str], threads: list[int], rows: list[int]
                     variants = {"kernel": lambda t, r=runner: r.kernel(lib, t)}
                     if with_torch:
                         variants["torch"] = runner.torch
-                    if base is not None and kind not in INT_KIND:  # a baseline may predate integer weights
+                    # a baseline may predate integer weights (their kernels came with dsv3_int_avx512)
+                    if base is not None and (kind not in INT_KIND or hasattr(base, "dsv3_int_avx512")):
                         variants["baseline"] = lambda t, r=runner: r.kernel(base, t)
                     for fn in variants.values():  # warm-up: page in every copy, build nothing lazily
                         fn(threads[0])
@@ -306,8 +307,10 @@ def print_table(report: dict) -> None:
     for r in report["results"]:
         line = (f"{r['matrix']:<7}{r['shape']:>13} {r['kind']:<5}{r['rows']:>3}{r['threads']:>4} "
                 f"{r['kernel_gbs']:>7.1f} {r['kernel_fraction_of_bw']:>6.2f}")
-        if base:
+        if base and "baseline_gbs" in r:
             line += f" {r['baseline_gbs']:>6.1f} {r['kernel_gbs'] / r['baseline_gbs']:>5.2f}"
+        elif base:
+            line += f" {'-':>6} {'-':>5}"
         if report["torch"]:
             line += f" {r['torch_gbs']:>6.1f} {r['kernel_gbs'] / r['torch_gbs']:>5.2f}"
         print(line)

@@ -41,7 +41,9 @@ from dsv3.model import Transformer
 # runs this file against an older revision's src, which may lack what they import.
 
 PHASES = ("norm", "q", "kv", "latent", "attention", "o", "route", "routed", "shared")
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}  # fp8: FP8 resident weights
+# fp8: FP8 resident weights; int8, int4: integer experts (``--weights int8|int4``) in a bf16 model
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16, "int8": torch.bfloat16,
+          "int4": torch.bfloat16}
 REPO = Path(__file__).resolve().parent.parent
 WARM_UP = 5  # decode steps before the timed ones
 
@@ -50,15 +52,30 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def config_of(shape: str):
+    """A config preset, or one of decode_speed.py's own shapes (``large``), imported only then."""
+    try:
+        return preset(shape)
+    except DSV3Error:
+        from decode_speed import shape as benchmark_shape
+
+        return benchmark_shape(shape)
+
+
 def random_model(shape: str, dtype: str) -> Transformer:
     """The shape with seeded random weights; for "fp8" a bf16 model whose projections and experts are
-    quantized to resident FP8 (128x128 blocks), as decode_speed.py loads an FP8 checkpoint."""
+    quantized to resident FP8 (128x128 blocks), as decode_speed.py loads an FP8 checkpoint; for "int8" and
+    "int4" one whose experts are integer groups, as ``--weights int8|int4`` loads it."""
     torch.manual_seed(0)
-    model = Transformer(preset(shape)).to(DTYPES[dtype]).eval()
+    model = Transformer(config_of(shape)).to(DTYPES[dtype]).eval()
     if dtype == "fp8":
         from dsv3.infer.fp8_weights import to_fp8_weights
 
         model = to_fp8_weights(model)
+    elif dtype in ("int8", "int4"):
+        from dsv3.kernels.int_weights import to_int_weights
+
+        model = to_int_weights(model, int(dtype[3:]))
     return model
 
 
@@ -191,7 +208,8 @@ def main() -> None:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--baseline-rev", default="HEAD", help="git revision whose src is the baseline")
-    ap.add_argument("--preset", default="small", help="the model's shape (random weights)")
+    ap.add_argument("--preset", default="small", help="the model's shape (random weights): a config preset or "
+                    "decode_speed.py's large")
     ap.add_argument("--contexts", default="256,2048,4096")
     ap.add_argument("--threads", default="1,2")
     ap.add_argument("--batches", default="1", help="rows per decode step (each its own prompt)")
@@ -206,7 +224,7 @@ def main() -> None:
         batches, dtypes = parse_ints(args.batches, "--batches"), parse_list(args.dtypes, "--dtypes")
         if any(d not in DTYPES for d in dtypes):
             raise DSV3Error(f"--dtypes: each one of {', '.join(DTYPES)}, got {args.dtypes!r}")
-        preset(args.preset)  # an unknown name ends here, naming the known ones
+        config_of(args.preset)  # an unknown name ends here, naming the known ones
         if args.steps < 1 or args.rounds < 1:
             raise DSV3Error("--steps and --rounds must be >= 1")
         with tempfile.TemporaryDirectory() as tmp:

@@ -14,6 +14,7 @@ from dsv3.infer.engine import Engine, Request
 from dsv3.infer.fp8_weights import to_fp8_weights
 from dsv3.infer.metrics import RouterCounts
 from dsv3.kernels import decode_kernels as dk
+from dsv3.kernels import int_weights as iw
 from dsv3.kernels.decode import FastDecode, Step
 from dsv3.kernels.int_weights import to_int_weights
 from dsv3.precision.fp8 import quantize_weight_blocks
@@ -174,11 +175,12 @@ def ran_the_step_kernel(fast: FastDecode) -> bool:
 @pytest.mark.parametrize("T", [1, 2])
 def test_fast_decode_logits_equal_the_module_path(precision, T):
     """FP8 weights and integer experts: equal to the model whose weights are dequantized for every matmul
-    (the module path), exactly up to fp32 rounding when computing in fp32, within bf16 rounding in bf16."""
+    (the module path), exactly up to fp32 rounding when computing in fp32 (integer experts on the AVX2 path: up
+    to its int16 rounding of their activations, 2^-16 of a group's largest), within bf16 rounding in bf16."""
     model = model_in(precision, against_modules=True)
     ref = step_logits(model, model, PROMPTS[2], T=T).float()
     scale = ref.abs().max()
-    limit = 3e-2 if precision in ("bf16", "fp8", "int8", "int4") else 2e-6
+    limit = 3e-2 if precision in ("bf16", "fp8", "int8", "int4") else 1e-4 if int16_activations(precision) else 2e-6
     for mode in MODES:
         fast = decoder_in(model, mode)
         got = step_logits(model, fast, PROMPTS[2], T=T).float()
@@ -186,12 +188,20 @@ def test_fast_decode_logits_equal_the_module_path(precision, T):
         assert mode != "step kernel" or ran_the_step_kernel(fast)
 
 
-def same_roundings(block: torch.Tensor, per_op: torch.Tensor) -> bool:
-    """fp32: equal to fp32 rounding. bf16: equal to the bit, since both round to bf16 at the same places
-    with the same kernels (norms included; a path that rounds elsewhere, like the module path, differs in
-    about 80% of the logits)."""
+def int16_activations(precision: str) -> bool:
+    """Whether integer experts round their activations to int16 here (the AVX2 path of the kernels): a
+    difference at fp32 rounding before such a rounding can move one activation a step (2^-16 of its group's
+    largest), so fp32 paths then agree to about 1e-5, not 1e-7."""
+    return precision.startswith("int") and dk.kernels_available() and not iw.avx512()
+
+
+def same_roundings(block: torch.Tensor, per_op: torch.Tensor, precision: str = "") -> bool:
+    """fp32: equal to fp32 rounding (or to int16_activations' step). bf16: equal to the bit, since both round
+    to bf16 at the same places with the same kernels (norms included; a path that rounds elsewhere, like the
+    module path, differs in about 80% of the logits)."""
     if block.dtype == torch.float32:
-        return bool((block - per_op).abs().max() / per_op.abs().max() < 2e-6)
+        limit = 1e-4 if int16_activations(precision) else 2e-6
+        return bool((block - per_op).abs().max() / per_op.abs().max() < limit)
     return torch.equal(block, per_op)
 
 
@@ -201,7 +211,7 @@ def test_block_kernel_rounds_where_the_per_op_path_does(precision):
     """The block kernel against the per-op path it fuses."""
     model = model_in(precision)
     per_op = step_logits(model, decoder_in(model, "per-op kernels"), PROMPTS[2], T=2)
-    assert same_roundings(step_logits(model, decoder_in(model, "block kernel"), PROMPTS[2], T=2), per_op)
+    assert same_roundings(step_logits(model, decoder_in(model, "block kernel"), PROMPTS[2], T=2), per_op, precision)
 
 
 @needs_kernels

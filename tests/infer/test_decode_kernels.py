@@ -291,9 +291,9 @@ def test_step_benchmark_times_both_sides_at_each_batch_size():
         for side in ("baseline (HEAD)", "this tree"):
             assert r[side]["ms_per_step"] > 0 and 0 < r[side]["roofline_fraction"]
             assert r[side]["tokens_per_s"] == pytest.approx(1000 * r["batch"] / r[side]["ms_per_step"])
-    bad = subprocess.run([sys.executable, str(bench), "--dtypes", "int4"], capture_output=True, text=True, timeout=300)
+    bad = subprocess.run([sys.executable, str(bench), "--dtypes", "int2"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and bad.stdout == ""
-    assert bad.stderr.strip().splitlines() == ["error: --dtypes: each one of fp32, bf16, fp8, got 'int4'"]
+    assert bad.stderr.strip().splitlines() == ["error: --dtypes: each one of fp32, bf16, fp8, int8, int4, got 'int2'"]
 
 
 def test_descriptors_are_filled_by_name_in_c_and_an_unknown_field_is_refused():

@@ -6,17 +6,23 @@
  * integers q; its values are d * q. int8: 32 bytes per group, q[j] in byte j. int4: 16 bytes per group,
  * q[j] + 8 in the low nibble of byte j and q[j + 16] + 8 in its high nibble (j < 16).
  *
- * The GEMM reads the weights in place: each group is widened to fp32 in registers (its integers, exactly), a
- * row's 32 products are summed and the sum times the group's scale is added to the row's total, so each total
- * waits on one FMA per group. With few activation rows (decode: 1 to 4 on AVX-512, 1 or 2 on AVX2) 4 (2) weight
- * rows run at once, for independent totals and shared activation loads; with more, one weight row's groups are
- * converted once for a tile of up to 16 (8) activation rows. int4 nibbles are used as stored (q + 8, two
- * operations per vector to widen) and 8 times the activations' group sum is taken off once per group: 1.17x
- * (small's dense MLP) and 1.08x (one routed expert) against sign-extended nibbles at one thread, 1 row
- * (two runs of benchmarks/decode_kernels_speed.py --kinds int4 --footprint-mb 1024). A row's result does not depend on how
- * many rows share the call.
- * Two paths, chosen at run time: AVX-512 (where the CPU has AVX-512F/BW) and AVX2/FMA/F16C (the baseline);
- * dsv3_int_avx512(0) forces the baseline so both can be tested on one machine. Sums are fp32.
+ * The GEMM reads the weights in place, a group at a time, and adds each group's dot product times its
+ * scale(s) to the row's fp32 total, so each total waits on one FMA per group. A row's result does not depend
+ * on how many rows share the call. Two paths, chosen at run time (dsv3_int_avx512(0) forces the second, so
+ * both can be tested on one machine):
+ * - AVX-512 (where the CPU has AVX-512F/BW): each group widened to fp32 in registers (its integers exactly)
+ *   and multiplied with the activations as they are. int4 nibbles are used as stored (q + 8) and 8 times the
+ *   activations' group sum is taken off once per group.
+ * - AVX2/FMA/F16C (the baseline): the activations rounded to int16 per group of 32 (a step of 2^-15 of the
+ *   group's largest magnitude, so at most 2^-16 of it off), and each group's dot product taken in exact
+ *   int32 sums by _mm256_madd_epi16. Widening to fp32 costs three or four operations per 8 values there,
+ *   among them the lane-crossing ones the CPU runs one per cycle; in integers a group is half the work.
+ *   On a 2-core AMD EPYC (Zen 3), against the fp32 widening (benchmarks/decode_kernels_speed.py
+ *   --kinds int8,int4 --baseline-rev, record 5 of decode_kernels_speed.json): 1.1-1.4x for the head, the
+ *   dense MLP and one routed expert at one row (int4), about 1.0-1.2x (int8).
+ * With few activation rows (decode: 1 to 4 on AVX-512, 1 or 2 on AVX2) several weight rows run at once, for
+ * independent totals and shared activation loads (4 on AVX-512; on AVX2 4 for one row of int4, else 2);
+ * with more, one weight row's groups are widened once for a tile of up to 16 (8) activation rows.
  */
 #include <immintrin.h>
 #include <stdint.h>
@@ -47,22 +53,63 @@ static inline __attribute__((always_inline)) void group_scales(const uint16_t *s
     for (int64_t j = g; j < groups; j++) sc[j - g] = _cvtsh_ss(s[j]);
 }
 
-/* ---- AVX2 path: a group as four vectors of 8 fp32 ---------------------------------------------------- */
+/* ---- AVX2 path: integer dot products over activations rounded to int16 ---------------------------------- */
 
-/* A group's values as fp32, w[i] for columns 8i..8i+7 (INT_COLUMN). int4: the nibbles as stored (q + 8, 0 to
- * 15; the caller takes 8 * the activations' group sum off): bytes widened to 32-bit lanes, then the low nibble
- * masked and the high one shifted down, two operations per 8 values where sign-extending bytes takes more. */
-static inline __attribute__((always_inline)) void group8_avx2(int bits, const uint8_t *q, __m256 w[4]) {
-    if (bits == 4) {
-        const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)q));
-        const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8)));
-        const __m256i nib = _mm256_set1_epi32(0x0F);
-        w[0] = _mm256_cvtepi32_ps(_mm256_and_si256(a, nib)), w[1] = _mm256_cvtepi32_ps(_mm256_and_si256(b, nib));
-        w[2] = _mm256_cvtepi32_ps(_mm256_srli_epi32(a, 4)), w[3] = _mm256_cvtepi32_ps(_mm256_srli_epi32(b, 4));
+/* AVX2 has no fast way to widen a group to fp32 (three or four operations per 8 values before the FMA), so
+ * this path keeps the weights integers: each activation group of 32 is rounded to int16 with an fp32 scale
+ * (its largest magnitude / 32767; the rounding is at most half a step, 2^-16 of that magnitude), and a group's
+ * dot product is two _mm256_madd_epi16 of 16 pairs each into 8 exact int32 sums; one conversion and one FMA
+ * by (weight scale x activation scale) add it to the row's fp32 total. About half the operations per group of
+ * the fp32 widening, and the products exact. A row's activations are rounded on their own, so a row's
+ * result still does not depend on the rows beside it or on the threads. */
+
+/* The activations x [M, K] as int16 groups: xq [M, K], xs [M, K / 32] their scales (NaN for a group holding
+ * an inf or NaN, so that the result is NaN as in fp32), and for int4 xoff [M, K / 32] = -8 * sum(xq) of each
+ * group, the nibbles' offset (stored as q + 8) taken off in the integer sum. */
+static void int16_groups(const float *x, int64_t M, int64_t K, int16_t *xq, float *xs, int32_t *xoff) {
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+    for (int64_t i = 0; i < M * (K / INT_GROUP); i++) {
+        const float *xg = x + i * INT_GROUP;
+        __m256 v[4], amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+        for (int j = 0; j < 4; j++) {
+            v[j] = _mm256_loadu_ps(xg + 8 * j);
+            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+            bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(v[j], v[j]), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+        }
+        float m[8];
+        _mm256_storeu_ps(m, amax);
+        float top = m[0];
+        for (int j = 1; j < 8; j++) top = m[j] > top ? m[j] : top;
+        const float inv = top > 0.0f ? 32767.0f / top : 0.0f;
+        xs[i] = _mm256_movemask_ps(bad) ? __builtin_nanf("") : top / 32767.0f;
+        __m256i sum = _mm256_setzero_si256();
+        for (int j = 0; j < 4; j += 2) {
+            const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
+            const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], _mm256_set1_ps(inv)));
+            /* packs works within 128-bit lanes: put the 16 values back in column order */
+            const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+            _mm256_storeu_si256((__m256i *)(xq + i * INT_GROUP + 8 * j), packed);
+            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(packed, _mm256_set1_epi16(1)));
+        }
+        if (xoff) {
+            int32_t s[8];
+            _mm256_storeu_si256((__m256i *)s, sum);
+            xoff[i] = -8 * (s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7]);
+        }
+    }
+}
+
+/* A group's weights as int16, w[0] columns 0-15 and w[1] columns 16-31. int4: the nibbles as stored (q + 8, 0
+ * to 15; xoff takes 8 * the group's activation sum off). */
+static inline __attribute__((always_inline)) void group16_int16(int bits, const uint8_t *q, __m256i w[2]) {
+    if (bits == 4) { /* each byte widened once; its low nibble masked, its high one shifted down */
+        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
+        w[0] = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
+        w[1] = _mm256_srli_epi16(v, 4);
         return;
     }
-    for (int i = 0; i < 4; i++)
-        w[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(q + 8 * i))));
+    w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
+    w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
 }
 
 static inline float int_hsum8(__m256 v) {
@@ -72,47 +119,72 @@ static inline float int_hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* out[m * ldo + i] = sum_k W[n + i, k] x[m * K + k] for the NW weight rows n + i (rows rb bytes apart) and
- * the activation rows m < R, NW * R <= 8 (the accumulators, with a group's 4 * NW weight vectors, fit the 16
- * registers when NW * R <= 4; beyond, they spill a little). */
+/* Group g of the NW weight rows (rows rb bytes apart) times the R activation rows into acc: the int32 dot
+ * product times sc[i][r][j], that group's weight scale x activation scale (j = g % INT_SCALES). */
+static inline __attribute__((always_inline)) void group_avx2(int bits, int NW, int R, const uint8_t *q, int64_t rb,
+                                                             int64_t K, int64_t groups, const int16_t *xq,
+                                                             const int32_t *xoff, float sc[4][8][INT_SCALES],
+                                                             int64_t g, int j, __m256 acc[4][8]) {
+    const int64_t gbytes = bits == 8 ? INT_GROUP : INT_GROUP / 2;
+    __m256i w[4][2];
+    for (int i = 0; i < NW; i++) group16_int16(bits, q + i * rb + g * gbytes, w[i]);
+    for (int r = 0; r < R; r++) {
+        const int16_t *xr = xq + r * K + g * INT_GROUP;
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)xr), x1 = _mm256_loadu_si256((const __m256i *)(xr + 16));
+        for (int i = 0; i < NW; i++) {
+            __m256i d = _mm256_add_epi32(_mm256_madd_epi16(w[i][0], x0), _mm256_madd_epi16(w[i][1], x1));
+            if (bits == 4) d = _mm256_add_epi32(d, _mm256_zextsi128_si256(_mm_cvtsi32_si128(xoff[r * groups + g])));
+            acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_broadcast_ss(&sc[i][r][j]), acc[i][r]);
+        }
+    }
+}
+
+/* out[m * ldo + i] = sum_k W[n + i, k] x[m, k] for the NW weight rows n + i (rows rb bytes apart) and the
+ * activation rows m < R, x as int16_groups made it (xq, xs, xoff: row m at m * K, m * groups); NW * R <= 8.
+ * Groups go in runs of INT_SCALES: the run's scale products first, then its groups. */
 static inline __attribute__((always_inline)) void row_avx2(int bits, int NW, int R, const uint8_t *q,
-                                                           const uint16_t *s, int64_t rb, int64_t K, const float *x,
-                                                           const float *xoff, float *out, int64_t ldo) {
+                                                           const uint16_t *s, int64_t rb, int64_t K,
+                                                           const int16_t *xq, const float *xs,
+                                                           const int32_t *xoff, float *out, int64_t ldo) {
     __m256 acc[4][8];
-    float sc[4][INT_SCALES];
-    const int64_t gbytes = bits == 8 ? INT_GROUP : INT_GROUP / 2, groups = K / INT_GROUP;
+    float sw[4][INT_SCALES], sc[4][8][INT_SCALES];
+    const int64_t groups = K / INT_GROUP;
     for (int i = 0; i < NW; i++)
         for (int r = 0; r < R; r++) acc[i][r] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        if (g % INT_SCALES == 0)
-            for (int i = 0; i < NW; i++) group_scales(s + i * groups, g, groups, sc[i]);
-        __m256 w[4][4];
-        for (int i = 0; i < NW; i++) group8_avx2(bits, q + i * rb + g * gbytes, w[i]);
-        for (int r = 0; r < R; r++) {
-            const float *xr = x + r * K + g * INT_GROUP;
-            const __m256 x0 = _mm256_loadu_ps(xr), x1 = _mm256_loadu_ps(xr + 8), x2 = _mm256_loadu_ps(xr + 16),
-                         x3 = _mm256_loadu_ps(xr + 24);
-            for (int i = 0; i < NW; i++) {
-                /* int4: starts from -8 * the group's activation sum (xoff), the nibbles' offset */
-                __m256 t = bits == 4 ? _mm256_fmadd_ps(w[i][0], x0, _mm256_zextps128_ps256(_mm_load_ss(xoff + r * groups + g)))
-                                     : _mm256_mul_ps(w[i][0], x0);
-                t = _mm256_fmadd_ps(w[i][1], x1, t);
-                t = _mm256_fmadd_ps(w[i][2], x2, t);
-                t = _mm256_fmadd_ps(w[i][3], x3, t);
-                acc[i][r] = _mm256_fmadd_ps(t, _mm256_broadcast_ss(sc[i] + g % INT_SCALES), acc[i][r]);
-            }
+    for (int64_t g0 = 0; g0 < groups; g0 += INT_SCALES) {
+        const int n = g0 + INT_SCALES <= groups ? INT_SCALES : (int)(groups - g0);
+        for (int i = 0; i < NW; i++) { /* the products of the weight and activation scales of these groups */
+            group_scales(s + i * groups, g0, groups, sw[i]);
+            for (int r = 0; r < R; r++)
+                for (int j = 0; j < n; j++) sc[i][r][j] = sw[i][j] * xs[r * groups + g0 + j];
+        }
+        if (n == INT_SCALES) {
+#pragma GCC unroll 8
+            for (int j = 0; j < INT_SCALES; j++)
+                group_avx2(bits, NW, R, q, rb, K, groups, xq, xoff, sc, g0 + j, j, acc);
+        } else {
+            for (int j = 0; j < n; j++) group_avx2(bits, NW, R, q, rb, K, groups, xq, xoff, sc, g0 + j, j, acc);
         }
     }
     for (int i = 0; i < NW; i++)
         for (int r = 0; r < R; r++) out[r * ldo + i] = int_hsum8(acc[i][r]);
 }
 
-/* row_avx2 with the width, NW and R as constants (accumulators in registers): NW 1 or 2, R 1 to 8 (NW 2:
- * R <= 2). */
+/* row_avx2 with the width, NW and R as constants (accumulators in registers): NW 1 to 4 with R 1, NW 1 or 2
+ * with R 2, NW 1 with R up to 8. */
 static void rows_avx2(int bits, int NW, int R, const uint8_t *q, const uint16_t *s, int64_t rb, int64_t K,
-                      const float *x, const float *xoff, float *out, int64_t ldo) {
+                      const int16_t *xq, const float *xs, const int32_t *xoff, float *out, int64_t ldo) {
 #define INT_ROW(nw, r)                                                                                              \
-    (bits == 8 ? row_avx2(8, nw, r, q, s, rb, K, x, xoff, out, ldo) : row_avx2(4, nw, r, q, s, rb, K, x, xoff, out, ldo))
+    (bits == 8 ? row_avx2(8, nw, r, q, s, rb, K, xq, xs, xoff, out, ldo)                                           \
+               : row_avx2(4, nw, r, q, s, rb, K, xq, xs, xoff, out, ldo))
+    if (NW == 4) {
+        INT_ROW(4, 1);
+        return;
+    }
+    if (NW == 3) {
+        INT_ROW(3, 1);
+        return;
+    }
     if (NW == 2) {
         if (R == 1) INT_ROW(2, 1);
         else INT_ROW(2, 2);
@@ -135,7 +207,8 @@ static void rows_avx2(int bits, int NW, int R, const uint8_t *q, const uint16_t 
 
 #define INT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma,avx2")))
 
-/* group8_avx2's vectors, two of 16: columns 0-15 and 16-31. */
+/* A group's values as fp32, columns 0-15 and 16-31 (the integers exactly). int4: the nibbles as stored (q + 8, 0
+ * to 15; the caller starts each group's sum from -8 * the activations' group sum, xoff). */
 static inline __attribute__((always_inline)) INT_AVX512 void group16_avx512(int bits, const uint8_t *q,
                                                                              __m512 w[2]) {
     if (bits == 4) {
@@ -148,7 +221,9 @@ static inline __attribute__((always_inline)) INT_AVX512 void group16_avx512(int 
     w[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
 }
 
-/* row_avx2's computation on 16-wide vectors: NW weight rows by R activation rows, NW * R <= 16. */
+/* out[m * ldo + i] = sum_k W[n + i, k] x[m * K + k] for the NW weight rows n + i (rows rb bytes apart) and the
+ * activation rows m < R, NW * R <= 16: each group widened to fp32 and multiplied with the activations as they
+ * are (AVX-512 converts 16 values in two operations, so the fp32 products cost little here). */
 static inline __attribute__((always_inline)) INT_AVX512 void row_avx512(int bits, int NW, int R, const uint8_t *q,
                                                                          const uint16_t *s, int64_t rb, int64_t K,
                                                                          const float *x, const float *xoff, float *out,
@@ -219,6 +294,12 @@ static INT_AVX512 void rows_avx512(int bits, int NW, int R, const uint8_t *q, co
 
 /* ---- the GEMM over a range of weight rows ------------------------------------------------------------------ */
 
+/* No memory for int_rows' scratch: its outputs are NaN, which no caller mistakes for a result. */
+static void int_rows_failed(int64_t M, float *y, int64_t ldy, int64_t n0, int64_t n1) {
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t n = n0; n < n1; n++) y[m * ldy + n] = __builtin_nanf("");
+}
+
 /* y[m * ldy + n] = sum_k W[n, k] x[m * K + k] for m < M and the weight rows n in [n0, n1), with q [N, K] the
  * integer values and s [N, K / 32] the fp16 scales of W; x [M, K] fp32 contiguous. Each row prefetches the
  * bytes PF_BYTES (decode_kernels.c) further on as it starts, going on at ``next`` (where the caller reads next;
@@ -226,17 +307,37 @@ static INT_AVX512 void rows_avx512(int bits, int NW, int R, const uint8_t *q, co
 static void int_rows(int bits, const uint8_t *q, const uint16_t *s, int64_t K, const float *x, int64_t M,
                      float *y, int64_t ldy, int64_t n0, int64_t n1, const char *next) {
     const int wide = dsv3_int_avx512(-1);
-    /* few activation rows: NW weight rows at once, for independent sums and shared activation loads; many:
-     * one weight row, its groups converted once for a tile of up to 16 (8) rows */
-    const int few = M <= (wide ? 4 : 2), tile = few ? (int)M : wide ? 16 : 8, nw = few ? (wide ? 4 : 2) : 1;
+    /* few activation rows: NW weight rows at once, for independent sums and shared activation loads (AVX2: 4
+     * for one row of int4, else 2: int8 measured no faster with 4 in a whole step); many: one weight row, its
+     * groups widened once for a tile of up to 16 (8) rows */
+    const int few = M <= (wide ? 4 : 2), tile = few ? (int)M : wide ? 16 : 8;
+    const int nw = few ? (wide || (M == 1 && bits == 4) ? 4 : 2) : 1;
     const int64_t rb = int_row_bytes(bits, K), groups = K / INT_GROUP;
     const char *end = (const char *)q + n1 * rb;
-    /* int4: -8 * each group's activation sum, the offset of the nibbles as stored (q + 8) */
-    float *xoff = bits == 4 ? (float *)malloc((size_t)(M * groups + 1) * sizeof(float)) : NULL;
-    for (int64_t i = 0; xoff && i < M * groups; i++) {
-        float sum = 0.0f;
-        for (int j = 0; j < INT_GROUP; j++) sum += x[i * INT_GROUP + j];
-        xoff[i] = -8.0f * sum;
+    /* AVX-512: int4 needs -8 * each group's activation sum (xoff), the offset of the nibbles as stored (q + 8);
+     * AVX2: the activations as int16 groups (xq, xs, and xoff in integers for int4) */
+    float *xoff = NULL, *xs = NULL;
+    int16_t *xq = NULL;
+    int32_t *xoff_i = NULL;
+    if (wide && bits == 4) {
+        xoff = (float *)malloc((size_t)(M * groups + 1) * sizeof(float));
+        if (!xoff) {
+            int_rows_failed(M, y, ldy, n0, n1);
+            return;
+        }
+        for (int64_t i = 0; i < M * groups; i++) {
+            float sum = 0.0f;
+            for (int j = 0; j < INT_GROUP; j++) sum += x[i * INT_GROUP + j];
+            xoff[i] = -8.0f * sum;
+        }
+    } else if (!wide) {
+        char *buf = (char *)malloc((size_t)(M * K) * sizeof(int16_t) + (size_t)(2 * M * groups + 1) * sizeof(float));
+        if (!buf) {
+            int_rows_failed(M, y, ldy, n0, n1);
+            return;
+        }
+        xs = (float *)buf, xoff_i = (int32_t *)(xs + M * groups), xq = (int16_t *)(xoff_i + M * groups + 1);
+        int16_groups(x, M, K, xq, xs, bits == 4 ? xoff_i : NULL);
     }
     for (const char *p = (const char *)q + n0 * rb; p < end && p < (const char *)q + n0 * rb + PF_BYTES; p += 64)
         _mm_prefetch(p, _MM_HINT_T0); /* this call's own first bytes */
@@ -252,8 +353,10 @@ static void int_rows(int bits, const uint8_t *q, const uint16_t *s, int64_t K, c
             if (wide)
                 rows_avx512(bits, NW, R, q + n * rb, s + n * groups, rb, K, x + m0 * K, xo, y + m0 * ldy + n, ldy);
             else
-                rows_avx2(bits, NW, R, q + n * rb, s + n * groups, rb, K, x + m0 * K, xo, y + m0 * ldy + n, ldy);
+                rows_avx2(bits, NW, R, q + n * rb, s + n * groups, rb, K, xq + m0 * K, xs + m0 * groups,
+                          xoff_i + m0 * groups, y + m0 * ldy + n, ldy);
         }
     }
     free(xoff);
+    free(xs);
 }
