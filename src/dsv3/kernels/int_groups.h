@@ -16,10 +16,11 @@
  * - AVX2/FMA/F16C (the baseline): the activations rounded to int16 per group of 32 (a step of 2^-15 of the
  *   group's largest magnitude, so at most 2^-16 of it off), and each group's dot product taken in exact
  *   int32 sums by _mm256_madd_epi16. Widening to fp32 costs three or four operations per 8 values there,
- *   among them the lane-crossing ones the CPU runs one per cycle; in integers a group is half the work.
+ *   among them lane-crossing ones, of which the CPU runs fewer per cycle; in integers a group is about half
+ *   the operations (the int4 path widens with one lane-crossing operation per group, not two).
  *   On a 2-core AMD EPYC (Zen 3), against the fp32 widening (benchmarks/decode_kernels_speed.py
- *   --kinds int8,int4 --baseline-rev, record 5 of decode_kernels_speed.json): 1.1-1.4x for the head, the
- *   dense MLP and one routed expert at one row (int4), about 1.0-1.2x (int8).
+ *   --kinds int8,int4 --baseline-rev, record 5 of decode_kernels_speed.json): 1.14-1.57x for the head, the
+ *   attention output, the dense MLP and one routed expert at one row (int4), 1.01-1.21x (int8).
  * With few activation rows (decode: 1 to 4 on AVX-512, 1 or 2 on AVX2) several weight rows run at once, for
  * independent totals and shared activation loads (4 on AVX-512; on AVX2 4 for one row of int4, else 2);
  * with more, one weight row's groups are widened once for a tile of up to 16 (8) activation rows.
