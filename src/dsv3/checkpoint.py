@@ -184,15 +184,6 @@ def _stored_bytes(name: str, t: torch.Tensor, dtype: torch.dtype | None, fp8: bo
     return t.numel() * _save_dtype(name, t, dtype).itemsize
 
 
-_INT_QUANTIZABLE = re.compile(r"\.mlp\.(experts\.\d+|shared_experts)\.(gate_proj|up_proj|down_proj)\.weight$")
-
-
-def int_quantizable(name: str) -> bool:
-    """The weights ``--weights int8|int4`` and ``convert --to int8|int4`` store as integer groups: the routed
-    and shared experts' projections (the bulk of a DeepSeek model's bytes)."""
-    return _INT_QUANTIZABLE.search(name) is not None
-
-
 def _int_dtype_bits(dtype: str) -> int | None:
     return {"I8": 8, "U8": 4}.get(dtype)
 

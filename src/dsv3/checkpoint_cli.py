@@ -14,8 +14,9 @@ def convert(
     src: Path = typer.Argument(..., help="Checkpoint folder to read (config.json + safetensors)."),
     dst: Path = typer.Argument(..., help="Folder to write; must not exist unless --overwrite."),
     to: str = typer.Option(..., "--to", help="bf16: dequantize FP8 blocks; fp8: quantize to 128x128 blocks; "
-                           "int8, int4: routed and shared experts as integer groups of 32 (the rest bf16); hf: "
-                           "export a training checkpoint (RUN/latest, sharded) to the HF layout."),
+                           "int8, int4: experts, MLPs and attention projections as integer groups of 32, "
+                           "the head at 8 bits (the rest bf16); hf: export a training checkpoint "
+                           "(RUN/latest, sharded) to the HF layout."),
     overwrite: bool = typer.Option(False, help="Replace DST if it exists."),
     as_json: bool = typer.Option(False, "--json", help="Print one JSON summary object."),
 ) -> None:

@@ -31,7 +31,6 @@ from dsv3.checkpoint import (
     checkpoint_files,
     dequantize_fp8_blocks,
     fp8_quantizable,
-    int_quantizable,
     open_safetensors,
     quantize_fp8_blocks,
     read_tensors,
@@ -40,7 +39,7 @@ from dsv3.checkpoint import (
 from dsv3.config import ModelConfig
 from dsv3.errors import DSV3Error
 from dsv3.io import publish_tree, staging_dir
-from dsv3.precision.int_groups import BITS, SCALE_SUFFIX, check_groupable, dequantize, quantize
+from dsv3.precision.int_groups import BITS, SCALE_SUFFIX, check_groupable, dequantize, int_bits, quantize
 from dsv3.run_dir import SHARDED_DIR, is_sharded_checkpoint, resolve_checkpoint
 
 TARGETS = ("bf16", "fp8", "hf", "int8", "int4")  # what --to takes
@@ -62,9 +61,9 @@ def mtp_load_note(cfg: ModelConfig) -> str | None:
 
 
 def convert_checkpoint(src: str | Path, dst: str | Path, to: str, overwrite: bool = False) -> dict:
-    """Convert ``src`` into ``dst`` with weights in ``to`` ("bf16", "fp8", "int8"/"int4": the routed and shared
-    experts as integer groups, the rest bf16, or "hf": the whole model in the HF layout as it loads, e.g. a
-    training checkpoint exported); returns a summary."""
+    """Convert ``src`` into ``dst`` with weights in ``to`` ("bf16", "fp8", "int8"/"int4": the projections
+    ``int_groups.int_bits`` names as integer groups, the rest bf16, or "hf": the whole model in the HF layout
+    as it loads, e.g. a training checkpoint exported); returns a summary."""
     src, dst = Path(src), Path(dst)
     if to not in TARGETS:
         raise DSV3Error(f"--to must be one of {', '.join(TARGETS)}, got {to!r}")
@@ -177,11 +176,12 @@ def _convert_shard(f: Path, scale_home: dict[str, Path], to: str, summary: dict)
         if t.dtype in (torch.int8, torch.uint8):  # integer groups: the float32 weight they stand for (exact)
             t = dequantize(t, _load_scale(name + SCALE_SUFFIX, scale_home))
             summary["dequantized"] += to not in BITS
-        if to in BITS and int_quantizable(name):
+        bits = int_bits(name, BITS[to]) if to in BITS else None
+        if bits:
             full = dequantize_fp8_blocks(t, _load_scale(name + "_scale_inv", scale_home)) if (
                 t.dtype == torch.float8_e4m3fn) else t
             check_groupable(name, tuple(full.shape))
-            out[name], out[name + SCALE_SUFFIX] = quantize(check_values(name, full), BITS[to])
+            out[name], out[name + SCALE_SUFFIX] = quantize(check_values(name, full), bits)
             summary["quantized"] += 1
         elif t.dtype == torch.float8_e4m3fn:
             full = check_values(name, dequantize_fp8_blocks(t, _load_scale(name + "_scale_inv", scale_home)))

@@ -1,5 +1,5 @@
 """`--weights int8|int4` (generate, bench decode) and `dsv3 convert --to int8|int4` on a tiny saved checkpoint: the
-converted checkpoint stores the routed and shared experts as integer groups, loads back into exactly the model
+converted checkpoint stores the projections ``int_bits`` names as integer groups (the head at 8 bits), loads back into exactly the model
 that quantizing at load gives, reads as a float model too, and converts on; bad input is one error line, exit
 status 2, nothing written."""
 
@@ -45,16 +45,21 @@ def test_convert_writes_integer_experts_that_load_as_quantizing_at_load_does(che
     assert main(["convert", str(checkpoint), str(dst), "--to", to]) == 0
     assert f"wrote {dst}:" in capsys.readouterr().out
     tensors = stored(dst)
-    expert = "model.layers.1.mlp.experts.3.down_proj.weight"
-    shared = "model.layers.1.mlp.shared_experts.gate_proj.weight"
-    for name in (expert, shared):
+    at_width = ["model.layers.1.mlp.experts.3.down_proj.weight", "model.layers.1.mlp.shared_experts.gate_proj.weight",
+                "model.layers.0.mlp.up_proj.weight", "model.layers.1.self_attn.o_proj.weight",
+                "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"]
+    for name in at_width:
         assert tensors[name].dtype == dtype and tensors[name + SCALE_SUFFIX].dtype == torch.float16
-    assert tensors["model.layers.1.self_attn.o_proj.weight"].dtype == torch.bfloat16  # attention not quantized
+    assert tensors["lm_head.weight"].dtype == torch.int8  # the head at 8 bits at either width
+    for name in ("model.layers.1.self_attn.kv_b_proj.weight", "model.layers.1.mlp.gate.weight",
+                 "model.embed_tokens.weight"):  # read per head, the router, the embedding: as they were
+        assert tensors[name].dtype in (torch.bfloat16, torch.float32) and name + SCALE_SUFFIX not in tensors
     assert (dst / "tokenizer.json").exists()
 
     converted, at_load = load_model(dst, torch.float32, to), load_model(checkpoint, torch.float32, to)
-    assert sum(isinstance(m, IntExperts) for m in converted.modules()) == sum(
-        isinstance(m, IntLinear) for m in converted.modules()) / 3 > 0
+    int_modules = {type(m) for m in converted.modules()} & {IntExperts, IntLinear}
+    assert int_modules == {IntExperts, IntLinear} and [type(m) for m in converted.modules()] == [
+        type(m) for m in at_load.modules()]
     pairs = [(a, b) for a, b in zip(converted.buffers(), at_load.buffers(), strict=True)
              if a.dtype in (torch.int8, torch.uint8, torch.float16)]
     assert pairs and all(torch.equal(a, b) for a, b in pairs)  # the stored groups are the load-time ones

@@ -46,7 +46,7 @@ from torch import nn
 
 from dsv3.kernels import decode_kernels as dk
 from dsv3.kernels.decode_kernels import ExpertWeights, Weight, kernel_status, linear, mla_decode, route, swiglu_experts
-from dsv3.kernels.int_weights import IntExperts, IntExpertWeights, shared_expert_weights
+from dsv3.kernels.int_weights import IntExperts, IntExpertWeights, IntLinear, IntWeight, shared_expert_weights
 from dsv3.model.dispatch import LocalDispatcher, TokenDispatcher
 from dsv3.model.experts import GroupedExperts, ResidentFP8Experts
 from dsv3.model.mla import MLA, LatentCache
@@ -57,13 +57,16 @@ from dsv3.precision.fp8_linear import FP8BlockLinear
 
 
 def weight_of(module: nn.Module) -> Weight | None:
-    """The kernels' view of a bias-free linear layer (plain or resident FP8), or None for any other."""
+    """The kernels' view of a bias-free linear layer (plain, resident FP8 or integer groups), or None for any
+    other."""
     if module._forward_hooks or module._forward_pre_hooks or getattr(module, "bias", None) is not None:
         return None
     if type(module) is nn.Linear:
         return Weight(module.weight.detach())
     if type(module) is FP8BlockLinear:
         return Weight(module.weight_fp8, module.weight_scale_inv, module.dtype)
+    if type(module) is IntLinear:
+        return IntWeight(module.weight_q, module.weight_scale)
     return None
 
 

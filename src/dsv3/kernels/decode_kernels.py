@@ -133,6 +133,19 @@ class Weight:
     def kind(self) -> int | None:
         return W_KIND.get(self.w.dtype)
 
+    @property
+    def shape(self) -> tuple[int, int]:
+        """[N, K] of the matrix it stands for."""
+        return tuple(self.w.shape)
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x [..., K] @ W^T in x's dtype through the kernels' op."""
+        return torch.ops.dsv3.linear(x, self.w, self.scale_inv)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        """The same without the kernels: the weight in x's dtype, then PyTorch's matmul."""
+        return F.linear(x, self.dense().to(x.dtype))
+
     def dense(self) -> torch.Tensor:
         """The weight in the compute dtype (the reference path; FP8 is dequantized here, per call)."""
         if self.scale_inv is None:
@@ -146,13 +159,7 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def linear(x: torch.Tensor, weight: Weight, use_kernel: bool = True) -> torch.Tensor:
     """x [..., K] @ W^T -> [..., N] in x's dtype: ``torch.ops.dsv3.linear``, or the reference without kernels."""
-    if not use_kernel:
-        return linear_reference(x, weight)
-    return torch.ops.dsv3.linear(x, weight.w, weight.scale_inv)
-
-
-def linear_reference(x: torch.Tensor, weight: Weight) -> torch.Tensor:
-    return F.linear(x, weight.dense().to(x.dtype))
+    return weight.apply(x) if use_kernel else weight.reference(x)
 
 
 class ExpertWeights:
@@ -231,16 +238,18 @@ def latent_attention_reference(q_lat: torch.Tensor, q_pe: torch.Tensor, kv: torc
 def route(x: torch.Tensor, router, use_kernel: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """``Router.forward``'s (expert indices [M, K], gate values [M, K] fp32) for x [M, D], in one call
     (``torch.ops.dsv3.route``) for the scoring functions and top-k methods DeepSeek ships; anything else runs
-    the router itself."""
+    the router itself. A router kept in another dtype than fp32 is read through an fp32 copy, as the block
+    kernel reads it (``route_constants``): the scores are the block kernel's to the bit, where PyTorch's fp32
+    matmul sums a few rows in another order than one (and than the kernel), on some CPUs and thread counts."""
     method, groups = router.method, router.n_group
     plain = (router.scoring in ("sigmoid", "softmax") and method in ("noaux_tc", "group_limited_greedy", "greedy")
-             and router.n_experts % groups == 0 and router.weight.dtype == torch.float32
+             and router.n_experts % groups == 0 and router.weight.dtype.is_floating_point
              and not router._forward_hooks and not router._forward_pre_hooks)
     if not use_kernel or not plain:
         idx, weights, _ = router(x)
         return idx, weights
-    bias = router.e_score_correction_bias if method == "noaux_tc" else None
-    return torch.ops.dsv3.route(x, router.weight, bias, router.top_k, groups if method != "greedy" else 1,
+    bias = router.e_score_correction_bias.float() if method == "noaux_tc" else None
+    return torch.ops.dsv3.route(x, router.weight.float(), bias, router.top_k, groups if method != "greedy" else 1,
                                 router.topk_group, router.scoring == "softmax", method == "noaux_tc",
                                 bool(router.norm_topk_prob), float(router.route_scale))
 
@@ -365,7 +374,7 @@ def block_linear(weight: Weight) -> dict | None:
     kernels cannot read it."""
     if weight.kind is None or not weight.w.is_contiguous() or weight.w.device.type != "cpu":
         return None
-    N, K = weight.w.shape
+    N, K = weight.shape
     return {"w": weight.w.data_ptr(), "scale": _ptr(weight.kernel_scale), "kind": weight.kind, "n": N, "k": K}
 
 

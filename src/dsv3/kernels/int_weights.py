@@ -13,9 +13,11 @@ group in registers, on an AVX-512 path or the AVX2 baseline chosen at run time (
 fp32/bf16/FP8 kernels' own ``dsv3_linear`` and ``dsv3_swiglu_experts`` with an integer weight kind, which is
 also how the block and step kernels read integer experts (``IntExpertWeights.block_view``).
 
-``IntLinear`` and ``IntExperts`` are the modules of a model loaded with ``--weights int8|int4``: the
-routed experts and the shared experts' projections (the bulk of a DeepSeek model's bytes) become integer
-groups; attention, routers, dense layers, the embedding and the head keep their dtype.
+``IntLinear`` and ``IntExperts`` are the modules of a model loaded with ``--weights int8|int4``: every
+projection the decode step reads as a matrix (routed and shared experts, dense MLPs, attention's query,
+latent and output projections) becomes integer groups at that width, the output head at 8 bits
+(``dsv3.checkpoint.int_bits`` names them); ``kv_b_proj``, the routers, the norms and the embedding keep
+their dtype. ``IntWeight`` is an ``IntLinear``'s weight as the decode step's kernels read it.
 """
 
 from __future__ import annotations
@@ -32,9 +34,9 @@ from dsv3.model.dispatch import ExpertRows
 from dsv3.model.experts import PROJECTIONS, GroupedExperts
 from dsv3.model.kernels import routed_forward
 from dsv3.model.moe import MLP, MoE
-from dsv3.precision.int_groups import GROUP, bits_of, dequantize, quantize
+from dsv3.precision.int_groups import GROUP, bits_of, dequantize, int_bits, quantize
 
-__all__ = ["IntExperts", "IntLinear", "int_kernel_status", "to_int_weights"]
+__all__ = ["IntExperts", "IntLinear", "IntWeight", "int_kernel_status", "to_int_weights"]
 
 KIND = {8: 3, 4: 4}  # decode_kernels.c's W_INT8, W_INT4 by width
 
@@ -155,6 +157,32 @@ class IntLinear(nn.Module):
         return f"out_features={n}, in_features={k}, int{bits_of(self.weight_q)} groups of {GROUP}"
 
 
+class IntWeight(dk.Weight):
+    """An ``IntLinear``'s weight as the decode kernels read it (its own tensors, no copy): the values and the
+    fp16 group scales, which the block kernel's linear layer takes as its ``scale``."""
+
+    def __init__(self, q: Tensor, scale: Tensor):
+        super().__init__(q, dtype=torch.float32)
+        self.scale = self.kernel_scale = scale
+
+    @property
+    def kind(self) -> int | None:
+        return KIND[bits_of(self.w)] if self.scale.dtype == torch.float16 and self.scale.is_contiguous() else None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.scale.shape[0], self.scale.shape[1] * GROUP
+
+    def apply(self, x: Tensor) -> Tensor:
+        return torch.ops.dsv3.int_linear(x, self.w, self.scale)
+
+    def reference(self, x: Tensor) -> Tensor:
+        return int_linear._init_fn(x, self.w, self.scale)
+
+    def dense(self) -> Tensor:
+        return dequantize(self.w, self.scale)
+
+
 class IntExpertWeights:
     """Stacked integer experts as the decode step hands them to ``int_swiglu_experts``: (values, scales) of
     gate, up [E, I, D] and down [E, D, I]."""
@@ -236,10 +264,11 @@ Stored = dict[str, tuple[Tensor, Tensor]]  # checkpoint name "....weight" -> (va
 
 def to_int_weights(model: nn.Module, bits: int, stored: Stored | None = None,
                    held: list[int] | None = None) -> nn.Module:
-    """Swap every MoE layer's routed experts for ``IntExperts`` and its shared experts' projections for
-    ``IntLinear``, at ``bits`` (8 or 4): taken from ``stored`` (a checkpoint's integer weights, by checkpoint
-    name) when it has them at that width, else quantized here. ``held``: the routed experts this model holds,
-    in order (an expert-parallel rank's share), else all."""
+    """Swap the weights ``int_bits`` names for integer groups: every MoE layer's routed experts for
+    ``IntExperts``, each named linear layer (shared experts, dense MLPs, attention projections, the heads)
+    for ``IntLinear``, at the width ``int_bits`` gives for ``bits`` (8 or 4): taken from ``stored`` (a
+    checkpoint's integer weights, by checkpoint name) when it has them at that width, else quantized here.
+    ``held``: the routed experts this model holds, in order (an expert-parallel rank's share), else all."""
     stored = stored or {}
     dtype = model.model.embed_tokens.weight.dtype
     for name, module in list(model.named_modules()):
@@ -252,11 +281,12 @@ def to_int_weights(model: nn.Module, bits: int, stored: Stored | None = None,
         pairs = {proj: _stack([_pair(stored, f"{name}.experts.{e}.{proj}.weight", getattr(experts, proj)[i], bits)
                                 for i, e in enumerate(ids)]) for proj in PROJECTIONS}
         module.experts = IntExperts(pairs, dtype)
-        if module.shared_experts is not None:
-            for proj in PROJECTIONS:
-                lin = getattr(module.shared_experts, proj)
-                q, s = _pair(stored, f"{name}.shared_experts.{proj}.weight", lin.weight, bits)
-                setattr(module.shared_experts, proj, IntLinear(q, s))
+    for name, module in list(model.named_modules()):
+        width = int_bits(name + ".weight", bits)
+        if width is not None and type(module) is nn.Linear and module.bias is None:
+            parent, _, attr = name.rpartition(".")
+            pair = _pair(stored, name + ".weight", module.weight, width)
+            setattr(model.get_submodule(parent), attr, IntLinear(*pair))
     return model
 
 

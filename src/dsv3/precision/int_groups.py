@@ -16,6 +16,8 @@ checkpoint's integer weights are read back into a float model before they are ta
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from dsv3.errors import DSV3Error
@@ -24,6 +26,24 @@ GROUP = 32
 BITS = {"int8": 8, "int4": 4}
 SCALE_SUFFIX = "_group_scale"  # a stored integer weight "W.weight" has its scales in "W.weight_group_scale"
 STORED_DTYPES = {8: torch.int8, 4: torch.uint8}
+
+
+_INT_AT_WIDTH = re.compile(r"\.mlp\.((experts\.\d+|shared_experts)\.)?(gate_proj|up_proj|down_proj)\.weight$"
+                           r"|\.self_attn\.(q_a_proj|q_b_proj|q_proj|kv_a_proj_with_mqa|o_proj)\.weight$")
+_INT_AT_8 = re.compile(r"^lm_head\.weight$|\.shared_head\.head\.weight$")
+
+
+def int_bits(name: str, bits: int) -> int | None:
+    """The width at which ``--weights int8|int4`` and ``convert --to int8|int4`` (``bits``) keep a weight as
+    integer groups, or None for a weight they leave in its dtype. At ``bits``: every projection a decode step
+    reads as a matrix (the routed and shared experts, the dense layers' MLPs, attention's query, latent and
+    output projections). The output heads at 8 bits at either width, as llama.cpp keeps its output matrix
+    at 6 or 8 bits in 4-bit files: the logits are what sampling reads. Left as they are: ``kv_b_proj``
+    (read as per-head matrices by the absorbed attention), the MTP layer's ``eh_proj``, the routers, the
+    norms and the embedding."""
+    if _INT_AT_WIDTH.search(name):
+        return bits
+    return 8 if _INT_AT_8.search(name) else None
 
 
 def bits_of(q: torch.Tensor) -> int:
