@@ -1,20 +1,21 @@
-"""What integer expert weights (``--weights int8|int4``) cost a trained model: held-out bits per byte, measured
+"""What integer weights (``--weights int8|int4``) cost a trained model: held-out bits per byte, measured
 as `dsv3 train` measures it (the run's held-out split of its corpus, its tokenizer, its evaluation windows), and
 the logits' relative RMS error against the same model in bf16, for each weight format.
 
     .venv/bin/python benchmarks/int_weights_error.py --model runs/quickstart/latest --json
 
 Rows: ``fp32`` (the checkpoint as trained), ``bf16`` (the reference of the error column), ``fp8`` (128x128
-blocks), ``int8`` and ``int4`` (routed and shared experts as groups of 32, the rest as in bf16). Every row
-but fp32 computes in bf16, so the error column is what the weights alone change. Default data: what
-``dsv3 train`` learns from by default (the Python standard library), split with the run's --val-fraction.
+blocks), ``int8`` and ``int4`` (experts, MLPs and attention projections as groups of 32, the head at 8 bits,
+the rest as in bf16). Every row but fp32 computes in bf16, so the error column is what the weights alone
+change. Default data: what ``dsv3 train`` learns from by default (the Python standard library), split with the
+run's --val-fraction.
 
 With ``--llama-convert`` (llama.cpp's ``convert_hf_to_gguf.py``; ``benchmarks/llama_cpp_setup.sh --env`` sets it
 and ``--llama-quantize``), the same model exported to the HF layout and converted by llama.cpp's own tools runs
 the same held-out windows: rows ``llama.cpp bf16``, ``llama.cpp q8_0`` and ``llama.cpp q4_0`` (its
 ``llama-quantize`` from the f32 GGUF), each quantized row's logits' error against ``llama.cpp bf16`` (its own
-bf16, as dsv3's rows are against dsv3's): llama.cpp's Q8_0 and Q4_0 quantize every matrix (attention and the
-head too), dsv3's int8 and int4 the experts only.
+bf16, as dsv3's rows are against dsv3's): llama.cpp's Q8_0 and Q4_0 quantize every matrix (its Q4_0 files keep
+the head at 6 bits), dsv3's int8 and int4 every one but ``kv_b_proj`` (the head at 8 bits).
 """
 
 from __future__ import annotations
