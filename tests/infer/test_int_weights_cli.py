@@ -1,7 +1,7 @@
 """`--weights int8|int4` (generate, bench decode) and `dsv3 convert --to int8|int4` on a tiny saved checkpoint: the
-converted checkpoint stores the projections ``int_bits`` names as integer groups (the head at 8 bits), loads back into exactly the model
-that quantizing at load gives, reads as a float model too, and converts on; bad input is one error line, exit
-status 2, nothing written."""
+converted checkpoint stores the projections ``int_bits`` names as integer groups (the head at 8 bits), loads back
+into exactly the model that quantizing at load gives, reads as a float model too, and converts on; bad input is
+one error line, exit status 2, nothing written."""
 
 import json
 
