@@ -243,8 +243,7 @@ def route(x: torch.Tensor, router, use_kernel: bool = True) -> tuple[torch.Tenso
     matmul sums a few rows in another order than one (and than the kernel), on some CPUs and thread counts."""
     method, groups = router.method, router.n_group
     plain = (router.scoring in ("sigmoid", "softmax") and method in ("noaux_tc", "group_limited_greedy", "greedy")
-             and router.n_experts % groups == 0 and router.weight.dtype.is_floating_point
-             and not router._forward_hooks and not router._forward_pre_hooks)
+             and router.n_experts % groups == 0 and not router._forward_hooks and not router._forward_pre_hooks)
     if not use_kernel or not plain:
         idx, weights, _ = router(x)
         return idx, weights

@@ -16,7 +16,7 @@ also how the block and step kernels read integer experts (``IntExpertWeights.blo
 ``IntLinear`` and ``IntExperts`` are the modules of a model loaded with ``--weights int8|int4``: every
 projection the decode step reads as a matrix (routed and shared experts, dense MLPs, attention's query,
 latent and output projections) becomes integer groups at that width, the output head at 8 bits
-(``dsv3.checkpoint.int_bits`` names them); ``kv_b_proj``, the routers, the norms and the embedding keep
+(``dsv3.precision.int_groups.int_bits`` names them); ``kv_b_proj``, the routers, the norms and the embedding keep
 their dtype. ``IntWeight`` is an ``IntLinear``'s weight as the decode step's kernels read it.
 """
 
