@@ -63,8 +63,11 @@ def test_convert_writes_integer_experts_that_load_as_quantizing_at_load_does(che
     pairs = [(a, b) for a, b in zip(converted.buffers(), at_load.buffers(), strict=True)
              if a.dtype in (torch.int8, torch.uint8, torch.float16)]
     assert pairs and all(torch.equal(a, b) for a, b in pairs)  # the stored groups are the load-time ones
-    # read as a float model, the integer experts are the weights they stand for
-    torch.testing.assert_close(logits(load_model(dst, torch.float32)), logits(converted), rtol=1e-4, atol=1e-4)
+    # read as a float model, the integer layers are the weights they stand for; the integer model differs from
+    # it only by rounding its activations to int8 per group of 32 (a step of 1/127 of each group's largest),
+    # which moves these random logits by 2.3% of the largest (benchmarks/int_weights_error.py: a trained model)
+    as_float, as_int = logits(load_model(dst, torch.float32)), logits(converted)
+    assert 0 < (as_float - as_int).abs().max() < 5e-2 * as_float.abs().max()  # measured 2.3%
 
     again = tmp_path / f"{to}-again"  # converting a converted checkpoint gives it back
     assert main(["convert", str(dst), str(again), "--to", to]) == 0

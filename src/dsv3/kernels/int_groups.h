@@ -6,111 +6,119 @@
  * integers q; its values are d * q. int8: 32 bytes per group, q[j] in byte j. int4: 16 bytes per group,
  * q[j] + 8 in the low nibble of byte j and q[j + 16] + 8 in its high nibble (j < 16).
  *
- * The GEMM reads the weights in place, a group at a time, and adds each group's dot product times its
- * scale(s) to the row's fp32 total, so each total waits on one FMA per group. A row's result does not depend
- * on how many rows share the call. Two paths, chosen at run time (dsv3_int_avx512(0) forces the second, so
- * both can be tested on one machine):
- * - AVX-512 (where the CPU has AVX-512F/BW): each group widened to fp32 in registers (its integers exactly)
- *   and multiplied with the activations as they are. int4 nibbles are used as stored (q + 8) and 8 times the
- *   activations' group sum is taken off once per group.
- * - AVX2/FMA/F16C (the baseline): the activations rounded to int16 per group of 32 (a step of 2^-15 of the
- *   group's largest magnitude, so at most 2^-16 of it off), and each group's dot product taken in exact
- *   int32 sums by _mm256_madd_epi16. Widening to fp32 costs three or four operations per 8 values there,
- *   among them lane-crossing ones, of which the CPU runs fewer per cycle; in integers a group is about half
- *   the operations (the int4 path widens with one lane-crossing operation per group, not two).
- *   On a 2-core AMD EPYC (Zen 3), against the fp32 widening (benchmarks/decode_kernels_speed.py
- *   --kinds int8,int4 --baseline-rev, record 5 of decode_kernels_speed.json): 1.14-1.57x for the head, the
- *   attention output, the dense MLP and one routed expert at one row (int4), 1.01-1.21x (int8).
+ * Widening a group to fp32 costs more operations than its bytes take to arrive from memory, so the weights
+ * stay bytes and the activations become integers: each activation group of 32 is rounded to int8 with an
+ * fp32 scale (its largest magnitude / 127; llama.cpp rounds activations so for its Q8_0 and Q4_0 dot
+ * products), once per call, and a group's dot product is exact int32 sums of byte products; one conversion
+ * and two multiplies by (activation scale, weight scale) add it to the row's fp32 total.
+ * ``dsv3.precision.int_groups.round_activations`` is that rounding in PyTorch, which the references apply
+ * too, so every path multiplies the same numbers. A row's result does not depend on how many rows share the
+ * call. Two paths, chosen at run time (dsv3_int_avx512(0) forces the second, so both can be tested on one
+ * machine):
+ * - AVX-512 VNNI (AVX-512F/BW and AVX512-VNNI): vpdpbusd multiplies 64 unsigned weight bytes by 64 signed
+ *   activation bytes into 16 int32 sums in one operation. Its first operand must be unsigned, so the weights
+ *   enter with their offset: int4 nibbles as stored (q + 8), int8 bytes with their top bit flipped (q + 128),
+ *   and each group's sum starts from -8 (-128) times the activations' group sum, computed with them.
+ * - AVX2 (the baseline): vpmaddubsw multiplies 32 unsigned by 32 signed bytes into 16 int16 pair sums, which
+ *   saturate past 32767: int4 nibbles (at most 15) enter as stored, with the same offset; int8 weights as
+ *   their magnitudes, the activations taking their signs (|q| <= 127, so no pair saturates).
+ * The activations are laid out once per call in the order the weight bytes meet them (int8_blocks), with
+ * each group's offset and scale beside them in the lanes its sums land in, so the inner loops only load.
  * With few activation rows (decode: 1 to 4 on AVX-512, 1 or 2 on AVX2) several weight rows run at once, for
- * independent totals and shared activation loads (4 on AVX-512; on AVX2 4 for one row of int4, else 2);
- * with more, one weight row's groups are widened once for a tile of up to 16 (8) activation rows.
+ * independent totals and shared activation loads; with more, one weight row for a tile of up to 16 (8).
  */
 #include <immintrin.h>
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define INT_GROUP 32
-#define INT_SCALES 8 /* group scales widened to fp32 at a time (one F16C conversion) */
+#define INT_SCALES 8 /* group scales widened to fp32 at a time on AVX2 (one F16C conversion) */
+#define VNNI_SCALES 16 /* on AVX-512 */
 
-static int int_use_avx512 = -1;
+static int int_use_avx512 = -1, int_use_vnni = -1;
 
-/* want 0: the AVX2 path; 1: AVX-512 where the CPU has it; -1: query. Returns whether AVX-512 runs. */
+/* want 0: the AVX2 paths; 1: AVX-512 where the CPU has it; -1: query. Returns whether AVX-512 runs. */
 int dsv3_int_avx512(int want) {
     if (int_use_avx512 < 0 || want >= 0)
         int_use_avx512 = want != 0 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
     return int_use_avx512;
 }
 
+/* Whether the integer GEMV takes its AVX-512 VNNI path (the AVX-512 paths on, and AVX512-VNNI). */
+int dsv3_int_vnni(void) {
+    if (int_use_vnni < 0) int_use_vnni = __builtin_cpu_supports("avx512vnni");
+    return int_use_vnni && dsv3_int_avx512(-1);
+}
+
 /* Bytes of one row of K integer values (K a multiple of INT_GROUP). */
 static inline int64_t int_row_bytes(int bits, int64_t K) { return bits == 8 ? K : K / 2; }
 
-/* The fp32 scales of groups [g, g + INT_SCALES) of a row (fp16 s), into sc. */
-static inline __attribute__((always_inline)) void group_scales(const uint16_t *s, int64_t g, int64_t groups,
-                                                               float *sc) {
-    if (g + INT_SCALES <= groups) {
-        _mm256_storeu_ps(sc, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + g))));
-        return;
-    }
-    for (int64_t j = g; j < groups; j++) sc[j - g] = _cvtsh_ss(s[j]);
+/* ---- the activations as int8 blocks ------------------------------------------------------------------------- */
+
+/* A block is what one zmm of weights holds, 64 bytes: 4 int4 groups or 2 int8 groups. For each activation row
+ * and block, int8_blocks writes (bytes): the int8 activations in the order of the block's weight values (int4:
+ * the 16 values each group's low nibbles meet, group after group, then the 16 its high nibbles meet; int8: in
+ * column order), then 16 int32 offsets (group j's in lane 16 / G * j, the others 0; int8 weights on AVX2 leave
+ * them out), then 16 fp32 lane scales (lanes 16 / G * j to 16 / G * (j + 1) - 1: group j's). A zmm's
+ * vpdpbusd sums land group by group in those lanes; AVX2 reads each block in halves the same way. */
+static inline int block_groups(int bits) { return bits == 4 ? 4 : 2; }
+static inline int64_t block_act_bytes(int bits) { return bits == 4 ? 128 : 64; }
+static inline int64_t block_bytes(int bits) { return block_act_bytes(bits) + 128; }
+static inline int64_t blocks_of(int bits, int64_t K) {
+    return (K / INT_GROUP + block_groups(bits) - 1) / block_groups(bits);
 }
 
-/* ---- AVX2 path: integer dot products over activations rounded to int16 ---------------------------------- */
-
-/* AVX2 has no fast way to widen a group to fp32 (three or four operations per 8 values before the FMA), so
- * this path keeps the weights integers: each activation group of 32 is rounded to int16 with an fp32 scale
- * (its largest magnitude / 32767; the rounding is at most half a step, 2^-16 of that magnitude), and a group's
- * dot product is two _mm256_madd_epi16 of 16 pairs each into 8 exact int32 sums; one conversion and one FMA
- * by (weight scale x activation scale) add it to the row's fp32 total. About half the operations per group of
- * the fp32 widening, and the products exact. A row's activations are rounded on their own, so a row's
- * result still does not depend on the rows beside it or on the threads. */
-
-/* The activations x [M, K] as int16 groups: xq [M, K], xs [M, K / 32] their scales (NaN for a group holding
- * an inf or NaN, so that the result is NaN as in fp32), and for int4 xoff [M, K / 32] = -8 * sum(xq) of each
- * group, the nibbles' offset (stored as q + 8) taken off in the integer sum. */
-static void int16_groups(const float *x, int64_t M, int64_t K, int16_t *xq, float *xs, int32_t *xoff) {
+/* x [M, K] (fp32) as the blocks above, into xb (M * blocks_of(bits, K) blocks). A group holding an inf or NaN
+ * gets a NaN scale, so that the result is NaN as in fp32. */
+static void int8_blocks(int bits, const float *x, int64_t M, int64_t K, uint8_t *xb) {
+    const int G = block_groups(bits), lanes = 16 / G;
+    const int64_t groups = K / INT_GROUP, blocks = blocks_of(bits, K), bb = block_bytes(bits);
+    const int64_t ab = block_act_bytes(bits);
     const __m256 sign = _mm256_set1_ps(-0.0f);
-    for (int64_t i = 0; i < M * (K / INT_GROUP); i++) {
-        const float *xg = x + i * INT_GROUP;
-        __m256 v[4], amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
-        for (int j = 0; j < 4; j++) {
-            v[j] = _mm256_loadu_ps(xg + 8 * j);
-            amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
-            bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(v[j], v[j]), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+    memset(xb, 0, (size_t)(M * blocks * bb));
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *xg = x + m * K + g * INT_GROUP;
+            __m256 v[4], amax = _mm256_setzero_ps(), bad = _mm256_setzero_ps();
+            for (int j = 0; j < 4; j++) {
+                v[j] = _mm256_loadu_ps(xg + 8 * j);
+                amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[j]));
+                bad = _mm256_or_ps(bad, _mm256_cmp_ps(_mm256_sub_ps(v[j], v[j]), _mm256_setzero_ps(), _CMP_NEQ_UQ));
+            }
+            float lane_max[8];
+            _mm256_storeu_ps(lane_max, amax);
+            float top = lane_max[0];
+            for (int j = 1; j < 8; j++) top = lane_max[j] > top ? lane_max[j] : top;
+            const __m256 inv = _mm256_set1_ps(top > 0.0f ? 127.0f / top : 0.0f);
+            __m256i q[4];
+            for (int j = 0; j < 4; j++) q[j] = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], inv));
+            /* packs works within 128-bit lanes: the dwords back in column order after both packs */
+            const __m256i bytes = _mm256_permutevar8x32_epi32(
+                _mm256_packs_epi16(_mm256_packs_epi32(q[0], q[1]), _mm256_packs_epi32(q[2], q[3])),
+                _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+            const __m256i s4 = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+            const __m128i s2 = _mm_add_epi32(_mm256_castsi256_si128(s4), _mm256_extracti128_si256(s4, 1));
+            const int32_t sum = _mm_cvtsi128_si32(_mm_hadd_epi32(_mm_hadd_epi32(s2, s2), s2));
+            uint8_t *block = xb + (m * blocks + g / G) * bb;
+            const int j = (int)(g % G);
+            _mm_storeu_si128((__m128i *)(block + (bits == 4 ? 16 * j : 32 * j)), _mm256_castsi256_si128(bytes));
+            _mm_storeu_si128((__m128i *)(block + (bits == 4 ? 64 + 16 * j : 32 * j + 16)),
+                             _mm256_extracti128_si256(bytes, 1));
+            ((int32_t *)(block + ab))[lanes * j] = (bits == 4 ? -8 : -128) * sum;
+            const float scale = _mm256_movemask_ps(bad) ? __builtin_nanf("") : top / 127.0f;
+            for (int l = 0; l < lanes; l++) ((float *)(block + ab + 64))[lanes * j + l] = scale;
         }
-        float m[8];
-        _mm256_storeu_ps(m, amax);
-        float top = m[0];
-        for (int j = 1; j < 8; j++) top = m[j] > top ? m[j] : top;
-        const float inv = top > 0.0f ? 32767.0f / top : 0.0f;
-        xs[i] = _mm256_movemask_ps(bad) ? __builtin_nanf("") : top / 32767.0f;
-        __m256i sum = _mm256_setzero_si256();
-        for (int j = 0; j < 4; j += 2) {
-            const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[j], _mm256_set1_ps(inv)));
-            const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(v[j + 1], _mm256_set1_ps(inv)));
-            /* packs works within 128-bit lanes: put the 16 values back in column order */
-            const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
-            _mm256_storeu_si256((__m256i *)(xq + i * INT_GROUP + 8 * j), packed);
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(packed, _mm256_set1_epi16(1)));
-        }
-        if (xoff) {
-            int32_t s[8];
-            _mm256_storeu_si256((__m256i *)s, sum);
-            xoff[i] = -8 * (s[0] + s[1] + s[2] + s[3] + s[4] + s[5] + s[6] + s[7]);
-        }
-    }
 }
 
-/* A group's weights as int16, w[0] columns 0-15 and w[1] columns 16-31. int4: the nibbles as stored (q + 8, 0
- * to 15; xoff takes 8 * the group's activation sum off). */
-static inline __attribute__((always_inline)) void group16_int16(int bits, const uint8_t *q, __m256i w[2]) {
-    if (bits == 4) { /* each byte widened once; its low nibble masked, its high one shifted down */
-        const __m256i v = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)q));
-        w[0] = _mm256_and_si256(v, _mm256_set1_epi16(0x0F));
-        w[1] = _mm256_srli_epi16(v, 4);
-        return;
-    }
-    w[0] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)q));
-    w[1] = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(q + 16)));
+/* ---- AVX2 path ------------------------------------------------------------------------------------------------ */
+
+/* The fp32 scales of groups [g, g + INT_SCALES) of a row (fp16 s); past the row's end 0. */
+static inline __attribute__((always_inline)) __m256 group_scales(const uint16_t *s, int64_t g, int64_t groups) {
+    if (g + INT_SCALES <= groups) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + g)));
+    uint16_t part[INT_SCALES] = {0};
+    for (int64_t j = g; j < groups; j++) part[j - g] = s[j];
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)part));
 }
 
 static inline float int_hsum8(__m256 v) {
@@ -120,51 +128,67 @@ static inline float int_hsum8(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-/* Group g of the NW weight rows (rows rb bytes apart) times the R activation rows into acc: the int32 dot
- * product times sc[i][r][j], that group's weight scale x activation scale (j = g % INT_SCALES). */
-static inline __attribute__((always_inline)) void group_avx2(int bits, int NW, int R, const uint8_t *q, int64_t rb,
-                                                             int64_t K, int64_t groups, const int16_t *xq,
-                                                             const int32_t *xoff, float sc[4][8][INT_SCALES],
-                                                             int64_t g, int j, __m256 acc[4][8]) {
-    const int64_t gbytes = bits == 8 ? INT_GROUP : INT_GROUP / 2;
-    __m256i w[4][2];
-    for (int i = 0; i < NW; i++) group16_int16(bits, q + i * rb + g * gbytes, w[i]);
+/* Half h of a block (int4: groups 2h and 2h + 1, of which n are in the row; int8: group h) of one weight row
+ * (w: the block's first weight byte) times R activation rows (block: row 0's block, rows xrow bytes apart)
+ * into acc[r]; sv: the weight scales of the half's lanes. */
+static inline __attribute__((always_inline)) void half_avx2(int bits, int R, const uint8_t *w, int h, int n,
+                                                            const uint8_t *block, int64_t xrow, __m256 sv,
+                                                            __m256 *acc) {
+    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(0x0F);
+    const int64_t ab = block_act_bytes(bits);
+    __m256i u0, u1 = _mm256_setzero_si256(), wq = _mm256_setzero_si256();
+    if (bits == 4) {
+        const __m256i v = n == 2 ? _mm256_loadu_si256((const __m256i *)(w + 32 * h))
+                                 : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)(w + 32 * h)));
+        u0 = _mm256_and_si256(v, low), u1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), low);
+    } else {
+        wq = _mm256_loadu_si256((const __m256i *)(w + 32 * h));
+        u0 = _mm256_abs_epi8(wq);
+    }
     for (int r = 0; r < R; r++) {
-        const int16_t *xr = xq + r * K + g * INT_GROUP;
-        const __m256i x0 = _mm256_loadu_si256((const __m256i *)xr), x1 = _mm256_loadu_si256((const __m256i *)(xr + 16));
-        for (int i = 0; i < NW; i++) {
-            __m256i d = _mm256_add_epi32(_mm256_madd_epi16(w[i][0], x0), _mm256_madd_epi16(w[i][1], x1));
-            if (bits == 4) d = _mm256_add_epi32(d, _mm256_zextsi128_si256(_mm_cvtsi32_si128(xoff[r * groups + g])));
-            acc[i][r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(d), _mm256_broadcast_ss(&sc[i][r][j]), acc[i][r]);
-        }
+        const uint8_t *b = block + r * xrow;
+        const __m256i x0 = _mm256_loadu_si256((const __m256i *)(b + 32 * h));
+        __m256i p;
+        if (bits == 4) /* pairs of at most 2 * 15 * 127 each, two of them: no int16 overflow */
+            p = _mm256_add_epi16(_mm256_maddubs_epi16(u0, x0),
+                                 _mm256_maddubs_epi16(u1, _mm256_loadu_si256((const __m256i *)(b + 64 + 32 * h))));
+        else
+            p = _mm256_maddubs_epi16(u0, _mm256_sign_epi8(x0, wq));
+        __m256i d = _mm256_madd_epi16(p, ones);
+        if (bits == 4) d = _mm256_add_epi32(d, _mm256_loadu_si256((const __m256i *)(b + ab + 32 * h)));
+        const __m256 xs = _mm256_loadu_ps((const float *)(b + ab + 64 + 32 * h));
+        acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(d), xs), sv, acc[r]);
     }
 }
 
 /* out[m * ldo + i] = sum_k W[n + i, k] x[m, k] for the NW weight rows n + i (rows rb bytes apart) and the
- * activation rows m < R, x as int16_groups made it (xq, xs, xoff: row m at m * K, m * groups); NW * R <= 8.
- * Groups go in runs of INT_SCALES: the run's scale products first, then its groups. */
+ * activation rows m < R, x as int8_blocks laid it out (row m at xb + m * xrow); NW * R <= 8. */
 static inline __attribute__((always_inline)) void row_avx2(int bits, int NW, int R, const uint8_t *q,
                                                            const uint16_t *s, int64_t rb, int64_t K,
-                                                           const int16_t *xq, const float *xs,
-                                                           const int32_t *xoff, float *out, int64_t ldo) {
-    __m256 acc[4][8];
-    float sw[4][INT_SCALES], sc[4][8][INT_SCALES];
-    const int64_t groups = K / INT_GROUP;
+                                                           const uint8_t *xb, int64_t xrow, float *out,
+                                                           int64_t ldo, const char *pf) {
+    const int G = block_groups(bits);
+    const int64_t groups = K / INT_GROUP, blocks = blocks_of(bits, K), bb = block_bytes(bits);
+    __m256 acc[4][8], ws[4];
     for (int i = 0; i < NW; i++)
         for (int r = 0; r < R; r++) acc[i][r] = _mm256_setzero_ps();
-    for (int64_t g0 = 0; g0 < groups; g0 += INT_SCALES) {
-        const int n = g0 + INT_SCALES <= groups ? INT_SCALES : (int)(groups - g0);
-        for (int i = 0; i < NW; i++) { /* the products of the weight and activation scales of these groups */
-            group_scales(s + i * groups, g0, groups, sw[i]);
-            for (int r = 0; r < R; r++)
-                for (int j = 0; j < n; j++) sc[i][r][j] = sw[i][j] * xs[r * groups + g0 + j];
-        }
-        if (n == INT_SCALES) {
-#pragma GCC unroll 8
-            for (int j = 0; j < INT_SCALES; j++)
-                group_avx2(bits, NW, R, q, rb, K, groups, xq, xoff, sc, g0 + j, j, acc);
-        } else {
-            for (int j = 0; j < n; j++) group_avx2(bits, NW, R, q, rb, K, groups, xq, xoff, sc, g0 + j, j, acc);
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t g = b * G;
+        if (g % INT_SCALES == 0)
+            for (int i = 0; i < NW; i++) ws[i] = group_scales(s + i * groups, g, groups);
+        const int c = (int)(g % INT_SCALES), left = (int)(groups - g < G ? groups - g : G);
+        for (int i = 0; i < NW; i++) {
+            const uint8_t *w = q + i * rb + g * (bits == 8 ? INT_GROUP : INT_GROUP / 2);
+            if (pf) _mm_prefetch(pf + i * rb + g * (bits == 8 ? INT_GROUP : INT_GROUP / 2), _MM_HINT_T0);
+            for (int h = 0; 2 * h < (bits == 4 ? left : 2 * left); h++) {
+                /* int4: lanes 0-3 group c + 2h, 4-7 group c + 2h + 1; int8: all lanes group c + h */
+                const __m256i index = bits == 4 ? _mm256_setr_epi32(c + 2 * h, c + 2 * h, c + 2 * h, c + 2 * h,
+                                                                    c + 2 * h + 1, c + 2 * h + 1, c + 2 * h + 1,
+                                                                    c + 2 * h + 1)
+                                                : _mm256_set1_epi32(c + h);
+                const int n = bits == 4 ? (left - 2 * h >= 2 ? 2 : 1) : 1;
+                half_avx2(bits, R, w, h, n, xb + b * bb, xrow, _mm256_permutevar8x32_ps(ws[i], index), acc[i]);
+            }
         }
     }
     for (int i = 0; i < NW; i++)
@@ -174,10 +198,10 @@ static inline __attribute__((always_inline)) void row_avx2(int bits, int NW, int
 /* row_avx2 with the width, NW and R as constants (accumulators in registers): NW 1 to 4 with R 1, NW 1 or 2
  * with R 2, NW 1 with R up to 8. */
 static void rows_avx2(int bits, int NW, int R, const uint8_t *q, const uint16_t *s, int64_t rb, int64_t K,
-                      const int16_t *xq, const float *xs, const int32_t *xoff, float *out, int64_t ldo) {
+                      const uint8_t *xb, int64_t xrow, float *out, int64_t ldo, const char *pf) {
 #define INT_ROW(nw, r)                                                                                              \
-    (bits == 8 ? row_avx2(8, nw, r, q, s, rb, K, xq, xs, xoff, out, ldo)                                           \
-               : row_avx2(4, nw, r, q, s, rb, K, xq, xs, xoff, out, ldo))
+    (bits == 8 ? row_avx2(8, nw, r, q, s, rb, K, xb, xrow, out, ldo, pf)                                           \
+               : row_avx2(4, nw, r, q, s, rb, K, xb, xrow, out, ldo, pf))
     if (NW == 4) {
         INT_ROW(4, 1);
         return;
@@ -204,50 +228,67 @@ static void rows_avx2(int bits, int NW, int R, const uint8_t *q, const uint16_t 
 #undef INT_ROW
 }
 
-/* ---- AVX-512 path: a group as two vectors of 16 fp32, up to 16 rows per tile --------------------------- */
+/* ---- AVX-512 VNNI path ----------------------------------------------------------------------------------------- */
 
-#define INT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,f16c,fma,avx2")))
+#define INT_VNNI __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,f16c,fma,avx2")))
 
-/* A group's values as fp32, columns 0-15 and 16-31 (the integers exactly). int4: the nibbles as stored (q + 8, 0
- * to 15; the caller starts each group's sum from -8 * the activations' group sum, xoff). */
-static inline __attribute__((always_inline)) INT_AVX512 void group16_avx512(int bits, const uint8_t *q,
-                                                                             __m512 w[2]) {
-    if (bits == 4) {
-        const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)q));
-        w[0] = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
-        w[1] = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-        return;
+/* Lane l of block c (of the VNNI_SCALES groups whose scales are widened together) takes scale c * G + l / (16 /
+ * G): the indices, a table filled when the library loads, so that a block loads them rather than builds them. */
+static int32_t vnni_index[2][8][16] __attribute__((aligned(64)));
+
+__attribute__((constructor)) static void vnni_index_init(void) {
+    for (int w = 0; w < 2; w++) {
+        const int G = w ? 4 : 2; /* [0]: int8, [1]: int4 */
+        for (int c = 0; c < VNNI_SCALES / G; c++)
+            for (int l = 0; l < 16; l++) vnni_index[w][c][l] = c * G + l / (16 / G);
     }
-    w[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)q)));
-    w[1] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(q + 16))));
 }
 
-/* out[m * ldo + i] = sum_k W[n + i, k] x[m * K + k] for the NW weight rows n + i (rows rb bytes apart) and the
- * activation rows m < R, NW * R <= 16: each group widened to fp32 and multiplied with the activations as they
- * are (AVX-512 converts 16 values in two operations, so the fp32 products cost little here). */
-static inline __attribute__((always_inline)) INT_AVX512 void row_avx512(int bits, int NW, int R, const uint8_t *q,
-                                                                         const uint16_t *s, int64_t rb, int64_t K,
-                                                                         const float *x, const float *xoff, float *out,
-                                                                         int64_t ldo) {
-    __m512 acc[4][16];
-    float sc[4][INT_SCALES];
-    const int64_t gbytes = bits == 8 ? INT_GROUP : INT_GROUP / 2, groups = K / INT_GROUP;
+static inline INT_VNNI __m512i vnni_scale_index(int bits, int c) {
+    return _mm512_load_si512(vnni_index[bits == 4][c]);
+}
+
+/* out[m * ldo + i] = sum_k W[n + i, k] x[m, k] for the NW weight rows n + i (rows rb bytes apart) and the
+ * activation rows m < R, x as int8_blocks laid it out (row m at xb + m * xrow); NW * R <= 16. */
+static inline __attribute__((always_inline)) INT_VNNI void row_vnni(int bits, int NW, int R, const uint8_t *q,
+                                                                     const uint16_t *s, int64_t rb, int64_t K,
+                                                                     const uint8_t *xb, int64_t xrow, float *out,
+                                                                     int64_t ldo, const char *pf) {
+    const int G = block_groups(bits);
+    const int64_t groups = K / INT_GROUP, blocks = blocks_of(bits, K), bb = block_bytes(bits);
+    const int64_t gbytes = bits == 8 ? INT_GROUP : INT_GROUP / 2, ab = block_act_bytes(bits);
+    __m512 acc[4][16], ws[4];
     for (int i = 0; i < NW; i++)
         for (int r = 0; r < R; r++) acc[i][r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-        if (g % INT_SCALES == 0)
-            for (int i = 0; i < NW; i++) group_scales(s + i * groups, g, groups, sc[i]);
-        __m512 w[4][2];
-        for (int i = 0; i < NW; i++) group16_avx512(bits, q + i * rb + g * gbytes, w[i]);
-        for (int r = 0; r < R; r++) {
-            const float *xr = x + r * K + g * INT_GROUP;
-            const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
-            for (int i = 0; i < NW; i++) {
-                const __m512 t0 = bits == 4 ? _mm512_fmadd_ps(w[i][0], x0,
-                                                              _mm512_zextps128_ps512(_mm_load_ss(xoff + r * groups + g)))
-                                            : _mm512_mul_ps(w[i][0], x0);
-                const __m512 t = _mm512_fmadd_ps(w[i][1], x1, t0);
-                acc[i][r] = _mm512_fmadd_ps(t, _mm512_set1_ps(sc[i][g % INT_SCALES]), acc[i][r]);
+    for (int64_t b = 0; b < blocks; b++) {
+        const int64_t g = b * G, left = groups - g;
+        const int c = (int)(g % VNNI_SCALES) / G;
+        if (c == 0) {
+            const __mmask16 m = left >= VNNI_SCALES ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
+            for (int i = 0; i < NW; i++) ws[i] = _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, s + i * groups + g));
+        }
+        const __m512i index = vnni_scale_index(bits, c);
+#pragma GCC unroll 4
+        for (int i = 0; i < NW; i++) {
+            const uint8_t *w = q + i * rb + g * gbytes;
+            if (pf) _mm_prefetch(pf + i * rb + g * gbytes, _MM_HINT_T0);
+            const __m512i v = left >= G ? _mm512_loadu_si512(w)
+                                        : _mm512_maskz_loadu_epi8(((__mmask64)1 << (left * gbytes)) - 1, w);
+            __m512i w0, w1 = _mm512_setzero_si512();
+            if (bits == 4) {
+                w0 = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+                w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+            } else {
+                w0 = _mm512_xor_si512(v, _mm512_set1_epi8((char)0x80));
+            }
+            const __m512 sv = _mm512_permutexvar_ps(index, ws[i]);
+#pragma GCC unroll 16
+            for (int r = 0; r < R; r++) {
+                const uint8_t *block = xb + r * xrow + b * bb;
+                __m512i d = _mm512_dpbusd_epi32(_mm512_loadu_si512(block + ab), w0, _mm512_loadu_si512(block));
+                if (bits == 4) d = _mm512_dpbusd_epi32(d, w1, _mm512_loadu_si512(block + 64));
+                const __m512 xs = _mm512_loadu_ps(block + ab + 64);
+                acc[i][r] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(d), xs), sv, acc[i][r]);
             }
         }
     }
@@ -255,23 +296,26 @@ static inline __attribute__((always_inline)) INT_AVX512 void row_avx512(int bits
         for (int r = 0; r < R; r++) out[r * ldo + i] = _mm512_reduce_add_ps(acc[i][r]);
 }
 
-/* row_avx512 with NW and R as constants: NW 1 to 4 with R 1 to 4, or NW 1 with R up to 16. */
-static INT_AVX512 void rows_avx512(int bits, int NW, int R, const uint8_t *q, const uint16_t *s, int64_t rb,
-                                   int64_t K, const float *x, const float *xoff, float *out, int64_t ldo) {
+/* row_vnni with the width, NW and R as constants: NW 1 to 4 with R 1 or 2, NW 1 or 2 with R 3 or 4, or NW 1
+ * with R up to 16. */
+static INT_VNNI void rows_vnni(int bits, int NW, int R, const uint8_t *q, const uint16_t *s, int64_t rb, int64_t K,
+                               const uint8_t *xb, int64_t xrow, float *out, int64_t ldo, const char *pf) {
 #define INT_ROW(nw, r)                                                                                              \
-    (bits == 8 ? row_avx512(8, nw, r, q, s, rb, K, x, xoff, out, ldo)                                              \
-               : row_avx512(4, nw, r, q, s, rb, K, x, xoff, out, ldo))
-#define INT_ROWS(nw)                                                                                              \
-    switch (R) {                                                                                                  \
-    case 1: INT_ROW(nw, 1); break;                                                                                \
-    case 2: INT_ROW(nw, 2); break;                                                                                \
-    case 3: INT_ROW(nw, 3); break;                                                                                \
-    default: INT_ROW(nw, 4); break;                                                                               \
+    (bits == 8 ? row_vnni(8, nw, r, q, s, rb, K, xb, xrow, out, ldo, pf)                                           \
+               : row_vnni(4, nw, r, q, s, rb, K, xb, xrow, out, ldo, pf))
+    if (NW > 1 && R <= 2) {
+        if (NW == 4) { if (R == 1) INT_ROW(4, 1); else INT_ROW(4, 2); }
+        else if (NW == 3) { if (R == 1) INT_ROW(3, 1); else INT_ROW(3, 2); }
+        else if (R == 1) INT_ROW(2, 1);
+        else INT_ROW(2, 2);
+        return;
     }
-    if (NW == 4) { INT_ROWS(4) }
-    else if (NW == 3) { INT_ROWS(3) }
-    else if (NW == 2) { INT_ROWS(2) }
-    else switch (R) {
+    if (NW == 2) {
+        if (R == 3) INT_ROW(2, 3);
+        else INT_ROW(2, 4);
+        return;
+    }
+    switch (R) {
     case 1: INT_ROW(1, 1); break;
     case 2: INT_ROW(1, 2); break;
     case 3: INT_ROW(1, 3); break;
@@ -289,10 +333,8 @@ static INT_AVX512 void rows_avx512(int bits, int NW, int R, const uint8_t *q, co
     case 15: INT_ROW(1, 15); break;
     default: INT_ROW(1, 16); break;
     }
-#undef INT_ROWS
 #undef INT_ROW
 }
-
 /* ---- the GEMM over a range of weight rows ------------------------------------------------------------------ */
 
 /* No memory for int_rows' scratch: its outputs are NaN, which no caller mistakes for a result. */
@@ -307,57 +349,44 @@ static void int_rows_failed(int64_t M, float *y, int64_t ldy, int64_t n0, int64_
  * NULL: nowhere) past row n1, so a run of small matrices (the experts of a step) reads as one stream. */
 static void int_rows(int bits, const uint8_t *q, const uint16_t *s, int64_t K, const float *x, int64_t M,
                      float *y, int64_t ldy, int64_t n0, int64_t n1, const char *next) {
-    const int wide = dsv3_int_avx512(-1);
-    /* few activation rows: NW weight rows at once, for independent sums and shared activation loads (AVX2: 4
-     * for one row of int4, else 2: int8 measured no faster with 4 in a whole step); many: one weight row, its
-     * groups widened once for a tile of up to 16 (8) rows */
-    const int few = M <= (wide ? 4 : 2), tile = few ? (int)M : wide ? 16 : 8;
-    const int nw = few ? (wide || (M == 1 && bits == 4) ? 4 : 2) : 1;
+    const int vnni = dsv3_int_vnni();
+    /* few activation rows: NW weight rows at once, for independent sums and shared activation loads (VNNI: 4
+     * for one or two rows, 2 for three or four; AVX2: 4 for one row of int4, else 2: int8 measured no faster
+     * with 4 in a whole step); many: one weight row for a tile of up to 16 (8) rows */
+    const int few = M <= (vnni ? 4 : 2), tile = few ? (int)M : vnni ? 16 : 8;
+    const int nw = few ? (vnni ? (M <= 2 ? 4 : 2) : M == 1 && bits == 4 ? 4 : 2) : 1;
     const int64_t rb = int_row_bytes(bits, K), groups = K / INT_GROUP;
     const char *end = (const char *)q + n1 * rb;
-    /* AVX-512: int4 needs -8 * each group's activation sum (xoff), the offset of the nibbles as stored (q + 8);
-     * AVX2: the activations as int16 groups (xq, xs, and xoff in integers for int4) */
-    float *xoff = NULL, *xs = NULL;
-    int16_t *xq = NULL;
-    int32_t *xoff_i = NULL;
-    if (wide && bits == 4) {
-        xoff = (float *)malloc((size_t)(M * groups + 1) * sizeof(float));
-        if (!xoff) {
-            int_rows_failed(M, y, ldy, n0, n1);
-            return;
-        }
-        for (int64_t i = 0; i < M * groups; i++) {
-            float sum = 0.0f;
-            for (int j = 0; j < INT_GROUP; j++) sum += x[i * INT_GROUP + j];
-            xoff[i] = -8.0f * sum;
-        }
-    } else if (!wide) {
-        char *buf = (char *)malloc((size_t)(M * K) * sizeof(int16_t) + (size_t)(2 * M * groups + 1) * sizeof(float));
-        if (!buf) {
-            int_rows_failed(M, y, ldy, n0, n1);
-            return;
-        }
-        xs = (float *)buf, xoff_i = (int32_t *)(xs + M * groups), xq = (int16_t *)(xoff_i + M * groups + 1);
-        int16_groups(x, M, K, xq, xs, bits == 4 ? xoff_i : NULL);
+    /* the activations rounded to int8 once per call (xb: a row every xrow bytes) */
+    const int64_t xrow = blocks_of(bits, K) * block_bytes(bits);
+    uint8_t *xb = (uint8_t *)malloc((size_t)(M * xrow));
+    if (!xb) {
+        int_rows_failed(M, y, ldy, n0, n1);
+        return;
     }
+    int8_blocks(bits, x, M, K, xb);
     for (const char *p = (const char *)q + n0 * rb; p < end && p < (const char *)q + n0 * rb + PF_BYTES; p += 64)
         _mm_prefetch(p, _MM_HINT_T0); /* this call's own first bytes */
     for (int64_t n = n0; n < n1; n += nw) {
         const int NW = (int)(n1 - n < nw ? n1 - n : nw);
+        /* the bytes PF_BYTES on, and the scales of the rows as far on */
         const char *pf = (const char *)q + n * rb + PF_BYTES;
         if (pf >= end) pf = next ? next + (pf - end) : NULL;
         if (pf)
             for (int64_t b = 0; b < NW * rb; b += 64) _mm_prefetch(pf + b, _MM_HINT_T0);
+        const char *spf = (const char *)(s + (n + PF_BYTES / rb) * groups);
+        if (spf < (const char *)(s + n1 * groups))
+            for (int64_t b = 0; b < NW * groups * 2; b += 64) _mm_prefetch(spf + b, _MM_HINT_T0);
         for (int64_t m0 = 0; m0 < M; m0 += tile) {
             const int R = (int)(M - m0 < tile ? M - m0 : tile);
-            const float *xo = xoff ? xoff + m0 * groups : NULL;
-            if (wide)
-                rows_avx512(bits, NW, R, q + n * rb, s + n * groups, rb, K, x + m0 * K, xo, y + m0 * ldy + n, ldy);
+            const char *tile_pf = NULL;
+            if (vnni)
+                rows_vnni(bits, NW, R, q + n * rb, s + n * groups, rb, K, xb + m0 * xrow, xrow, y + m0 * ldy + n, ldy,
+                          tile_pf);
             else
-                rows_avx2(bits, NW, R, q + n * rb, s + n * groups, rb, K, xq + m0 * K, xs + m0 * groups,
-                          xoff_i + m0 * groups, y + m0 * ldy + n, ldy);
+                rows_avx2(bits, NW, R, q + n * rb, s + n * groups, rb, K, xb + m0 * xrow, xrow, y + m0 * ldy + n, ldy,
+                          tile_pf);
         }
     }
-    free(xoff);
-    free(xs);
+    free(xb);
 }

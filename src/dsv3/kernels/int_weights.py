@@ -34,7 +34,7 @@ from dsv3.model.dispatch import ExpertRows
 from dsv3.model.experts import PROJECTIONS, GroupedExperts
 from dsv3.model.kernels import routed_forward
 from dsv3.model.moe import MLP, MoE
-from dsv3.precision.int_groups import GROUP, bits_of, dequantize, int_bits, quantize
+from dsv3.precision.int_groups import GROUP, bits_of, dequantize, int_bits, quantize, round_activations
 
 __all__ = ["IntExperts", "IntLinear", "IntWeight", "int_kernel_status", "to_int_weights"]
 
@@ -47,13 +47,24 @@ def int_kernel_status() -> str:
 
 
 def avx512(on: bool | None = None) -> bool:
-    """Whether the kernels take their AVX-512 path (where the CPU has AVX-512F/BW) rather than the AVX2 one;
-    ``on`` chooses for this process (the tests run both). Returns the state."""
+    """Whether the kernels take their AVX-512 paths (where the CPU has AVX-512F/BW) rather than the AVX2 ones;
+    ``on`` chooses for this process (the tests run both). The integer GEMV's AVX-512 path needs AVX512-VNNI
+    too (``vnni``). Returns the state."""
     lib = dk._load()[0]
     if lib is None:
         return False
     lib.dsv3_int_avx512.argtypes, lib.dsv3_int_avx512.restype = [ctypes.c_int], ctypes.c_int
     return bool(lib.dsv3_int_avx512(-1 if on is None else int(on)))
+
+
+def vnni() -> bool:
+    """Whether the integer GEMV takes its AVX-512 VNNI path (``avx512`` on, and the CPU has AVX512-VNNI)
+    rather than the AVX2 one; both multiply the same int8 activations."""
+    lib = dk._load()[0]
+    if lib is None:
+        return False
+    lib.dsv3_int_vnni.argtypes, lib.dsv3_int_vnni.restype = [], ctypes.c_int
+    return bool(lib.dsv3_int_vnni())
 
 
 def _reads(x: Tensor, *pairs: tuple[Tensor, Tensor]) -> bool:
@@ -71,8 +82,9 @@ def _reads(x: Tensor, *pairs: tuple[Tensor, Tensor]) -> bool:
 
 @torch.library.custom_op("dsv3::int_linear", mutates_args=())
 def int_linear(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
-    """x [..., K] times the integer weight (q, scale) [N, K] transposed, in fp32, rounded once to x's dtype."""
-    return F.linear(x.float(), dequantize(q, scale)).to(x.dtype)
+    """x [..., K] times the integer weight (q, scale) [N, K] transposed: x rounded to int8 per group
+    (``round_activations``), the product in fp32, rounded once to x's dtype."""
+    return F.linear(round_activations(x), dequantize(q, scale)).to(x.dtype)
 
 
 @int_linear.register_kernel("cpu")
@@ -100,16 +112,17 @@ def _int_linear_fake(x: Tensor, q: Tensor, scale: Tensor) -> Tensor:
 def int_swiglu_experts(x: Tensor, idx: Tensor, gates: Tensor, gate_q: Tensor, gate_s: Tensor, up_q: Tensor,
                        up_s: Tensor, down_q: Tensor, down_s: Tensor, add_to: Tensor | None = None) -> Tensor:
     """sum_j gates[m, j] * SwiGLU_{idx[m, j]}(x[m]) (+ ``add_to``) for x [M, D], idx/gates [M, K] and stacked
-    integer experts gate, up [E, I, D], down [E, D, I]: each routed-to expert dequantized in fp32, the sums
-    in fp32, one rounding to x's dtype."""
+    integer experts gate, up [E, I, D], down [E, D, I]: each routed-to expert dequantized in fp32, the inputs
+    of its projections (x, and the gated SwiGLU before down) rounded to int8 per group (``round_activations``),
+    the sums in fp32, one rounding to x's dtype."""
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device) if add_to is None else add_to.float()
-    xf = x.float()
+    xf = round_activations(x)
     for e in idx.unique().tolist():
         rows, slot = (idx == e).nonzero(as_tuple=True)
         w_gate, w_up, w_down = (dequantize(q[e], s[e]) for q, s in ((gate_q, gate_s), (up_q, up_s), (down_q, down_s)))
         xe = xf[rows]
         act = F.silu(xe @ w_gate.t()) * (xe @ w_up.t()) * gates[rows, slot, None].float()
-        out = out.index_add(0, rows, act @ w_down.t())
+        out = out.index_add(0, rows, round_activations(act) @ w_down.t())
     return out.to(x.dtype)
 
 
@@ -210,6 +223,11 @@ class IntExpertWeights:
         return torch.ops.dsv3.int_swiglu_experts(*args) if use_kernel else int_swiglu_experts._init_fn(*args)
 
 
+def _rounded(x: Tensor) -> Tensor:
+    """An expert projection's input as integer weights multiply it (``round_activations``), in x's dtype."""
+    return round_activations(x).to(x.dtype)
+
+
 class IntExperts(GroupedExperts):
     """Routed experts kept as integer groups; prefill dequantizes each routed-to expert when its rows run (the
     training kernel's per-expert loop), decode steps read them in place (``int_swiglu_experts``)."""
@@ -232,7 +250,8 @@ class IntExperts(GroupedExperts):
         return IntExpertWeights(self.pairs())
 
     def forward(self, rows: ExpertRows) -> Tensor:
-        return routed_forward(rows.x, rows.gates.to(rows.x.dtype), rows.token, rows.counts, self._weights)
+        return routed_forward(rows.x, rows.gates.to(rows.x.dtype), rows.token, rows.counts, self._weights,
+                              inputs=_rounded)
 
     def _weights(self, e: int):
         return tuple(dequantize(q[e], s[e], self.dtype) for q, s in self.pairs())

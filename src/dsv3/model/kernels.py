@@ -81,13 +81,17 @@ class _RoutedSwiGLU(torch.autograd.Function):
                 None if grad_gates is None else grad_gates.to(gates_dtype), None, None, *grads_w)
 
 
-def routed_forward(x, gates, token, counts, expert_weights, g=None, u=None) -> torch.Tensor:
+def routed_forward(x, gates, token, counts, expert_weights, g=None, u=None, inputs=None) -> torch.Tensor:
     """The routed experts' forward, one expert's slice at a time: out[token] += gate * SwiGLU_e(x[token]).
 
     ``expert_weights(e)`` gives expert e's (gate [I, D], up [I, D], down [D, I]) weights, so lazily
     dequantized inference weights run the very same arithmetic as training's. ``g``/``u`` [S, I], when
-    given, receive the gate and up projections (what the backward needs)."""
+    given, receive the gate and up projections (what the backward needs). ``inputs``, when given, maps
+    each projection's input (x, and the gated SwiGLU before down) to what the weights multiply: integer
+    weights round activations."""
     out = torch.zeros_like(x)
+    if inputs is not None:
+        x = inputs(x)
     for e, rows in expert_slices(counts):
         tok = token[rows]
         xe = x[tok]
@@ -95,7 +99,7 @@ def routed_forward(x, gates, token, counts, expert_weights, g=None, u=None) -> t
         ge = torch.mm(xe, w_gate.t(), out=None if g is None else g[rows])
         ue = torch.mm(xe, w_up.t(), out=None if u is None else u[rows])
         act = F.silu(ge).mul_(ue).mul_(gates[rows, None])
-        out.index_add_(0, tok, act @ w_down.t())
+        out.index_add_(0, tok, (act if inputs is None else inputs(act)) @ w_down.t())
     return out
 
 

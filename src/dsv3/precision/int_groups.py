@@ -12,6 +12,11 @@ fp16 scale ``d`` and 32 integers ``q``, and stands for ``d * q``:
 Scales are fp16 [..., N, K/32]. The dtype tells the widths apart (int8 or uint8), so a stored pair is
 self-describing. ``d * q`` is exact in fp32 (an 11-bit significand times at most 8 bits), which is how a
 checkpoint's integer weights are read back into a float model before they are taken as stored.
+
+A matrix product with such a weight multiplies it by activations rounded the same way, to int8 per group of
+32 with an fp32 scale (``round_activations``, llama.cpp's Q8_0 rounding of the activations its Q8_0 and Q4_0
+dot products take): the CPU kernels' byte products need it, and every other path applies it too, so that a
+model's integer layers compute the same numbers wherever they run.
 """
 
 from __future__ import annotations
@@ -103,6 +108,16 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.
     """The weight [..., N, K] a stored pair stands for, computed in fp32 (exact) and cast to ``dtype``."""
     values = q.unflatten(-1, (-1, GROUP)) if bits_of(q) == 8 else _unpack4(q)
     return (values.float() * scale.float()[..., None]).flatten(-2).to(dtype)
+
+
+def round_activations(x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] in fp32 as an integer layer multiplies it: each group of 32 values rounded to the nearest
+    multiple of its largest magnitude / 127 (ties to even, as the CPU rounds), computed as the kernels do."""
+    groups = x.float().unflatten(-1, (-1, GROUP))
+    top = groups.abs().amax(-1, keepdim=True)
+    # a tensor divided by a tensor: ``127.0 / top`` is computed as 127 * (1 / top), which rounds differently
+    inv = torch.where(top > 0, torch.full_like(top, 127.0) / top, torch.zeros_like(top))
+    return (torch.round(groups * inv) * (top / 127.0)).flatten(-2)
 
 
 def bytes_per_value(bits: int) -> float:
