@@ -6,10 +6,12 @@ that hold such weights, and the swap of a model's experts into them.
 * ``torch.ops.dsv3.int_swiglu_experts(x, idx, gates, gate_q, gate_s, up_q, up_s, down_q, down_s, add_to)``:
   the routed (or shared) experts of a step's rows over stacked integer experts.
 
-Each op's PyTorch reference (dequantize in fp32, exact, then matmul in fp32, one rounding to x's dtype) is
-its implementation on every device and the CPU fallback (no C build, ``DSV3_DECODE_KERNELS=0``, a build of
-another ABI, more than ``MAX_KERNEL_ROWS`` rows); the C kernels read the weights in place, widening each
-group in registers, on an AVX-512 path or the AVX2 baseline chosen at run time (``avx512``). They are the
+An integer layer multiplies its activations rounded to int8 per group of 32 (``round_activations``, as
+llama.cpp rounds them for Q8_0 and Q4_0). Each op's PyTorch reference (that rounding, the weight dequantized
+in fp32, exact, then matmul in fp32, one rounding to x's dtype) is its implementation on every device and the
+CPU fallback (no C build, ``DSV3_DECODE_KERNELS=0``, a build of another ABI, more than ``MAX_KERNEL_ROWS``
+rows); the C kernels read the weights in place as bytes and sum byte products exactly in int32, on an
+AVX-512 VNNI path or the AVX2 baseline chosen at run time (``avx512``, ``vnni``). They are the
 fp32/bf16/FP8 kernels' own ``dsv3_linear`` and ``dsv3_swiglu_experts`` with an integer weight kind, which is
 also how the block and step kernels read integer experts (``IntExpertWeights.block_view``).
 
