@@ -8,7 +8,7 @@ the same run (torch ``x.sum()`` over 256 MB), and torch's ``F.linear`` on the sa
 dequantized per call, which is what runs without the kernels). ``--baseline`` adds another build of the
 kernels (an older ``decode_kernels.c`` or its ``.so``, or ``--baseline-rev REV`` for the file at a git
 revision) for a before/after comparison in one run (whole decode steps before and after a change:
-``benchmarks/decode_step_ab.py``).
+``benchmarks/decode_step_ab.py``); ``--avx2`` runs both on their AVX2 paths, as a CPU without AVX-512 would.
 
     .venv/bin/python benchmarks/decode_kernels_speed.py                      # the table
     .venv/bin/python benchmarks/decode_kernels_speed.py --baseline-rev main --rows 1,4,16 --json
@@ -327,6 +327,8 @@ def main() -> None:
     ap.add_argument("--baseline", help="another decode_kernels.c or its .so, timed beside this tree's")
     ap.add_argument("--baseline-rev", help="a git revision whose decode_kernels.c is the baseline")
     ap.add_argument("--no-torch", action="store_true", help="leave out torch's F.linear (slow at many rows)")
+    ap.add_argument("--avx2", action="store_true",
+                    help="both builds on their AVX2 paths, as on a CPU without AVX-512 (dsv3_int_avx512(0))")
     ap.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     args = ap.parse_args()
     try:
@@ -347,6 +349,11 @@ def main() -> None:
             raise DSV3Error("--repeats and --footprint-mb must be >= 1")
         with tempfile.TemporaryDirectory() as work:
             base = baseline_library(args.baseline, args.baseline_rev, Path(work))
+            if args.avx2:
+                for lib in (dk._load()[0], base):
+                    if lib is not None and hasattr(lib, "dsv3_int_avx512"):
+                        lib.dsv3_int_avx512.argtypes, lib.dsv3_int_avx512.restype = [ctypes.c_int], ctypes.c_int
+                        lib.dsv3_int_avx512(0)
             report = run(cases, kinds, threads, rows, args.repeats, args.footprint_mb * 2**20, base,
                          not args.no_torch)
     except DSV3Error as err:
