@@ -166,7 +166,7 @@ static inline __attribute__((always_inline)) void half_avx2(int bits, int R, con
 static inline __attribute__((always_inline)) void row_avx2(int bits, int NW, int R, const uint8_t *q,
                                                            const uint16_t *s, int64_t rb, int64_t K,
                                                            const uint8_t *xb, int64_t xrow, float *out,
-                                                           int64_t ldo, const char *pf) {
+                                                           int64_t ldo) {
     const int G = block_groups(bits);
     const int64_t groups = K / INT_GROUP, blocks = blocks_of(bits, K), bb = block_bytes(bits);
     __m256 acc[4][8], ws[4];
@@ -179,7 +179,6 @@ static inline __attribute__((always_inline)) void row_avx2(int bits, int NW, int
         const int c = (int)(g % INT_SCALES), left = (int)(groups - g < G ? groups - g : G);
         for (int i = 0; i < NW; i++) {
             const uint8_t *w = q + i * rb + g * (bits == 8 ? INT_GROUP : INT_GROUP / 2);
-            if (pf) _mm_prefetch(pf + i * rb + g * (bits == 8 ? INT_GROUP : INT_GROUP / 2), _MM_HINT_T0);
             for (int h = 0; 2 * h < (bits == 4 ? left : 2 * left); h++) {
                 /* int4: lanes 0-3 group c + 2h, 4-7 group c + 2h + 1; int8: all lanes group c + h */
                 const __m256i index = bits == 4 ? _mm256_setr_epi32(c + 2 * h, c + 2 * h, c + 2 * h, c + 2 * h,
@@ -198,10 +197,10 @@ static inline __attribute__((always_inline)) void row_avx2(int bits, int NW, int
 /* row_avx2 with the width, NW and R as constants (accumulators in registers): NW 1 to 4 with R 1, NW 1 or 2
  * with R 2, NW 1 with R up to 8. */
 static void rows_avx2(int bits, int NW, int R, const uint8_t *q, const uint16_t *s, int64_t rb, int64_t K,
-                      const uint8_t *xb, int64_t xrow, float *out, int64_t ldo, const char *pf) {
+                      const uint8_t *xb, int64_t xrow, float *out, int64_t ldo) {
 #define INT_ROW(nw, r)                                                                                              \
-    (bits == 8 ? row_avx2(8, nw, r, q, s, rb, K, xb, xrow, out, ldo, pf)                                           \
-               : row_avx2(4, nw, r, q, s, rb, K, xb, xrow, out, ldo, pf))
+    (bits == 8 ? row_avx2(8, nw, r, q, s, rb, K, xb, xrow, out, ldo)                                               \
+               : row_avx2(4, nw, r, q, s, rb, K, xb, xrow, out, ldo))
     if (NW == 4) {
         INT_ROW(4, 1);
         return;
@@ -253,7 +252,7 @@ static inline INT_VNNI __m512i vnni_scale_index(int bits, int c) {
 static inline __attribute__((always_inline)) INT_VNNI void row_vnni(int bits, int NW, int R, const uint8_t *q,
                                                                      const uint16_t *s, int64_t rb, int64_t K,
                                                                      const uint8_t *xb, int64_t xrow, float *out,
-                                                                     int64_t ldo, const char *pf) {
+                                                                     int64_t ldo) {
     const int G = block_groups(bits);
     const int64_t groups = K / INT_GROUP, blocks = blocks_of(bits, K), bb = block_bytes(bits);
     const int64_t gbytes = bits == 8 ? INT_GROUP : INT_GROUP / 2, ab = block_act_bytes(bits);
@@ -271,7 +270,6 @@ static inline __attribute__((always_inline)) INT_VNNI void row_vnni(int bits, in
 #pragma GCC unroll 4
         for (int i = 0; i < NW; i++) {
             const uint8_t *w = q + i * rb + g * gbytes;
-            if (pf) _mm_prefetch(pf + i * rb + g * gbytes, _MM_HINT_T0);
             const __m512i v = left >= G ? _mm512_loadu_si512(w)
                                         : _mm512_maskz_loadu_epi8(((__mmask64)1 << (left * gbytes)) - 1, w);
             __m512i w0, w1 = _mm512_setzero_si512();
@@ -299,10 +297,10 @@ static inline __attribute__((always_inline)) INT_VNNI void row_vnni(int bits, in
 /* row_vnni with the width, NW and R as constants: NW 1 to 4 with R 1 or 2, NW 1 or 2 with R 3 or 4, or NW 1
  * with R up to 16. */
 static INT_VNNI void rows_vnni(int bits, int NW, int R, const uint8_t *q, const uint16_t *s, int64_t rb, int64_t K,
-                               const uint8_t *xb, int64_t xrow, float *out, int64_t ldo, const char *pf) {
+                               const uint8_t *xb, int64_t xrow, float *out, int64_t ldo) {
 #define INT_ROW(nw, r)                                                                                              \
-    (bits == 8 ? row_vnni(8, nw, r, q, s, rb, K, xb, xrow, out, ldo, pf)                                           \
-               : row_vnni(4, nw, r, q, s, rb, K, xb, xrow, out, ldo, pf))
+    (bits == 8 ? row_vnni(8, nw, r, q, s, rb, K, xb, xrow, out, ldo)                                               \
+               : row_vnni(4, nw, r, q, s, rb, K, xb, xrow, out, ldo))
     if (NW > 1 && R <= 2) {
         if (NW == 4) { if (R == 1) INT_ROW(4, 1); else INT_ROW(4, 2); }
         else if (NW == 3) { if (R == 1) INT_ROW(3, 1); else INT_ROW(3, 2); }
@@ -379,13 +377,10 @@ static void int_rows(int bits, const uint8_t *q, const uint16_t *s, int64_t K, c
             for (int64_t b = 0; b < NW * groups * 2; b += 64) _mm_prefetch(spf + b, _MM_HINT_T0);
         for (int64_t m0 = 0; m0 < M; m0 += tile) {
             const int R = (int)(M - m0 < tile ? M - m0 : tile);
-            const char *tile_pf = NULL;
             if (vnni)
-                rows_vnni(bits, NW, R, q + n * rb, s + n * groups, rb, K, xb + m0 * xrow, xrow, y + m0 * ldy + n, ldy,
-                          tile_pf);
+                rows_vnni(bits, NW, R, q + n * rb, s + n * groups, rb, K, xb + m0 * xrow, xrow, y + m0 * ldy + n, ldy);
             else
-                rows_avx2(bits, NW, R, q + n * rb, s + n * groups, rb, K, xb + m0 * xrow, xrow, y + m0 * ldy + n, ldy,
-                          tile_pf);
+                rows_avx2(bits, NW, R, q + n * rb, s + n * groups, rb, K, xb + m0 * xrow, xrow, y + m0 * ldy + n, ldy);
         }
     }
     free(xb);
