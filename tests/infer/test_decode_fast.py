@@ -570,6 +570,27 @@ def test_route_kernel_equals_the_router(overrides, dtype):
     assert torch.allclose(got_gates, gates, atol=1e-6, rtol=1e-5)
 
 
+def test_a_bf16_router_is_copied_to_fp32_once_and_again_after_it_changes():
+    """The per-op route reads a bf16 router through one fp32 copy kept from call to call; an in-place change
+    of the weights (a fine-tune step, a load) makes a new one, so the routing follows the weights."""
+    from dsv3.config import preset
+    from dsv3.model.moe import Router
+
+    router = Router(preset("nano")).to(torch.bfloat16)
+    torch.nn.init.normal_(router.weight, 0, 0.5)
+    first, bias = dk._fp32_router(router)
+    assert first.dtype == torch.float32 and dk._fp32_router(router)[0] is first
+    assert bias is None or bias.dtype == torch.float32
+    with torch.no_grad():
+        router.weight.mul_(-1)
+    again = dk._fp32_router(router)[0]
+    assert again is not first and torch.equal(again, router.weight.float())
+    x = torch.randn(5, router.weight.shape[1])
+    assert torch.equal(dk.route(x, router)[0], router(x)[0])
+    fp32 = Router(preset("nano"))
+    assert dk._fp32_router(fp32)[0] is not None and dk._fp32_router(fp32)[0].data_ptr() == fp32.weight.data_ptr()
+
+
 def test_a_layer_changed_after_the_engine_was_built_is_planned_again(model):
     """Swapping a layer's dispatcher (as expert parallelism does) after the engine exists: the fast
     path notices and runs that layer through its module (which here counts its calls)."""

@@ -34,6 +34,7 @@ non-finite is therefore prefilled again one request at a time (see ``Engine.star
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Callable, Generator, Iterator
 from dataclasses import dataclass
 
@@ -327,42 +328,53 @@ class Engine:
         """The batch of rows preempted earlier (``Batch.step``), their caches prefilled again."""
         return Batch(self, [], rows)
 
+    def resume_waiting(self, waiting: deque[Row], busy: Callable[[], bool]) -> Iterator[tuple[Row, Batch | Exception]]:
+        """Prefill ``waiting``'s rows again, oldest first, each taken off it as it is tried: yields the row with
+        its batch, or with the error it fails with (one that does not fit even with the pool to itself, or
+        whose prefill failed: a row's failure is its own). When the pool is full while ``busy()`` (rows are
+        running, and give pages back as they finish), it stops and the rest wait."""
+        while waiting:
+            row = waiting[0]
+            try:
+                fresh = self.resume([row])
+            except PoolFull:
+                if busy():
+                    return
+                waiting.popleft()
+                yield row, PoolFull.alone(len(held_tokens(row)))
+                continue
+            except Exception as exc:
+                waiting.popleft()
+                yield row, exc
+                continue
+            waiting.popleft()
+            yield row, fresh
+
     def stream(self, requests: list[Request]) -> Iterator[Event]:
         """Events as tokens are produced, for all requests decoded together. Rows preempted for want of cache
         pages are prefilled again, oldest first, as soon as the pool has pages for them, and join the running
         batch (as the server's scheduler resumes them); one that does not fit even alone fails."""
         batch = self.start(requests)
         yield from batch.first_events
-        stats, waiting = batch.stats, []
+        stats, waiting = batch.stats, deque()
+
+        def running() -> bool:  # the batch as it is now: a resumed row's batch may take its place
+            return bool(batch.rows)
+
         while batch.rows or waiting:
             if batch.rows:
                 yield from batch.step()
             waiting += batch.take_preempted()
-            batch, failed = self._resume_waiting(batch, waiting)
-            yield from failed
+            for row, fresh in self.resume_waiting(waiting, running):
+                if isinstance(fresh, Exception):
+                    yield row.fail(str(fresh))
+                elif batch.rows:
+                    batch.merge(fresh)  # takes its prefill time into batch.stats
+                else:
+                    batch.release()
+                    batch.stats.prefill_s += fresh.stats.prefill_s
+                    fresh.stats, batch = batch.stats, fresh
         self.last_stats = stats
-
-    def _resume_waiting(self, batch: Batch, waiting: list[Row]) -> tuple[Batch, list[Event]]:
-        """Prefill ``waiting``'s rows again while the pool has pages, merging each into ``batch`` (taken off
-        ``waiting``); returns the batch and the error events of rows that cannot fit alone."""
-        failed = []
-        while waiting:
-            try:
-                fresh = self.resume(waiting[:1])
-            except PoolFull:
-                if batch.rows:  # the running rows give pages back as they finish: wait for them
-                    break
-                row = waiting.pop(0)
-                failed.append(row.fail(str(PoolFull.alone(len(held_tokens(row))))))
-                continue
-            waiting.pop(0)
-            if batch.rows:
-                batch.merge(fresh)  # takes its prefill time into batch.stats
-                continue
-            batch.release()
-            batch.stats.prefill_s += fresh.stats.prefill_s
-            fresh.stats, batch = batch.stats, fresh
-        return batch, failed
 
     def generate(self, requests: list[Request]) -> list[Result]:
         results = {id(r): Result([], "", "", logprobs=[] if r.logprobs is not None else None) for r in requests}

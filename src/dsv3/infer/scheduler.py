@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from dsv3.infer.chunked_prefill import MAX_CHUNK_TOKENS, ChunkedPrefill
-from dsv3.infer.engine import Batch, Engine, Event, Request, Row, held_tokens, merged
+from dsv3.infer.engine import Batch, Engine, Event, Request, Row, merged
 from dsv3.infer.metrics import ServingMetrics
 from dsv3.infer.page_pool import PoolFull
 
@@ -193,22 +193,11 @@ class Scheduler:
 
     def _resume(self) -> None:
         """Prefill the preempted rows again, as many as the pool has pages for, oldest first."""
-        while self.resuming:
-            row = self.resuming[0]
-            try:
-                fresh = self.engine.resume([row])
-            except PoolFull:
-                if self.batch is None or not self.batch.rows:  # nothing left to wait for
-                    self.resuming.popleft()
-                    self._fail([row.request], PoolFull.alone(len(held_tokens(row))))
-                    continue
-                return
-            except Exception as exc:
-                self.resuming.popleft()
-                self._fail([row.request], exc)
-                continue
-            self.resuming.popleft()
-            self._join(fresh)
+        for row, fresh in self.engine.resume_waiting(self.resuming, lambda: bool(self.active)):
+            if isinstance(fresh, Exception):
+                self._fail([row.request], fresh)
+            else:
+                self._join(fresh)
 
     def _fitting(self, budget: int | None) -> list[Request]:
         """The waiting requests at the head of ``prefilling`` whose prompts fit ``budget`` tokens together

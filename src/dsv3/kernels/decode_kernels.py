@@ -247,10 +247,31 @@ def route(x: torch.Tensor, router, use_kernel: bool = True) -> tuple[torch.Tenso
     if not use_kernel or not plain:
         idx, weights, _ = router(x)
         return idx, weights
-    bias = router.e_score_correction_bias.float() if method == "noaux_tc" else None
-    return torch.ops.dsv3.route(x, router.weight.float(), bias, router.top_k, groups if method != "greedy" else 1,
+    weight, bias = _fp32_router(router)
+    return torch.ops.dsv3.route(x, weight, bias, router.top_k, groups if method != "greedy" else 1,
                                 router.topk_group, router.scoring == "softmax", method == "noaux_tc",
                                 bool(router.norm_topk_prob), float(router.route_scale))
+
+
+_ROUTER_COPIES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # router -> (its tensors' versions, copies)
+
+
+def _fp32_router(router) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The router's weight [E, D] and (noaux_tc) bias [E] in fp32: the tensors themselves when they are fp32,
+    else copies made once and again only when the tensors change (a bf16 DeepSeek-V3 router is 7 MB in fp32,
+    which a copy per step and layer would write and read again)."""
+    bias = router.e_score_correction_bias if router.method == "noaux_tc" else None
+    tensors = [t.detach() for t in (router.weight, bias) if t is not None]
+    if all(t.dtype == torch.float32 for t in tensors):
+        made = (None, tensors)
+    else:
+        # an inference tensor has no version counter, and cannot change outside inference mode: its address
+        key = tuple((t.data_ptr(), None if t.is_inference() else t._version, t.dtype) for t in tensors)
+        made = _ROUTER_COPIES.get(router)
+        if made is None or made[0] != key:
+            made = _ROUTER_COPIES[router] = (key, [t.float() for t in tensors])
+    copies = made[1]
+    return copies[0], copies[1] if bias is not None else None
 
 
 def mla_decode(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
