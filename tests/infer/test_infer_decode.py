@@ -221,3 +221,24 @@ def test_greedy_rows_take_the_argmax_without_a_random_draw(model, monkeypatch):
 
     monkeypatch.setattr(torch, "multinomial", refuse)
     assert collect(Engine(model), [Request(PROMPTS[0], 8)])[0] == expected
+
+
+@pytest.mark.parametrize("speculative", [False, True])
+def test_short_prompts_arriving_together_prefill_on_the_kernels_in_groups(model, speculative, monkeypatch):
+    """Five prompts (up to 20 tokens, 86 in all: more than one kernel call holds) are prefilled on the decode
+    step's kernels three rows a call, and decode as they do when the model's modules prefill them."""
+    prompts = [[(7 * i + j) % 50 + 1 for j in range(n)] for i, n in enumerate((20, 17, 12, 20, 17))]
+    engine = Engine(model, speculative=speculative)
+    engine.kernel_prefill_tokens = 0
+    modules = collect(engine, [Request(p, 8) for p in prompts])
+    engine.kernel_prefill_tokens = 128
+    calls = []
+    original = engine.decoder.hidden_states
+    monkeypatch.setattr(engine.decoder, "hidden_states",
+                        lambda ids, **k: calls.append((tuple(ids.shape), k["start_pos"])) or original(ids, **k))
+    monkeypatch.setattr(model, "hidden_states", lambda *a, **k: pytest.fail("the prompts ran through the modules"))
+    batch = engine.start([Request(p, 8) for p in prompts])
+    assert calls == [((3, 20), 0), ((2, 20), 0)]
+    monkeypatch.undo()
+    batch.release()
+    assert collect(engine, [Request(p, 8) for p in prompts]) == modules

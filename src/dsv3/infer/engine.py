@@ -158,6 +158,10 @@ def finite_logits(logits: torch.Tensor, row: Row, what: str = "logits") -> torch
     return logits
 
 
+# Prompts' tokens in all up to which a prefill runs on the decode step's kernels, in calls of at most
+# MAX_KERNEL_ROWS tokens (``Batch._prompt_hidden``): past about 200 the model's modules are as cheap or cheaper
+# (``benchmarks/prefill_chunk_cost.py``, its prompts table).
+KERNEL_PREFILL_TOKENS = 2 * MAX_KERNEL_ROWS
 LOGPROB_FLOOR = -9999.0  # for -inf (min_tokens holding back end-of-sequence): JSON has no infinity
 
 
@@ -286,6 +290,7 @@ class Engine:
         self.pool = PagePool(model, kv_cache_bytes, page_tokens, self.cache_dtype, self.device)
         self.prefix_cache = None  # a dsv3.infer.prefix_cache.PrefixCache: prompts reuse cached latent blocks
         self.max_prefill_tokens: int | None = None  # the server's prefill budget per decode step (chunked_prefill.py)
+        self.kernel_prefill_tokens = KERNEL_PREFILL_TOKENS  # prompts' tokens up to which prefill runs on the kernels
         # decode steps only: FastDecode on a CPU, CUDA graphs on a GPU (dsv3.kernels.graph_decode), or the modules
         self.decoder: Transformer | FastDecode | GraphDecode = decode_step(model) if fast else model
         # Dual micro-batch decode: with 2, a decode step of two rows or more runs as two halves of its rows
@@ -671,15 +676,24 @@ class Batch:
     def _prompt_hidden(self, ids: torch.Tensor, positions: torch.Tensor, cache: LatentCache, start: int,
                        mask: torch.Tensor | None = None) -> torch.Tensor:
         """The main layers' hidden states [B, L, D] of prompt tokens ids [B, L] at slots [start, start + L).
-        At most ``MAX_KERNEL_ROWS`` tokens in all run on the CPU decode step's absorbed path, as a prompt's
-        chunks do (exact over any cache, equal to the module path up to the last bits): a short prompt's
-        forward through the model's modules is mostly their fixed costs per call (``prefill_chunk_cost.py``
-        times both paths). Longer prompts, and every device but the CPU, run the model's modules, whose
-        large matmuls a long prompt fills."""
-        if isinstance(self.engine.decoder, FastDecode) and ids.numel() <= MAX_KERNEL_ROWS:
-            return self.engine.decoder.hidden_states(ids, positions=positions, cache=cache, start_pos=start,
-                                                     mask=mask, absorb=True)
-        return self.model.hidden_states(ids, positions=positions, cache=cache, start_pos=start, mask=mask)
+        Short prompts run on the CPU decode step's absorbed path, as a prompt's chunks do (exact over any
+        cache, equal to the module path up to the last bits), ``MAX_KERNEL_ROWS`` tokens a call: rows in
+        groups, up to ``engine.kernel_prefill_tokens`` tokens in all. A short prompt's forward through the
+        model's modules is mostly their fixed costs per call (``prefill_chunk_cost.py`` times both paths, a
+        chunk and prompts arriving together). Longer prompts, and every device but the CPU, run the model's
+        modules, whose large matmuls a long prompt fills."""
+        B, L = ids.shape
+        if not (isinstance(self.engine.decoder, FastDecode) and L <= MAX_KERNEL_ROWS
+                and B * L <= self.engine.kernel_prefill_tokens):
+            return self.model.hidden_states(ids, positions=positions, cache=cache, start_pos=start, mask=mask)
+        per = MAX_KERNEL_ROWS // L  # rows a call
+        if positions.shape[0] != B:
+            positions = positions.expand(B, -1)
+        parts = [self.engine.decoder.hidden_states(ids[rows], positions=positions[rows],
+                                                   cache=cache if per >= B else cache.select(rows), start_pos=start,
+                                                   mask=None if mask is None else mask[rows], absorb=True)
+                 for rows in (slice(r, r + per) for r in range(0, B, per))]
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _check_poison(self, logits: torch.Tensor) -> None:
         """Raise _Poisoned when some rows of a padded batch came out non-finite (see Engine.start)."""
