@@ -209,3 +209,78 @@ def test_the_scheduler_budgets_a_chunk_at_the_running_batchs_recent_step_time(lo
     batch.stats.decode_s, batch.stats.main_forwards = 0.07, 5
     assert scheduler._recent_step_s() == pytest.approx(0.02)
     assert scheduler._recent_step_s() == pytest.approx(0.02)  # no step since: the last one known
+
+
+def decode_with_riders(engine: Engine, streams: list[Request], request: Request,
+                       size: int) -> tuple[dict, list[int], int]:
+    """The streams decoded while ``request``'s prompt rides along their steps ``size`` tokens at a time (its last
+    chunk prefilled by its own batch, which then joins): (each stream's tokens by id, the request's tokens,
+    steps that carried a chunk)."""
+    batch = engine.start(streams)
+    got = {id(r): [t for ev in batch.first_events if ev.request is r for t in ev.token_ids] for r in streams}
+    work, rides = ChunkedPrefill(engine, request, 64), 0
+    while (rider := work.rider(size)) is not None:
+        for ev in batch.step(rider):
+            got[id(ev.request)] += ev.token_ids
+        assert rider.ridden
+        work.rode(rider, 0.001)
+        rides += 1
+    fresh = work.advance()
+    tokens = [t for ev in fresh.first_events for t in ev.token_ids]
+    batch.merge(fresh)
+    while batch.rows:
+        for ev in batch.step():
+            if ev.request is request:
+                tokens += ev.token_ids
+            else:
+                got[id(ev.request)] += ev.token_ids
+    return got, tokens, rides
+
+
+@pytest.mark.parametrize("size", [1, 5, 13])
+def test_a_prompt_riding_the_streams_steps_changes_no_token_of_theirs_or_its_own(long_model, size):
+    """A long prompt's chunks as extra rows of the running batch's decode steps: the streams (one shorter and
+    one longer than the chunks' slots, so that the step's slot is sometimes theirs and sometimes the prompt's)
+    decode as they do alone, and the prompt's reply is a whole prefill's."""
+    engine = Engine(long_model, eos_token_ids=frozenset())
+    want = engine.generate([Request(PROMPT, 6, GREEDY)])[0].token_ids
+    prompts = [[5, 6, 7], PROMPT[:150]]
+    alone = [r.token_ids for r in engine.generate([Request(p, 400, GREEDY) for p in prompts])]
+    streams = [Request(p, 400, GREEDY) for p in prompts]
+    got, tokens, rides = decode_with_riders(engine, streams, Request(PROMPT, 6, GREEDY), size)
+    assert rides == (len(PROMPT) - 1) // size
+    assert [got[id(r)] for r in streams] == alone and tokens == want
+
+
+def test_the_scheduler_lets_chunks_ride_and_takes_a_plain_step_between_runs_of_them(long_model, monkeypatch):
+    """Under the scheduler every chunk but the last rides a decode step, with a step alone after every
+    ``RIDES_PER_PLAIN_STEP`` (the plain step's time is what a rider's cost is measured against)."""
+    from dsv3.infer import scheduler as sched
+    from dsv3.infer.engine import Batch
+
+    carried = []
+    original = Batch.step
+    monkeypatch.setattr(Batch, "step",
+                        lambda self, rider=None: carried.append(rider is not None) or original(self, rider))
+    engine = Engine(long_model, eos_token_ids=frozenset())
+    want = engine.generate([Request(PROMPT, 4, GREEDY)])[0].token_ids
+    engine.max_prefill_tokens = 8
+    scheduler = Scheduler(engine, max_batch=4)
+    delivered: list[Event] = []
+    stream, long = Request([5, 6, 7], 100_000, GREEDY), Request(PROMPT, 4, GREEDY)
+    scheduler.start()
+    try:
+        scheduler.pending.put((stream, lambda ev: None))
+        deadline = time.time() + 60
+        while scheduler.batch is None and time.time() < deadline:
+            time.sleep(0.001)
+        scheduler.pending.put((long, delivered.append))
+        while not any(ev.finish_reason for ev in delivered) and time.time() < deadline:
+            time.sleep(0.01)
+        stream.cancelled = True
+    finally:
+        scheduler.stop()
+    assert [t for ev in delivered for t in ev.token_ids] == want
+    runs = "".join("r" if c else "." for c in carried).strip(".").split(".")
+    assert sum(len(run) for run in runs) >= (300 - 8) // 8  # at most 8 tokens a chunk
+    assert max(len(run) for run in runs) == sched.RIDES_PER_PLAIN_STEP

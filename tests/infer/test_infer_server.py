@@ -502,9 +502,9 @@ def test_serve_runs_the_decode_loop_on_the_main_thread(model, tokenizer, monkeyp
 
     on_main, real_step = set(), Batch.step
 
-    def step(self):
+    def step(self, rider=None):
         on_main.add(threading.current_thread() is threading.main_thread())
-        return real_step(self)
+        return real_step(self, rider)
 
     monkeypatch.setattr(Batch, "step", step)
     app = create_app(Engine(model, tokenizer), model_name="tiny")

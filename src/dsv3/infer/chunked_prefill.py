@@ -1,4 +1,4 @@
-"""Chunked prefill: a long prompt prefilled a chunk at a time, between the running batch's decode steps.
+"""Chunked prefill: a long prompt prefilled a chunk at a time, along or between the running batch's decode steps.
 
 A prompt's prefill is one forward over all its tokens; on a CPU a 4,000-token prompt takes most of a
 second, and every stream that is decoding meanwhile gets no token. The server's scheduler therefore
@@ -18,11 +18,17 @@ layer over its slots, whose next tokens are the prompt's own (the last chunk's l
 sampled token, as in a whole prefill). With a prefix cache, a prompt's cached blocks' pages are mapped first
 and only the rest is chunked; the finished prompt's blocks are cached as a whole prefill's are.
 
+A chunk can also ride along a decode step of the running batch (``rider``, ``Batch.step``): each of its
+tokens becomes one more row of that step's forward, over the prompt's pages, so the step's weights are read
+once for the batch and the chunk. A chunk run by itself reads them again, which on a 2-core CPU costs about
+as much as a few tokens' arithmetic: with the chunks riding, a 4,000-token prompt among 4 streams reached
+its first token in 10 s rather than 16 s (``benchmarks/chunked_prefill.py``, docs/inference.md).
+
 A chunk's cost grows with its tokens and with the slots they attend to, so a fixed size that suits the
 start of a long prompt stalls the streams several times longer at its end. Given a time budget (the
-scheduler gives the running batch's decode step time), each chunk is sized from the previous chunk's
-measured cost per token to take about that long, up to ``chunk_tokens``: the streams then get a token
-at least every two steps' time while a prompt of any length is prefilled.
+scheduler's, from the running batch's decode step time), each chunk is sized from the measured cost per
+token of the chunks before it (for a rider: what it added to its step) to take about that long, up to
+``chunk_tokens``.
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ import time
 import torch
 
 from dsv3.errors import DSV3Error
-from dsv3.infer.engine import Batch, Engine, Event, Request
+from dsv3.infer.engine import Batch, Engine, Event, Request, Rider
 from dsv3.infer.prefix_cache import CachingBatch
 from dsv3.kernels.decode_kernels import MAX_KERNEL_ROWS
 from dsv3.model.mla import LatentCache
@@ -108,6 +114,23 @@ class ChunkedPrefill:
         self.seconds_per_token = (time.perf_counter() - t0) / n
         self.done += n
         return None
+
+    def rider(self, n: int) -> Rider | None:
+        """The next ``n`` prompt tokens as a rider of the running batch's next decode step, their pages
+        reserved (PoolFull, nothing taken, when the pool lacks them); None when they would end the prompt:
+        its last chunk is prefilled by the batch it joins, which samples its first token (``advance``)."""
+        if self.remaining <= n:
+            return None
+        self._reserve(self.done + n)
+        return Rider(self.pages, self.done, list(self.request.prompt_ids[self.done : self.done + n]))
+
+    def rode(self, rider: Rider, seconds: float) -> None:
+        """A rider's tokens are in the cache; ``seconds``: what they added to their step (the step's time less
+        a plain step's), which sizes the next one. The measure is the difference of two noisy times, so it
+        is averaged with the one before."""
+        self.done = rider.end
+        cost = max(seconds, 0.0) / len(rider.ids)
+        self.seconds_per_token = cost if self.seconds_per_token is None else (self.seconds_per_token + cost) / 2
 
     def _chunk(self, start: int, end: int) -> None:
         """Slots [start, end) of the main layers (and of the MTP layer, whose next tokens the prompt holds)."""

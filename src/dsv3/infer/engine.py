@@ -110,6 +110,22 @@ class Event:
     logprobs: list[TokenLogprob] | None = None  # one per token id, when the request asked for them
 
 
+@dataclass
+class Rider:
+    """Prompt tokens [start, start + len(ids)) of a long prompt being prefilled in chunks, run as extra rows
+    of a decode step (``Batch.step``): the chunk's weights are then read once with the step's, not again by a
+    forward of its own. ``pages`` holds the prompt's slots [0, end); ``ridden`` is set once the step ran them."""
+
+    pages: list[int]
+    start: int
+    ids: list[int]
+    ridden: bool = False
+
+    @property
+    def end(self) -> int:
+        return self.start + len(self.ids)
+
+
 class RowError(Exception):
     """A failure that belongs to one request (bad sampling state, non-finite logits): that row ends
     with finish_reason "error" and the others go on."""
@@ -743,9 +759,16 @@ class Batch:
         return row.commit(new, token_logprobs(shown, new, n_top) if n_top is not None else None)
 
     # ---- decode ----------------------------------------------------------------------------
+    @property
+    def carries_riders(self) -> bool:
+        """Whether ``step`` can run a prompt chunk's tokens as extra rows (``Rider``): one token a row (no
+        speculation), one forward, on the CPU decode step."""
+        return self.T == 1 and self.engine.micro_batches == 1 and isinstance(self.engine.decoder, FastDecode)
+
     @torch.inference_mode()
-    def step(self) -> list[Event]:
-        """One forward of the main model for every row (plus one MTP forward when speculating)."""
+    def step(self, rider: Rider | None = None) -> list[Event]:
+        """One forward of the main model for every row (plus one MTP forward when speculating); with a
+        ``rider`` (``carries_riders`` only), that forward also writes its prompt tokens into their pages."""
         t0 = time.perf_counter()
         events = self._cancel()
         events += self._make_room()
@@ -754,7 +777,10 @@ class Batch:
         B, T, start = len(self.rows), self.T, self.cur
         ids, positions = self._feed()
         self._valid_np[:, start : start + T] = True
-        h, logits = self._forward(ids, positions, start, self._mask(start, T))
+        if rider is None:
+            h, logits = self._forward(ids, positions, start, self._mask(start, T))
+        else:
+            h, logits = self._forward_riding(ids, positions, start, rider)
         if not logits.is_cpu:
             logits = logits.cpu()  # [B, T, V]
         scan = self._scan(logits)
@@ -798,6 +824,33 @@ class Batch:
                  for s in halves]
         h = torch.cat(engine.drive(steps), dim=0)
         return h, engine.decoder.lm_head(h)
+
+    def _forward_riding(self, ids: torch.Tensor, positions: torch.Tensor, start: int,
+                        rider: Rider) -> tuple[torch.Tensor, torch.Tensor]:
+        """``_forward`` of a one-token step with ``rider``'s n prompt tokens as n more rows, each over the
+        prompt's pages and shifted so that its own slot is the step's slot: the kernels write every row's
+        latent there, and a prompt token attends to the prompt up to itself, as in a prefill. The step's slot
+        is the later of ``start`` and the prompt's last token's; the batch's rows are shifted right to it for
+        this step only, their left padding masked (the kernels skip a leading masked span). Hidden states and
+        logits [B, 1, .] of the batch's rows."""
+        B, n = ids.shape[0], len(rider.ids)
+        top = max(start, rider.end - 1)
+        own = torch.arange(rider.start, rider.end)
+        table, width = self.cache.table, max(self.cache.table.shape[1], len(rider.pages))
+        rows = torch.full((B + n, width), -1, dtype=torch.int32)
+        rows[:B, : table.shape[1]] = table
+        rows[B:, : len(rider.pages)] = torch.tensor(rider.pages, dtype=torch.int32)
+        shifts = torch.cat([self.cache.shift + (top - start), top - own])
+        cache = self.engine.pool.rows(rows, shifts)
+        keep = torch.zeros(B + n, 1, top + 1, dtype=torch.bool)
+        keep[:B, 0, top - start :] = self.valid[:, : start + 1]
+        keep[B:, 0] = torch.arange(top + 1)[None, :] >= (top - own)[:, None]
+        all_ids = torch.cat([ids, torch.tensor(rider.ids, device=self.device)[:, None]])
+        all_positions = torch.cat([positions, own.to(self.device)[:, None]])
+        h = self.engine.decoder.hidden_states(all_ids, positions=all_positions, cache=cache, start_pos=top,
+                                              mask=keep.to(self.device), absorb=True)[:B]
+        rider.ridden = True
+        return h, self.engine.decoder.lm_head(h)
 
     def _rows(self, rows: slice) -> LatentCache:
         """A view of the cache holding only ``rows``: what a micro-batch writes lands in the batch's cache."""

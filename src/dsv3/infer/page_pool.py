@@ -124,4 +124,8 @@ class PagePool:
         table = torch.full((len(tables), max(width, 1)), -1, dtype=torch.int32)
         for b, pages in enumerate(tables):
             table[b, : len(pages)] = torch.tensor(pages, dtype=torch.int32)
-        return LatentCache.paged(self.kv, self.pe, table, torch.tensor(shifts, dtype=torch.int64), BLANK)
+        return self.rows(table, torch.tensor(shifts, dtype=torch.int64))
+
+    def rows(self, table: torch.Tensor, shifts: torch.Tensor) -> LatentCache:
+        """The LatentCache of rows whose pages are ``table`` [B, n] (int32, -1: none) shifted by ``shifts`` [B]."""
+        return LatentCache.paged(self.kv, self.pe, table, shifts, BLANK)

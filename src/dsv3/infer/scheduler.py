@@ -8,9 +8,12 @@ timing and every step's batch size go to ``metrics`` (``GET /metrics``).
 With ``engine.max_prefill_tokens`` set, at most that many prompt tokens are prefilled whole between two
 decode steps: admitted requests wait their turn in ``prefilling``, short prompts are prefilled together
 while their lengths fit the budget, and a longer prompt a chunk at a time (``dsv3.infer.chunked_prefill``): the
-streams that are decoding wait for one chunk at a time, not for the whole prefill. Each chunk is sized to
-take about as long as one of the running batch's recent decode steps (measured), so that the streams get a
-token at least every two steps' time, however far into a long prompt the chunks are.
+streams that are decoding are slowed by a chunk at a time, not stalled by the whole prefill. On the CPU
+decode step a chunk rides along the running batch's next step, its tokens extra rows of that forward (the
+weights are read once for both), sized from measured costs to add about ``RIDER_SHARE`` of a plain step's
+time; elsewhere (MTP speculation, another device) a chunk runs between two steps and takes about a step's
+time. Either way the streams' time per token stays within a small factor of their plain step's, however far
+into a long prompt the chunks are.
 """
 
 from __future__ import annotations
@@ -23,9 +26,17 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from dsv3.infer.chunked_prefill import MAX_CHUNK_TOKENS, ChunkedPrefill
-from dsv3.infer.engine import Batch, Engine, Event, Request, Row, merged
+from dsv3.infer.engine import Batch, Engine, Event, Request, Rider, Row, merged
 from dsv3.infer.metrics import ServingMetrics
 from dsv3.infer.page_pool import PoolFull
+
+# A chunk that rides a decode step (``Rider``) is sized to add this share of a plain step's time to it: the
+# streams' steps take about 1.75x their time while a long prompt is prefilled, which leaves room for the
+# noise of a busy machine under a p99 of 3x (``benchmarks/chunked_prefill.py``).
+RIDER_SHARE = 0.75
+# A running batch carries chunks on this many steps in a row, then takes one step alone: what a chunk adds
+# to a step is measured against that step, which grows as the streams' contexts do.
+RIDES_PER_PLAIN_STEP = 7
 
 Deliver = Callable[[Event | BaseException], None]  # called from the decode thread with each event of a request
 
@@ -78,6 +89,8 @@ class Scheduler:
         self.metrics.prefix_cache = engine.prefix_cache
         self._stepped: tuple[Batch | None, float, int] = (None, 0.0, 0)  # (batch, decode_s, steps) at the last chunk
         self._step_s: float | None = None  # the running batch's recent decode step time
+        self._riding: tuple[ChunkedPrefill, Rider] | None = None  # a chunk for the next step to carry
+        self._rides = 0  # steps that carried a chunk since the last that did not
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -121,18 +134,27 @@ class Scheduler:
             self._admit()
             if self.batch is None:
                 continue
+            riding, self._riding = self._riding, None
             try:
                 self.metrics.step(len(self.batch.rows))
                 stats = self.batch.stats
                 drafted, accepted = stats.drafted, stats.accepted
-                events = self.batch.step()
+                before = stats.decode_s
+                events = self.batch.step(riding[1] if riding else None)
+                if riding is not None:
+                    self._rode(*riding, stats.decode_s - before)
                 preempted = self.batch.take_preempted()  # before the batch may go: they wait for pages
                 self.resuming += preempted
                 self.metrics.preempted(len(preempted))
                 self.metrics.speculated(stats.drafted - drafted, stats.accepted - accepted)
                 self._send(events)
             except Exception as exc:  # a failing step must not kill the server: fail its requests
-                self._fail([r.request for r in self.batch.rows + self.batch.take_preempted()], exc)
+                failed = [r.request for r in self.batch.rows + self.batch.take_preempted()]
+                if riding is not None and riding[0] in self.prefilling:  # the prompt that rode along too
+                    self.prefilling.remove(riding[0])
+                    riding[0].release()
+                    failed.append(riding[0].request)
+                self._fail(failed, exc)
                 self.batch.release()
                 self.batch = None
                 continue
@@ -211,11 +233,25 @@ class Scheduler:
         return take
 
     def _advance(self, work: ChunkedPrefill) -> None:
-        """The next chunk of the prompt at the head of ``prefilling``, sized to take about one decode step's
-        time (the first chunk: a token per row and token of the step); its batch joins after the last."""
+        """The next chunk of the prompt at the head of ``prefilling``; its batch joins after the last. While a
+        batch decodes that can carry it, every chunk but the last rides along its next step (``Rider``:
+        ``RIDER_SHARE`` of a step's time), with a step alone every ``RIDES_PER_PLAIN_STEP``; otherwise a chunk
+        runs between two steps, sized to take about one step's time. The first chunk holds a token per row
+        (and token) of the step."""
         batch = self.batch
         seconds = self._recent_step_s() if batch is not None else None
         try:
+            if batch is not None and batch.carries_riders:
+                if self._rides >= RIDES_PER_PLAIN_STEP:  # a step alone now: the measure of a plain step
+                    self._rides = 0
+                    return
+                budget = None if seconds is None else RIDER_SHARE * seconds
+                n = min(work.next_tokens(budget, first=len(batch.rows)), MAX_CHUNK_TOKENS - len(batch.rows))
+                rider = work.rider(max(n, 1))
+                if rider is not None:
+                    self._riding = (work, rider)
+                    self._rides += 1
+                    return
             fresh = work.advance(seconds, first=len(batch.rows) * batch.T if batch is not None else 1)
         except PoolFull:
             if batch is not None:  # the running rows give pages back as they finish: wait for them
@@ -232,6 +268,15 @@ class Scheduler:
         if fresh is not None:
             self.prefilling.popleft()
             self._join(fresh)
+
+    def _rode(self, work: ChunkedPrefill, rider: Rider, step_s: float) -> None:
+        """After a step that carried ``rider``: its tokens count as prefilled, at the step's time less a plain
+        step's; the fused step is left out of the plain steps' measure (``_recent_step_s``)."""
+        if not rider.ridden:  # every row left before the forward: the chunk waits for the next turn
+            return
+        work.rode(rider, step_s - (self._step_s or 0.0))
+        batch = self.batch
+        self._stepped = (batch, batch.stats.decode_s, batch.stats.main_forwards)
 
     def _recent_step_s(self) -> float | None:
         """The running batch's mean decode step time since the last chunk (the last known one when it has not
