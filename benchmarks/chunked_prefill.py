@@ -128,7 +128,7 @@ def plot(runs: dict[int, dict], path: Path, long_prompt: int, streams: int) -> N
         ax.axhline(3 * s["tpot_ms_median_before"], color="tab:red", linestyle="--", linewidth=1,
                    label="3x the streams' median TPOT before the prompt arrived (the goal for the p99)")
         ax.set_yscale("log")
-        what = "whole prompts" if n == 0 else "chunks as long as a decode step"
+        what = "whole prompts" if n == 0 else "chunks riding the decode steps"
         ax.set_title(f"--max-prefill-tokens {n} ({what})\nTTFT {s['ttft_ms'] / 1000:.2f} s; TPOT p99 while "
                      f"prefilled: {s['p99_during_over_median']:.1f}x the median", fontsize=10)
         ax.set_xlabel(f"seconds since the {long_prompt:,}-token prompt arrived")

@@ -252,10 +252,9 @@ def test_a_prompt_riding_the_streams_steps_changes_no_token_of_theirs_or_its_own
     assert [got[id(r)] for r in streams] == alone and tokens == want
 
 
-def test_the_scheduler_lets_chunks_ride_and_takes_a_plain_step_between_runs_of_them(long_model, monkeypatch):
-    """Under the scheduler every chunk but the last rides a decode step, with a step alone after every
-    ``RIDES_PER_PLAIN_STEP`` (the plain step's time is what a rider's cost is measured against)."""
-    from dsv3.infer import scheduler as sched
+def test_the_scheduler_lets_every_chunk_but_the_last_ride_a_decode_step(long_model, monkeypatch):
+    """Under the scheduler a long prompt's chunks ride the running batch's steps, one after another from the
+    prompt's arrival to its last chunk (which its own batch prefills), and its reply is a whole prefill's."""
     from dsv3.infer.engine import Batch
 
     carried = []
@@ -282,5 +281,24 @@ def test_the_scheduler_lets_chunks_ride_and_takes_a_plain_step_between_runs_of_t
         scheduler.stop()
     assert [t for ev in delivered for t in ev.token_ids] == want
     runs = "".join("r" if c else "." for c in carried).strip(".").split(".")
-    assert sum(len(run) for run in runs) >= (300 - 8) // 8  # at most 8 tokens a chunk
-    assert max(len(run) for run in runs) == sched.RIDES_PER_PLAIN_STEP
+    assert len(runs) == 1 and len(runs[0]) >= (300 - 8) // 8  # at most 8 tokens a chunk
+
+
+def test_a_riders_tokens_follow_the_time_of_the_step_that_carried_the_last_one(long_model):
+    """The first rider holds a token per row; each next one the last one's tokens scaled by how far its step
+    was from ``STREAM_SLOWDOWN`` times the streams' step when the prompt arrived; at least 1 token, at most
+    the chunk size and what one kernel call takes beside the rows."""
+    from dsv3.infer.scheduler import STREAM_SLOWDOWN
+
+    work = ChunkedPrefill(Engine(long_model, eos_token_ids=frozenset()), Request(PROMPT, 4, GREEDY), 32)
+    size = Scheduler._rider_tokens
+    assert size(work, 0.004, 4) == 4 and work.reference_s == 0.004
+    target = STREAM_SLOWDOWN * 0.004
+    work.last_ride = (4, 2 * target)
+    assert size(work, 0.009, 4) == 2 and work.reference_s == 0.004  # the pace held is the first one
+    work.last_ride = (4, target / 2)
+    assert size(work, 0.004, 4) == 8
+    work.last_ride = (1, 5 * target)
+    assert size(work, 0.004, 4) == 1
+    work.last_ride = (16, target / 4)
+    assert size(work, 0.004, 4) == 32 and size(work, 0.004, 60) == 4

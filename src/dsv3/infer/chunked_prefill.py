@@ -25,10 +25,10 @@ as much as a few tokens' arithmetic: with the chunks riding, a 4,000-token promp
 its first token in 10 s rather than 16 s (``benchmarks/chunked_prefill.py``, docs/inference.md).
 
 A chunk's cost grows with its tokens and with the slots they attend to, so a fixed size that suits the
-start of a long prompt stalls the streams several times longer at its end. Given a time budget (the
-scheduler's, from the running batch's decode step time), each chunk is sized from the measured cost per
-token of the chunks before it (for a rider: what it added to its step) to take about that long, up to
-``chunk_tokens``.
+start of a long prompt stalls the streams several times longer at its end. A chunk run by itself is sized
+from a time budget (the scheduler gives the running batch's decode step time) at the last chunk's measured
+cost per token; a rider is sized by the scheduler from the time of the step that carried the one before
+(``Scheduler._rider_tokens``). Either way at most ``chunk_tokens``.
 """
 
 from __future__ import annotations
@@ -57,6 +57,8 @@ class ChunkedPrefill:
         self.engine, self.request, self.chunk_tokens = engine, request, chunk_tokens
         self.pages: list[int] = []  # the prompt's pages of the engine's pool, so far
         self.seconds_per_token: float | None = None  # the last chunk's measured cost
+        self.reference_s: float | None = None  # the running batch's plain step when the chunks began to ride
+        self.last_ride: tuple[int, float] | None = None  # (tokens, seconds of the step that carried them)
         self.done = self._map_cached_prefix()
 
     @property
@@ -125,12 +127,10 @@ class ChunkedPrefill:
         return Rider(self.pages, self.done, list(self.request.prompt_ids[self.done : self.done + n]))
 
     def rode(self, rider: Rider, seconds: float) -> None:
-        """A rider's tokens are in the cache; ``seconds``: what they added to their step (the step's time less
-        a plain step's), which sizes the next one. The measure is the difference of two noisy times, so it
-        is averaged with the one before."""
+        """A rider's tokens are in the cache; ``seconds``: the step that carried them (the scheduler sizes the
+        next rider from it)."""
         self.done = rider.end
-        cost = max(seconds, 0.0) / len(rider.ids)
-        self.seconds_per_token = cost if self.seconds_per_token is None else (self.seconds_per_token + cost) / 2
+        self.last_ride = (len(rider.ids), seconds)
 
     def _chunk(self, start: int, end: int) -> None:
         """Slots [start, end) of the main layers (and of the MTP layer, whose next tokens the prompt holds)."""

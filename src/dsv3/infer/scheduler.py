@@ -10,10 +10,9 @@ decode steps: admitted requests wait their turn in ``prefilling``, short prompts
 while their lengths fit the budget, and a longer prompt a chunk at a time (``dsv3.infer.chunked_prefill``): the
 streams that are decoding are slowed by a chunk at a time, not stalled by the whole prefill. On the CPU
 decode step a chunk rides along the running batch's next step, its tokens extra rows of that forward (the
-weights are read once for both), sized from measured costs to add about ``RIDER_SHARE`` of a plain step's
-time; elsewhere (MTP speculation, another device) a chunk runs between two steps and takes about a step's
-time. Either way the streams' time per token stays within a small factor of their plain step's, however far
-into a long prompt the chunks are.
+weights are read once for both), as many as keep the step near ``STREAM_SLOWDOWN`` times the streams' step
+before the prompt arrived; elsewhere (MTP speculation, another device) a chunk runs between two steps and
+takes about a step's time.
 """
 
 from __future__ import annotations
@@ -30,13 +29,10 @@ from dsv3.infer.engine import Batch, Engine, Event, Request, Rider, Row, merged
 from dsv3.infer.metrics import ServingMetrics
 from dsv3.infer.page_pool import PoolFull
 
-# A chunk that rides a decode step (``Rider``) is sized to add this share of a plain step's time to it: the
-# streams' steps take about 1.75x their time while a long prompt is prefilled, which leaves room for the
-# noise of a busy machine under a p99 of 3x (``benchmarks/chunked_prefill.py``).
-RIDER_SHARE = 0.75
-# A running batch carries chunks on this many steps in a row, then takes one step alone: what a chunk adds
-# to a step is measured against that step, which grows as the streams' contexts do.
-RIDES_PER_PLAIN_STEP = 7
+# A chunk that rides a decode step (``Rider``) is sized so that the step takes about this many times the
+# plain step the streams had when the prompt arrived (their time per token then): the streams' pace is
+# what is held, and the prompt's tokens fill what is left of it (``Scheduler._rider_tokens``).
+STREAM_SLOWDOWN = 2.5
 
 Deliver = Callable[[Event | BaseException], None]  # called from the decode thread with each event of a request
 
@@ -90,7 +86,6 @@ class Scheduler:
         self._stepped: tuple[Batch | None, float, int] = (None, 0.0, 0)  # (batch, decode_s, steps) at the last chunk
         self._step_s: float | None = None  # the running batch's recent decode step time
         self._riding: tuple[ChunkedPrefill, Rider] | None = None  # a chunk for the next step to carry
-        self._rides = 0  # steps that carried a chunk since the last that did not
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -234,23 +229,16 @@ class Scheduler:
 
     def _advance(self, work: ChunkedPrefill) -> None:
         """The next chunk of the prompt at the head of ``prefilling``; its batch joins after the last. While a
-        batch decodes that can carry it, every chunk but the last rides along its next step (``Rider``:
-        ``RIDER_SHARE`` of a step's time), with a step alone every ``RIDES_PER_PLAIN_STEP``; otherwise a chunk
-        runs between two steps, sized to take about one step's time. The first chunk holds a token per row
-        (and token) of the step."""
+        batch decodes that can carry it, every chunk but the last rides along its next step (``Rider``, sized
+        by ``_rider_tokens``); otherwise a chunk runs between two steps, sized to take about one step's time.
+        The first chunk holds a token per row (and token) of the step."""
         batch = self.batch
         seconds = self._recent_step_s() if batch is not None else None
         try:
             if batch is not None and batch.carries_riders:
-                if self._rides >= RIDES_PER_PLAIN_STEP:  # a step alone now: the measure of a plain step
-                    self._rides = 0
-                    return
-                budget = None if seconds is None else RIDER_SHARE * seconds
-                n = min(work.next_tokens(budget, first=len(batch.rows)), MAX_CHUNK_TOKENS - len(batch.rows))
-                rider = work.rider(max(n, 1))
+                rider = work.rider(self._rider_tokens(work, seconds, len(batch.rows)))
                 if rider is not None:
                     self._riding = (work, rider)
-                    self._rides += 1
                     return
             fresh = work.advance(seconds, first=len(batch.rows) * batch.T if batch is not None else 1)
         except PoolFull:
@@ -269,12 +257,29 @@ class Scheduler:
             self.prefilling.popleft()
             self._join(fresh)
 
+    @staticmethod
+    def _rider_tokens(work: ChunkedPrefill, step_s: float | None, rows: int) -> int:
+        """The next rider's tokens: ``rows`` for the first (``step_s``, the batch's recent plain step, is then
+        the pace to hold: ``work.reference_s``); after that the last rider's scaled by how far its step was from
+        ``STREAM_SLOWDOWN`` times that pace. A controller on the step's own measured time, not on a model of
+        it: a chunk's cost grows with the slots its tokens attend to, and the streams' steps with their
+        contexts, and a step whose rows alone exceed the target still carries one token, so the prompt goes
+        on. At most what the kernels take in one call with the rows."""
+        if work.reference_s is None:
+            work.reference_s = step_s
+        if work.last_ride is None or not work.reference_s:
+            n = rows
+        else:
+            tokens, seconds = work.last_ride
+            n = round(tokens * STREAM_SLOWDOWN * work.reference_s / max(seconds, 1e-6))
+        return max(1, min(n, work.chunk_tokens, MAX_CHUNK_TOKENS - rows))
+
     def _rode(self, work: ChunkedPrefill, rider: Rider, step_s: float) -> None:
-        """After a step that carried ``rider``: its tokens count as prefilled, at the step's time less a plain
-        step's; the fused step is left out of the plain steps' measure (``_recent_step_s``)."""
+        """After a step that carried ``rider`` (in ``step_s``): its tokens count as prefilled; the step is left
+        out of the plain steps' measure (``_recent_step_s``)."""
         if not rider.ridden:  # every row left before the forward: the chunk waits for the next turn
             return
-        work.rode(rider, step_s - (self._step_s or 0.0))
+        work.rode(rider, step_s)
         batch = self.batch
         self._stepped = (batch, batch.stats.decode_s, batch.stats.main_forwards)
 
