@@ -263,8 +263,10 @@ class Scheduler:
         the pace to hold: ``work.reference_s``); after that the last rider's scaled by how far its step was from
         ``STREAM_SLOWDOWN`` times that pace. A controller on the step's own measured time, not on a model of
         it: a chunk's cost grows with the slots its tokens attend to, and the streams' steps with their
-        contexts, and a step whose rows alone exceed the target still carries one token, so the prompt goes
-        on. At most what the kernels take in one call with the rows."""
+        contexts. At least a token per row: once the streams' own steps near the target (their contexts grow
+        while the prompt is prefilled), a floor of one token let the prefill, and with it that growth, stretch
+        to several times as long in some runs of ``benchmarks/chunked_prefill.py``. At most what the kernels
+        take in one call with the rows."""
         if work.reference_s is None:
             work.reference_s = step_s
         if work.last_ride is None or not work.reference_s:
@@ -272,7 +274,7 @@ class Scheduler:
         else:
             tokens, seconds = work.last_ride
             n = round(tokens * STREAM_SLOWDOWN * work.reference_s / max(seconds, 1e-6))
-        return max(1, min(n, work.chunk_tokens, MAX_CHUNK_TOKENS - rows))
+        return max(1, min(max(n, rows), work.chunk_tokens, MAX_CHUNK_TOKENS - rows))
 
     def _rode(self, work: ChunkedPrefill, rider: Rider, step_s: float) -> None:
         """After a step that carried ``rider`` (in ``step_s``): its tokens count as prefilled; the step is left
