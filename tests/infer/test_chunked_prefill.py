@@ -304,3 +304,16 @@ def test_a_riders_tokens_follow_the_time_of_the_step_that_carried_the_last_one(l
     assert size(work, 0.004, 1) == 1
     work.last_ride = (16, target / 4)
     assert size(work, 0.004, 4) == 32 and size(work, 0.004, 60) == 4
+
+
+def test_a_speculating_batch_refuses_a_rider_and_the_scheduler_never_offers_one(long_model):
+    """MTP steps take two tokens a row, which a rider's one-token rows cannot share: such a batch says it
+    carries none, refuses one, and chunks run between its steps."""
+    engine = Engine(long_model, speculative=True, eos_token_ids=frozenset())
+    batch = engine.start([Request([5, 6, 7], 8, GREEDY)])
+    work = ChunkedPrefill(engine, Request(PROMPT, 4, GREEDY), 16)
+    assert not batch.carries_riders
+    with pytest.raises(ValueError, match="cannot carry"):
+        batch.step(work.rider(4))
+    work.release()
+    batch.release()

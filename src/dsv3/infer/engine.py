@@ -769,6 +769,8 @@ class Batch:
     def step(self, rider: Rider | None = None) -> list[Event]:
         """One forward of the main model for every row (plus one MTP forward when speculating); with a
         ``rider`` (``carries_riders`` only), that forward also writes its prompt tokens into their pages."""
+        if rider is not None and not self.carries_riders:
+            raise ValueError("this batch cannot carry a prompt chunk (speculation, micro-batches or not the CPU step)")
         t0 = time.perf_counter()
         events = self._cancel()
         events += self._make_room()
