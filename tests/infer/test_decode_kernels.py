@@ -219,7 +219,9 @@ def test_swiglu_experts_on_edge_shapes(kind, act, gemv_path):
             scale = ref.abs().max()
             got = dk.swiglu_experts(x, idx, gates, experts)
             assert got.dtype == act
-            tol = 3e-3 if act == torch.bfloat16 else 2e-5
+            # bf16 activations: with the dot products the SwiGLU output is rounded to bf16 before the down
+            # projection, as the module path rounds it (whose own error here is 3.4e-3 to 9.8e-3)
+            tol = 6e-3 if act == torch.bfloat16 else 2e-5
             assert ((got.double() - ref).abs() / scale).max() < tol
             base = torch.randn(rows, D, generator=gen).to(act)
             summed = dk.swiglu_experts(x, idx, gates, experts, add_to=base.clone())

@@ -973,12 +973,15 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const vo
                         int64_t M, const int64_t *idx, const float *gates, int64_t topk, void *out, int okind,
                         int accumulate, int nthreads) {
     const int64_t P = M * topk;
-    const int dots = USE_DOT_GEMV(kind, xkind); /* gate and up in bf16 dot products; down reads fp32 g */
+    /* with the dot products, gate and up take x in bf16, and down the SwiGLU output rounded to bf16 (where the
+     * module path rounds it too: a bf16 model's activations are bf16 tensors); else all in fp32 FMAs */
+    const int dots = USE_DOT_GEMV(kind, xkind);
     float *xf = xkind == A_F32 || dots ? (float *)x : to_f32(x, xkind, M * D);
     float *acc = (float *)calloc((size_t)(M * D > 0 ? M * D : 1), sizeof(float));
     float *g = (float *)malloc((size_t)(P * I + 1) * sizeof(float));
     float *u = (float *)malloc((size_t)(P * I + 1) * sizeof(float));
     float *ye = (float *)malloc((size_t)(P * D + 1) * sizeof(float));
+    uint16_t *gb = dots ? (uint16_t *)malloc((size_t)(P * I + 1) * sizeof(uint16_t)) : NULL; /* g in bf16 */
     int64_t *start = (int64_t *)malloc((size_t)(E + 1) * sizeof(int64_t));
     int64_t *pair = (int64_t *)malloc((size_t)(P + 1) * sizeof(int64_t));
     group_by_expert(idx, P, E, start, pair);
@@ -1022,13 +1025,21 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const vo
             }
             for (int64_t j = j0; j < j0 + me; j++)
                 for (int64_t n = i0; n < i1; n++) g[j * I + n] = silu(g[j * I + n]) * u[j * I + n] * gates[pair[j]];
+            if (dots)
+                for (int64_t j = j0; j < j0 + me; j++)
+                    for (int64_t n = i0; n < i1; n++) gb[j * I + n] = f32_to_bf16(g[j * I + n]);
         }
 #pragma omp barrier
         const int64_t d0 = d_t0 * NR, d1 = d_t1 * NR < D ? d_t1 * NR : D;
         for (int64_t r = 0; r < R; r++) {
             const int64_t e = order[r], j0 = start[e], me = start[e + 1] - j0;
-            gemv_tiles(kind, (const char *)wd + weight_bytes(kind, e * D * I), expert_scales(kind, sd, e, D, I), D, I,
-                       g + j0 * I, me, ye + j0 * D, D, d_t0, d_t1, scratch, r + 1 < R ? DOWN_AT(order[r + 1]) : NULL);
+            if (dots)
+                dp_gemv_tiles((const uint16_t *)((const char *)wd + weight_bytes(kind, e * D * I)), D, I, gb + j0 * I,
+                              me, ye + j0 * D, D, d_t0, d_t1);
+            else
+                gemv_tiles(kind, (const char *)wd + weight_bytes(kind, e * D * I), expert_scales(kind, sd, e, D, I), D,
+                           I, g + j0 * I, me, ye + j0 * D, D, d_t0, d_t1, scratch,
+                           r + 1 < R ? DOWN_AT(order[r + 1]) : NULL);
             for (int64_t j = j0; j < j0 + me; j++)
                 for (int64_t n = d0; n < d1; n++) acc[(pair[j] / topk) * D + n] += ye[j * D + n];
         }
@@ -1040,7 +1051,7 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const vo
     free(order);
     store(out, okind, acc, M * D, accumulate);
     if (xf != x) free(xf);
-    free(acc), free(xe), free(g), free(u), free(ye), free(start), free(pair);
+    free(acc), free(xe), free(g), free(u), free(ye), free(gb), free(start), free(pair);
     return 0;
 }
 
