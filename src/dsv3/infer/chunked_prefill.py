@@ -22,7 +22,7 @@ A chunk can also ride along a decode step of the running batch (``rider``, ``Bat
 tokens becomes one more row of that step's forward, over the prompt's pages, so the step's weights are read
 once for the batch and the chunk. A chunk run by itself reads them again, which on a 2-core CPU costs about
 as much as a few tokens' arithmetic: with the chunks riding, a 4,000-token prompt among 4 streams reached
-its first token in 10 s rather than 16 s (``benchmarks/chunked_prefill.py``, docs/inference.md).
+its first token in about 7 s rather than 16 s (``benchmarks/chunked_prefill.py``, docs/inference.md).
 
 A chunk's cost grows with its tokens and with the slots they attend to, so a fixed size that suits the
 start of a long prompt stalls the streams several times longer at its end. A chunk run by itself is sized

@@ -262,16 +262,14 @@ def _fp32_router(router) -> tuple[torch.Tensor, torch.Tensor | None]:
     which a copy per step and layer would write and read again)."""
     bias = router.e_score_correction_bias if router.method == "noaux_tc" else None
     tensors = [t.detach() for t in (router.weight, bias) if t is not None]
-    if all(t.dtype == torch.float32 for t in tensors):
-        made = (None, tensors)
-    else:
+    if any(t.dtype != torch.float32 for t in tensors):
         # an inference tensor has no version counter, and cannot change outside inference mode: its address
         key = tuple((t.data_ptr(), None if t.is_inference() else t._version, t.dtype) for t in tensors)
         made = _ROUTER_COPIES.get(router)
         if made is None or made[0] != key:
             made = _ROUTER_COPIES[router] = (key, [t.float() for t in tensors])
-    copies = made[1]
-    return copies[0], copies[1] if bias is not None else None
+        tensors = made[1]
+    return tensors[0], tensors[1] if bias is not None else None
 
 
 def mla_decode(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
@@ -414,15 +412,14 @@ def block_experts(experts: ExpertWeights) -> dict | None:
 def route_constants(router) -> tuple[dict, list[torch.Tensor]] | None:
     """The router as ``dsv3_route`` reads it (fields of the block descriptor) and the tensors they point to,
     or None for a scoring function or top-k method the kernel does not implement. The weight and bias are
-    read in place when fp32 (the dtype DeepSeek keeps them in), else through an fp32 copy (the router
-    computes in fp32 anyway, so the scores are the same)."""
+    read in place when fp32 (the dtype DeepSeek keeps them in), else through the fp32 copy the per-op route
+    reads too (``_fp32_router``; the router computes in fp32 anyway, so the scores are the same)."""
     method, groups = router.method, router.n_group
-    bias = router.e_score_correction_bias if method == "noaux_tc" else None
-    tensors = [router.weight.detach()] + ([] if bias is None else [bias.detach()])
+    weight, bias = _fp32_router(router)
+    tensors = [t.contiguous() for t in (weight, bias) if t is not None]
     if not (router.scoring in ("sigmoid", "softmax") and method in ("noaux_tc", "group_limited_greedy", "greedy")
             and router.n_experts % groups == 0 and all(t.device.type == "cpu" for t in tensors)):
         return None
-    tensors = [t.float().contiguous() for t in tensors]
     fields = {"router": tensors[0].data_ptr(), "router_bias": _ptr(None if bias is None else tensors[1]),
               "softmax": int(router.scoring == "softmax"), "n_group": groups if method != "greedy" else 1,
               "topk_group": router.topk_group, "group_sum": int(method == "noaux_tc"), "topk": router.top_k,
