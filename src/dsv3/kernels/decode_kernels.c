@@ -887,10 +887,161 @@ static int gemv_dots(void) {
     return dsv3_bf16_dots(-1) && !(intel && dsv3_int_avx512(-1));
 }
 #define USE_DOT_GEMV(kind, xkind) ((kind) == W_BF16 && (xkind) == A_BF16 && gemv_dots())
+
+/* ---- FP8 weights in the same dot products ---------------------------------------------------------------
+ * Every e4m3 value is a bf16 value (its 3 mantissa bits fit in bf16's 7, its exponents, subnormals included, in
+ * bf16's range), so FP8 weights times bf16 activations take VDPBF16PS as bf16 weights do: every product exact,
+ * every sum fp32. A 64-byte load of weights becomes two vectors of 32 bf16 values by two byte lookups
+ * (VPERMI2B, AVX512-VBMI: the bf16 value's low and high byte over the byte's low 7 bits; the sign OR-ed back
+ * into the high byte) and two byte unpacks: 6 operations per 64 weights, which then take 2 dot products per
+ * activation row, where the fp32 path (tilez_fp8) spends about 10 to convert them and 4 FMAs per row. On the
+ * AMD EPYC (Zen 4) these were written on the fp32 path read FP8 experts at two thirds of the bf16 GEMV's
+ * bytes per second (benchmarks/decode_kernels_speed.py): the conversion, not memory, set its pace.
+ * The unpacks interleave within 128-bit lanes, so vector 0 of a 64-column group holds columns 16L..16L+7 of
+ * each lane L and vector 1 columns 16L+8..16L+15; the activations come in that order (fp8_dot_order), each
+ * row zero-padded to whole groups. A 128-column block's products are summed apart, then times its scale (fp32):
+ * the block scales, unlike bf16 weights, vary along a row. */
+#define DP8_TARGET __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,avx512vbmi")))
+#define DP8_INLINE static inline __attribute__((always_inline)) DP8_TARGET
+#define DP8_ROWS 2 /* activation rows per micro-tile: NR x 2 block sums and NR x 2 totals, with the lookup tables */
+
+static int64_t fp8_dot_padded(int64_t K) { return (K + FP8_GROUP - 1) / FP8_GROUP * FP8_GROUP; }
+
+/* Where column k of a row goes in fp8_dot_order. */
+static int64_t fp8_dot_column(int64_t k) {
+    const int64_t g = k / FP8_GROUP * FP8_GROUP, i = k % FP8_GROUP, lane = i / 16, j = i % 16;
+    return g + (j < 8 ? 0 : 32) + 8 * lane + j % 8;
+}
+
+/* xo [M, fp8_dot_padded(K)] = x [M, K] (bf16) in the order the converted weights take (zeros past K). */
+static void fp8_dot_order(const uint16_t *x, int64_t M, int64_t K, uint16_t *xo) {
+    const int64_t K64 = fp8_dot_padded(K);
+    for (int64_t m = 0; m < M; m++) {
+        memset(xo + m * K64, 0, (size_t)K64 * sizeof(uint16_t));
+        for (int64_t k = 0; k < K; k++) xo[m * K64 + fp8_dot_column(k)] = x[m * K + k];
+    }
+}
+
+/* The bf16 value of each e4m3 code 0..127 (sign bit clear), as its low bytes (lo) and high bytes (hi). */
+static uint8_t fp8_bf16_lo[128], fp8_bf16_hi[128];
+static void fp8_bf16_tables(void) {
+    for (int v = 0; v < 128; v++) {
+        const int e = v >> 3, m = v & 7;
+        const float f = v == 0x7F ? NAN : e == 0 ? ldexpf((float)m, -9) : ldexpf(1.0f + (float)m / 8.0f, e - 7);
+        const uint16_t b = f32_to_bf16(f);
+        fp8_bf16_lo[v] = (uint8_t)(b & 0xFF), fp8_bf16_hi[v] = (uint8_t)(b >> 8);
+    }
+}
+
+/* Whether FP8 x bf16 GEMVs take the dot products: where the bf16 ones do and the CPU has AVX512-VBMI. */
+static int fp8_dots(void) {
+    static int vbmi = -1;
+    if (vbmi < 0) {
+        __builtin_cpu_init();
+        if (__builtin_cpu_supports("avx512vbmi")) fp8_bf16_tables();
+        vbmi = __builtin_cpu_supports("avx512vbmi");
+    }
+    return vbmi && gemv_dots();
+}
+#define USE_DOT_FP8(kind, xkind) ((kind) == W_FP8 && (xkind) == A_BF16 && fp8_dots())
+
+/* res[c * NR + r] = sum_k rows[r][k] x[c * ldx + k] for C (1 or 2) activation rows of FP8 weights (K columns)
+ * and bf16 activations in fp8_dot_order; scale[b]: the tile's scale of 128-column block b. */
+DP8_INLINE void dp8_tile(int C, const uint8_t *const *rows, int64_t K, const float *scale, const uint16_t *x,
+                         int64_t ldx, float *res, const char *pf) {
+    const __m512i lo_a = _mm512_loadu_si512((const void *)fp8_bf16_lo), lo_b = _mm512_loadu_si512((const void *)(fp8_bf16_lo + 64));
+    const __m512i hi_a = _mm512_loadu_si512((const void *)fp8_bf16_hi), hi_b = _mm512_loadu_si512((const void *)(fp8_bf16_hi + 64));
+    const __m512i sign = _mm512_set1_epi8((char)0x80);
+    __m512 acc[NR][DP8_ROWS];
+#pragma GCC unroll 8
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 8
+        for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < K; k0 += FP8_BLOCK) {
+        const int64_t k1 = k0 + FP8_BLOCK < K ? k0 + FP8_BLOCK : K;
+        __m512 blk[NR][DP8_ROWS];
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; r++)
+#pragma GCC unroll 8
+            for (int c = 0; c < C; c++) blk[r][c] = _mm512_setzero_ps();
+        for (int64_t k = k0; k < k1; k += FP8_GROUP) {
+            const __mmask64 m = k1 - k >= FP8_GROUP ? ~(__mmask64)0 : (((__mmask64)1 << (k1 - k)) - 1);
+            if (pf) prefetch(pf + k * NR, NR * FP8_GROUP);
+            __m512i xv[DP8_ROWS][2];
+#pragma GCC unroll 8
+            for (int c = 0; c < C; c++)
+                xv[c][0] = _mm512_loadu_si512((const void *)(x + c * ldx + k)),
+                xv[c][1] = _mm512_loadu_si512((const void *)(x + c * ldx + k + 32));
+#pragma GCC unroll 8
+            for (int r = 0; r < NR; r++) {
+                const __m512i v = _mm512_maskz_loadu_epi8(m, rows[r] + k);
+                const __m512i lo = _mm512_permutex2var_epi8(lo_a, v, lo_b);
+                const __m512i hi = _mm512_ternarylogic_epi32(_mm512_permutex2var_epi8(hi_a, v, hi_b), v, sign, 0xF8);
+                const __m512i w0 = _mm512_unpacklo_epi8(lo, hi), w1 = _mm512_unpackhi_epi8(lo, hi);
+#pragma GCC unroll 8
+                for (int c = 0; c < C; c++)
+                    blk[r][c] = _mm512_dpbf16_ps(_mm512_dpbf16_ps(blk[r][c], (__m512bh)w0, (__m512bh)xv[c][0]),
+                                                 (__m512bh)w1, (__m512bh)xv[c][1]);
+            }
+        }
+        const __m512 s = _mm512_set1_ps(scale[k0 / FP8_BLOCK]);
+#pragma GCC unroll 8
+        for (int r = 0; r < NR; r++)
+#pragma GCC unroll 8
+            for (int c = 0; c < C; c++) acc[r][c] = _mm512_fmadd_ps(blk[r][c], s, acc[r][c]);
+    }
+#pragma GCC unroll 8
+    for (int c = 0; c < C; c++) _mm_storeu_ps(res + c * NR, hsum4_512(acc[0][c], acc[1][c], acc[2][c], acc[3][c]));
+}
+
+/* gemv_tiles for FP8 weights w [N, K] (scales: their block scales x 256) and bf16 activations x [M, K] in
+ * fp8_dot_order (row stride fp8_dot_padded(K)): y[m, n] for the rows n of tiles [t0, t1), DP8_ROWS activation
+ * rows at a time, each row's arithmetic the same however many share the call. Prefetching as gemv_tiles does:
+ * the call's first bytes on entry, and on at ``next`` past the end of its rows (NULL: nowhere). */
+static DP8_TARGET void dp8_gemv_tiles(const uint8_t *w, const float *scales, int64_t N, int64_t K, const uint16_t *x,
+                                      int64_t M, float *y, int64_t ldy, int64_t t0, int64_t t1, const char *next) {
+    if (M <= 0 || t1 <= t0) return;
+    const int64_t kblocks = (K + FP8_BLOCK - 1) / FP8_BLOCK, K64 = fp8_dot_padded(K);
+    const size_t tile_bytes = NR * (size_t)K, ahead = tile_bytes > PF_BYTES ? tile_bytes : PF_BYTES;
+    const char *first = (const char *)w + t0 * tile_bytes, *end = (const char *)w + (t1 * NR < N ? t1 * NR : N) * K;
+    const size_t span = (size_t)(end - first);
+    prefetch(first, (int)(span < ahead ? span : ahead));
+    float scale[(K + FP8_BLOCK - 1) / FP8_BLOCK];
+    int64_t scaled_block = -1;
+    for (int64_t t = t0; t < t1; t++) {
+        const int64_t n = t * NR;
+        const int nr = N - n < NR ? (int)(N - n) : NR;
+        if (n / FP8_BLOCK != scaled_block) { /* NR divides 128: a tile lies in one row block */
+            scaled_block = n / FP8_BLOCK;
+            for (int64_t b = 0; b < kblocks; b++) scale[b] = scales[scaled_block * kblocks + b] * 0x1p-8f;
+        }
+        const uint8_t *rows[NR];
+        for (int r = 0; r < NR; r++) rows[r] = w + (size_t)(n + (r < nr ? r : nr - 1)) * K;
+        const char *pf = (const char *)w + n * K + ahead;
+        if (next && pf >= end) pf = next + (pf - end);
+        for (int64_t m0 = 0; m0 < M;) {
+            const int mb = M - m0 < DP8_ROWS ? (int)(M - m0) : DP8_ROWS;
+            float res[DP8_ROWS * NR];
+            const char *p = m0 ? NULL : pf;
+            if (mb == 1)
+                dp8_tile(1, rows, K, scale, x + m0 * K64, K64, res, p);
+            else
+                dp8_tile(2, rows, K, scale, x + m0 * K64, K64, res, p);
+            for (int i = 0; i < mb; i++)
+                for (int r = 0; r < nr; r++) y[(m0 + i) * ldy + n + r] = res[i * NR + r];
+            m0 += mb;
+        }
+    }
+}
 #else
 int dsv3_bf16_dots(int want) { (void)want; return 0; }
 #define USE_DOT_GEMV(kind, xkind) 0
+#define USE_DOT_FP8(kind, xkind) 0
 #define dp_gemv_tiles(w, N, K, x, M, y, ldy, t0, t1) ((void)0)
+#define dp8_gemv_tiles(w, s, N, K, x, M, y, ldy, t0, t1, next) ((void)0)
+#define fp8_dot_padded(K) (K)
+#define fp8_dot_order(x, M, K, xo) ((void)0)
+#define fp8_dot_column(k) (k)
 #endif
 
 typedef struct { /* a bias-free linear layer, [n, k] */
@@ -912,15 +1063,20 @@ static const char *share_of(const BlkLinear *l, int t, int nthreads) {
 /* out [M, N] = x [M, K] @ W^T, prefetching on into ``then`` (the linear read next) as the rows run out. */
 static void linear(const void *w, const void *scale, int kind, int64_t N, int64_t K, const void *x, int xkind,
                    int64_t M, void *out, int okind, int nthreads, const BlkLinear *then) {
-    const int dots = USE_DOT_GEMV(kind, xkind);
-    float *xf = xkind == A_F32 || dots ? (float *)x : to_f32(x, xkind, M * K);
+    const int dots = USE_DOT_GEMV(kind, xkind), dots8 = USE_DOT_FP8(kind, xkind);
+    float *xf = xkind == A_F32 || dots || dots8 ? (float *)x : to_f32(x, xkind, M * K);
     float *y = okind == A_F32 ? (float *)out : (float *)malloc((size_t)(M * N > 0 ? M * N : 1) * sizeof(float));
+    uint16_t *x8 = dots8 ? (uint16_t *)malloc((size_t)(M * fp8_dot_padded(K) + 1) * sizeof(uint16_t)) : NULL;
+    if (dots8) fp8_dot_order((const uint16_t *)x, M, K, x8);
 #pragma omp parallel num_threads(linear_threads(N, K, nthreads))
     {
         int64_t t0, t1;
         my_tiles(tiles_of(N), &t0, &t1);
         if (dots) {
             dp_gemv_tiles((const uint16_t *)w, N, K, (const uint16_t *)x, M, y, N, t0, t1);
+        } else if (dots8) {
+            dp8_gemv_tiles((const uint8_t *)w, (const float *)scale, N, K, x8, M, y, N, t0, t1,
+                           share_of(then, omp_get_thread_num(), nthreads));
         } else {
             float *scratch = (float *)malloc(scratch_floats(kind, M, K) * sizeof(float));
             gemv_tiles(kind, w, scale, N, K, xf, M, y, N, t0, t1, scratch, share_of(then, omp_get_thread_num(), nthreads));
@@ -929,6 +1085,7 @@ static void linear(const void *w, const void *scale, int kind, int64_t N, int64_
     }
     if (y != out) store(out, okind, y, M * N, 0), free(y);
     if (xf != x) free(xf);
+    free(x8);
 }
 
 /* out [M, N] = x [M, K] @ W^T. Returns 0. */
@@ -975,13 +1132,15 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const vo
     const int64_t P = M * topk;
     /* with the dot products, gate and up take x in bf16, and down the SwiGLU output rounded to bf16 (where the
      * module path rounds it too: a bf16 model's activations are bf16 tensors); else all in fp32 FMAs */
-    const int dots = USE_DOT_GEMV(kind, xkind);
+    const int dots8 = USE_DOT_FP8(kind, xkind), dots = USE_DOT_GEMV(kind, xkind) || dots8;
     float *xf = xkind == A_F32 || dots ? (float *)x : to_f32(x, xkind, M * D);
+    /* the dot products' rows of x and of the SwiGLU output: FP8's in fp8_dot_order, zero-padded */
+    const int64_t DX = dots8 ? fp8_dot_padded(D) : D, IX = dots8 ? fp8_dot_padded(I) : I;
     float *acc = (float *)calloc((size_t)(M * D > 0 ? M * D : 1), sizeof(float));
     float *g = (float *)malloc((size_t)(P * I + 1) * sizeof(float));
     float *u = (float *)malloc((size_t)(P * I + 1) * sizeof(float));
     float *ye = (float *)malloc((size_t)(P * D + 1) * sizeof(float));
-    uint16_t *gb = dots ? (uint16_t *)malloc((size_t)(P * I + 1) * sizeof(uint16_t)) : NULL; /* g in bf16 */
+    uint16_t *gb = dots ? (uint16_t *)calloc((size_t)(P * IX + 1), sizeof(uint16_t)) : NULL; /* g in bf16 */
     int64_t *start = (int64_t *)malloc((size_t)(E + 1) * sizeof(int64_t));
     int64_t *pair = (int64_t *)malloc((size_t)(P + 1) * sizeof(int64_t));
     group_by_expert(idx, P, E, start, pair);
@@ -989,9 +1148,14 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const vo
     for (int64_t e = 0; e < E; e++) most = start[e + 1] - start[e] > most ? start[e + 1] - start[e] : most;
     /* each pair's row of x, in x's bf16 for the dot products, else in fp32 */
     const size_t xes = dots ? sizeof(uint16_t) : sizeof(float);
-    char *xe = (char *)malloc((size_t)(P * D + 1) * xes);
-    for (int64_t j = 0; j < start[E]; j++)
-        memcpy(xe + (size_t)(j * D) * xes, (const char *)xf + (size_t)((pair[j] / topk) * D) * xes, (size_t)D * xes);
+    char *xe = (char *)malloc((size_t)(P * DX + 1) * xes);
+    for (int64_t j = 0; j < start[E]; j++) {
+        const char *row = (const char *)xf + (size_t)((pair[j] / topk) * D) * xes;
+        if (dots8)
+            fp8_dot_order((const uint16_t *)row, 1, D, (uint16_t *)xe + j * DX);
+        else
+            memcpy(xe + (size_t)(j * D) * xes, row, (size_t)D * xes);
+    }
     int64_t *order = (int64_t *)malloc((size_t)(E + 1) * sizeof(int64_t)), R = 0; /* the experts routed to */
     for (int64_t e = 0; e < E; e++)
         if (start[e + 1] > start[e]) order[R++] = e;
@@ -1012,7 +1176,13 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const vo
             const int64_t e = order[r], j0 = start[e], me = start[e + 1] - j0;
             const size_t off = weight_bytes(kind, e * I * D);
             const char *after_up = r + 1 < R ? GATE_AT(order[r + 1]) : DOWN_AT(order[0]);
-            if (dots) {
+            if (dots8) {
+                const uint16_t *xj = (const uint16_t *)xe + j0 * DX;
+                dp8_gemv_tiles((const uint8_t *)wg + off, (const float *)expert_scales(kind, sg, e, I, D), I, D, xj, me,
+                               g + j0 * I, I, t0, t1, UP_AT(e));
+                dp8_gemv_tiles((const uint8_t *)wu + off, (const float *)expert_scales(kind, su, e, I, D), I, D, xj, me,
+                               u + j0 * I, I, t0, t1, after_up);
+            } else if (dots) {
                 const uint16_t *xj = (const uint16_t *)xe + j0 * D;
                 dp_gemv_tiles((const uint16_t *)((const char *)wg + off), I, D, xj, me, g + j0 * I, I, t0, t1);
                 dp_gemv_tiles((const uint16_t *)((const char *)wu + off), I, D, xj, me, u + j0 * I, I, t0, t1);
@@ -1027,13 +1197,16 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const vo
                 for (int64_t n = i0; n < i1; n++) g[j * I + n] = silu(g[j * I + n]) * u[j * I + n] * gates[pair[j]];
             if (dots)
                 for (int64_t j = j0; j < j0 + me; j++)
-                    for (int64_t n = i0; n < i1; n++) gb[j * I + n] = f32_to_bf16(g[j * I + n]);
+                    for (int64_t n = i0; n < i1; n++) gb[j * IX + (dots8 ? fp8_dot_column(n) : n)] = f32_to_bf16(g[j * I + n]);
         }
 #pragma omp barrier
         const int64_t d0 = d_t0 * NR, d1 = d_t1 * NR < D ? d_t1 * NR : D;
         for (int64_t r = 0; r < R; r++) {
             const int64_t e = order[r], j0 = start[e], me = start[e + 1] - j0;
-            if (dots)
+            if (dots8)
+                dp8_gemv_tiles((const uint8_t *)wd + e * D * I, (const float *)expert_scales(kind, sd, e, D, I), D, I,
+                               gb + j0 * IX, me, ye + j0 * D, D, d_t0, d_t1, r + 1 < R ? DOWN_AT(order[r + 1]) : NULL);
+            else if (dots)
                 dp_gemv_tiles((const uint16_t *)((const char *)wd + weight_bytes(kind, e * D * I)), D, I, gb + j0 * I,
                               me, ye + j0 * D, D, d_t0, d_t1);
             else
