@@ -1778,42 +1778,65 @@ static inline __attribute__((always_inline)) void att_task(int kind, const AttAr
 
 #if DP_COMPILER
 
+#define DP_KEYS 4 /* keys per score micro-kernel: 4 x 4 accumulators, 4 rows and a query vector in registers */
+
 /* acc[i][u] += q_i . k_u over n values: q [ATT_QUERIES, ldq] bf16, zero-padded to a multiple of 32; the rows
  * k[u] read with masks, so nothing past their n values. */
 DP_INLINE void dp_dots(const uint16_t *q, int64_t ldq, const uint16_t *const *k, int64_t n,
-                       __m512 acc[ATT_QUERIES][ATT_KEYS]) {
+                       __m512 acc[ATT_QUERIES][DP_KEYS]) {
     for (int64_t c = 0; c < n; c += DP_WIDTH) {
         const __mmask32 m = dp_mask(n - c);
-        __m512i kv[ATT_KEYS];
-        for (int u = 0; u < ATT_KEYS; u++) kv[u] = _mm512_maskz_loadu_epi16(m, k[u] + c);
+        __m512i kv[DP_KEYS];
+        for (int u = 0; u < DP_KEYS; u++) kv[u] = _mm512_maskz_loadu_epi16(m, k[u] + c);
         for (int i = 0; i < ATT_QUERIES; i++) {
             const __m512i qi = _mm512_loadu_si512((const void *)(q + i * ldq + c));
-            for (int u = 0; u < ATT_KEYS; u++) acc[i][u] = _mm512_dpbf16_ps(acc[i][u], (__m512bh)qi, (__m512bh)kv[u]);
+            for (int u = 0; u < DP_KEYS; u++) acc[i][u] = _mm512_dpbf16_ps(acc[i][u], (__m512bh)qi, (__m512bh)kv[u]);
         }
     }
 }
 
+/* The 16 lanes of a, b, c and d summed pairwise down to one 128-bit block per 128-bit block of the inputs:
+ * block L of the result is [a_L, b_L, c_L, d_L], each the sum of that input's 4 lanes in block L. */
+DP_INLINE __m512 dp_fold4(__m512 a, __m512 b, __m512 c, __m512 d) {
+    const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(a, b), _mm512_unpackhi_ps(a, b));
+    const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(c, d), _mm512_unpackhi_ps(c, d));
+    const __m512d abd = _mm512_castps_pd(ab), cdd = _mm512_castps_pd(cd); /* pairs of lanes moved as one */
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(abd, cdd)), _mm512_castpd_ps(_mm512_unpackhi_pd(abd, cdd)));
+}
+
+/* The 16 dot products acc[i][u] as one vector: 128-bit block i holds query i's sums over keys u = 0..3. A
+ * transposing reduction (45 operations for 16 sums) in place of one horizontal sum per product. */
+DP_INLINE __m512 dp_sums(__m512 acc[ATT_QUERIES][DP_KEYS]) {
+    __m512 v[ATT_QUERIES]; /* block L of v[i]: query i's four partial sums over block L of the lanes */
+    for (int i = 0; i < ATT_QUERIES; i++) v[i] = dp_fold4(acc[i][0], acc[i][1], acc[i][2], acc[i][3]);
+    const __m512 v01 = _mm512_add_ps(_mm512_shuffle_f32x4(v[0], v[1], 0x44), _mm512_shuffle_f32x4(v[0], v[1], 0xEE));
+    const __m512 v23 = _mm512_add_ps(_mm512_shuffle_f32x4(v[2], v[3], 0x44), _mm512_shuffle_f32x4(v[2], v[3], 0xEE));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(v01, v23, 0x88), _mm512_shuffle_f32x4(v01, v23, 0xDD));
+}
+
 /* att_tile_scores for a bf16 cache and bf16 queries qb [ATT_QUERIES, w] (the kv part, padded to a multiple of
- * 32, then the pe part, padded too). */
+ * 32, then the pe part, padded too), DP_KEYS keys at a time (a last partial group repeats its last key, whose
+ * sums land in sc past n, where nothing reads them: sc rows hold ATT_TILE values). */
 DP_INLINE void dp_tile_scores(const uint16_t *qb, int64_t w, int64_t wr, int64_t r, int64_t p,
                               const char *const *kv, const char *const *pe, int64_t n, float *sc) {
-    for (int64_t j = 0; j < n; j += ATT_KEYS) {
-        const uint16_t *kr[ATT_KEYS], *pr[ATT_KEYS];
-        for (int u = 0; u < ATT_KEYS; u++) {
+    _Static_assert(ATT_TILE % DP_KEYS == 0 && ATT_QUERIES == 4, "dp_sums: four queries, whole key groups a tile");
+    for (int64_t j = 0; j < n; j += DP_KEYS) {
+        const uint16_t *kr[DP_KEYS], *pr[DP_KEYS];
+        for (int u = 0; u < DP_KEYS; u++) {
             const int64_t ju = j + u < n ? j + u : n - 1;
             kr[u] = (const uint16_t *)kv[ju], pr[u] = (const uint16_t *)pe[ju];
         }
-        __m512 acc[ATT_QUERIES][ATT_KEYS];
+        __m512 acc[ATT_QUERIES][DP_KEYS];
         for (int i = 0; i < ATT_QUERIES; i++)
-            for (int u = 0; u < ATT_KEYS; u++) acc[i][u] = _mm512_setzero_ps();
-        if (pf_cursor.r) pf_step(PF_LINES_PER_STEP);
+            for (int u = 0; u < DP_KEYS; u++) acc[i][u] = _mm512_setzero_ps();
+        if (pf_cursor.r) pf_step(PF_LINES_PER_STEP * DP_KEYS / ATT_KEYS);
         dp_dots(qb, w, kr, r, acc);
         dp_dots(qb + wr, w, pr, p, acc);
-        for (int u = 0; u < ATT_KEYS && j + u < n; u++) {
-            float d[ATT_QUERIES];
-            _mm_storeu_ps(d, hsum4_512(acc[0][u], acc[1][u], acc[2][u], acc[3][u]));
-            for (int i = 0; i < ATT_QUERIES; i++) sc[i * ATT_TILE + j + u] = d[i];
-        }
+        const __m512 sums = dp_sums(acc);
+        _mm_storeu_ps(sc + j, _mm512_castps512_ps128(sums));
+        _mm_storeu_ps(sc + ATT_TILE + j, _mm512_extractf32x4_ps(sums, 1));
+        _mm_storeu_ps(sc + 2 * ATT_TILE + j, _mm512_extractf32x4_ps(sums, 2));
+        _mm_storeu_ps(sc + 3 * ATT_TILE + j, _mm512_extractf32x4_ps(sums, 3));
     }
 }
 
