@@ -239,6 +239,19 @@ static inline __attribute__((always_inline)) void prefetch(const char *p, int by
     for (int b = 0; b < (bytes > 64 ? bytes : 64); b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
+/* A GEMV call's rows are [first, end): it fetches its own first bytes (up to ``ahead``) on entry, since a run of
+ * small matrices read in turn would otherwise start each one cold, */
+static inline void prefetch_entry(const char *first, const char *end, size_t ahead) {
+    const size_t span = (size_t)(end - first);
+    prefetch(first, (int)(span < ahead ? span : ahead));
+}
+
+/* and a prefetch aimed at pf past end goes on at ``next``, where this thread reads after the call (NULL:
+ * nowhere useful, so pf as it is). */
+static inline const char *prefetch_past(const char *pf, const char *end, const char *next) {
+    return next && pf >= end ? next + (pf - end) : pf;
+}
+
 /* The four horizontal sums of a, b, c, d as one vector (hadd transposition). */
 static inline __attribute__((always_inline)) __m128 hsum4(__m256 a, __m256 b, __m256 c, __m256 d) {
     const __m256 abcd = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
@@ -720,9 +733,7 @@ static void gemv_tiles(int kind, const void *w, const void *scales, int64_t N, i
     const unsigned int csr = _mm_getcsr();
     if (kind == W_FP8) _mm_setcsr(csr & ~0x0040u); /* DAZ off: subnormal e4m3 weights are fp32 subnormals */
     const char *end = (const char *)w + (size_t)(t1 * NR < N ? t1 * NR : N) * row_bytes; /* of this call's rows */
-    const char *first = (const char *)w + (size_t)(t0 * NR) * row_bytes;
-    const size_t span = (size_t)(end - first);
-    prefetch(first, (int)(span < ahead ? span : ahead));
+    prefetch_entry((const char *)w + (size_t)(t0 * NR) * row_bytes, end, ahead);
     float *xs = scratch, *pan = scratch + (kind != W_F32 ? M * K : 0) + (kind == W_FP8 ? M * K : 0);
     int64_t scaled_block = -1;
     if (kind == W_BF16) interleave(x, M, K, xs), x = xs;
@@ -730,8 +741,7 @@ static void gemv_tiles(int kind, const void *w, const void *scales, int64_t N, i
     for (int64_t t = t0; t < t1; t++) {
         const int64_t n = t * NR;
         const int nr = N - n < NR ? (int)(N - n) : NR;
-        const char *pf = (const char *)w + n * row_bytes + ahead;
-        if (next && pf >= end) pf = next + (pf - end);
+        const char *pf = prefetch_past((const char *)w + n * row_bytes + ahead, end, next);
         const void *rows[NR];
         for (int r = 0; r < NR; r++) rows[r] = (const char *)w + (size_t)(n + (r < nr ? r : nr - 1)) * row_bytes;
         const float *xa = x;
@@ -938,8 +948,9 @@ static int fp8_dots(void) {
     static int vbmi = -1;
     if (vbmi < 0) {
         __builtin_cpu_init();
-        if (__builtin_cpu_supports("avx512vbmi")) fp8_bf16_tables();
-        vbmi = __builtin_cpu_supports("avx512vbmi");
+        const int has = __builtin_cpu_supports("avx512vbmi") != 0;
+        if (has) fp8_bf16_tables(); /* before vbmi says yes: the tables are read from then on */
+        vbmi = has;
     }
     return vbmi && gemv_dots();
 }
@@ -1003,10 +1014,9 @@ static DP8_TARGET void dp8_gemv_tiles(const uint8_t *w, const float *scales, int
     if (M <= 0 || t1 <= t0) return;
     const int64_t kblocks = (K + FP8_BLOCK - 1) / FP8_BLOCK, K64 = fp8_dot_padded(K);
     const size_t tile_bytes = NR * (size_t)K, ahead = tile_bytes > PF_BYTES ? tile_bytes : PF_BYTES;
-    const char *first = (const char *)w + t0 * tile_bytes, *end = (const char *)w + (t1 * NR < N ? t1 * NR : N) * K;
-    const size_t span = (size_t)(end - first);
-    prefetch(first, (int)(span < ahead ? span : ahead));
-    float scale[(K + FP8_BLOCK - 1) / FP8_BLOCK];
+    const char *end = (const char *)w + (t1 * NR < N ? t1 * NR : N) * K;
+    prefetch_entry((const char *)w + t0 * tile_bytes, end, ahead);
+    float scale[kblocks]; /* the tile's row block's scales, over 256 */
     int64_t scaled_block = -1;
     for (int64_t t = t0; t < t1; t++) {
         const int64_t n = t * NR;
@@ -1017,8 +1027,7 @@ static DP8_TARGET void dp8_gemv_tiles(const uint8_t *w, const float *scales, int
         }
         const uint8_t *rows[NR];
         for (int r = 0; r < NR; r++) rows[r] = w + (size_t)(n + (r < nr ? r : nr - 1)) * K;
-        const char *pf = (const char *)w + n * K + ahead;
-        if (next && pf >= end) pf = next + (pf - end);
+        const char *pf = prefetch_past((const char *)w + n * K + ahead, end, next);
         for (int64_t m0 = 0; m0 < M;) {
             const int mb = M - m0 < DP8_ROWS ? (int)(M - m0) : DP8_ROWS;
             float res[DP8_ROWS * NR];
