@@ -286,24 +286,25 @@ def test_the_scheduler_lets_every_chunk_but_the_last_ride_a_decode_step(long_mod
 
 def test_a_riders_tokens_follow_the_time_of_the_step_that_carried_the_last_one(long_model):
     """The first rider holds a token per row; each next one the last one's tokens scaled by how far its step
-    was from ``STREAM_SLOWDOWN`` times the streams' step when the prompt arrived; at least a token per row
+    was from ``STREAM_SLOWDOWN`` times the streams' step when the first one rode; at least a token per row
     (the prompt goes on when the streams' own steps have grown past the target), at most the chunk size and
     what one kernel call takes beside the rows."""
-    from dsv3.infer.scheduler import STREAM_SLOWDOWN
+    from dsv3.infer.rider_pace import STREAM_SLOWDOWN
 
     work = ChunkedPrefill(Engine(long_model, eos_token_ids=frozenset()), Request(PROMPT, 4, GREEDY), 32)
-    size = Scheduler._rider_tokens
-    assert size(work, 0.004, 4) == 4 and work.reference_s == 0.004
+    size = work.rider_tokens
+    assert size(0.004, 4) == 4
     target = STREAM_SLOWDOWN * 0.004
-    work.last_ride = (8, 2 * target)
-    assert size(work, 0.009, 1) == 4 and work.reference_s == 0.004  # the pace held is the first one
-    assert size(work, 0.009, 6) == 6  # a token per row at least
-    work.last_ride = (4, target / 2)
-    assert size(work, 0.004, 1) == 8
-    work.last_ride = (1, 5 * target)
-    assert size(work, 0.004, 1) == 1
-    work.last_ride = (16, target / 4)
-    assert size(work, 0.004, 4) == 32 and size(work, 0.004, 60) == 4
+    assert work.pace.target_s == target
+    work.pace.rode(8, 2 * target)
+    assert size(0.009, 1) == 4 and work.pace.target_s == target  # the pace held is the first one
+    assert size(0.009, 6) == 6  # a token per row at least
+    work.pace.rode(4, target / 2)
+    assert size(0.004, 1) == 8
+    work.pace.rode(1, 5 * target)
+    assert size(0.004, 1) == 1
+    work.pace.rode(16, target / 4)
+    assert size(0.004, 4) == 32 and size(0.004, 60) == 4
 
 
 def test_a_speculating_batch_refuses_a_rider_and_the_scheduler_never_offers_one(long_model):

@@ -27,8 +27,8 @@ its first token in about 7 s rather than 16 s (``benchmarks/chunked_prefill.py``
 A chunk's cost grows with its tokens and with the slots they attend to, so a fixed size that suits the
 start of a long prompt stalls the streams several times longer at its end. A chunk run by itself is sized
 from a time budget (the scheduler gives the running batch's decode step time) at the last chunk's measured
-cost per token; a rider is sized by the scheduler from the time of the step that carried the one before
-(``Scheduler._rider_tokens``). Either way at most ``chunk_tokens``.
+cost per token; a rider is sized by the prompt's ``RiderPace`` (``infer/rider_pace.py``) from the steps'
+measured times. Either way at most ``chunk_tokens``.
 """
 
 from __future__ import annotations
@@ -40,6 +40,7 @@ import torch
 from dsv3.errors import DSV3Error
 from dsv3.infer.engine import Batch, Engine, Event, Request, Rider
 from dsv3.infer.prefix_cache import CachingBatch
+from dsv3.infer.rider_pace import RiderPace
 from dsv3.kernels.decode_kernels import MAX_KERNEL_ROWS
 from dsv3.model.mla import LatentCache
 
@@ -57,8 +58,7 @@ class ChunkedPrefill:
         self.engine, self.request, self.chunk_tokens = engine, request, chunk_tokens
         self.pages: list[int] = []  # the prompt's pages of the engine's pool, so far
         self.seconds_per_token: float | None = None  # the last chunk's measured cost
-        self.reference_s: float | None = None  # the running batch's plain step when the chunks began to ride
-        self.last_ride: tuple[int, float] | None = None  # (tokens, seconds of the step that carried them)
+        self.pace: RiderPace | None = None  # the riders' sizes, from the first ride on
         self.done = self._map_cached_prefix()
 
     @property
@@ -126,11 +126,19 @@ class ChunkedPrefill:
         self._reserve(self.done + n)
         return Rider(self.pages, self.done, list(self.request.prompt_ids[self.done : self.done + n]))
 
+    def rider_tokens(self, plain_step_s: float, rows: int) -> int:
+        """The next rider's tokens beside ``rows`` rows; ``plain_step_s``: their plain step, which the first
+        ride takes as the pace to hold. At most ``chunk_tokens`` and what one kernel call takes with the rows."""
+        if self.pace is None:
+            self.pace = RiderPace(plain_step_s)
+        return self.pace.tokens(rows, min(self.chunk_tokens, MAX_CHUNK_TOKENS - rows))
+
     def rode(self, rider: Rider, seconds: float) -> None:
-        """A rider's tokens are in the cache; ``seconds``: the step that carried them (the scheduler sizes the
-        next rider from it)."""
+        """A rider's tokens are in the cache; ``seconds``: the step that carried them (the pace sizes the next
+        rider from it)."""
         self.done = rider.end
-        self.last_ride = (len(rider.ids), seconds)
+        if self.pace is not None:
+            self.pace.rode(len(rider.ids), seconds)
 
     def _chunk(self, start: int, end: int) -> None:
         """Slots [start, end) of the main layers (and of the MTP layer, whose next tokens the prompt holds)."""

@@ -29,11 +29,6 @@ from dsv3.infer.engine import Batch, Engine, Event, Request, Rider, Row, merged
 from dsv3.infer.metrics import ServingMetrics
 from dsv3.infer.page_pool import PoolFull
 
-# A chunk that rides a decode step (``Rider``) is sized so that the step takes about this many times the
-# plain step the streams had when the prompt arrived (their time per token then): the streams' pace is
-# what is held, and the prompt's tokens fill what is left of it (``Scheduler._rider_tokens``).
-STREAM_SLOWDOWN = 2.5
-
 Deliver = Callable[[Event | BaseException], None]  # called from the decode thread with each event of a request
 
 
@@ -230,13 +225,15 @@ class Scheduler:
     def _advance(self, work: ChunkedPrefill) -> None:
         """The next chunk of the prompt at the head of ``prefilling``; its batch joins after the last. While a
         batch decodes that can carry it, every chunk but the last rides along its next step (``Rider``, sized
-        by ``_rider_tokens``); otherwise a chunk runs between two steps, sized to take about one step's time.
+        by its ``RiderPace``); otherwise a chunk runs between two steps, sized to take about one step's time.
         The first chunk holds a token per row (and token) of the step."""
         batch = self.batch
         seconds = self._recent_step_s() if batch is not None else None
         try:
             if batch is not None and batch.carries_riders:
-                rider = work.rider(self._rider_tokens(work, seconds, len(batch.rows)))
+                if seconds is None:  # the batch's first step goes alone: its time sets the riders' pace
+                    return
+                rider = work.rider(work.rider_tokens(seconds, len(batch.rows)))
                 if rider is not None:
                     self._riding = (work, rider)
                     return
@@ -256,25 +253,6 @@ class Scheduler:
         if fresh is not None:
             self.prefilling.popleft()
             self._join(fresh)
-
-    @staticmethod
-    def _rider_tokens(work: ChunkedPrefill, step_s: float | None, rows: int) -> int:
-        """The next rider's tokens: ``rows`` for the first (``step_s``, the batch's recent plain step, is then
-        the pace to hold: ``work.reference_s``); after that the last rider's scaled by how far its step was from
-        ``STREAM_SLOWDOWN`` times that pace. A controller on the step's own measured time, not on a model of
-        it: a chunk's cost grows with the slots its tokens attend to, and the streams' steps with their
-        contexts. At least a token per row: once the streams' own steps near the target (their contexts grow
-        while the prompt is prefilled), a floor of one token let the prefill, and with it that growth, stretch
-        to several times as long in some runs of ``benchmarks/chunked_prefill.py``. At most what the kernels
-        take in one call with the rows."""
-        if work.reference_s is None:
-            work.reference_s = step_s
-        if work.last_ride is None or not work.reference_s:
-            n = rows
-        else:
-            tokens, seconds = work.last_ride
-            n = round(tokens * STREAM_SLOWDOWN * work.reference_s / max(seconds, 1e-6))
-        return max(1, min(max(n, rows), work.chunk_tokens, MAX_CHUNK_TOKENS - rows))
 
     def _rode(self, work: ChunkedPrefill, rider: Rider, step_s: float) -> None:
         """After a step that carried ``rider`` (in ``step_s``): its tokens count as prefilled; the step is left
