@@ -194,6 +194,17 @@ static inline __attribute__((always_inline)) void row_avx2(int bits, int NW, int
         for (int r = 0; r < R; r++) out[r * ldo + i] = int_hsum8(acc[i][r]);
 }
 
+/* The cases R = 1..7 of a switch over the activation rows, each calling the INT_ROW(1, R) of the function it
+ * is expanded in (one weight row, R as a constant): the part that AVX2 and VNNI share. */
+#define INT_ROWS_1_TO_7                                                                                             \
+    case 1: INT_ROW(1, 1); break;                                                                                   \
+    case 2: INT_ROW(1, 2); break;                                                                                   \
+    case 3: INT_ROW(1, 3); break;                                                                                   \
+    case 4: INT_ROW(1, 4); break;                                                                                   \
+    case 5: INT_ROW(1, 5); break;                                                                                   \
+    case 6: INT_ROW(1, 6); break;                                                                                   \
+    case 7: INT_ROW(1, 7); break;
+
 /* row_avx2 with the width, NW and R as constants (accumulators in registers): NW 1 to 4 with R 1, NW 1 or 2
  * with R 2, NW 1 with R up to 8. */
 static void rows_avx2(int bits, int NW, int R, const uint8_t *q, const uint16_t *s, int64_t rb, int64_t K,
@@ -215,13 +226,7 @@ static void rows_avx2(int bits, int NW, int R, const uint8_t *q, const uint16_t 
         return;
     }
     switch (R) {
-    case 1: INT_ROW(1, 1); break;
-    case 2: INT_ROW(1, 2); break;
-    case 3: INT_ROW(1, 3); break;
-    case 4: INT_ROW(1, 4); break;
-    case 5: INT_ROW(1, 5); break;
-    case 6: INT_ROW(1, 6); break;
-    case 7: INT_ROW(1, 7); break;
+        INT_ROWS_1_TO_7
     default: INT_ROW(1, 8); break;
     }
 #undef INT_ROW
@@ -314,13 +319,7 @@ static INT_VNNI void rows_vnni(int bits, int NW, int R, const uint8_t *q, const 
         return;
     }
     switch (R) {
-    case 1: INT_ROW(1, 1); break;
-    case 2: INT_ROW(1, 2); break;
-    case 3: INT_ROW(1, 3); break;
-    case 4: INT_ROW(1, 4); break;
-    case 5: INT_ROW(1, 5); break;
-    case 6: INT_ROW(1, 6); break;
-    case 7: INT_ROW(1, 7); break;
+        INT_ROWS_1_TO_7
     case 8: INT_ROW(1, 8); break;
     case 9: INT_ROW(1, 9); break;
     case 10: INT_ROW(1, 10); break;
