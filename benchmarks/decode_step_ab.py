@@ -7,10 +7,10 @@ For each weight dtype, thread count, batch size and context, two worker processe
 (``small`` by default) with random weights (as ``decode_speed.py`` measures it; the same seed, so the same
 model), prefill the same prompts (one per row of the batch) once and then wait: one runs the revision's
 ``src`` (exported with ``git archive``: its Python and its C kernels), the other this tree's. The parent has
-them decode ``--steps`` steps in turn, ``--rounds`` times, so that machine load hits both alike; each figure
-is the median over the rounds of the mean time per step, with its roofline fraction computed as
-``decode_speed.py`` does (the bytes a step reads over the best read bandwidth measured in the run, divided by
-the time per step).
+them decode ``--steps`` timed steps in turn (each turn after a pause and ``TURN_WARM_UP`` untimed steps),
+``--rounds`` times, so that machine load hits both alike; each figure is the median over the rounds of the
+mean time per step, with its roofline fraction computed as ``decode_speed.py`` does (the bytes a step reads
+over the best read bandwidth measured in the run, divided by the time per step).
 
 ``--phases`` builds each side's kernels with ``-DDSV3_BLOCK_PROFILE`` and adds the median time per step
 of each phase of ``dsv3_decode_block`` (norms, query and key/value projections, cache write, attention,
@@ -46,6 +46,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16, 
           "int4": torch.bfloat16}
 REPO = Path(__file__).resolve().parent.parent
 WARM_UP = 5  # decode steps before the timed ones
+# A turn starts TURN_PAUSE_S after the last one ended and with TURN_WARM_UP untimed steps. OpenMP threads
+# spin for a while after their last parallel region before they sleep: without the pause, the side that had
+# just run spun on the cores the next one needed, and on a 2-core host 2 threads measured slower than 1
+# (small, bf16, batch 1, context 256: 4.2 against 2.9 ms a step, against 1.8 ms for one worker alone). After
+# the pause the turn's own threads are asleep and its caches cold: the untimed steps wake and warm them.
+TURN_PAUSE_S = 0.05
+TURN_WARM_UP = 2
 
 
 def log(msg: str) -> None:
@@ -122,6 +129,8 @@ def worker(shape: str, dtype: str, threads: int, ctx: int, rows: int, phases: bo
             steps = int(line)
             if lib is not None:
                 lib.dsv3_block_profile(clock, 1)
+            for _ in range(TURN_WARM_UP):
+                batch.step()
             t0 = time.perf_counter()
             for _ in range(steps):
                 failed = [ev.error for ev in batch.step() if ev.error]
@@ -168,13 +177,14 @@ class Side:
 
 def measure(sources: dict[str, Path], dtype: str, threads: int, ctx: int, rows: int, args) -> dict[str, dict]:
     """Median seconds per step (and phase medians) of each side, the sides taking turns."""
-    tokens = args.rounds * args.steps
+    tokens = args.rounds * (args.steps + TURN_WARM_UP)
     sides = {name: Side(src, args.preset, dtype, threads, ctx, rows, args.phases, tokens)
              for name, src in sources.items()}
     try:
         answers = {name: [] for name in sides}
         for _ in range(args.rounds):
             for name, side in sides.items():
+                time.sleep(TURN_PAUSE_S)
                 answers[name].append(side.run(args.steps))
     finally:
         for side in sides.values():
