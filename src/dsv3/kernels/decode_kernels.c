@@ -1371,6 +1371,7 @@ static float blk_dot(const void *a, int kind, int64_t off, const float *b, int64
 
 #define ATT_QUERIES 4 /* queries per micro-kernel: each cached row loaded serves four queries */
 #define ATT_GROUP 8   /* queries per task while the tasks still cover the threads: the cache read once for 8 */
+#define DP_GROUP 16   /* the same for the bf16 dot products: all 16 heads of a row at one token */
 #define ATT_TILE 32   /* keys scored, then summed into the outputs while they are still in L1 */
 
 #ifndef ATT_KEYS
@@ -1950,11 +1951,11 @@ static DP_TARGET void dp_task(const AttArgs *a, int64_t b, int64_t m0, int mb) {
     _Static_assert(ATT_TILE == 32, "dp_pairs packs one tile of weights into one vector");
     const int64_t r = a->r, p = a->p, S = a->S, quads = (mb + ATT_QUERIES - 1) / ATT_QUERIES;
     const int64_t wr = dp_padded(r), w = wr + dp_padded(p);
-    uint16_t *qb = (uint16_t *)calloc((size_t)(ATT_GROUP * w), sizeof(uint16_t));
-    float *o = (float *)calloc((size_t)(ATT_GROUP * wr + r + p), sizeof(float)), *q32 = o + ATT_GROUP * wr;
-    float sc[ATT_GROUP * ATT_TILE], mx[ATT_GROUP], sum[ATT_GROUP];
-    uint32_t pp[ATT_GROUP * ATT_TILE / 2];
-    const float *bias_row[ATT_GROUP];
+    uint16_t *qb = (uint16_t *)calloc((size_t)(DP_GROUP * w), sizeof(uint16_t));
+    float *o = (float *)calloc((size_t)(DP_GROUP * wr + r + p), sizeof(float)), *q32 = o + DP_GROUP * wr;
+    float sc[DP_GROUP * ATT_TILE], mx[DP_GROUP], sum[DP_GROUP];
+    uint32_t pp[DP_GROUP * ATT_TILE / 2];
+    const float *bias_row[DP_GROUP];
     for (int i = 0; i < mb; i++) {
         memset(q32, 0, (size_t)(r + p) * sizeof(float));
         att_query(a, b, m0 + i, q32, q32 + r);
@@ -2514,7 +2515,8 @@ int dsv3_amx(int want) { (void)want; return 0; }
  *
  * The attention is compute-bound (at context 2048 a layer's 8 queries take 2048 x (160 + 128) FMAs each,
  * against 0.6 MB of cache), so it is organised for the FMA units: each task takes up to ATT_GROUP queries
- * of one batch row (fewer, ATT_QUERIES, when that leaves a thread idle) and reads the cache once, in tiles
+ * of one batch row (DP_GROUP in the dot products, Z_GROUP in 16-lane FMAs: a row's 16 heads read its cache
+ * once, not twice; fewer, ATT_QUERIES, when that leaves a thread idle) and reads the cache once, in tiles
  * of ATT_TILE keys: a tile's scores four queries by a few keys at a time (ATT_KEYS, DP_KEYS in the dot
  * products; the scale folded into the queries), their exponentials against a running max (online softmax),
  * then the tile's rows weighted into the outputs while still in L1. From ABSORB_ROWS rows on, the queries'
@@ -2534,8 +2536,10 @@ static int mla_decode(const PfRanges *pf, const void *q, int akind, const float 
     const int dots = USE_BF16_DOTS(ckind, akind), wide = !dots && ckind == A_F32 && dsv3_int_avx512(-1);
     if (USE_AMX(dots) && amx_attention(&a, B, M, nthreads) == 0) return 0;
     int64_t group = B * ((M + ATT_GROUP - 1) / ATT_GROUP) >= nthreads ? ATT_GROUP : ATT_QUERIES;
-    if (wide) /* the widest group that still gives every thread a task: a row's cache read as few times as that allows */
-        group = B * ((M + Z_GROUP - 1) / Z_GROUP) >= nthreads ? Z_GROUP : group;
+    if (wide || dots) { /* the widest group that still gives every thread a task: a row's cache read as few times as that allows */
+        const int64_t widest = wide ? Z_GROUP : DP_GROUP;
+        group = B * ((M + widest - 1) / widest) >= nthreads ? widest : group;
+    }
     const int64_t mblocks = (M + group - 1) / group;
     /* From ABSORB_ROWS rows on, every query's q_lat is computed head by head before the tasks (where there is
      * memory): the same numbers, W_UK read once for several rows. A single row gains nothing there and reads
