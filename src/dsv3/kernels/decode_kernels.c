@@ -2520,8 +2520,8 @@ int dsv3_amx(int want) { (void)want; return 0; }
  * of ATT_TILE keys: a tile's scores four queries by a few keys at a time (ATT_KEYS, DP_KEYS in the dot
  * products; the scale folded into the queries), their exponentials against a running max (online softmax),
  * then the tile's rows weighted into the outputs while still in L1. From ABSORB_ROWS rows on, the queries'
- * W_UK absorption runs head by head before the tasks (att_absorb_queries). A query's arithmetic is the same in every grouping, so the result
- * does not depend on the thread count. An fp32 cache on an AVX-512 CPU takes z_task (16 lanes, up to 16
+ * W_UK absorption runs head by head before the tasks (att_absorb_queries). A query's arithmetic is the same
+ * in every grouping, so the result does not depend on the thread count. An fp32 cache on an AVX-512 CPU takes z_task (16 lanes, up to 16
  * queries a task); a bf16 one the dot products (dp_task) or AMX tiles (amx_attention) where the CPU has them. */
 static int mla_decode(const PfRanges *pf, const void *q, int akind, const float *cos, const float *sin, int64_t rot_bstride,
                     const void *w_uk, int64_t uk_hstride, int64_t uk_rstride, const void *w_uv, int64_t uv_hstride,
