@@ -33,6 +33,11 @@ model's attention took AVX512-BF16 dot products.
 llama.cpp: ``bash benchmarks/llama_cpp_setup.sh`` builds it (a few minutes) and ``--env`` prints the
 environment that points the bindings, ``gguf`` and ``--llama-convert`` at it. Without them the llama.cpp
 rows are left out and the run says why.
+
+``--avx2`` measures what a CPU without AVX-512 gets (a hypervisor may hide it): dsv3's kernels on their AVX2
+paths (``int_weights.avx512(False)``, no bf16 dot products, no AMX), beside llama.cpp built without AVX-512
+(``bash benchmarks/llama_cpp_setup.sh --avx2``, then its ``--avx2 --env``); the run refuses a llama.cpp
+whose system info reports AVX-512, and records that line (``llama_cpp_system_info``).
 """
 
 from __future__ import annotations
@@ -56,7 +61,8 @@ from dsv3.infer.bench import cache_precision
 from dsv3.infer.engine import Engine, Request
 from dsv3.infer.fp8_weights import resident_bytes
 from dsv3.infer.loading import load_model
-from dsv3.kernels.decode_kernels import bf16_dots, kernel_status
+from dsv3.kernels import int_weights
+from dsv3.kernels.decode_kernels import amx, bf16_dots, kernel_status
 from dsv3.model import Transformer, huge_pages
 from dsv3.model.mla import MLA
 from dsv3.option_lists import parse_list
@@ -564,6 +570,30 @@ def overhead_section(args, bandwidth) -> list[dict]:
 SECTIONS = ("batch1", "batch", "mtp", "overhead", "weights", "cache")
 
 
+def llama_system_info() -> str | None:
+    """llama.cpp's own line of the instruction sets its build uses (None without its bindings)."""
+    try:
+        import llama_cpp
+    except ImportError:
+        return None
+    return llama_cpp.llama_print_system_info().decode().strip()
+
+
+def avx2_only() -> None:
+    """dsv3's kernels on their AVX2 paths for this process, and a llama.cpp built without AVX-512 (its bindings
+    absent is fine: its rows are then left out and the run says why)."""
+    if kernel_status() != "ok":
+        raise DSV3Error(f"--avx2 measures the C kernels, which do not run here: {kernel_status()}")
+    int_weights.avx512(False)
+    bf16_dots(False)
+    amx(False)
+    info = llama_system_info()
+    if info is not None and "AVX512 = 1" in info:
+        raise DSV3Error("--avx2: this llama.cpp was built with AVX-512; build one without it (bash "
+                        "benchmarks/llama_cpp_setup.sh --avx2) and load it (eval \"$(bash "
+                        "benchmarks/llama_cpp_setup.sh --avx2 --env)\")")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--preset", default="small", help=f"a config preset or one of {', '.join(SHAPES)}")
@@ -582,9 +612,14 @@ def main() -> None:
                     "benchmarks/llama_cpp_setup.sh --env sets)")
     ap.add_argument("--llama-quantize", default=os.environ.get("DSV3_LLAMA_QUANTIZE"), metavar="PATH",
                     help="llama.cpp's llama-quantize, for the Q4_0 row (default: $DSV3_LLAMA_QUANTIZE)")
+    ap.add_argument("--avx2", action="store_true",
+                    help="dsv3's kernels on their AVX2 paths, beside llama.cpp built without AVX-512 (as on a CPU "
+                    "without it)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     try:
+        if args.avx2:
+            avx2_only()
         args.contexts = parse_list(args.contexts, "--contexts", int)
         args.threads = parse_list(args.threads, "--threads", int)
         args.batch_weights = parse_list(args.batch_weights, "--batch-weights")
@@ -603,7 +638,8 @@ def main() -> None:
     longest = max([*args.contexts, args.batch_context]) + args.new_tokens * (args.repeats + 2) + 16
     cfg = shape(args.preset).replace(max_position_embeddings=longest)
     result = {"benchmark": "decode_speed", "preset": args.preset, "probe_mb": args.probe_mb, "kernels": kernel_status(),
-              "bf16_dots": bf16_dots(),
+              "bf16_dots": bf16_dots(), "simd": "avx2" if args.avx2 else "native",
+              "llama_cpp_system_info": llama_system_info(),
               "new_tokens": args.new_tokens, "repeats": args.repeats,
               "read_bandwidth_gb_s": {t: b / 1e9 for t, b in bandwidth.items()}}
     with tempfile.TemporaryDirectory() as folder, tempfile.TemporaryDirectory() as gguf_dir:
@@ -635,7 +671,8 @@ def main() -> None:
 def report(result: dict) -> str:
     """The tables of docs/inference.md, as text."""
     dots = "AVX512-BF16 dots" if result.get("bf16_dots") else "fp32 FMAs"
-    lines = [f"kernels: {result['kernels']}; bf16 attention: {dots}; "
+    simd = "; AVX2 paths only (--avx2)" if result.get("simd") == "avx2" else ""
+    lines = [f"kernels: {result['kernels']}; bf16 attention: {dots}{simd}; "
              f"read bandwidth (GB/s): {result['read_bandwidth_gb_s']}"]
     for row in result.get("batch1", []):
         lines.append(f"threads {row['threads']}, context {row['context']}:")

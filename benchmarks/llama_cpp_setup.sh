@@ -8,14 +8,29 @@
 #   eval "$(bash benchmarks/llama_cpp_setup.sh --env [DIR])"
 #   .venv/bin/python benchmarks/decode_speed.py --llama-convert "$DSV3_LLAMA_CONVERT"
 #
+# --avx2 (before DIR; default DIR ./llama.cpp-bench-avx2) builds for CPUs without AVX-512 instead of for this
+# one (GGML_NATIVE off: SSE4.2, AVX, AVX2, BMI2, FMA, F16C, as llama.cpp's x86 build does by default), the
+# llama.cpp that decode_speed.py --avx2 runs beside dsv3's AVX2 kernels on a CPU that has AVX-512:
+#
+#   bash benchmarks/llama_cpp_setup.sh --avx2 && eval "$(bash benchmarks/llama_cpp_setup.sh --avx2 --env)"
+#
 # Needs cmake, a C/C++ compiler and the package index; the bindings' own dependencies (numpy, diskcache,
 # jinja2) are installed into .venv. CI never runs this.
 set -euo pipefail
 
 VERSION=0.3.36  # llama-cpp-python release (its vendor/llama.cpp is the matching llama.cpp source)
 env_only=0
-if [[ "${1:-}" == "--env" ]]; then env_only=1; shift; fi
-dir=$(realpath -m "${1:-llama.cpp-bench}")
+native=ON
+default_dir=llama.cpp-bench
+while [[ "${1:-}" == --* ]]; do
+    case "$1" in
+        --env) env_only=1 ;;
+        --avx2) native=OFF; default_dir=llama.cpp-bench-avx2 ;;
+        *) echo "error: unknown option $1 (options: --env, --avx2)" >&2; exit 2 ;;
+    esac
+    shift
+done
+dir=$(realpath -m "${1:-$default_dir}")
 src="$dir/llama_cpp_python-$VERSION"
 lib="$dir/build/bin"
 
@@ -44,7 +59,7 @@ fi
 generator=()
 command -v ninja >/dev/null && generator=(-G Ninja)
 cmake -S "$src/vendor/llama.cpp" -B "$dir/build" "${generator[@]}" -DCMAKE_BUILD_TYPE=Release \
-    -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=ON -DGGML_OPENMP=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
+    -DBUILD_SHARED_LIBS=ON -DGGML_NATIVE=$native -DGGML_OPENMP=ON -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF \
     -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_TOOLS=ON >"$dir/cmake.log"
 # llama-quantize writes the Q4_0 GGUF beside the converter's Q8_0 one (decode_speed.py's integer rows)
 cmake --build "$dir/build" --target llama llama-quantize -j "$(nproc)" >"$dir/build.log"

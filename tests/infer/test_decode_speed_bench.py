@@ -2,6 +2,7 @@
 multiply-adds) and its text report, and one error line for an unknown section."""
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -35,6 +36,21 @@ def test_batch_section_reports_its_speedup_beside_both_bounds():
     text = run(*flags)
     assert text.returncode == 0, text.stderr
     assert "batch bf16: " in text.stdout and "bytes and multiply-adds" in text.stdout
+
+
+def test_avx2_runs_the_kernels_avx2_paths_or_says_why_it_cannot():
+    """``--avx2``: the run is on the kernels' AVX2 paths and says so; without the C kernels, one error line."""
+    flags = ["--avx2", "--preset", "nano", "--threads", "1", "--new-tokens", "2", "--repeats", "1", "--batch", "2",
+             "--batch-context", "32", "--batch-weights", "bf16", "--sections", "batch", "--json"]
+    done = run(*flags)
+    assert done.returncode == 0, done.stderr
+    result = json.loads(done.stdout)
+    assert result["simd"] == "avx2" and result["bf16_dots"] is False and result["batch"][0]["batch_over_1"] > 0
+    off = subprocess.run([sys.executable, str(BENCH), *flags], capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "DSV3_DECODE_KERNELS": "0"})
+    assert off.returncode == 2 and off.stdout == ""
+    assert off.stderr.strip().splitlines()[-1].startswith(
+        "decode_speed.py: error: --avx2 measures the C kernels, which do not run here: ")
 
 
 def test_an_unknown_section_ends_with_one_error_line():
