@@ -55,6 +55,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from decode_step_ab import TURN_PAUSE_S, TURN_WARM_UP  # how a turn starts, the same in both benchmarks
 from dsv3.config import preset
 from dsv3.errors import DSV3Error
 from dsv3.infer.bench import cache_precision
@@ -398,19 +399,29 @@ def add_roofline(node, bandwidth: dict[int, float]) -> None:
             add_roofline(value, bandwidth)
 
 
+def decoded_tokens(steps: int, repeats: int) -> int:
+    """The tokens ``race`` decodes per row: every turn's untimed and timed steps, warm-up round included."""
+    return (steps + TURN_WARM_UP) * (repeats + 1)
+
+
 def race(impls: dict, prompts: list[list[int]] | dict[str, list[list[int]]], steps: int, repeats: int,
          bandwidth: dict[int, float], probe_mb: int = 128) -> dict[str, float]:
     """Median seconds per step of each implementation, their decode rounds alternating (so that the host's
     drift from minute to minute, often a third on a shared machine, hits them alike); ``prompts`` the same for
-    all or one list per implementation. The read bandwidth is measured again after every round over
-    ``probe_mb`` MB (its best value is the roofline's: load only lowers it)."""
+    all or one list per implementation. Each turn starts after a pause and with untimed steps: llama.cpp's
+    OpenMP threads and torch's are two pools, and the side that had just run kept spinning on the cores for
+    about 10 ms (libgomp's wait before its threads sleep), which slowed the first steps of the next turn (a
+    ctx-256 row was measured slower than its ctx-2048 one). The read bandwidth is measured again after every
+    round over ``probe_mb`` MB (its best value is the roofline's: load only lowers it)."""
     for name, impl in impls.items():
         mine = prompts[name] if isinstance(prompts, dict) else prompts
         log(f"  prefill {name} ({len(mine)} x {len(mine[0])} tokens)")
-        impl.start(mine, steps * (repeats + 1))
+        impl.start(mine, decoded_tokens(steps, repeats))
     times = {name: [] for name in impls}
     for rep in range(repeats + 1):
         for name, impl in impls.items():
+            time.sleep(TURN_PAUSE_S)
+            impl.decode(TURN_WARM_UP)
             t = impl.decode(steps)
             if rep:  # round 0 warms up
                 times[name].append(t)
@@ -447,8 +458,8 @@ def batch1_section(folder, cfg, args, ggufs, bandwidth) -> list[dict]:
                 impls["transformers fp32"] = hf
             for outtype, path in ggufs.items():  # the roofline of the row it stands beside
                 dense = impls[ours[outtype]].weight_bytes
-                impls[f"llama.cpp {outtype}"] = LlamaCpp(path, threads, ctx + args.new_tokens * (args.repeats + 2) + 8,
-                                                         dense, repack[outtype])
+                context = ctx + decoded_tokens(args.new_tokens, args.repeats) + 8
+                impls[f"llama.cpp {outtype}"] = LlamaCpp(path, threads, context, dense, repack[outtype])
             log(f"threads {threads}, context {ctx}")
             secs = race(impls, prompt_of(ctx, cfg.vocab_size), args.new_tokens, args.repeats, bandwidth,
                         args.probe_mb // 2)
@@ -635,7 +646,7 @@ def main() -> None:
         ap.error(str(exc))
     bandwidth = {t: read_bandwidth(t, args.probe_mb) for t in sorted({1, *args.threads})}
     log("read bandwidth: " + ", ".join(f"{t} thread(s) {b / 1e9:.1f} GB/s" for t, b in bandwidth.items()))
-    longest = max([*args.contexts, args.batch_context]) + args.new_tokens * (args.repeats + 2) + 16
+    longest = max([*args.contexts, args.batch_context]) + decoded_tokens(args.new_tokens, args.repeats) + 16
     cfg = shape(args.preset).replace(max_position_embeddings=longest)
     result = {"benchmark": "decode_speed", "preset": args.preset, "probe_mb": args.probe_mb, "kernels": kernel_status(),
               "bf16_dots": bf16_dots(), "simd": "avx2" if args.avx2 else "native",
