@@ -15,6 +15,8 @@ over the best read bandwidth measured in the run, divided by the time per step).
 ``--phases`` builds each side's kernels with ``-DDSV3_BLOCK_PROFILE`` and adds the median time per step
 of each phase of ``dsv3_decode_block`` (norms, query and key/value projections, cache write, attention,
 output projection, router, routed and shared experts), for a side whose kernels have the timers.
+``--avx2`` runs both sides on the kernels' AVX2 paths (no AVX-512, bf16 dot products or AMX), as on a CPU
+without AVX-512.
 """
 
 from __future__ import annotations
@@ -105,7 +107,19 @@ def profiling_kernels() -> object | None:
     return lib
 
 
-def worker(shape: str, dtype: str, threads: int, ctx: int, rows: int, phases: bool, tokens: int) -> None:
+def avx2_only() -> None:
+    """This side's kernels on their AVX2 paths (the switches its source has)."""
+    import dsv3.kernels.decode_kernels as dk
+    from dsv3.kernels import int_weights
+
+    int_weights.avx512(False)
+    dk.bf16_dots(False)
+    if hasattr(dk, "amx"):
+        dk.amx(False)
+
+
+def worker(shape: str, dtype: str, threads: int, ctx: int, rows: int, phases: bool, tokens: int,
+           avx2: bool = False) -> None:
     """Prefill, then answer each line "N" on stdin with the seconds N decode steps took (and the block
     kernel's phase seconds), as one JSON line; end at "quit". ``tokens``: the most steps it will be asked
     for (the engine sizes each row's cache for its request's new tokens)."""
@@ -113,6 +127,8 @@ def worker(shape: str, dtype: str, threads: int, ctx: int, rows: int, phases: bo
 
     torch.set_num_threads(threads)
     lib = profiling_kernels() if phases else None
+    if avx2:
+        avx2_only()
     model = random_model(shape, dtype)
     engine = Engine(model, eos_token_ids=frozenset(), fast=True)
     gen = torch.Generator().manual_seed(ctx)
@@ -150,10 +166,11 @@ class Side:
     """A worker process running one source tree (``src``) for one configuration."""
 
     def __init__(self, src: Path, shape: str, dtype: str, threads: int, ctx: int, rows: int, phases: bool,
-                 tokens: int):
+                 tokens: int, avx2: bool = False):
         env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
         cmd = [sys.executable, __file__, "--worker", shape, dtype, str(threads), str(ctx), str(rows), str(tokens)]
         cmd += ["--phases"] if phases else []
+        cmd += ["--avx2"] if avx2 else []
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.answer()  # ready
 
@@ -178,7 +195,7 @@ class Side:
 def measure(sources: dict[str, Path], dtype: str, threads: int, ctx: int, rows: int, args) -> dict[str, dict]:
     """Median seconds per step (and phase medians) of each side, the sides taking turns."""
     tokens = args.rounds * (args.steps + TURN_WARM_UP)
-    sides = {name: Side(src, args.preset, dtype, threads, ctx, rows, args.phases, tokens)
+    sides = {name: Side(src, args.preset, dtype, threads, ctx, rows, args.phases, tokens, args.avx2)
              for name, src in sources.items()}
     try:
         answers = {name: [] for name in sides}
@@ -210,7 +227,7 @@ def export(rev: str, folder: Path) -> Path:
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
         worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5]), int(sys.argv[6]), "--phases" in sys.argv,
-               int(sys.argv[7]))
+               int(sys.argv[7]), "--avx2" in sys.argv)
         return
     sys.path.insert(0, str(Path(__file__).parent))
     from dsv3.option_lists import parse_list
@@ -227,6 +244,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4, help="timed steps per round and side")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--phases", action="store_true", help="time dsv3_decode_block's phases (profiling builds)")
+    ap.add_argument("--avx2", action="store_true", help="both sides on the kernels' AVX2 paths")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     try:
@@ -273,7 +291,8 @@ def run(sources: dict[str, Path], dtypes: list[str], threads: list[int], batches
     names = list(sources)
     for row in rows:
         row["time_ratio"] = row[names[1]]["ms_per_step"] / row[names[0]]["ms_per_step"]
-    return {"baseline_rev": args.baseline_rev, "read_bandwidth_gb_s": {t: b / 1e9 for t, b in bandwidth.items()},
+    return {"baseline_rev": args.baseline_rev, "simd": "avx2" if args.avx2 else "native",
+            "read_bandwidth_gb_s": {t: b / 1e9 for t, b in bandwidth.items()},
             "steps": args.steps, "rounds": args.rounds, "rows": rows}
 
 

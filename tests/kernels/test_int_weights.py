@@ -102,9 +102,10 @@ def _close(got, want, dtype, fp32_tol=1e-5):
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("act", [torch.float32, torch.bfloat16], ids=["fp32 x", "bf16 x"])
-def test_int_linear(threads, path, rows, bits, act):
-    q, s = _weight(bits, 72, 160)
-    x = torch.randn(rows, 160).to(act)
+@pytest.mark.parametrize("cols", [160, 256], ids=["a partial block", "whole blocks"])  # int4: 128 a block
+def test_int_linear(threads, path, rows, bits, act, cols):
+    q, s = _weight(bits, 74, cols)
+    x = torch.randn(rows, cols).to(act)
     got = torch.ops.dsv3.int_linear(x, q, s)
     _close(got, (round_activations(x) @ dequantize(q, s).t()).to(act), act)
 
