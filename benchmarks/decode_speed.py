@@ -409,10 +409,10 @@ def race(impls: dict, prompts: list[list[int]] | dict[str, list[list[int]]], ste
     """Median seconds per step of each implementation, their decode rounds alternating (so that the host's
     drift from minute to minute, often a third on a shared machine, hits them alike); ``prompts`` the same for
     all or one list per implementation. Each turn starts after a pause and with untimed steps: llama.cpp's
-    OpenMP threads and torch's are two pools, and the side that had just run kept spinning on the cores for
-    about 10 ms (libgomp's wait before its threads sleep), which slowed the first steps of the next turn (a
-    ctx-256 row was measured slower than its ctx-2048 one). The read bandwidth is measured again after every
-    round over ``probe_mb`` MB (its best value is the roofline's: load only lowers it)."""
+    OpenMP threads and torch's are two pools, and the side that had just run keeps spinning on the cores for
+    about 10 ms (libgomp's wait before its threads sleep), which can slow the first steps of the next turn
+    (decode_step_ab.py found it between two torch processes). The read bandwidth is measured again after
+    every round over ``probe_mb`` MB (its best value is the roofline's: load only lowers it)."""
     for name, impl in impls.items():
         mine = prompts[name] if isinstance(prompts, dict) else prompts
         log(f"  prefill {name} ({len(mine)} x {len(mine[0])} tokens)")
@@ -582,10 +582,11 @@ SECTIONS = ("batch1", "batch", "mtp", "overhead", "weights", "cache")
 
 
 def llama_system_info() -> str | None:
-    """llama.cpp's own line of the instruction sets its build uses (None without its bindings)."""
+    """llama.cpp's own line of the instruction sets its build uses (None without its bindings, or when they
+    cannot find their library)."""
     try:
         import llama_cpp
-    except ImportError:
+    except (ImportError, OSError, RuntimeError):
         return None
     return llama_cpp.llama_print_system_info().decode().strip()
 
