@@ -197,8 +197,9 @@ static inline __attribute__((always_inline)) void row_avx2(int bits, int NW, int
 /* row_avx2 for one activation row (the decode GEMV) and four weight rows whose groups fill whole blocks: the
  * same operations in the same order, so the same bits, with the sums in named registers (GCC keeps
  * row_avx2's arrays on the stack, each half a block's sum stored and reloaded: from cache the AVX2 int4 GEMV
- * read 1.4x as many bytes per second this way, and a whole int4 step of the large shape took 0.89-0.91x the
- * time, benchmarks/decode_step_ab.py --avx2; int8, which takes two weight rows at once, was no faster). */
+ * read 1.4x as many bytes per second this way, and a whole int4 step of the large shape took 0.75-0.91x the
+ * time in two runs, benchmarks/decode_step_ab.py --avx2; int8, which takes two weight rows at once, was no
+ * faster with four this way, nor with its two in named registers, so it keeps row_avx2). */
 static inline __attribute__((always_inline)) void row4_avx2(int bits, const uint8_t *q, const uint16_t *s,
                                                             int64_t rb, int64_t K, const uint8_t *xb, float *out) {
     const int G = block_groups(bits);
