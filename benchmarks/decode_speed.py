@@ -55,15 +55,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from decode_step_ab import TURN_PAUSE_S, TURN_WARM_UP  # how a turn starts, the same in both benchmarks
+from decode_step_ab import TURN_PAUSE_S, TURN_WARM_UP, avx2_only  # the same turns and switches in both
 from dsv3.config import preset
 from dsv3.errors import DSV3Error
 from dsv3.infer.bench import cache_precision
 from dsv3.infer.engine import Engine, Request
 from dsv3.infer.fp8_weights import resident_bytes
 from dsv3.infer.loading import load_model
-from dsv3.kernels import int_weights
-from dsv3.kernels.decode_kernels import amx, bf16_dots, kernel_status
+from dsv3.kernels.decode_kernels import bf16_dots, kernel_status
 from dsv3.model import Transformer, huge_pages
 from dsv3.model.mla import MLA
 from dsv3.option_lists import parse_list
@@ -409,8 +408,8 @@ def race(impls: dict, prompts: list[list[int]] | dict[str, list[list[int]]], ste
     """Median seconds per step of each implementation, their decode rounds alternating (so that the host's
     drift from minute to minute, often a third on a shared machine, hits them alike); ``prompts`` the same for
     all or one list per implementation. Each turn starts after a pause and with untimed steps: llama.cpp's
-    OpenMP threads and torch's are two pools, and the side that had just run keeps spinning on the cores for
-    about 10 ms (libgomp's wait before its threads sleep), which can slow the first steps of the next turn
+    OpenMP threads and torch's are two pools, and the side that had just run keeps spinning on the cores for a
+    while (libgomp's wait before its threads sleep), which can slow the first steps of the next turn
     (decode_step_ab.py found it between two torch processes). The read bandwidth is measured again after
     every round over ``probe_mb`` MB (its best value is the roofline's: load only lowers it)."""
     for name, impl in impls.items():
@@ -591,14 +590,12 @@ def llama_system_info() -> str | None:
     return llama_cpp.llama_print_system_info().decode().strip()
 
 
-def avx2_only() -> None:
+def avx2_paths() -> None:
     """dsv3's kernels on their AVX2 paths for this process, and a llama.cpp built without AVX-512 (its bindings
     absent is fine: its rows are then left out and the run says why)."""
     if kernel_status() != "ok":
         raise DSV3Error(f"--avx2 measures the C kernels, which do not run here: {kernel_status()}")
-    int_weights.avx512(False)
-    bf16_dots(False)
-    amx(False)
+    avx2_only()
     info = llama_system_info()
     if info is not None and "AVX512 = 1" in info:
         raise DSV3Error("--avx2: this llama.cpp was built with AVX-512; build one without it (bash "
@@ -631,7 +628,7 @@ def main() -> None:
     args = ap.parse_args()
     try:
         if args.avx2:
-            avx2_only()
+            avx2_paths()
         args.contexts = parse_list(args.contexts, "--contexts", int)
         args.threads = parse_list(args.threads, "--threads", int)
         args.batch_weights = parse_list(args.batch_weights, "--batch-weights")

@@ -194,17 +194,17 @@ static inline __attribute__((always_inline)) void row_avx2(int bits, int NW, int
         for (int r = 0; r < R; r++) out[r * ldo + i] = int_hsum8(acc[i][r]);
 }
 
-/* row_avx2 for one activation row (the decode GEMV) and four weight rows whose groups fill whole blocks: the
- * same operations in the same order, so the same bits, with the sums in named registers (GCC keeps
- * row_avx2's arrays on the stack, each half a block's sum stored and reloaded: from cache the AVX2 int4 GEMV
- * read 1.4x as many bytes per second this way, and a whole int4 step of the large shape took 0.75-0.91x the
- * time in two runs, benchmarks/decode_step_ab.py --avx2; int8, which takes two weight rows at once, was no
- * faster with four this way, nor with its two in named registers, so it keeps row_avx2). */
-static inline __attribute__((always_inline)) void row4_avx2(int bits, const uint8_t *q, const uint16_t *s,
-                                                            int64_t rb, int64_t K, const uint8_t *xb, float *out) {
-    const int G = block_groups(bits);
-    const int64_t groups = K / INT_GROUP, blocks = groups / G, bb = block_bytes(bits);
-    const int64_t gbytes = bits == 8 ? INT_GROUP : INT_GROUP / 2;
+/* row_avx2 for int4, one activation row (the decode GEMV) and four weight rows whose groups fill whole blocks:
+ * the same operations in the same order, so the same bits, with the sums in named registers (GCC keeps
+ * row_avx2's arrays on the stack, each half a block's sum stored and reloaded). The one-row GEMVs of `small`'s
+ * matrices read 1.11-1.35x as many bytes per second from memory this way (decode_kernels_speed.py --avx2,
+ * record 7) and a whole int4 step of `large` took 0.75-0.91x the time in two runs (decode_step_ab.py --avx2).
+ * int8, which takes two weight rows at once, was no faster with four this way, nor with its two in named
+ * registers, so it keeps row_avx2. */
+static inline __attribute__((always_inline)) void row4_int4_avx2(const uint8_t *q, const uint16_t *s, int64_t rb,
+                                                                 int64_t K, const uint8_t *xb, float *out) {
+    const int G = block_groups(4);
+    const int64_t groups = K / INT_GROUP, blocks = groups / G, bb = block_bytes(4);
     const uint8_t *w0 = q, *w1 = q + rb, *w2 = q + 2 * rb, *w3 = q + 3 * rb;
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, s0 = a0, s1 = a0, s2 = a0, s3 = a0;
     for (int64_t b = 0; b < blocks; b++) {
@@ -215,16 +215,14 @@ static inline __attribute__((always_inline)) void row4_avx2(int bits, const uint
             s2 = group_scales(s + 2 * groups, g, groups), s3 = group_scales(s + 3 * groups, g, groups);
         }
         const uint8_t *block = xb + b * bb;
-        const int64_t at = g * gbytes;
-        for (int h = 0; h < 2; h++) {
-            const __m256i index = bits == 4 ? _mm256_setr_epi32(c + 2 * h, c + 2 * h, c + 2 * h, c + 2 * h,
-                                                                c + 2 * h + 1, c + 2 * h + 1, c + 2 * h + 1,
-                                                                c + 2 * h + 1)
-                                            : _mm256_set1_epi32(c + h);
-            half_avx2(bits, 1, w0 + at, h, 2, block, 0, _mm256_permutevar8x32_ps(s0, index), &a0);
-            half_avx2(bits, 1, w1 + at, h, 2, block, 0, _mm256_permutevar8x32_ps(s1, index), &a1);
-            half_avx2(bits, 1, w2 + at, h, 2, block, 0, _mm256_permutevar8x32_ps(s2, index), &a2);
-            half_avx2(bits, 1, w3 + at, h, 2, block, 0, _mm256_permutevar8x32_ps(s3, index), &a3);
+        const int64_t at = g * (INT_GROUP / 2);
+        for (int h = 0; h < 2; h++) { /* lanes 0-3 group c + 2h, 4-7 group c + 2h + 1 */
+            const int lo = c + 2 * h, hi = lo + 1;
+            const __m256i index = _mm256_setr_epi32(lo, lo, lo, lo, hi, hi, hi, hi);
+            half_avx2(4, 1, w0 + at, h, 2, block, 0, _mm256_permutevar8x32_ps(s0, index), &a0);
+            half_avx2(4, 1, w1 + at, h, 2, block, 0, _mm256_permutevar8x32_ps(s1, index), &a1);
+            half_avx2(4, 1, w2 + at, h, 2, block, 0, _mm256_permutevar8x32_ps(s2, index), &a2);
+            half_avx2(4, 1, w3 + at, h, 2, block, 0, _mm256_permutevar8x32_ps(s3, index), &a3);
         }
     }
     out[0] = int_hsum8(a0), out[1] = int_hsum8(a1), out[2] = int_hsum8(a2), out[3] = int_hsum8(a3);
@@ -248,8 +246,8 @@ static void rows_avx2(int bits, int NW, int R, const uint8_t *q, const uint16_t 
 #define INT_ROW(nw, r)                                                                                              \
     (bits == 8 ? row_avx2(8, nw, r, q, s, rb, K, xb, xrow, out, ldo)                                               \
                : row_avx2(4, nw, r, q, s, rb, K, xb, xrow, out, ldo))
-    if (NW == 4 && R == 1 && bits == 4 && K / INT_GROUP % block_groups(bits) == 0) {
-        row4_avx2(4, q, s, rb, K, xb, out);
+    if (NW == 4 && R == 1 && bits == 4 && K / INT_GROUP % block_groups(4) == 0) {
+        row4_int4_avx2(q, s, rb, K, xb, out);
         return;
     }
     if (NW == 4) {
