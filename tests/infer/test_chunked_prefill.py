@@ -286,10 +286,10 @@ def test_the_scheduler_lets_every_chunk_but_the_last_ride_a_decode_step(long_mod
 
 def test_a_riders_tokens_follow_the_time_of_the_step_that_carried_the_last_one(long_model):
     """The first rider holds a token per row; each next one the last one's tokens scaled by how far its step
-    was from ``STREAM_SLOWDOWN`` times the streams' step when the first one rode; at least ``FLOOR_TOKENS``
+    was from ``STREAM_SLOWDOWN`` times the streams' step when the first one rode; at least a token per row
     (the prompt goes on when the streams' own steps have grown past the target), at most the chunk size and
     what one kernel call takes beside the rows."""
-    from dsv3.infer.rider_pace import FLOOR_TOKENS, STREAM_SLOWDOWN
+    from dsv3.infer.rider_pace import STREAM_SLOWDOWN
 
     work = ChunkedPrefill(Engine(long_model, eos_token_ids=frozenset()), Request(PROMPT, 4, GREEDY), 32)
     size = work.rider_tokens
@@ -298,12 +298,11 @@ def test_a_riders_tokens_follow_the_time_of_the_step_that_carried_the_last_one(l
     assert work.pace.target_s == target
     work.pace.rode(8, 2 * target)
     assert size(0.009, 1) == 4 and work.pace.target_s == target  # the pace held is the first one
-    assert size(0.009, 6) == 4  # the rows set the first rider only
+    assert size(0.009, 6) == 6  # a token per row at least
     work.pace.rode(4, target / 2)
     assert size(0.004, 1) == 8
     work.pace.rode(1, 5 * target)
-    assert size(0.004, 1) == FLOOR_TOKENS == 2
-    assert size(0.004, 63) == 1  # one kernel call's last row
+    assert size(0.004, 1) == 1
     work.pace.rode(16, target / 4)
     assert size(0.004, 4) == 32 and size(0.004, 60) == 4
 

@@ -7,25 +7,16 @@ prompt's tokens fill what is left of it. It is a controller on the step's own me
 model of it: a rider token's cost grows with the slots it attends to (the late tokens of a 4,000-token
 prompt cost several times the early ones), and the streams' steps with their contexts.
 
-The target sits below the streams' allowance (their 99th percentile within 3 times their median) by the
-host's own spread: steps near the target still vary by a third or more on a busy 2-core host. Riders hold
-at least ``FLOOR_TOKENS``: late in a long prompt the target leaves room for few tokens, and a floor of one
-let the prefill, and with it the streams' own contexts and steps, stretch to several times as long in runs
-of ``benchmarks/chunked_prefill.py``; a floor of a token per stream (4) made the late steps overshoot the
-target whenever the streams' own steps were fast.
-
 Tried in ``benchmarks/chunked_prefill.py`` and dropped: a model of the step (plain step plus tokens times
 a cost per token, both measured as it goes, the plain step by a step without a rider now and then) held
 the target as well, but its riders were smaller: the 4,000-token prompt reached its first token in 8 to
 24 s against about 7, and the streams' 99th percentile was no lower (2.7 to 3.7 times their median
-before, against 3.2 to 3.6) on a busy 2-core host. Sizing from the last 4 riders' sums instead of the
-last one's was no better either.
+before, against 3.2 to 3.6) on a busy 2-core host.
 """
 
 from __future__ import annotations
 
-STREAM_SLOWDOWN = 2.2  # the target step over the streams' plain step when the first chunk rode
-FLOOR_TOKENS = 2  # the fewest tokens a rider holds (fewer when the prompt or a kernel call has no more room)
+STREAM_SLOWDOWN = 2.5  # the target step over the streams' plain step when the first chunk rode
 
 
 class RiderPace:
@@ -38,13 +29,16 @@ class RiderPace:
 
     def tokens(self, rows: int, most: int) -> int:
         """The next rider's tokens beside ``rows`` rows, from 1 to ``most``: one per row for the first; then
-        the last rider's scaled by how far its step was from the target, at least ``FLOOR_TOKENS``."""
+        the last rider's scaled by how far its step was from the target. At least a token per row: once the
+        streams' own steps near the target (their contexts grow while the prompt is prefilled), a floor of
+        one token let the prefill, and with it that growth, stretch to several times as long in some runs of
+        ``benchmarks/chunked_prefill.py``."""
         if self.last is None:
             n = rows
         else:
             tokens, seconds = self.last
-            n = max(round(tokens * self.target_s / max(seconds, 1e-6)), FLOOR_TOKENS)
-        return max(1, min(n, most))
+            n = round(tokens * self.target_s / max(seconds, 1e-6))
+        return max(1, min(max(n, rows), most))
 
     def rode(self, tokens: int, seconds: float) -> None:
         """A step with a rider of ``tokens`` tokens took ``seconds``."""
