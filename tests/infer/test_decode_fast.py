@@ -452,17 +452,38 @@ def test_fast_engine_greedy_tokens_equal_the_module_path(precision, speculative,
 
 @pytest.mark.parametrize("speculative", [False, True])
 def test_the_engines_scan_of_the_logits_picks_what_the_per_row_checks_pick(speculative, monkeypatch):
-    """Greedy and sampled rows, batch 1 and ragged: the same tokens whether the engine scans a step's
-    logits in one C call or checks and picks each row by itself."""
-    from dsv3.infer import engine as engine_module
+    """Greedy and sampled rows, batch 1 and ragged: the same tokens whether the engine takes a step's scan of
+    its logits (the step kernel's own, or one C call) or checks and picks each row by itself."""
     from dsv3.infer.sampling import SamplingParams
 
     model = model_in("fp32")
     requests = lambda: [Request(p, 8, SamplingParams(temperature=t, seed=3))  # noqa: E731
                         for p, t in zip(PROMPTS, (0.0, 0.8, 0.0), strict=True)]
     scanned = [r.token_ids for r in Engine(model, speculative=speculative).generate(requests())]
-    monkeypatch.setattr(engine_module, "scan_logits", lambda logits: None)
+    monkeypatch.setattr(FastDecode, "scan_logits", lambda self, logits: None)
     assert [r.token_ids for r in Engine(model, speculative=speculative).generate(requests())] == scanned
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_step_kernels_own_scan_is_the_scan_of_the_logits_it_wrote(dtype):
+    """The step kernel scans the logits it writes (each row's argmax, -1 for a row that is not finite) in the
+    same call: ``scan_logits`` gives that for those logits, the same as scanning them by themselves, once;
+    logits it did not write (another tensor, or the same after the scan was taken) are scanned anew."""
+    model = tiny_model().to(dtype)
+    fast = decoder_in(model, "step kernel")
+    prompt = PROMPTS[2]
+    cache = model.new_cache(3, len(prompt) + 4)
+    with torch.inference_mode():
+        model(torch.tensor([prompt] * 3), cache=cache)
+        _, logits = fast.hidden_and_logits(torch.tensor([[5], [9], [17]]), cache=cache, start_pos=len(prompt))
+    assert ran_the_step_kernel(fast)
+    fused = fast.scan_logits(logits)
+    assert fused == dk.scan_logits(logits) == logits.float().argmax(-1).flatten().tolist()
+    with torch.inference_mode():
+        logits[1, 0, 7] = float("nan")
+    assert fast.scan_logits(logits) == [fused[0], -1, fused[2]]  # taken once: these are scanned anew
+    assert fast.scan_logits(logits.clone()) == [fused[0], -1, fused[2]]
 
 
 @needs_kernels

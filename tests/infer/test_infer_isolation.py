@@ -56,10 +56,10 @@ def test_a_request_that_cannot_start_fails_alone(model):
 
 def per_row_checks(monkeypatch) -> None:
     """The engine checks and picks each row by itself (sampling.all_finite, greedy_tokens) instead of its one
-    C scan of a step's logits (decode_kernels.scan_logits), as without the kernels."""
-    from dsv3.infer import engine
+    C scan of a step's logits (FastDecode.scan_logits), as without the kernels."""
+    from dsv3.kernels.decode import FastDecode
 
-    monkeypatch.setattr(engine, "scan_logits", lambda logits: None)
+    monkeypatch.setattr(FastDecode, "scan_logits", lambda self, logits: None)
 
 
 @pytest.mark.parametrize("speculative", [False, True])

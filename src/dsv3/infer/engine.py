@@ -50,7 +50,7 @@ from dsv3.infer.penalties import LogitsRules
 from dsv3.infer.sampling import GREEDY, SamplingParams, all_finite, draw, greedy_tokens, probabilities
 from dsv3.infer.speculative import verify
 from dsv3.kernels.decode import FastDecode
-from dsv3.kernels.decode_kernels import MAX_KERNEL_ROWS, scan_logits
+from dsv3.kernels.decode_kernels import MAX_KERNEL_ROWS
 from dsv3.kernels.graph_decode import GraphDecode, decode_step
 from dsv3.model import huge_pages
 from dsv3.model.mla import LatentCache
@@ -728,11 +728,12 @@ class Batch:
             return row.fail(f"generation failed for this request: {exc}")
 
     def _scan(self, logits: torch.Tensor) -> list[int] | None:
-        """Each row of logits [..., V]: its argmax, or -1 when it is not finite, in one C call over the whole
-        step (``decode_kernels.scan_logits``); None (each row checked and picked by itself) on the module path
-        or when the kernels cannot read them. Saves two interpreter calls per row, slow after the weights
-        have streamed through the caches."""
-        return scan_logits(logits) if isinstance(self.engine.decoder, FastDecode) else None
+        """Each row of logits [..., V]: its argmax, or -1 when it is not finite, from one C pass over the whole
+        step (``FastDecode.scan_logits``: the step kernel's own, else ``decode_kernels.scan_logits``); None (each
+        row checked and picked by itself) on the module path or when the kernels cannot read them. Saves two
+        interpreter calls per row, slow after the weights have streamed through the caches."""
+        decoder = self.engine.decoder
+        return decoder.scan_logits(logits) if isinstance(decoder, FastDecode) else None
 
     def _sample(self, row: Row, logits: torch.Tensor, verifying: bool, best: list[int] | None = None) -> Event:
         """Pick and commit the row's next token(s) from its logits [T, V] (T = 2, ``verifying``: check its draft);

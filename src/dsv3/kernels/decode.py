@@ -539,6 +539,7 @@ class FastDecode:
         self._snapshot: ModuleSnapshot | None = None  # of the whole model, when the step kernel was made
         # per (rows, T, threads): the cache tensors and RoPE table a reusable step descriptor points into
         self._table_steps: dict[tuple, tuple] = {}
+        self._scanned: tuple[torch.Tensor, torch.Tensor] | None = None  # (logits, their scan) of the last step
 
     def _usable(self, cache: LatentCache | None, start_pos: int, absorb: bool | None) -> bool:
         return cache is not None and (absorb is True or (start_pos > 0 and absorb is None))
@@ -627,10 +628,12 @@ class FastDecode:
             if kernel is not None:
                 h = torch.empty(B, T, kernel.desc.fields["dim"], dtype=self.dtype)
                 logits = torch.empty(B, T, kernel.desc.fields["head"]["n"], dtype=self.dtype)
+                scan = torch.empty(B * T, dtype=torch.long)
                 ids = input_ids.long().contiguous()
-                if not dk.decode_step(kernel.address, step.address, ids, h, logits):
+                if not dk.decode_step(kernel.address, step.address, ids, h, logits, scan):
                     step.with_rope_rows()
-                    dk.decode_step(kernel.address, step.address, ids, h, logits)
+                    dk.decode_step(kernel.address, step.address, ids, h, logits, scan)
+                self._scanned = (logits, scan)
                 return h, logits
             # block by block, on the step already set up (and planned, when _whole_step checked the layout)
             h = self._hidden(input_ids, step, planned=step.kernel is not None and self.step_kernel)
@@ -649,6 +652,14 @@ class FastDecode:
             self._step_kernel = StepKernel.of(plans, self.model, self.head, self.dtype)
         kernel = self._step_kernel
         return kernel if kernel is not None and kernel.layers <= step.cache.kv.shape[0] else None
+
+    def scan_logits(self, logits: torch.Tensor) -> list[int] | None:
+        """``decode_kernels.scan_logits`` of logits [..., V]: read from the step kernel's own scan when these
+        are the logits its last call wrote (the same numbers, without a second call after the step)."""
+        scanned, self._scanned = self._scanned, None
+        if scanned is not None and scanned[0] is logits:
+            return scanned[1].tolist()
+        return dk.scan_logits(logits)
 
     def lm_head(self, h: torch.Tensor) -> torch.Tensor:
         if self.head is None:

@@ -27,7 +27,7 @@
 /* The version of this file's calling interface (its exported functions' arguments and structures), which
  * decode_kernels.py checks at load (dsv3_abi): raise it with any change of a signature. */
 #ifndef DSV3_KERNELS_ABI
-#define DSV3_KERNELS_ABI 6
+#define DSV3_KERNELS_ABI 7
 #endif
 int64_t dsv3_abi(void) { return DSV3_KERNELS_ABI; }
 
@@ -2878,8 +2878,12 @@ typedef struct { /* the model around its blocks (made once per set of block plan
  * the head into logits [rows * T, head.n]: what FastDecode runs per step as separate calls, in one, so that no
  * interpreter work sits between the weight streams. Returns 0, or (nothing computed, cache untouched) -1 when
  * an id is outside [0, vocab), -2 when a position is outside the step's RoPE table, -3 when a slot it writes
- * is outside a row's pages. */
-int dsv3_decode_step(const StepDesc *m, const BlkStep *s, const int64_t *ids, void *h, void *logits) {
+ * is outside a row's pages. With ``scan`` (else NULL), also dsv3_scan_logits of those logits into scan [rows * T]:
+ * the engine's check and greedy pick, while the logits are still in cache and before any interpreter work (a
+ * call of its own goes through PyTorch's dispatcher after the weights have streamed through the caches, which
+ * costs the step more than the scan itself). */
+int dsv3_scan_logits(const void *x, int kind, int64_t M, int64_t n, int64_t ld, int64_t *idx);
+int dsv3_decode_step(const StepDesc *m, const BlkStep *s, const int64_t *ids, void *h, void *logits, int64_t *scan) {
     const int ak = (int)m->akind;
     const int64_t M = s->rows * s->T, D = m->dim;
     const size_t row = (size_t)D * (ak == A_F32 ? 4 : 2);
@@ -2895,6 +2899,7 @@ int dsv3_decode_step(const StepDesc *m, const BlkStep *s, const int64_t *ids, vo
     for (int64_t b = 0; b < m->n_blocks; b++) decode_block(m->blocks[b], step, x);
     blk_rms_norm(x, D, m->norm, m->norm_eps, ak, M, D, h, D);
     blk_linear(&m->head, h, ak, M, logits, (int)s->nthreads, NULL);
+    if (scan) dsv3_scan_logits(logits, ak, M, m->head.n, m->head.n, scan);
     free(x), free(rope_rows);
     return 0;
 }

@@ -42,7 +42,7 @@ from dsv3.precision.fp8 import dequantize_weight_blocks
 SOURCE = Path(__file__).with_name("decode_kernels.c")
 W_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float8_e4m3fn: 2}
 A_KIND = {torch.float32: 0, torch.bfloat16: 1}
-ABI = 6  # decode_kernels.c's DSV3_KERNELS_ABI: the calling interface this module's declarations (_declare) match
+ABI = 7  # decode_kernels.c's DSV3_KERNELS_ABI: the calling interface this module's declarations (_declare) match
 MAX_KERNEL_ROWS = 64  # more rows than this: a real matmul (PyTorch's) is the better tool
 FP8_SCALE_SHIFT = 256.0  # the C side's FP8 scales are scale_inv * 256 (its powers of two do the rest exactly)
 
@@ -367,7 +367,7 @@ def _declare_block(lib: ctypes.CDLL) -> tuple:
     block, norm, step = lib.dsv3_decode_block, lib.dsv3_rms_norm, lib.dsv3_decode_step
     block.argtypes = [_p, _p, _p]
     norm.argtypes = [_p, _p, _f32, ctypes.c_int, _i64, _i64, _p]
-    step.argtypes = [_p, _p, _p, _p, _p]
+    step.argtypes = [_p, _p, _p, _p, _p, _p]
     block.restype = norm.restype = step.restype = ctypes.c_int
     new, free, set_field = lib.dsv3_desc_new, lib.dsv3_desc_free, lib.dsv3_desc_set
     new.argtypes, new.restype = [ctypes.c_int], _p
@@ -505,13 +505,16 @@ def decode_block(desc: int, step: int, x: torch.Tensor) -> bool:
     return status == 0
 
 
-def decode_step(desc: int, step: int, ids: torch.Tensor, h: torch.Tensor, logits: torch.Tensor) -> bool:
+def decode_step(desc: int, step: int, ids: torch.Tensor, h: torch.Tensor, logits: torch.Tensor,
+                scan: torch.Tensor | None = None) -> bool:
     """Run a whole decode step: ids [rows, T] (int64, contiguous) -> the final-normed hidden states h
     [rows, T, dim] and the head's logits [rows, T, N] (both contiguous, the activation dtype), written in
-    place; ``desc`` and ``step`` are the addresses of a "model" and a "step" ``Descriptor``. IndexError (and nothing
+    place; with ``scan`` (int64 [rows * T]), also ``scan_logits`` of those logits into it, in the same call.
+    ``desc`` and ``step`` are the addresses of a "model" and a "step" ``Descriptor``. IndexError (and nothing
     computed) for an id outside the embedding, as ``nn.Embedding`` raises; False (nothing computed) as
     ``decode_block`` (and its ValueError)."""
-    status = _block_functions()[2](desc, step, ids.data_ptr(), h.data_ptr(), logits.data_ptr())
+    status = _block_functions()[2](desc, step, ids.data_ptr(), h.data_ptr(), logits.data_ptr(),
+                                   None if scan is None else scan.data_ptr())
     if status == -1:
         raise IndexError("index out of range in self")
     if status == PAGE_ERROR:
