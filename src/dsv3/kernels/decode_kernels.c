@@ -2880,8 +2880,7 @@ typedef struct { /* the model around its blocks (made once per set of block plan
  * an id is outside [0, vocab), -2 when a position is outside the step's RoPE table, -3 when a slot it writes
  * is outside a row's pages. With ``scan`` (else NULL), also dsv3_scan_logits of those logits into scan [rows * T]:
  * the engine's check and greedy pick, while the logits are still in cache and before any interpreter work (a
- * call of its own goes through PyTorch's dispatcher after the weights have streamed through the caches, which
- * costs the step more than the scan itself). */
+ * call of its own would go through PyTorch's dispatcher after the weights have streamed through the caches). */
 int dsv3_scan_logits(const void *x, int kind, int64_t M, int64_t n, int64_t ld, int64_t *idx);
 int dsv3_decode_step(const StepDesc *m, const BlkStep *s, const int64_t *ids, void *h, void *logits, int64_t *scan) {
     const int ak = (int)m->akind;
