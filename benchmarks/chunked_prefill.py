@@ -1,9 +1,10 @@
 """What a long prompt does to the streams that are decoding, with and without chunked prefill, through a
-real `dsv3 serve` process (`--max-prefill-tokens N`; 0 prefills whole prompts).
+real `dsv3 serve` process (`--max-prefill-tokens N`; 0 prefills whole prompts; `N/P` adds
+`--prefill-threads P`: the prompt is prefilled on P threads of its own beside the decode steps).
 
 A random-weight checkpoint (the ``small`` shape with ``--layers`` layers, no MTP layer, bf16, a context of
-8,192 positions) is saved to a temporary folder. For each N a server is started; ``--streams`` requests
-stream their replies (short prompts, every token's arrival timed); after ``--warmup-s`` seconds a
+8,192 positions) is saved to a temporary folder. For each of ``--configs`` a server is started;
+``--streams`` requests stream their replies (short prompts, every token's arrival timed); after ``--warmup-s`` seconds a
 ``--long-prompt``-token prompt arrives. Its time to first token (TTFT) is timed, and the streams' time per
 output token (TPOT: the gap between two tokens of a stream) is summed up in two windows: before it arrived
 (the undisturbed decode) and from its arrival to its first token (while it is prefilled). The streams are
@@ -114,8 +115,23 @@ def summary(run: dict) -> dict:
             "p99_during_over_median_during": p99 / median_during, "tokens_during": len(during)}
 
 
-def plot(runs: dict[int, dict], path: Path, long_prompt: int, streams: int) -> None:
-    """One panel per --max-prefill-tokens value: every gap between two tokens of a stream as a segment over
+def server_flags(config: str) -> tuple[str, ...]:
+    """``dsv3 serve`` flags of a ``--configs`` entry: ``N`` or ``N/P`` (``--max-prefill-tokens N``, and
+    ``--prefill-threads P``)."""
+    n, _, p = config.partition("/")
+    return ("--max-prefill-tokens", n) + (("--prefill-threads", p) if p else ())
+
+
+def describe(config: str) -> str:
+    """A panel's title: the server's flags and what they do."""
+    n, _, p = config.partition("/")
+    if p:
+        return f"--max-prefill-tokens {n} --prefill-threads {p}\n(prefilled beside the decode steps)"
+    return f"--max-prefill-tokens {n} ({'whole prompts' if n == '0' else 'chunks riding the decode steps'})"
+
+
+def plot(runs: dict[str, dict], path: Path, long_prompt: int, streams: int) -> None:
+    """One panel per server configuration: every gap between two tokens of a stream as a segment over
     the time it lasted, the long prompt's prefill (arrival to first token: its TTFT) shaded, and 3x the
     median TPOT before it arrived (the goal); one legend under the panels, so that it hides no data."""
     import matplotlib
@@ -135,8 +151,7 @@ def plot(runs: dict[int, dict], path: Path, long_prompt: int, streams: int) -> N
         ax.axhline(3 * s["tpot_ms_median_before"], color="tab:red", linestyle="--", linewidth=1,
                    label="3x the streams' median TPOT before the prompt arrived (the goal for the p99)")
         ax.set_yscale("log")
-        what = "whole prompts" if n == 0 else "chunks riding the decode steps"
-        ax.set_title(f"--max-prefill-tokens {n} ({what})\nTTFT {s['ttft_ms'] / 1000:.2f} s; TPOT p99 while "
+        ax.set_title(f"{describe(n)}\nTTFT {s['ttft_ms'] / 1000:.2f} s; TPOT p99 while "
                      f"prefilled: {s['p99_during_over_median']:.1f}x the median", fontsize=10)
         ax.set_xlabel(f"seconds since the {long_prompt:,}-token prompt arrived")
         ax.grid(alpha=0.3, which="both")
@@ -150,7 +165,9 @@ def plot(runs: dict[int, dict], path: Path, long_prompt: int, streams: int) -> N
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--chunks", default="0,256", help="--max-prefill-tokens values, comma-separated (default: 0,256)")
+    ap.add_argument("--configs", default="0,256,256/1",
+                    help="servers, comma-separated: N for --max-prefill-tokens N, N/P adds --prefill-threads P "
+                         "(default: 0,256,256/1)")
     ap.add_argument("--layers", type=int, default=4, help="layers of the small shape (default: 4)")
     ap.add_argument("--streams", type=int, default=4)
     ap.add_argument("--long-prompt", type=int, default=4000)
@@ -160,14 +177,17 @@ def main() -> None:
     ap.add_argument("--figure", type=Path, default=FIGURE)
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
-    chunks = parse_list(args.chunks, "--chunks", int)
+    configs = parse_list(args.configs, "--configs", str)
+    for config in configs:
+        if not all(part.isdigit() for part in config.split("/", 1)):
+            raise SystemExit(f"--configs takes N or N/P (whole numbers), got {config!r}")
     runs, load = {}, os.getloadavg()[0]  # the machine is shared: say how busy it was
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp) / "model"
         save_checkpoint(folder, args.layers)
-        for n in chunks:
-            proc, url = start_server(server_command(folder, args.threads, flags=("--max-prefill-tokens", str(n))),
-                                     args.threads, Path(tmp) / f"serve-{n}.log")
+        for n in configs:
+            proc, url = start_server(server_command(folder, args.threads, flags=server_flags(n)),
+                                     args.threads, Path(tmp) / f"serve-{n.replace('/', '-')}.log")
             try:
                 runs[n] = one_run(url, args)
             finally:
@@ -176,13 +196,13 @@ def main() -> None:
     plot(runs, args.figure, args.long_prompt, args.streams)
     result = {"config": {k: v for k, v in vars(args).items() if k not in ("json", "figure")},
               "load_average_1min_before": load,
-              "runs": {str(n): summary(run) for n, run in runs.items()}}
+              "runs": {n: summary(run) for n, run in runs.items()}}
     if args.json:
         print(json.dumps(result, indent=2))
         return
     print("TPOT (ms) of the streams, before the long prompt and while it is prefilled")
     print("p99/p50 = held x spread (held: p50 during / p50 before; spread: p99 / p50 during)")
-    print(f"{'--max-prefill':>13} {'TTFT ms':>8} {'p50 before':>10} {'p99 during':>10} {'p99/p50':>7} {'held':>5} "
+    print(f"{'server':>13} {'TTFT ms':>8} {'p50 before':>10} {'p99 during':>10} {'p99/p50':>7} {'held':>5} "
           f"{'spread':>6} {'spread before':>13}")
     for n, s in result["runs"].items():
         print(f"{n:>13} {s['ttft_ms']:>8,.0f} {s['tpot_ms_median_before']:>10.1f} {s['tpot_ms_p99_during']:>10.1f} "

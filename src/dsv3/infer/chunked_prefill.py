@@ -41,8 +41,11 @@ from dsv3.errors import DSV3Error
 from dsv3.infer.engine import Batch, Engine, Event, Request, Rider
 from dsv3.infer.prefix_cache import CachingBatch
 from dsv3.infer.rider_pace import RiderPace
+from dsv3.kernels.decode import FastDecode
 from dsv3.kernels.decode_kernels import MAX_KERNEL_ROWS
+from dsv3.kernels.graph_decode import GraphDecode
 from dsv3.model.mla import LatentCache
+from dsv3.model.transformer import Transformer
 
 MAX_CHUNK_TOKENS = MAX_KERNEL_ROWS  # the most tokens the decode kernels take in one call
 
@@ -71,7 +74,7 @@ class ChunkedPrefill:
         """The prompt's cache: one row over its pages."""
         return self.engine.pool.cache([self.pages], [0])
 
-    def _reserve(self, end: int) -> None:
+    def reserve(self, end: int) -> None:
         """Pages for slots [0, end) (PoolFull, nothing taken, when the pool lacks them)."""
         need = self.engine.pool.pages_for(end) - len(self.pages)
         if need > 0:
@@ -110,9 +113,9 @@ class ChunkedPrefill:
         if self.remaining <= n:
             pages, self.pages = self.pages, []  # the batch owns them now
             return PrefilledBatch(self.engine, self.request, pages, self.done)
-        self._reserve(self.done + n)
+        self.reserve(self.done + n)
         t0 = time.perf_counter()
-        self._chunk(self.done, self.done + n)
+        self._chunk(self.done, self.done + n, self.engine.decoder, absorb=True)
         self.seconds_per_token = (time.perf_counter() - t0) / n
         self.done += n
         return None
@@ -123,7 +126,7 @@ class ChunkedPrefill:
         its last chunk is prefilled by the batch it joins, which samples its first token (``advance``)."""
         if self.remaining <= n:
             return None
-        self._reserve(self.done + n)
+        self.reserve(self.done + n)
         return Rider(self.pages, self.done, list(self.request.prompt_ids[self.done : self.done + n]))
 
     def rider_tokens(self, plain_step_s: float, rows: int) -> int:
@@ -140,15 +143,25 @@ class ChunkedPrefill:
         if self.pace is not None:
             self.pace.rode(len(rider.ids), seconds)
 
-    def _chunk(self, start: int, end: int) -> None:
-        """Slots [start, end) of the main layers (and of the MTP layer, whose next tokens the prompt holds)."""
+    @torch.inference_mode()
+    def prefill_through_modules(self, end: int) -> None:
+        """Slots [done, end) in one forward through the model's modules (a whole prefill's path, whose large
+        matmuls a long stretch of prompt fills), into pages already reserved (``reserve``). It touches
+        neither the pool nor the decode step, so it may run on another thread while the running batch
+        decodes (``dsv3.infer.prefill_beside``)."""
+        self._chunk(self.done, end, self.engine.model, absorb=None)
+        self.done = end
+
+    def _chunk(self, start: int, end: int, net: Transformer | FastDecode | GraphDecode, absorb: bool | None) -> None:
+        """Slots [start, end) of the main layers (and of the MTP layer, whose next tokens the prompt holds),
+        through ``net``: the decode step (``engine.decoder``, absorbed) or the model's modules."""
         device, prompt = self.engine.device, self.request.prompt_ids
         ids = torch.tensor([prompt[start:end]], device=device)
         positions = torch.arange(start, end, device=device)[None]
-        h = chunk_hidden(self.engine, ids, positions, self.cache, start)
+        h = net.hidden_states(ids, positions=positions, cache=self.cache, start_pos=start, absorb=absorb)
         if self.engine.speculative:
             nxt = torch.tensor([prompt[start + 1 : end + 1]], device=device)
-            self.engine.decoder.mtp_hidden(0, h, nxt, positions, cache=self.cache, start_pos=start, absorb=True)
+            net.mtp_hidden(0, h, nxt, positions, cache=self.cache, start_pos=start, absorb=absorb)
 
 
 def chunk_hidden(engine: Engine, ids: torch.Tensor, positions: torch.Tensor, cache: LatentCache,

@@ -336,6 +336,11 @@ def serve(
                                                        "one decode step's time, so streams that are decoding "
                                                        "keep going; 0 prefills whole prompts "
                                                        f"(default: {MAX_PREFILL_TOKENS})."),
+    prefill_threads: int = typer.Option(0, "--prefill-threads", metavar="N", show_default=False,
+                                        help="CPU threads of its own for a prompt longer than "
+                                             "--max-prefill-tokens, prefilled while the decode steps go on; "
+                                             "give it cores --threads leaves free (default: 0, its chunks "
+                                             "ride the decode steps)."),
     ep: int | None = typer.Option(None, "--ep", metavar="N", show_default=False,
                                   help="Expert parallel over N processes started by dsv3 launch --nproc N."),
     prefill_ranks: int = typer.Option(0, "--prefill-ranks", metavar="P", show_default=False,
@@ -363,13 +368,18 @@ def serve(
 
     at_least(max_batch, 1, "--max-batch")
     at_least(max_prefill_tokens, 0, "--max-prefill-tokens")
+    at_least(prefill_threads, 0, "--prefill-threads")
+    if prefill_threads and max_prefill_tokens == 0:
+        raise DSV3Error("--prefill-threads prefills prompts longer than --max-prefill-tokens beside the decode "
+                        "steps: --max-prefill-tokens 0 prefills every prompt whole between them")
     if not 0 <= port <= 65535:
         raise DSV3Error(f"--port must be in [0, 65535], got {port}")
     if ep is not None:
         from dsv3.infer.cluster.serve import GroupOptions, serve_group
 
-        if max_prefill_tokens is not None:
-            raise DSV3Error("--ep N prefills whole prompts for now: drop --max-prefill-tokens (it would be ignored)")
+        if max_prefill_tokens is not None or prefill_threads:
+            flag = "--max-prefill-tokens" if max_prefill_tokens is not None else "--prefill-threads"
+            raise DSV3Error(f"--ep N prefills whole prompts for now: drop {flag} (it would be ignored)")
         check_prefix_flags(prefix_cache_bytes or "1G", prefix_block_tokens, prefix_cache_dir)
         engine_args = dict(dtype=dtype, weights=weights, cache_dtype=cache_dtype, speculative=speculative,
                            threads=threads, draft_vocab=draft_vocab, chat_template=chat_template,
@@ -387,6 +397,7 @@ def serve(
                           draft_vocab=draft_vocab, chat_template=chat_template, kv_cache_bytes=kv_cache_bytes)
     attach_prefix_cache(engine, prefix_cache_bytes or "1G", prefix_block_tokens, prefix_cache_dir)
     engine.max_prefill_tokens = (MAX_PREFILL_TOKENS if max_prefill_tokens is None else max_prefill_tokens) or None
+    engine.prefill_threads = beside_threads(engine, prefill_threads, threads)
     name = _model_name(model)
     app = create_app(engine, model_name=name, max_batch=max_batch, access_log=None if quiet else _log_line,
                      api_key=api_key)
@@ -443,6 +454,25 @@ def attach_prefix_cache(engine, size: str, block_tokens: int, directory: str | N
     max_bytes = check_prefix_flags(size, block_tokens, directory)
     if max_bytes:
         PrefixCache.for_engine(engine, max_bytes, block_tokens, directory)
+
+
+def beside_threads(engine, prefill_threads: int, threads: int) -> int:
+    """``--prefill-threads``, checked: a CPU engine's (another device runs one stream of work at a time), and a
+    note when it and the decode's threads outnumber the cores (they would take turns on them)."""
+    import os
+
+    import torch
+
+    if not prefill_threads:
+        return 0
+    if engine.device.type != "cpu":
+        raise DSV3Error(f"--prefill-threads gives a prefill CPU threads of its own; this model runs on "
+                        f"{engine.device.type}: drop it")
+    cores, decode = os.cpu_count() or 1, threads or torch.get_num_threads()
+    if decode + prefill_threads > cores:
+        _log_line(f"note: {decode} decode + {prefill_threads} prefill threads > {cores} cores; "
+                  f"give --threads {max(cores - prefill_threads, 1)}")
+    return prefill_threads
 
 
 def _log_line(line: str) -> None:

@@ -306,6 +306,7 @@ class Engine:
         self.pool = PagePool(model, kv_cache_bytes, page_tokens, self.cache_dtype, self.device)
         self.prefix_cache = None  # a dsv3.infer.prefix_cache.PrefixCache: prompts reuse cached latent blocks
         self.max_prefill_tokens: int | None = None  # the server's prefill budget per decode step (chunked_prefill.py)
+        self.prefill_threads = 0  # > 0: longer prompts prefilled on threads of their own (prefill_beside.py)
         self.kernel_prefill_tokens = KERNEL_PREFILL_TOKENS  # prompts' tokens up to which prefill runs on the kernels
         # decode steps only: FastDecode on a CPU, CUDA graphs on a GPU (dsv3.kernels.graph_decode), or the modules
         self.decoder: Transformer | FastDecode | GraphDecode = decode_step(model) if fast else model

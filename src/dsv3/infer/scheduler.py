@@ -12,7 +12,9 @@ streams that are decoding are slowed by a chunk at a time, not stalled by the wh
 decode step a chunk rides along the running batch's next step, its tokens extra rows of that forward (the
 weights are read once for both), as many as keep the step near ``STREAM_SLOWDOWN`` times the streams' step
 before the prompt arrived; elsewhere (MTP speculation, another device) a chunk runs between two steps and
-takes about a step's time.
+takes about a step's time. With ``engine.prefill_threads`` set, such a prompt is instead prefilled on CPU
+threads of its own while the steps go on (``dsv3.infer.prefill_beside``), one prompt at a time; another
+arriving meanwhile is chunked.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from dsv3.infer.chunked_prefill import MAX_CHUNK_TOKENS, ChunkedPrefill
 from dsv3.infer.engine import Batch, Engine, Event, Request, Rider, Row, merged
 from dsv3.infer.metrics import ServingMetrics
 from dsv3.infer.page_pool import PoolFull
+from dsv3.infer.prefill_beside import Cores, PrefillBeside, pin
 
 Deliver = Callable[[Event | BaseException], None]  # called from the decode thread with each event of a request
 
@@ -66,17 +69,19 @@ def _put_all(pairs: list[tuple[asyncio.Queue, Event | BaseException]]) -> None:
 class Scheduler:
     def __init__(self, engine: Engine, max_batch: int = 8, metrics: ServingMetrics | None = None):
         self.engine, self.max_batch = engine, max_batch
-        self.pending: queue.Queue[tuple[Request, Deliver]] = queue.Queue()
+        self.pending: queue.Queue[tuple[Request, Deliver] | None] = queue.Queue()  # None: only a wake-up
         self.listeners: dict[int, Deliver] = {}
         self.batch: Batch | None = None
         self.prefilling: deque[Request | ChunkedPrefill] = deque()  # admitted, prefill not finished (in order)
         self.resuming: deque[Row] = deque()  # preempted for want of cache pages (``Batch.step``), to prefill again
+        self.beside: PrefillBeside | None = None  # a prompt being prefilled on threads of its own
+        self.cores: Cores | None = None  # with engine.prefill_threads: the decode's and the prefill's CPUs
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.driven = False  # True: the caller's thread runs the decode loop (``drive``), start makes none
         self.metrics = metrics or ServingMetrics()
         self.metrics.running = lambda: self.active
-        self.metrics.waiting = lambda: self.pending.qsize() + len(self.prefilling)  # none has its first token yet
+        self.metrics.waiting = lambda: self.pending.qsize() + len(self.prefilling) + (self.beside is not None)
         self.metrics.prefix_cache = engine.prefix_cache
         self._stepped: tuple[Batch | None, float, int] = (None, 0.0, 0)  # (batch, decode_s, steps) at the last chunk
         self._step_s: float | None = None  # the running batch's recent decode step time
@@ -120,6 +125,10 @@ class Scheduler:
 
     # ---- the worker ----------------------------------------------------------------------------
     def _run(self, until: Callable[[], bool] = lambda: False) -> None:
+        if self.engine.prefill_threads:
+            self.cores = Cores.split(self.engine.prefill_threads)
+            if self.cores is not None:
+                pin(self.cores.decode)
         while not self._stop.is_set() and not until():
             self._admit()
             if self.batch is None:
@@ -153,8 +162,8 @@ class Scheduler:
 
     def _admit(self) -> None:
         """Take queued requests while the batch has room, then run the next share of prefill work."""
-        room = self.max_batch - self.active - len(self.prefilling)
-        new: list[tuple[Request, Deliver]] = []
+        room = self.max_batch - self.active - len(self.prefilling) - (self.beside is not None)
+        new: list[tuple[Request, Deliver] | None] = []
         try:
             if self.batch is None and not self.prefilling:
                 new.append(self.pending.get(timeout=0.05))
@@ -162,7 +171,7 @@ class Scheduler:
                 new.append(self.pending.get_nowait())
         except queue.Empty:
             pass
-        for r, d in new:
+        for r, d in filter(None, new):
             if r.cancelled:
                 self.metrics.finished(r, "cancelled")
                 continue
@@ -175,6 +184,7 @@ class Scheduler:
         None or when nothing decodes): rows preempted for want of cache pages first, then one chunk of a long
         prompt, or the next prompts whose lengths fit together; each finished batch joins."""
         self._drop_cancelled()
+        self._collect_beside()
         if self.resuming:
             self._resume()
             return
@@ -198,10 +208,43 @@ class Scheduler:
                 self._fail([request], exc)
                 return
             self.metrics.admitted(request)
-            self._advance(self.prefilling[0])
+            if not self._start_beside():
+                self._advance(self.prefilling[0])
             return
         for fresh in self._prefill(take):
             self._join(fresh)
+
+    def _start_beside(self) -> bool:
+        """Hand the prompt chunked at the head of ``prefilling`` to a prefill of its own beside the decode
+        steps, when the engine gives threads to one and none runs; False leaves it to ride them (so does a
+        pool that lacks its pages now: its chunks take them as they go)."""
+        if not self.engine.prefill_threads or self.beside is not None or self.prefilling[0].remaining < 2:
+            return False
+        try:
+            cpus = self.cores.prefill if self.cores is not None else None
+            self.beside = PrefillBeside(self.prefilling[0], self.engine.prefill_threads, cpus,
+                                        lambda: self.pending.put(None))
+        except PoolFull:
+            return False
+        self.prefilling.popleft()
+        return True
+
+    def _collect_beside(self) -> None:
+        """A prefill beside the steps that has ended: its prompt goes back to the head of ``prefilling``, where
+        its last slot is prefilled by the batch it joins (``_advance``); a cancelled or failed one gives its
+        pages back."""
+        job = self.beside
+        if job is None or not job.finished.is_set():
+            return
+        self.beside, work = None, job.work
+        if work.request.cancelled:
+            work.release()
+            self._cancelled(work.request)
+        elif job.error is not None:
+            work.release()
+            self._fail([work.request], job.error)
+        else:
+            self.prefilling.appendleft(work)
 
     def _resume(self) -> None:
         """Prefill the preempted rows again, as many as the pool has pages for, oldest first."""
