@@ -12,7 +12,7 @@ closed ``--tail-s`` seconds after that first token.
 
     .venv/bin/python benchmarks/chunked_prefill.py --json > /tmp/chunked.json
 
-writes docs/figures/chunked_prefill.png (TPOT and TTFT over time, one panel per N; docs/inference.md shows
+writes docs/figures/chunked_prefill.png (TPOT and TTFT over time, one panel per server; docs/inference.md shows
 it) and prints the table, or the JSON for benchmarks/record_result.py (benchmarks/results/chunked_prefill.json).
 """
 

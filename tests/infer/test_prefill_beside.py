@@ -178,9 +178,10 @@ def test_the_prefill_thread_takes_only_cpu_time_no_other_thread_wants():
 @pytest.mark.skipif(not hasattr(os, "sched_getaffinity"), reason="no CPU affinity calls on this OS")
 def test_the_cores_are_split_the_last_ones_for_the_prefill():
     allowed = sorted(os.sched_getaffinity(0))
-    assert Cores.split(len(allowed)) is None  # the decode would have none left
+    assert Cores.split(len(allowed), 1) is None  # the decode would have none left
+    assert Cores.split(1, len(allowed)) is None  # nor a core for each of its threads
     if len(allowed) >= 2:
-        cores = Cores.split(1)
+        cores = Cores.split(1, 1)
         assert cores.prefill == {allowed[-1]} and cores.decode == set(allowed[:-1])
 
 

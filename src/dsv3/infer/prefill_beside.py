@@ -18,8 +18,9 @@ meanwhile is noticed when it ends (then its pages go back).
 
 Where the OS allows, the prefill's thread runs only on CPU time no other thread wants (Linux's SCHED_IDLE):
 the server's HTTP thread and its clients, which wake up for every token, then take the prefill's core
-rather than the decode's. And the process's cores are split (``Cores``): the decode thread keeps the first,
-the prefill the last N, so that neither moves onto the other's core and finds its caches cold there.
+rather than the decode's. And where there are cores for both, they are split (``Cores``): the decode thread
+keeps the first, the prefill the last N, so that neither moves onto the other's core and finds its caches
+cold there.
 """
 
 from __future__ import annotations
@@ -42,13 +43,14 @@ class Cores:
     prefill: frozenset[int]
 
     @staticmethod
-    def split(prefill_threads: int) -> Cores | None:
-        """The calling thread's allowed CPUs, the last ``prefill_threads`` for the prefill; None where the OS
-        has no affinity calls or there are too few CPUs to leave the decode one."""
+    def split(prefill_threads: int, decode_threads: int) -> Cores | None:
+        """The calling thread's allowed CPUs, the last ``prefill_threads`` for the prefill and the rest for the
+        decode; None where the OS has no affinity calls or there are too few CPUs for both (pinned to fewer
+        cores than it has threads, the decode would take turns on them)."""
         if not hasattr(os, "sched_getaffinity"):
             return None
         allowed = sorted(os.sched_getaffinity(0))
-        if len(allowed) <= prefill_threads:
+        if len(allowed) < prefill_threads + decode_threads:
             return None
         return Cores(frozenset(allowed[:-prefill_threads]), frozenset(allowed[-prefill_threads:]))
 

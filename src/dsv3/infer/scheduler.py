@@ -26,6 +26,8 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import torch
+
 from dsv3.infer.chunked_prefill import MAX_CHUNK_TOKENS, ChunkedPrefill
 from dsv3.infer.engine import Batch, Engine, Event, Request, Rider, Row, merged
 from dsv3.infer.metrics import ServingMetrics
@@ -126,7 +128,7 @@ class Scheduler:
     # ---- the worker ----------------------------------------------------------------------------
     def _run(self, until: Callable[[], bool] = lambda: False) -> None:
         if self.engine.prefill_threads:
-            self.cores = Cores.split(self.engine.prefill_threads)
+            self.cores = Cores.split(self.engine.prefill_threads, torch.get_num_threads())
             if self.cores is not None:
                 pin(self.cores.decode)
         while not self._stop.is_set() and not until():
