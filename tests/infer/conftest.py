@@ -56,6 +56,14 @@ def model():
     return tiny_model()
 
 
+@pytest.fixture(scope="module")
+def long_model():
+    """The tiny model with a context of 2048 positions (its weights do not depend on it)."""
+    net = tiny_model()
+    net.config = net.config.replace(max_position_embeddings=2048)
+    return net
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return tiny_tokenizer()

@@ -19,14 +19,6 @@ from .conftest import tiny_model
 PROMPT = [random.Random(0).randrange(300) for _ in range(300)]
 
 
-@pytest.fixture(scope="module")
-def long_model():
-    """The tiny model with a context of 2048 positions (its weights do not depend on it)."""
-    net = tiny_model()
-    net.config = net.config.replace(max_position_embeddings=2048)
-    return net
-
-
 def chunked(engine: Engine, request: Request, chunk_tokens: int) -> tuple[list[int], int, int]:
     """(tokens, chunks run before the last, MTP drafts accepted) of ``request`` prefilled ``chunk_tokens``
     at a time, then decoded to the end."""
@@ -156,8 +148,11 @@ def test_a_prompt_is_prefilled_whole_when_nothing_decodes(long_model):
 @pytest.mark.parametrize("flags, message", [
     (["--max-prefill-tokens", "-1"], "--max-prefill-tokens must be >= 0, got -1"),
     (["--ep", "2", "--max-prefill-tokens", "64"], "drop --max-prefill-tokens"),
+    (["--prefill-threads", "-1"], "--prefill-threads must be >= 0, got -1"),
+    (["--max-prefill-tokens", "0", "--prefill-threads", "1"], "--max-prefill-tokens 0 prefills every prompt whole"),
+    (["--ep", "2", "--prefill-threads", "1"], "drop --prefill-threads"),
 ])
-def test_bad_max_prefill_tokens_is_one_error_line(flags, message, tmp_path, capsys, monkeypatch):
+def test_bad_prefill_flags_are_one_error_line(flags, message, tmp_path, capsys, monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     tiny_model(layers=1).save_pretrained(tmp_path)
     assert main(["serve", "--model", str(tmp_path), *flags]) == 2

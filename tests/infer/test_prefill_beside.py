@@ -11,25 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from dsv3.cli import main
 from dsv3.infer.chunked_prefill import ChunkedPrefill
 from dsv3.infer.engine import Engine, Event, Request
 from dsv3.infer.prefill_beside import Cores, yield_to_others
 from dsv3.infer.sampling import GREEDY
 from dsv3.infer.scheduler import Scheduler
 
-from .conftest import tiny_model
-
 PROMPT = [random.Random(0).randrange(300) for _ in range(300)]
 DEADLINE_S = 60
-
-
-@pytest.fixture(scope="module")
-def long_model():
-    """The tiny model with a context of 2048 positions (its weights do not depend on it)."""
-    net = tiny_model()
-    net.config = net.config.replace(max_position_embeddings=2048)
-    return net
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "mtp"])
@@ -183,19 +172,6 @@ def test_the_cores_are_split_the_last_ones_for_the_prefill():
     if len(allowed) >= 2:
         cores = Cores.split(1, 1)
         assert cores.prefill == {allowed[-1]} and cores.decode == set(allowed[:-1])
-
-
-@pytest.mark.parametrize("flags, message", [
-    (["--prefill-threads", "-1"], "--prefill-threads must be >= 0, got -1"),
-    (["--max-prefill-tokens", "0", "--prefill-threads", "1"], "--max-prefill-tokens 0 prefills every prompt whole"),
-    (["--ep", "2", "--prefill-threads", "1"], "drop --prefill-threads"),
-])
-def test_bad_prefill_threads_is_one_error_line(flags, message, tmp_path, capsys, monkeypatch):
-    monkeypatch.delenv("RANK", raising=False)
-    tiny_model(layers=1).save_pretrained(tmp_path)
-    assert main(["serve", "--model", str(tmp_path), *flags]) == 2
-    err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith("error: ") and message in err[0], err
 
 
 def test_the_benchmark_reads_its_server_configurations():

@@ -12,20 +12,11 @@ from dsv3.infer.sampling import GREEDY
 from dsv3.infer.server import create_app
 from dsv3.testing.http import serving
 
-from .conftest import tiny_model
 from .prometheus_text import parse, total, value
 
 openai = pytest.importorskip("openai")
 
 PREFIX = 1000
-
-
-@pytest.fixture(scope="module")
-def long_model():
-    """The tiny model with a context of 2048 positions (its weights do not depend on it)."""
-    net = tiny_model()
-    net.config = net.config.replace(max_position_embeddings=2048)
-    return net
 
 
 @pytest.fixture(scope="module")
