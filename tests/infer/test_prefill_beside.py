@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from dsv3.infer.chunked_prefill import ChunkedPrefill
 from dsv3.infer.engine import Engine, Event, Request
@@ -105,6 +106,20 @@ def test_the_streams_decode_while_a_long_prompt_is_prefilled_beside_them(long_mo
     assert during >= 20 and held.threads == ["dsv3-prefill"]
     assert [t for ev in replies for t in ev.token_ids] == want and replies[-1].finish_reason == "length"
     assert engine.pool.free == free  # every page back (the finished prompt's blocks: none, no prefix cache)
+
+
+def test_the_prefills_thread_count_is_its_own(long_model, monkeypatch):
+    """The prefill sets its torch threads (1) on its own thread; the decode thread keeps its count (2), which the
+    fast decode step reads for its kernels."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        engine, seen = Engine(long_model, eos_token_ids=frozenset()), []
+        serve_beside(engine, Held(monkeypatch), Request(PROMPT, 2, GREEDY), lambda s: None,
+                     lambda ev: seen.append(torch.get_num_threads()))  # called on the decode thread
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [2, 2]
 
 
 def test_a_request_cancelled_while_prefilled_beside_gives_its_pages_back(long_model, monkeypatch):

@@ -92,7 +92,7 @@ class PrefillBeside:
             yield_to_others()
             if self.cpus is not None:
                 pin(self.cpus)
-            torch.set_num_threads(self.threads)  # this thread's own (OpenMP's and MKL's counts are per thread)
+            torch.set_num_threads(self.threads)  # this thread's (threads that have read theirs keep it)
             self.work.prefill_through_modules(self.end)
         except BaseException as exc:  # the scheduler fails this request alone
             self.error = exc

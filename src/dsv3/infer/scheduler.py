@@ -128,6 +128,8 @@ class Scheduler:
     # ---- the worker ----------------------------------------------------------------------------
     def _run(self, until: Callable[[], bool] = lambda: False) -> None:
         if self.engine.prefill_threads:
+            # reading the count sets this thread's own from the process's (PyTorch does so at a thread's first
+            # call), which the prefill's torch.set_num_threads changes for threads that have not read it yet
             self.cores = Cores.split(self.engine.prefill_threads, torch.get_num_threads())
             if self.cores is not None:
                 pin(self.cores.decode)
