@@ -195,3 +195,15 @@ def test_the_benchmark_reads_its_server_configurations():
 
     assert chunked_prefill.server_flags("256") == ("--max-prefill-tokens", "256")
     assert chunked_prefill.server_flags("256/1") == ("--max-prefill-tokens", "256", "--prefill-threads", "1")
+
+
+def test_the_server_says_so_when_the_decode_and_the_prefill_outnumber_the_cores(long_model, capsys):
+    from dsv3.infer.cli import beside_threads
+
+    engine, cores = Engine(long_model), os.cpu_count()
+    assert beside_threads(engine, 1, cores) == 1
+    assert capsys.readouterr().err == f"note: {cores} decode + 1 prefill threads on {cores} cores: prefills " \
+                                      f"starve; try --threads {max(cores - 1, 1)}\n"
+    if cores >= 2:
+        assert beside_threads(engine, 1, cores - 1) == 1 and capsys.readouterr().err == ""
+    assert beside_threads(engine, 0, cores) == 0

@@ -470,8 +470,8 @@ def beside_threads(engine, prefill_threads: int, threads: int) -> int:
                         f"{engine.device.type}: drop it")
     cores, decode = os.cpu_count() or 1, threads or torch.get_num_threads()
     if decode + prefill_threads > cores:
-        _log_line(f"note: {decode} decode + {prefill_threads} prefill threads > {cores} cores; "
-                  f"give --threads {max(cores - prefill_threads, 1)}")
+        _log_line(f"note: {decode} decode + {prefill_threads} prefill threads on {cores} cores: prefills starve; "
+                  f"try --threads {max(cores - prefill_threads, 1)}")
     return prefill_threads
 
 
