@@ -15,11 +15,25 @@ import torch
 from dsv3.infer.chunked_prefill import ChunkedPrefill
 from dsv3.infer.engine import Engine, Event, Request
 from dsv3.infer.prefill_beside import Cores, yield_to_others
+from dsv3.infer.prefix_cache import PrefixCache
 from dsv3.infer.sampling import GREEDY
 from dsv3.infer.scheduler import Scheduler
 
 PROMPT = [random.Random(0).randrange(300) for _ in range(300)]
 DEADLINE_S = 60
+
+
+def beside_then_decode(engine: Engine, request: Request) -> tuple[list[int], int]:
+    """(tokens, MTP drafts accepted) of ``request`` prefilled as the prefill beside the steps does it (every slot
+    but the last through the modules, after any cached prefix), then decoded to the end."""
+    work = ChunkedPrefill(engine, request, 16)
+    work.reserve(len(request.prompt_ids) - 1)
+    work.prefill_through_modules(len(request.prompt_ids) - 1)
+    batch = work.advance()  # the last slot: prefilled by the request's own batch, which samples
+    tokens = [t for ev in batch.first_events for t in ev.token_ids]
+    while batch.rows:
+        tokens += [t for ev in batch.step() for t in ev.token_ids]
+    return tokens, batch.stats.accepted
 
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "mtp"])
@@ -28,16 +42,20 @@ def test_all_but_the_last_slot_through_the_modules_gives_the_whole_prefills_toke
     engine = Engine(long_model, speculative=speculative, eos_token_ids=frozenset())
     want = engine.generate([Request(PROMPT, 12, GREEDY)])[0].token_ids
     accepted = engine.last_stats.accepted
-    work = ChunkedPrefill(engine, Request(PROMPT, 12, GREEDY), 16)
-    work.reserve(len(PROMPT) - 1)
-    work.prefill_through_modules(len(PROMPT) - 1)
-    batch = work.advance()  # the last slot: prefilled by the request's own batch, which samples
-    tokens = [t for ev in batch.first_events for t in ev.token_ids]
-    while batch.rows:
-        tokens += [t for ev in batch.step() for t in ev.token_ids]
+    tokens, got_accepted = beside_then_decode(engine, Request(PROMPT, 12, GREEDY))
     assert tokens == want
     if speculative:  # the MTP layer's cache entries are the whole prefill's
-        assert batch.stats.accepted == accepted
+        assert got_accepted == accepted
+
+
+@pytest.mark.parametrize("speculative", [False, True], ids=["plain", "mtp"])
+def test_after_a_cached_prefix_only_the_rest_goes_through_the_modules(long_model, speculative):
+    engine = Engine(long_model, speculative=speculative, eos_token_ids=frozenset())
+    want = engine.generate([Request(PROMPT, 12, GREEDY)])[0].token_ids
+    PrefixCache.for_engine(engine, 1 << 30)
+    engine.generate([Request(PROMPT[:200] + [1, 2, 3], 2, GREEDY)])  # caches 12 blocks of 16 tokens
+    request = Request(PROMPT, 12, GREEDY)
+    assert beside_then_decode(engine, request)[0] == want and request.cached_tokens == 192
 
 
 class Held:
