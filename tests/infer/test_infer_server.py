@@ -124,6 +124,32 @@ def test_concurrent_requests_are_batched_and_disconnect_frees_the_slot(client, s
     assert row.finish_reason == "cancelled" and scheduler.active == 0
 
 
+def test_a_reply_not_streamed_is_cancelled_when_its_client_goes_away(server, monkeypatch):
+    """Nothing reads the connection of a reply that is not streamed until it is sent: the server looks at it
+    every ``DISCONNECT_POLL_S`` (shortened here) and cancels the request once the client has gone."""
+    from dsv3.infer import server as serving_module
+
+    monkeypatch.setattr(serving_module, "DISCONNECT_POLL_S", 0.005)
+    scheduler = server[1].state.scheduler
+    rows = []
+
+    def note_rows():
+        while not rows and scheduler.batch is None:
+            time.sleep(0.0005)
+        rows.extend(scheduler.batch.rows)
+
+    watcher = threading.Thread(target=note_rows)
+    watcher.start()
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(server[0] + "/v1/completions", timeout=0.05,
+                   json={"prompt": [7, 8, 9], "max_tokens": 1000, "temperature": 0, "ignore_eos": True})
+    watcher.join(timeout=10)
+    deadline = time.time() + 10
+    while scheduler.active and time.time() < deadline:
+        time.sleep(0.005)
+    assert rows and rows[0].finish_reason == "cancelled" and len(rows[0].generated) < 1000
+
+
 # ---- one request never harms another -----------------------------------------------------------
 
 def _concurrently(url: str, bodies: list[dict], path: str = "/v1/completions") -> list[httpx.Response]:

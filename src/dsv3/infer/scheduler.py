@@ -118,9 +118,10 @@ class Scheduler:
         return len(batch.rows) if batch is not None else 0
 
     # ---- submission (called from the event loop) ----------------------------------------------
-    def submit(self, request: Request) -> asyncio.Queue:
-        """Queue a request; its events arrive on the returned asyncio queue (an exception on failure)."""
-        deliver = ToLoop(asyncio.get_running_loop(), asyncio.Queue())
+    def submit(self, request: Request, events: asyncio.Queue | None = None) -> asyncio.Queue:
+        """Queue a request; its events arrive on ``events`` (a new asyncio queue when None), which is returned
+        (an exception on failure). Several requests may share one queue: an event names its request."""
+        deliver = ToLoop(asyncio.get_running_loop(), asyncio.Queue() if events is None else events)
         self.metrics.arrived(request)
         self.pending.put((request, deliver))
         return deliver.events

@@ -343,30 +343,43 @@ def _logit_bias(given: dict[str, float] | None, vocab: int) -> tuple[tuple[int, 
 
 
 async def _events(scheduler: Scheduler, http: Request, requests: list[GenRequest]) -> AsyncIterator[tuple[int, Event]]:
-    """(choice index, event) as each request's events arrive; cancels them all when the client goes away,
-    one fails, or the consumer stops early. All are queued before the first event is awaited, so the
-    scheduler admits the choices of one body together (and their prefill is shared)."""
-    queues = [scheduler.submit(r) for r in requests]
-    waiting = {asyncio.ensure_future(q.get()): i for i, q in enumerate(queues)}
+    """(choice index, event) as the requests' events arrive, all on one queue (an event names its request);
+    cancels them all when the client goes away, one fails, or the consumer stops early. All are queued before
+    the first event is awaited, so the scheduler admits the choices of one body together (and their prefill is
+    shared). One plain ``get`` per event: the HTTP thread's work for every token is time taken from the decode
+    step when the kernels' threads fill the cores."""
+    events: asyncio.Queue = asyncio.Queue()
+    for r in requests:
+        scheduler.submit(r, events)
+    choice, live = {id(r): i for i, r in enumerate(requests)}, len(requests)
+    watch = asyncio.ensure_future(_note_disconnect(http, events))
     try:
-        while waiting:
-            done, _ = await asyncio.wait(waiting, timeout=0.5, return_when=asyncio.FIRST_COMPLETED)
-            if not done and await http.is_disconnected():
+        while live:
+            item = await events.get()
+            if item is _GONE:
                 return
-            for task in sorted(done, key=waiting.__getitem__):
-                i, item = waiting.pop(task), task.result()
-                if isinstance(item, BaseException):
-                    raise GenerationError(f"generation failed: {item}") from item
-                if item.finish_reason == "error":
-                    raise GenerationError(item.error or "generation failed")
-                yield i, item
-                if not item.finish_reason:
-                    waiting[asyncio.ensure_future(queues[i].get())] = i
+            if isinstance(item, BaseException):
+                raise GenerationError(f"generation failed: {item}") from item
+            if item.finish_reason == "error":
+                raise GenerationError(item.error or "generation failed")
+            yield choice[id(item.request)], item
+            live -= bool(item.finish_reason)
     finally:
-        for task in waiting:
-            task.cancel()
+        watch.cancel()
         for r in requests:
             r.cancelled = True  # a no-op for those already finished
+
+
+_GONE = object()  # on a response's event queue: its client went away
+DISCONNECT_POLL_S = 0.5
+
+
+async def _note_disconnect(http: Request, events: asyncio.Queue) -> None:
+    """Put ``_GONE`` on ``events`` once the client has gone away, looked at every ``DISCONNECT_POLL_S`` (a
+    response that is not streamed has nothing else listening for it)."""
+    while not await http.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    events.put_nowait(_GONE)
 
 
 def _usage(requests: list[GenRequest], count: int) -> dict:

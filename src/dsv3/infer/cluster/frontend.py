@@ -114,10 +114,10 @@ class ClusterScheduler(Scheduler):
     def active(self) -> int:
         return len(self.inflight)
 
-    def submit(self, request: Request) -> asyncio.Queue:
+    def submit(self, request: Request, events: asyncio.Queue | None = None) -> asyncio.Queue:
         if self.down is None:
-            return super().submit(request)
-        events: asyncio.Queue = asyncio.Queue()  # answered at once: nothing can generate any more
+            return super().submit(request, events)
+        events = asyncio.Queue() if events is None else events  # answered at once: nothing can generate any more
         events.put_nowait(ClusterDown(self.down))
         return events
 
