@@ -64,6 +64,20 @@ def long_model():
     return net
 
 
+def cached_prefix_engine(model: Transformer, prompt: list[int], speculative: bool):
+    """(an Engine over ``model`` whose prefix cache holds ``prompt``'s first 192 tokens in 12 blocks of 16, the
+    greedy 12 tokens a whole prefill of ``prompt`` gives) for tests of what a cached prefix leaves to prefill."""
+    from dsv3.infer.engine import Engine, Request
+    from dsv3.infer.prefix_cache import PrefixCache
+    from dsv3.infer.sampling import GREEDY
+
+    engine = Engine(model, speculative=speculative, eos_token_ids=frozenset())
+    want = engine.generate([Request(prompt, 12, GREEDY)])[0].token_ids
+    PrefixCache.for_engine(engine, 1 << 30)
+    engine.generate([Request(prompt[:200] + [1, 2, 3], 2, GREEDY)])
+    return engine, want
+
+
 @pytest.fixture(scope="session")
 def tokenizer():
     return tiny_tokenizer()

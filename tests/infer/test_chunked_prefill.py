@@ -9,12 +9,11 @@ import pytest
 from dsv3.cli import main
 from dsv3.infer.chunked_prefill import ChunkedPrefill
 from dsv3.infer.engine import Engine, Event, Request
-from dsv3.infer.prefix_cache import PrefixCache
 from dsv3.infer.sampling import GREEDY
 from dsv3.infer.scheduler import Scheduler
 from dsv3.kernels.decode import FastDecode
 
-from .conftest import tiny_model
+from .conftest import cached_prefix_engine, tiny_model
 
 PROMPT = [random.Random(0).randrange(300) for _ in range(300)]
 
@@ -47,10 +46,7 @@ def test_chunks_of_any_size_give_the_whole_prefills_greedy_tokens_and_drafts(lon
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "mtp"])
 def test_a_cached_prefix_is_copied_and_only_the_rest_is_chunked(long_model, speculative):
-    engine = Engine(long_model, speculative=speculative, eos_token_ids=frozenset())
-    want = engine.generate([Request(PROMPT, 12, GREEDY)])[0].token_ids
-    PrefixCache.for_engine(engine, 1 << 30)
-    engine.generate([Request(PROMPT[:200] + [1, 2, 3], 2, GREEDY)])  # caches 12 blocks of 16 tokens
+    engine, want = cached_prefix_engine(long_model, PROMPT, speculative)
     request = Request(PROMPT, 12, GREEDY)
     tokens, chunks, _ = chunked(engine, request, 32)
     assert request.cached_tokens == 192 and tokens == want

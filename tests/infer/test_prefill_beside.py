@@ -15,9 +15,10 @@ import torch
 from dsv3.infer.chunked_prefill import ChunkedPrefill
 from dsv3.infer.engine import Engine, Event, Request
 from dsv3.infer.prefill_beside import Cores, yield_to_others
-from dsv3.infer.prefix_cache import PrefixCache
 from dsv3.infer.sampling import GREEDY
 from dsv3.infer.scheduler import Scheduler
+
+from .conftest import cached_prefix_engine
 
 PROMPT = [random.Random(0).randrange(300) for _ in range(300)]
 DEADLINE_S = 60
@@ -50,10 +51,7 @@ def test_all_but_the_last_slot_through_the_modules_gives_the_whole_prefills_toke
 
 @pytest.mark.parametrize("speculative", [False, True], ids=["plain", "mtp"])
 def test_after_a_cached_prefix_only_the_rest_goes_through_the_modules(long_model, speculative):
-    engine = Engine(long_model, speculative=speculative, eos_token_ids=frozenset())
-    want = engine.generate([Request(PROMPT, 12, GREEDY)])[0].token_ids
-    PrefixCache.for_engine(engine, 1 << 30)
-    engine.generate([Request(PROMPT[:200] + [1, 2, 3], 2, GREEDY)])  # caches 12 blocks of 16 tokens
+    engine, want = cached_prefix_engine(long_model, PROMPT, speculative)
     request = Request(PROMPT, 12, GREEDY)
     assert beside_then_decode(engine, request)[0] == want and request.cached_tokens == 192
 
