@@ -2,6 +2,8 @@
 preempts and resumes rows with the tokens they would have had, waits new requests, and never fails with
 out-of-memory; a request that cannot fit alone gets one clear error."""
 
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
@@ -129,13 +131,26 @@ def test_a_prefix_hit_maps_the_cached_pages(model, speculative):
 
 
 def test_the_server_lets_requests_wait_for_pages_and_answers_all(model, tokenizer):
-    """Eight concurrent requests through the server on a pool that holds about three at a time: each one
-    answered, with the text it gets alone."""
+    """Eight concurrent requests through the server on a pool that holds about three at a time, all queued
+    before the first is taken in: each one answered, with the text it gets alone (those that do not fit
+    wait for the pages of those prefilled just before them, they are not failed as if they never could)."""
     bodies = [{"prompt": p, "max_tokens": 20, "temperature": 0} for p in PROMPTS * 2]
     alone = pool_engine(model, tokenizer=tokenizer)
     want = [alone.generate([Request(b["prompt"], 20)])[0].text for b in bodies]
     engine = pool_engine(model, 12, tokenizer=tokenizer)
-    with serving(create_app(engine, model_name="tiny", max_batch=8)) as url, ThreadPoolExecutor(8) as pool:
+    app = create_app(engine, model_name="tiny", max_batch=8)
+    scheduler = app.state.scheduler
+    admit, all_queued = scheduler._admit, threading.Event()
+
+    def admit_once_all_are_queued() -> None:  # together, their rows outgrow the pool: some wait preempted
+        deadline = time.time() + 30
+        while not all_queued.is_set() and scheduler.pending.qsize() < len(bodies) and time.time() < deadline:
+            time.sleep(0.001)
+        all_queued.set()
+        admit()
+
+    scheduler._admit = admit_once_all_are_queued
+    with serving(app) as url, ThreadPoolExecutor(8) as pool:
         replies = list(pool.map(lambda b: httpx.post(url + "/v1/completions", json=b, timeout=120).json(), bodies))
         metrics = httpx.get(url + "/metrics").text
     assert [r["choices"][0]["text"] for r in replies] == want

@@ -340,17 +340,18 @@ class Scheduler:
         self.listeners.pop(id(request), None)
         self.metrics.finished(request, "cancelled")
 
-    def _prefill(self, requests: list[Request]) -> list[Batch]:
+    def _prefill(self, requests: list[Request], others: bool = False) -> list[Batch]:
         """The new requests prefilled together; when that fails, each alone, so that a request that
         breaks the prefill fails by itself (per-row failures are already the row's own error event). When
         the cache has no pages for a request, it and those after it wait at the head of ``prefilling`` while
-        rows run that will give some back."""
+        rows run that will give some back (the running batch's, or ``others``: batches prefilled just before
+        it that have not joined yet); with none running, it can never fit and fails."""
         try:
             batch = self.engine.start(requests)
         except PoolFull:
             if len(requests) > 1:
                 return self._prefill_each(requests)
-            if self.batch is not None and self.batch.rows:
+            if others or (self.batch is not None and self.batch.rows):
                 self.prefilling.appendleft(requests[0])
                 return []
             self.metrics.admitted(requests[0])
@@ -369,7 +370,7 @@ class Scheduler:
     def _prefill_each(self, requests: list[Request]) -> list[Batch]:
         batches = []
         for i, r in enumerate(requests):
-            batches += self._prefill([r])
+            batches += self._prefill([r], others=bool(batches))
             if self.prefilling and self.prefilling[0] is r:  # it waits for pages: so do the ones after it
                 self.prefilling.popleft()
                 self.prefilling.extendleft(reversed(requests[i:]))
