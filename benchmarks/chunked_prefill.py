@@ -3,8 +3,8 @@ real `dsv3 serve` process (`--max-prefill-tokens N`; 0 prefills whole prompts; `
 `--prefill-threads P`: the prompt is prefilled on P threads of its own beside the decode steps).
 
 A random-weight checkpoint (the ``small`` shape with ``--layers`` layers, no MTP layer, bf16, a context of
-8,192 positions) is saved to a temporary folder. For each of ``--configs`` a server is started;
-``--streams`` requests stream their replies (short prompts, every token's arrival timed); after ``--warmup-s`` seconds a
+8,192 positions) is saved to a temporary folder. For each of ``--configs`` a server is started; ``--streams``
+requests stream their replies (short prompts, every token's arrival timed); after ``--warmup-s`` seconds a
 ``--long-prompt``-token prompt arrives. Its time to first token (TTFT) is timed, and the streams' time per
 output token (TPOT: the gap between two tokens of a stream) is summed up in two windows: before it arrived
 (the undisturbed decode) and from its arrival to its first token (while it is prefilled). The streams are
@@ -12,8 +12,9 @@ closed ``--tail-s`` seconds after that first token.
 
     .venv/bin/python benchmarks/chunked_prefill.py --json > /tmp/chunked.json
 
-writes docs/figures/chunked_prefill.png (TPOT and TTFT over time, one panel per server; docs/inference.md shows
-it) and prints the table, or the JSON for benchmarks/record_result.py (benchmarks/results/chunked_prefill.json).
+writes docs/figures/chunked_prefill.png (TPOT and TTFT over time, one panel per server; docs/inference.md
+shows it) and prints the table, or the JSON for benchmarks/record_result.py
+(benchmarks/results/chunked_prefill.json).
 """
 
 from __future__ import annotations
@@ -124,10 +125,10 @@ def server_flags(config: str) -> tuple[str, ...]:
 
 def describe(config: str) -> str:
     """A panel's title: the server's flags and what they do."""
-    n, _, p = config.partition("/")
-    if p:
-        return f"--max-prefill-tokens {n} --prefill-threads {p}\n(prefilled beside the decode steps)"
-    return f"--max-prefill-tokens {n} ({'whole prompts' if n == '0' else 'chunks riding the decode steps'})"
+    flags = server_flags(config)
+    if "--prefill-threads" in flags:
+        return f"{' '.join(flags)}\n(prefilled beside the decode steps)"
+    return f"{' '.join(flags)} ({'whole prompts' if flags[1] == '0' else 'chunks riding the decode steps'})"
 
 
 def plot(runs: dict[str, dict], path: Path, long_prompt: int, streams: int) -> None:

@@ -8,6 +8,7 @@ help stays readable at 80 columns.
 from __future__ import annotations
 
 import json
+import os
 import socket
 import sys
 import time
@@ -459,8 +460,6 @@ def attach_prefix_cache(engine, size: str, block_tokens: int, directory: str | N
 def beside_threads(engine, prefill_threads: int, threads: int) -> int:
     """``--prefill-threads``, checked: a CPU engine's (another device runs one stream of work at a time), and a
     note when it and the decode's threads outnumber the cores (they would take turns on them)."""
-    import os
-
     import torch
 
     if not prefill_threads:
