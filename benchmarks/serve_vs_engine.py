@@ -7,15 +7,17 @@ A random-weight checkpoint (the ``small`` shape with ``--layers`` layers and no 
 120 MB) is saved to a temporary folder and served with ``/metrics`` on (its default). Each round runs the
 engine figures (`dsv3 bench decode --json`, its own process) and the server figures (`dsv3 bench serve`'s
 client) back to back; the ratios compare each figure's best round (a busy machine only ever slows a run
-down, so the best of a few is the least disturbed). The 8-request figure is measured twice: with
-``--prompt-len`` prompts, whose prefills the server runs between decode steps (the engine's figure
-leaves prefill out), and with ``--short-prompt`` prompts and ``--short-new-tokens`` tokens, where
-decoding is nearly all the work. With long prompts the engine's decode-only figure is out of reach: the
-server must also prefill every prompt, so the script also prints the bound that its engine sets (every prompt
-prefilled at the engine's own batch-8 prefill rate, every token decoded at its batch-8 rate:
-``c8_prefill_and_decode_bound_tokens_per_s``) and the server's share of it. ``--max-prefill-tokens N`` is
-given to the server (default: the server's own, 256 tokens of prefill between two decode steps: one
-256-token prompt at a time, whole; ``0`` prefills whole prompts, all that wait together).
+down, so the best of a few is the least disturbed); beside them, the median over the rounds of each round's
+own ratios (``paired_ratios_median``: a server figure over the engine figure measured just before it). The
+8-request figure is measured twice: with ``--prompt-len`` prompts, whose prefills the server runs between
+decode steps (the engine's figure leaves prefill out), and with ``--short-prompt`` prompts and
+``--short-new-tokens`` tokens, where decoding is nearly all the work. With long prompts the engine's
+decode-only figure is out of reach: the server must also prefill every prompt, so the script also prints
+the bound that its engine sets (every prompt prefilled at the engine's own batch-8 prefill rate, every
+token decoded at its batch-8 rate: ``c8_prefill_and_decode_bound_tokens_per_s``) and the server's share of
+it. ``--max-prefill-tokens N`` is given to the server (default: the server's own, 256 tokens of prefill
+between two decode steps: one 256-token prompt at a time, whole; ``0`` prefills whole prompts, all that
+wait together).
 
     .venv/bin/python benchmarks/serve_vs_engine.py --json
 
@@ -107,6 +109,22 @@ def best(rows: list[dict]) -> dict:
             "serve_c8_short_tokens_per_s": most(lambda r: r["serve_c8_short"]["output_tokens_per_s"])}
 
 
+def paired(rows: list[dict]) -> dict:
+    """Each round's own ratios (its server figure over the engine figure measured just before it), their
+    median over the rounds: on a host whose speed drifts, a pair measured together shares the drift, where
+    the best of each side may come from different moments (and the engine's shorter runs spread wider)."""
+    def median(get) -> float:
+        values = sorted(get(row) for row in rows)
+        mid = len(values) // 2
+        return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+    return {"c1_tpot_over_step": median(lambda r: r["serve_c1"]["tpot_ms"]["p50"] / r["engine_b1"]["ms_per_step"]),
+            "c8_tokens_per_s_over_engine": median(lambda r: r["serve_c8"]["output_tokens_per_s"]
+                                                  / r["engine_b8"]["tokens_per_s"]),
+            "c8_short_tokens_per_s_over_engine": median(lambda r: r["serve_c8_short"]["output_tokens_per_s"]
+                                                        / r["engine_b8_short"]["tokens_per_s"])}
+
+
 def prefill_and_decode_bound(b: dict, requests: int, new_tokens: int) -> float:
     """The most output tokens/s a server of this engine can deliver for ``requests`` long-prompt requests at
     concurrency 8: their prompts prefilled 8 at a time at the engine's batch-8 prefill time, and their
@@ -161,12 +179,15 @@ def main() -> None:
               "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "short_prompt": args.short_prompt,
               "short_new_tokens": args.short_new_tokens, "max_prefill_tokens": args.max_prefill_tokens,
               "rounds": args.rounds, "best": figures,
-              "ratios": ratios(figures), "load_average": os.getloadavg()[0], "runs": rows}
+              "ratios": ratios(figures), "paired_ratios_median": paired(rows), "load_average": os.getloadavg()[0],
+              "runs": rows}
     if args.json:
         print(json.dumps(result))
         return
     for name, value in {**figures, **result["ratios"]}.items():
         print(f"{name:40s} {value:10.2f}")
+    for name, value in result["paired_ratios_median"].items():
+        print(f"{'paired ' + name:40s} {value:10.2f}")
 
 
 if __name__ == "__main__":
