@@ -407,8 +407,9 @@ def serve(
     where = f"[{bound_host}]" if ":" in bound_host else bound_host
     _log_line(f"dsv3 serve: model {name!r} from {folder} ({_describe(engine)})")
     _log_line(f"listening on http://{where}:{bound_port}/v1 (OpenAI API); Ctrl-C stops")
-    # uvloop and httptools (dependencies where they build) run the HTTP thread's loop and parser in C; each
-    # step's hand-over to that loop (scheduler.deliver_all) then wakes it without Python's self-pipe write
+    # uvloop and httptools (dependencies where they build) run the HTTP thread's loop and parser in C: each
+    # step's hand-over to that loop (scheduler.deliver_all) then wakes it from C, keeping the GIL, where
+    # asyncio's self-pipe write lets go of it and the decode thread waits for the HTTP thread's Python
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning", loop="auto", http="auto"))
     run_beside(server, sock, app.state.scheduler)
 

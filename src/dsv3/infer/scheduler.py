@@ -50,9 +50,9 @@ class ToLoop:
 
 def deliver_all(items: Iterable[tuple[Deliver, Event | BaseException]]) -> None:
     """A step's events handed over with one wake-up of each event loop, not one per event: a wake-up is a
-    write to the loop's self-pipe and a thread switch, and with every core running the step's kernels
-    each one delays the decode thread (7% of it at 8 streams on 2 cores, measured with py-spy). Any other
-    ``Deliver`` is called with its event."""
+    thread switch (on asyncio's own loop also a self-pipe write that lets go of the GIL, uvloop's keeps it),
+    and with every core running the step's kernels each one delays the decode thread (7% of it at 8 streams
+    on 2 cores, measured with py-spy, before uvloop). Any other ``Deliver`` is called with its event."""
     by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, Event | BaseException]]] = {}
     for deliver, item in items:
         if isinstance(deliver, ToLoop):
