@@ -33,11 +33,10 @@ import torch
 
 from dsv3.config import preset
 from dsv3.infer.bench_serve import make_prompts, model_card, percentile, stream_completion
-from dsv3.infer.loading import TOKENIZER_FILE
 from dsv3.io import save_figure
 from dsv3.model import Transformer
 from dsv3.option_lists import parse_list
-from serve_prefix_cache import server_command, start_server
+from serve_prefix_cache import server_command, start_server, write_word_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 FIGURE = ROOT / "docs" / "figures" / "chunked_prefill.png"
@@ -45,17 +44,13 @@ STREAM_TOKENS = 4000  # more than the streams live for (they are closed --tail-s
 
 
 def save_checkpoint(folder: Path, layers: int) -> None:
-    """The random checkpoint, with a tokenizer whose every token is a word ("t17"): the server streams a
-    chunk per token only when the token has text."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
+    """The random checkpoint, with a word per token (``write_word_tokenizer``): the server streams a chunk per
+    token only when the token has text."""
     torch.manual_seed(0)
     cfg = dataclasses.replace(preset("small"), num_hidden_layers=layers, num_nextn_predict_layers=0,
                               torch_dtype="bfloat16", max_position_embeddings=8192)
     Transformer(cfg).to(torch.bfloat16).save_pretrained(folder)
-    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(cfg.vocab_size)}, unk_token="t0"))
-    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    words.save(str(folder / TOKENIZER_FILE))
+    write_word_tokenizer(folder, cfg.vocab_size)
 
 
 def one_run(url: str, args) -> dict:

@@ -37,6 +37,18 @@ from dsv3.infer.bench_serve import make_prompts, model_card, run
 from dsv3.model import Transformer
 
 
+def write_word_tokenizer(folder: Path, vocab_size: int) -> None:
+    """A tokenizer whose every token is a word ("t17"), so that the server streams a chunk for every token
+    it generates, as it does for the tokens of real text (without a tokenizer it has no text to send)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    from dsv3.infer.loading import TOKENIZER_FILE
+
+    words = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    words.save(str(folder / TOKENIZER_FILE))
+
+
 def server_command(folder: Path, threads: int, ep: int = 0, prefill_ranks: int = 0,
                    flags: tuple[str, ...] = ()) -> list[str]:
     """`dsv3 serve` (with more ``flags``) in one process, or ``ep`` under torchrun (``--ep``, with

@@ -4,11 +4,12 @@ the server's time per output token for one request alone (streamed, and not stre
 engine's at batch 8 (the goals: at most 1.3x the step, at least 0.8x the tokens/s).
 
 A random-weight checkpoint (the ``small`` shape with ``--layers`` layers and no MTP layer, in bf16: about
-120 MB) is saved to a temporary folder and served with ``/metrics`` on (its default). Each round runs the
-engine figures (`dsv3 bench decode --json`, its own process) and the server figures (`dsv3 bench serve`'s
-client) back to back; the ratios compare each figure's best round (a busy machine only ever slows a run
-down, so the best of a few is the least disturbed); beside them, the median over the rounds of each round's
-own ratios (``paired_ratios_median``: a server figure over the engine figure measured just before it). The
+120 MB; a tokenizer with a word per token, so that every generated token is a chunk of the stream) is saved
+to a temporary folder and served with ``/metrics`` on (its default). Each round runs the engine figures
+(`dsv3 bench decode --json`, its own process) and the server figures (`dsv3 bench serve`'s client) back to
+back; the ratios compare each figure's best round (a busy machine only ever slows a run down, so the best
+of a few is the least disturbed); beside them, the median over the rounds of each round's own ratios
+(``paired_ratios_median``: a server figure over the engine figure measured just before it). The
 8-request figure is measured twice: with ``--prompt-len`` prompts, whose prefills the server runs between
 decode steps (the engine's figure leaves prefill out), and with ``--short-prompt`` prompts and
 ``--short-new-tokens`` tokens, where decoding is nearly all the work. With long prompts the engine's
@@ -46,7 +47,7 @@ import torch
 from dsv3.config import preset
 from dsv3.infer.bench_serve import make_prompts, model_card, run
 from dsv3.model import Transformer
-from serve_prefix_cache import server_command, start_server
+from serve_prefix_cache import server_command, start_server, write_word_tokenizer
 
 C8_REQUESTS = 16  # the long-prompt requests sent at concurrency 8
 
@@ -56,6 +57,7 @@ def save_checkpoint(folder: Path, layers: int) -> None:
     cfg = dataclasses.replace(preset("small"), num_hidden_layers=layers, num_nextn_predict_layers=0,
                               torch_dtype="bfloat16")
     Transformer(cfg).to(torch.bfloat16).save_pretrained(folder)
+    write_word_tokenizer(folder, cfg.vocab_size)
 
 
 def engine(folder: Path, batch: int, context: int, new_tokens: int, threads: int) -> dict:

@@ -33,13 +33,12 @@ class RowState:
     draft: int | None
     draft_q: torch.Tensor | None
     rng: torch.Tensor  # the request's sampling generator state (a seeded request goes on as in one process)
-    stream: tuple[list[int], str, int]  # TextStream ids, text, characters already released
+    stream: tuple  # TextStream.state()
 
     @classmethod
     def of(cls, wire: WireRequest, row: Row) -> RowState:
-        s = row.stream
         return cls(wire, list(row.generated), row.last, row.next_pos, row.draft, row.draft_q, row.gen.get_state(),
-                   (list(s.ids), s.text, s.sent))
+                   row.stream.state())
 
     def row(self, engine: Engine, request) -> Row:
         row = Row(request, engine.tokenizer, engine.eos_ids, engine.model.config.vocab_size)
@@ -47,7 +46,7 @@ class RowState:
         row.last, row.next_pos = self.last, self.next_pos
         row.draft, row.draft_q = self.draft, self.draft_q
         row.gen.set_state(self.rng)
-        row.stream.ids, row.stream.text, row.stream.sent = list(self.stream[0]), self.stream[1], self.stream[2]
+        row.stream.restore(self.stream)
         return row
 
 
