@@ -250,8 +250,8 @@ def test_the_scheduler_lets_every_chunk_but_the_last_ride_a_decode_step(long_mod
 
     carried = []
     original = Batch.step
-    monkeypatch.setattr(Batch, "step",
-                        lambda self, rider=None: carried.append(rider is not None) or original(self, rider))
+    monkeypatch.setattr(Batch, "step", lambda self, rider=None, **kw: carried.append(rider is not None)
+                        or original(self, rider, **kw))
     engine = Engine(long_model, eos_token_ids=frozenset())
     want = engine.generate([Request(PROMPT, 4, GREEDY)])[0].token_ids
     engine.max_prefill_tokens = 8

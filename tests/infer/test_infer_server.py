@@ -528,9 +528,9 @@ def test_serve_runs_the_decode_loop_on_the_main_thread(model, tokenizer, monkeyp
 
     on_main, real_step = set(), Batch.step
 
-    def step(self, rider=None):
+    def step(self, rider=None, **kw):
         on_main.add(threading.current_thread() is threading.main_thread())
-        return real_step(self, rider)
+        return real_step(self, rider, **kw)
 
     monkeypatch.setattr(Batch, "step", step)
     app = create_app(Engine(model, tokenizer), model_name="tiny")

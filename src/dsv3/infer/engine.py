@@ -36,6 +36,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -50,7 +51,7 @@ from dsv3.infer.penalties import LogitsRules
 from dsv3.infer.sampling import GREEDY, SamplingParams, all_finite, draw, greedy_tokens, probabilities
 from dsv3.infer.speculative import verify
 from dsv3.kernels.decode import FastDecode
-from dsv3.kernels.decode_kernels import MAX_KERNEL_ROWS
+from dsv3.kernels.decode_kernels import MAX_KERNEL_ROWS, before_next_call
 from dsv3.kernels.graph_decode import GraphDecode, decode_step
 from dsv3.model import huge_pages
 from dsv3.model.mla import LatentCache
@@ -768,9 +769,11 @@ class Batch:
         return self.T == 1 and self.engine.micro_batches == 1 and isinstance(self.engine.decoder, FastDecode)
 
     @torch.inference_mode()
-    def step(self, rider: Rider | None = None) -> list[Event]:
+    def step(self, rider: Rider | None = None, before_forward: Callable[[], None] | None = None) -> list[Event]:
         """One forward of the main model for every row (plus one MTP forward when speculating); with a
-        ``rider`` (``carries_riders`` only), that forward also writes its prompt tokens into their pages."""
+        ``rider`` (``carries_riders`` only), that forward also writes its prompt tokens into their pages.
+        ``before_forward`` is called once the step's rows are set: on the CPU decode step just before its
+        kernels' call (``before_next_call``), elsewhere before the forward."""
         if rider is not None and not self.carries_riders:
             raise ValueError("this batch cannot carry a prompt chunk (speculation, micro-batches or not the CPU step)")
         t0 = time.perf_counter()
@@ -781,10 +784,11 @@ class Batch:
         B, T, start = len(self.rows), self.T, self.cur
         ids, positions = self._feed()
         self._valid_np[:, start : start + T] = True
-        if rider is None:
-            h, logits = self._forward(ids, positions, start, self._mask(start, T))
-        else:
-            h, logits = self._forward_riding(ids, positions, start, rider)
+        with self._before_kernels(before_forward):
+            if rider is None:
+                h, logits = self._forward(ids, positions, start, self._mask(start, T))
+            else:
+                h, logits = self._forward_riding(ids, positions, start, rider)
         if not logits.is_cpu:
             logits = logits.cpu()  # [B, T, V]
         scan = self._scan(logits)
@@ -812,6 +816,14 @@ class Batch:
         self.drop([b for b, r in enumerate(self.rows) if r.finish_reason])
         self.stats.decode_s += time.perf_counter() - t0
         return events
+
+    def _before_kernels(self, fn: Callable[[], None] | None):
+        """``fn`` run just before the CPU decode step's kernel call, or now on any other path."""
+        if fn is not None and isinstance(self.engine.decoder, FastDecode):
+            return before_next_call(fn)
+        if fn is not None:
+            fn()
+        return nullcontext()
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, start: int, mask: torch.Tensor | None):
         """The main model's hidden states [B, T, D] and logits [B, T, V] for a decode step: one forward, or

@@ -15,6 +15,11 @@ before the prompt arrived; elsewhere (MTP speculation, another device) a chunk r
 takes about a step's time. With ``engine.prefill_threads`` set, such a prompt is instead prefilled on CPU
 threads of its own while the steps go on (``dsv3.infer.prefill_beside``), one prompt at a time; another
 arriving meanwhile is chunked.
+
+A step's events reach the HTTP thread just before the decode thread next goes into C (the next step's
+kernel call, a prefill) or waits for requests (``_hand_over``): the kernels let go of the GIL, so the HTTP
+thread's Python for those events runs while they compute, not while the decode thread's own Python between
+two steps waits for the GIL.
 """
 
 from __future__ import annotations
@@ -88,6 +93,7 @@ class Scheduler:
         self._stepped: tuple[Batch | None, float, int] = (None, 0.0, 0)  # (batch, decode_s, steps) at the last chunk
         self._step_s: float | None = None  # the running batch's recent decode step time
         self._riding: tuple[ChunkedPrefill, Rider] | None = None  # a chunk for the next step to carry
+        self._outbox: list[tuple[Deliver, Event]] = []  # events sent, not handed over yet (``_hand_over``)
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -144,7 +150,7 @@ class Scheduler:
                 stats = self.batch.stats
                 drafted, accepted = stats.drafted, stats.accepted
                 before = stats.decode_s
-                events = self.batch.step(riding[1] if riding else None)
+                events = self.batch.step(riding[1] if riding else None, before_forward=self._hand_over)
                 if riding is not None:
                     self._rode(*riding, stats.decode_s - before)
                 preempted = self.batch.take_preempted()  # before the batch may go: they wait for pages
@@ -164,6 +170,7 @@ class Scheduler:
                 continue
             if not self.batch.rows:
                 self.batch = None
+        self._hand_over()
 
     def _admit(self) -> None:
         """Take queued requests while the batch has room, then run the next share of prefill work."""
@@ -171,6 +178,7 @@ class Scheduler:
         new: list[tuple[Request, Deliver] | None] = []
         try:
             if self.batch is None and not self.prefilling:
+                self._hand_over()
                 new.append(self.pending.get(timeout=0.05))
             while len(new) < room:
                 new.append(self.pending.get_nowait())
@@ -190,6 +198,8 @@ class Scheduler:
         prompt, or the next prompts whose lengths fit together; each finished batch joins."""
         self._drop_cancelled()
         self._collect_beside()
+        if self.resuming or self.prefilling:
+            self._hand_over()  # a prefill runs in C too
         if self.resuming:
             self._resume()
             return
@@ -389,17 +399,26 @@ class Scheduler:
         self._send(fresh.first_events)
 
     def _send(self, events: list[Event]) -> None:
-        out = []
+        """Count the events and queue them for their requests' listeners (``_hand_over`` delivers them)."""
         for ev in events:
             self.metrics.event(ev.request, len(ev.token_ids), ev.finish_reason)
             deliver = self.listeners.get(id(ev.request))
             if deliver is not None:
-                out.append((deliver, ev))
+                self._outbox.append((deliver, ev))
             if ev.finish_reason:
                 self.listeners.pop(id(ev.request), None)
-        deliver_all(out)
+
+    def _hand_over(self) -> None:
+        """Deliver the events sent since the last hand-over. Called just before the decode thread goes into C
+        (the next step's kernel call, a prefill) or waits for requests, and when its loop ends: the HTTP
+        thread, woken here, then runs its Python for them while the kernels hold no GIL. Woken right after a
+        step, it took the GIL from the decode thread's Python between two steps."""
+        if self._outbox:
+            out, self._outbox = self._outbox, []
+            deliver_all(out)
 
     def _fail(self, requests: list[Request], exc: BaseException) -> None:
+        self._hand_over()  # their earlier events first
         for r in requests:
             self.metrics.finished(r, "error")
             deliver = self.listeners.pop(id(r), None)

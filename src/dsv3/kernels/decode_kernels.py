@@ -29,7 +29,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
+import threading
 import weakref
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -494,11 +497,35 @@ def _page_error() -> ValueError:
     return ValueError("cache write at a slot outside a row's pages")
 
 
+_before = threading.local()  # .fn: what before_next_call runs at this thread's next kernel call
+
+
+@contextmanager
+def before_next_call(fn: Callable[[], None]) -> Iterator[None]:
+    """Run ``fn`` just before this thread's next ``decode_step`` or ``decode_block`` call in the block (on
+    leaving it when none came). The kernels' calls let go of the GIL: a caller that wakes another Python thread
+    here (the server hands a step's events to its HTTP thread) lets that thread's Python run while the kernels
+    compute, where woken earlier it took the GIL from the caller's own Python before the call."""
+    _before.fn = fn
+    try:
+        yield
+    finally:
+        _run_before()
+
+
+def _run_before() -> None:
+    fn = getattr(_before, "fn", None)
+    if fn is not None:
+        _before.fn = None
+        fn()
+
+
 def decode_block(desc: int, step: int, x: torch.Tensor) -> bool:
     """Run one block on x [rows * T, dim] (contiguous, the block's activation dtype) in place; ``desc`` and
     ``step`` are the addresses of a "block" and a "step" ``Descriptor``. False (nothing done) when the step looks its
     RoPE rows up in a table that lacks one of its positions; ValueError (nothing done) when a slot it writes lies
     outside a row's pages (as ``LatentCache.write``)."""
+    _run_before()
     status = _block_functions()[0](desc, step, x.data_ptr())
     if status == PAGE_ERROR:
         raise _page_error()
@@ -513,6 +540,7 @@ def decode_step(desc: int, step: int, ids: torch.Tensor, h: torch.Tensor, logits
     ``desc`` and ``step`` are the addresses of a "model" and a "step" ``Descriptor``. IndexError (and nothing
     computed) for an id outside the embedding, as ``nn.Embedding`` raises; False (nothing computed) as
     ``decode_block`` (and its ValueError)."""
+    _run_before()
     status = _block_functions()[2](desc, step, ids.data_ptr(), h.data_ptr(), logits.data_ptr(),
                                    None if scan is None else scan.data_ptr())
     if status == -1:
