@@ -16,15 +16,17 @@ takes about a step's time. With ``engine.prefill_threads`` set, such a prompt is
 threads of its own while the steps go on (``dsv3.infer.prefill_beside``), one prompt at a time; another
 arriving meanwhile is chunked.
 
-A step's events reach the HTTP thread just before the decode thread next goes into C (the next step's
-kernel call, a prefill) or waits for requests (``_hand_over``): the kernels let go of the GIL, so the HTTP
-thread's Python for those events runs while they compute, not while the decode thread's own Python between
-two steps waits for the GIL.
+Where the kernels' threads leave a CPU free, a step's events reach the HTTP thread just before the decode
+thread next goes into C (the next step's kernel call, a prefill) or waits for requests (``_hand_over``):
+the kernels let go of the GIL, so the HTTP thread's Python for those events runs while they compute, not
+while the decode thread's own Python between two steps waits for the GIL. Where they fill every CPU, the
+events are handed over right after the step (``_spare_core`` says why).
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
 import queue
 import threading
 from collections import deque
@@ -134,6 +136,7 @@ class Scheduler:
 
     # ---- the worker ----------------------------------------------------------------------------
     def _run(self, until: Callable[[], bool] = lambda: False) -> None:
+        during_kernels = self._spare_core()
         if self.engine.prefill_threads:
             # reading the count sets this thread's own from the process's (PyTorch does so at a thread's first
             # call), which the prefill's torch.set_num_threads changes for threads that have not read it yet
@@ -150,7 +153,8 @@ class Scheduler:
                 stats = self.batch.stats
                 drafted, accepted = stats.drafted, stats.accepted
                 before = stats.decode_s
-                events = self.batch.step(riding[1] if riding else None, before_forward=self._hand_over)
+                events = self.batch.step(riding[1] if riding else None,
+                                         before_forward=self._hand_over if during_kernels else None)
                 if riding is not None:
                     self._rode(*riding, stats.decode_s - before)
                 preempted = self.batch.take_preempted()  # before the batch may go: they wait for pages
@@ -158,6 +162,8 @@ class Scheduler:
                 self.metrics.preempted(len(preempted))
                 self.metrics.speculated(stats.drafted - drafted, stats.accepted - accepted)
                 self._send(events)
+                if not during_kernels:
+                    self._hand_over()
             except Exception as exc:  # a failing step must not kill the server: fail its requests
                 failed = [r.request for r in self.batch.rows + self.batch.take_preempted()]
                 if riding is not None and riding[0] in self.prefilling:  # the prompt that rode along too
@@ -171,6 +177,15 @@ class Scheduler:
             if not self.batch.rows:
                 self.batch = None
         self._hand_over()
+
+    def _spare_core(self) -> bool:
+        """Whether this process has a CPU that neither the decode kernels' threads nor a prefill beside them
+        use: there the HTTP thread runs beside the kernels, so a step's events are handed over just before
+        the next step's kernel call. Without one, the HTTP thread would take a core from a kernel thread in
+        the middle of a step, and every other kernel thread would wait for it at the next barrier: the events
+        are handed over right after the step instead."""
+        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return cpus > torch.get_num_threads() + (self.engine.prefill_threads or 0)
 
     def _admit(self) -> None:
         """Take queued requests while the batch has room, then run the next share of prefill work."""
