@@ -96,6 +96,7 @@ class Scheduler:
         self._step_s: float | None = None  # the running batch's recent decode step time
         self._riding: tuple[ChunkedPrefill, Rider] | None = None  # a chunk for the next step to carry
         self._outbox: list[tuple[Deliver, Event]] = []  # events sent, not handed over yet (``_hand_over``)
+        self._during_kernels = False  # hand events over just before the next kernel call (``_spare_core``)
 
     # ---- lifecycle --------------------------------------------------------------------------
     def start(self) -> None:
@@ -136,7 +137,7 @@ class Scheduler:
 
     # ---- the worker ----------------------------------------------------------------------------
     def _run(self, until: Callable[[], bool] = lambda: False) -> None:
-        during_kernels = self._spare_core()
+        self._during_kernels = self._spare_core()
         if self.engine.prefill_threads:
             # reading the count sets this thread's own from the process's (PyTorch does so at a thread's first
             # call), which the prefill's torch.set_num_threads changes for threads that have not read it yet
@@ -154,7 +155,7 @@ class Scheduler:
                 drafted, accepted = stats.drafted, stats.accepted
                 before = stats.decode_s
                 events = self.batch.step(riding[1] if riding else None,
-                                         before_forward=self._hand_over if during_kernels else None)
+                                         before_forward=self._hand_over if self._during_kernels else None)
                 if riding is not None:
                     self._rode(*riding, stats.decode_s - before)
                 preempted = self.batch.take_preempted()  # before the batch may go: they wait for pages
@@ -162,8 +163,6 @@ class Scheduler:
                 self.metrics.preempted(len(preempted))
                 self.metrics.speculated(stats.drafted - drafted, stats.accepted - accepted)
                 self._send(events)
-                if not during_kernels:
-                    self._hand_over()
             except Exception as exc:  # a failing step must not kill the server: fail its requests
                 failed = [r.request for r in self.batch.rows + self.batch.take_preempted()]
                 if riding is not None and riding[0] in self.prefilling:  # the prompt that rode along too
@@ -414,7 +413,8 @@ class Scheduler:
         self._send(fresh.first_events)
 
     def _send(self, events: list[Event]) -> None:
-        """Count the events and queue them for their requests' listeners (``_hand_over`` delivers them)."""
+        """Count the events and queue them for their requests' listeners, handed over now, or with
+        ``_during_kernels`` just before the next kernel call (``_hand_over``)."""
         for ev in events:
             self.metrics.event(ev.request, len(ev.token_ids), ev.finish_reason)
             deliver = self.listeners.get(id(ev.request))
@@ -422,6 +422,8 @@ class Scheduler:
                 self._outbox.append((deliver, ev))
             if ev.finish_reason:
                 self.listeners.pop(id(ev.request), None)
+        if not self._during_kernels:
+            self._hand_over()
 
     def _hand_over(self) -> None:
         """Deliver the events sent since the last hand-over. Called just before the decode thread goes into C
