@@ -8,7 +8,6 @@ help stays readable at 80 columns.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import sys
 import time
@@ -465,12 +464,14 @@ def beside_threads(engine, prefill_threads: int, threads: int) -> int:
     note when it and the decode's threads outnumber the cores (they would take turns on them)."""
     import torch
 
+    from dsv3.infer.prefill_beside import usable_cpus
+
     if not prefill_threads:
         return 0
     if engine.device.type != "cpu":
         raise DSV3Error(f"--prefill-threads gives a prefill CPU threads of its own; this model runs on "
                         f"{engine.device.type}: drop it")
-    cores, decode = os.cpu_count() or 1, threads or torch.get_num_threads()
+    cores, decode = usable_cpus(), threads or torch.get_num_threads()
     if decode + prefill_threads > cores:
         _log_line(f"note: {decode} decode + {prefill_threads} prefill threads on {cores} cores: prefills starve; "
                   f"try --threads {max(cores - prefill_threads, 1)}")

@@ -28,6 +28,7 @@ class TextStream:
         self.text = ""  # the text of ids[:read]
         self.sent = 0  # characters of self.text already released
         self.prefix = self.read = 0  # the window: ids[prefix:] decoded, its text up to ids[read] known already
+        self._known: int | None = 0  # len of the text of ids[prefix:read] (None: not decoded since the window moved)
 
     def state(self) -> tuple:
         """What ``restore`` takes to go on from here (a row handed to another process)."""
@@ -35,7 +36,7 @@ class TextStream:
 
     def restore(self, state: tuple) -> None:
         ids, self.text, self.sent, self.prefix, self.read = state
-        self.ids = list(ids)
+        self.ids, self._known = list(ids), None
 
     def push(self, token_id: int) -> tuple[str, bool]:
         """Add one token; returns (text delta, whether a stop string was completed)."""
@@ -52,15 +53,16 @@ class TextStream:
     def _advance(self, final: bool) -> str:
         """Append the window's new text to ``text`` once it ends in a whole character (``final``: whatever it
         ends in) and move the window on; else return that new text, held back."""
-        known = self._decode(self.ids[self.prefix : self.read])
-        window = self._decode(self.ids[self.prefix :])
-        if len(window) <= len(known):
+        if self._known is None:  # once per move of the window, not once per token
+            self._known = len(self._decode(self.ids[self.prefix : self.read]))
+        known, window = self._known, self._decode(self.ids[self.prefix :])
+        if len(window) <= known:
             return ""
         if final or not window.endswith("\ufffd"):
-            self.text += window[len(known) :]
-            self.prefix, self.read = self.read, len(self.ids)
+            self.text += window[known:]
+            self.prefix, self.read, self._known = self.read, len(self.ids), None
             return ""
-        return window[len(known) :]
+        return window[known:]
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens) if ids else ""

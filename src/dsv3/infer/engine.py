@@ -818,7 +818,8 @@ class Batch:
         return events
 
     def _before_kernels(self, fn: Callable[[], None] | None):
-        """``fn`` run just before the CPU decode step's kernel call, or now on any other path."""
+        """``fn`` run just before the CPU decode step's kernel call (after the forward, when that step falls
+        back to the model's modules this once), or now on any other decoder."""
         if fn is not None and isinstance(self.engine.decoder, FastDecode):
             return before_next_call(fn)
         if fn is not None:

@@ -55,6 +55,11 @@ class Cores:
         return Cores(frozenset(allowed[:-prefill_threads]), frozenset(allowed[-prefill_threads:]))
 
 
+def usable_cpus() -> int:
+    """How many CPUs this thread may run on (its affinity where the OS has one, else the machine's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
 def pin(cpus: frozenset[int]) -> None:
     """Run the calling thread (and threads it starts from now on) on ``cpus`` only, where the OS allows."""
     try:

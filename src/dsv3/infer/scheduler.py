@@ -26,7 +26,6 @@ events are handed over right after the step (``_spare_core`` says why).
 from __future__ import annotations
 
 import asyncio
-import os
 import queue
 import threading
 from collections import deque
@@ -39,7 +38,7 @@ from dsv3.infer.chunked_prefill import MAX_CHUNK_TOKENS, ChunkedPrefill
 from dsv3.infer.engine import Batch, Engine, Event, Request, Rider, Row, merged
 from dsv3.infer.metrics import ServingMetrics
 from dsv3.infer.page_pool import PoolFull
-from dsv3.infer.prefill_beside import Cores, PrefillBeside, pin
+from dsv3.infer.prefill_beside import Cores, PrefillBeside, pin, usable_cpus
 
 Deliver = Callable[[Event | BaseException], None]  # called from the decode thread with each event of a request
 
@@ -183,8 +182,7 @@ class Scheduler:
         the next step's kernel call. Without one, the HTTP thread would take a core from a kernel thread in
         the middle of a step, and every other kernel thread would wait for it at the next barrier: the events
         are handed over right after the step instead."""
-        cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        return cpus > torch.get_num_threads() + (self.engine.prefill_threads or 0)
+        return usable_cpus() > torch.get_num_threads() + (self.engine.prefill_threads or 0)
 
     def _admit(self) -> None:
         """Take queued requests while the batch has room, then run the next share of prefill work."""
