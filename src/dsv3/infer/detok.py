@@ -4,7 +4,7 @@ Text is released only when it can no longer change: an incomplete UTF-8 sequence
 U+FFFD) and any tail that could still grow into a stop string are held back until the next token.
 
 Each token decodes a short window of the newest ids, not the whole sequence, whose decode grows with every
-token (a byte-level BPE's: 0.25 ms at 1,024 ids, 1.2 ms at 4,096, against 3-4 us a token for the window;
+token (a byte-level BPE's: 0.23 ms at 1,024 ids, 1.2 ms at 4,096, against 3-4 us a token for the window;
 ``benchmarks/detok_cost.py``), paid per row per step on the decode thread. A token's text can depend on
 the tokens before it (the bytes of a character split across tokens, a SentencePiece decoder's leading
 space), so the window starts at the tokens released the time before last, and the new text is what
