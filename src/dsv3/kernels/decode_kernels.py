@@ -265,7 +265,11 @@ def _fp32_router(router) -> tuple[torch.Tensor, torch.Tensor | None]:
     which a copy per step and layer would write and read again)."""
     bias = router.e_score_correction_bias if router.method == "noaux_tc" else None
     tensors = [t.detach() for t in (router.weight, bias) if t is not None]
-    if any(t.dtype != torch.float32 for t in tensors):
+    if any(t.dtype != torch.float32 for t in tensors) and torch.compiler.is_compiling():
+        # compiled (the static step): converted in the graph, as the copies keyed on addresses below are Python
+        # state a graph cannot hold
+        tensors = [t.float() for t in tensors]
+    elif any(t.dtype != torch.float32 for t in tensors):
         # an inference tensor has no version counter, and cannot change outside inference mode: its address
         key = tuple((t.data_ptr(), None if t.is_inference() else t._version, t.dtype) for t in tensors)
         made = _ROUTER_COPIES.get(router)

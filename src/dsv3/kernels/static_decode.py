@@ -16,8 +16,11 @@ new graph per position), the routed experts run on data-dependent row counts. He
   batch, mapped to the blank page, write zeros there), and attends over all ``max_len`` slots through a mask
   (slot <= the current one, the slots the row holds, and ``valid``, the engine's per-row slots): on the
   module path each row's slots gathered through their flat indices, on the CPU ops read in place;
-* the routed experts gather each row's top-k weights (``kernels.gathered_swiglu``) instead of grouping
-  rows by expert.
+* the routed experts run as one grouped GEMM over the (row, expert) pairs sorted by expert
+  (``kernels.grouped_swiglu``: each routed-to expert's weights read once, every shape fixed), where
+  ``torch._grouped_mm`` runs the weights (bf16; on CUDA, compute capability 9.0 on); elsewhere each row
+  gathers its top-k experts' weights (``kernels.gathered_swiglu``: at one row the same bytes, at many rows
+  each row's own copy).
 
 Everything else is the model's own modules (norms, projections, router, shared experts, head), and the
 attention is ``MLA.latent_attention``, the absorbed path's own code, so the step equals the module path
@@ -43,7 +46,7 @@ from dsv3.kernels import decode_kernels as dk
 from dsv3.kernels.decode import AttentionPlan, FeedForwardPlan, rms_norm, weight_of
 from dsv3.model.dispatch import LocalDispatcher
 from dsv3.model.experts import GroupedExperts
-from dsv3.model.kernels import gathered_swiglu
+from dsv3.model.kernels import gathered_swiglu, grouped_mm_runs, grouped_swiglu
 from dsv3.model.mla import MLA, LatentCache
 from dsv3.model.moe import MoE
 from dsv3.model.norm import RMSNorm
@@ -99,6 +102,8 @@ class StaticDecode(nn.Module):
         # on the CPU: each block's weights as the ops read them, and the head's (None: the modules run)
         self.plans = self._kernel_plans() if self.kv.device.type == "cpu" else None
         self.head = weight_of(model.lm_head)
+        # decided here, not in the traced step (the device's capability is a query a graph should not make)
+        self.grouped = all(grouped_mm_runs(m.experts.gate_proj, m.experts.down_proj) for m in model.moe_layers())
 
     @property
     def max_len(self) -> int:
@@ -228,14 +233,14 @@ class StaticDecode(nn.Module):
         return plan.attend(q, cos, sin, self.kv[i], self.pe[i], bias, True, table=self.table, shift=self.shift,
                            slots=self.max_len)
 
-    @staticmethod
-    def _feed_forward(mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
+    def _feed_forward(self, mlp: nn.Module, h: torch.Tensor) -> torch.Tensor:
         if not isinstance(mlp, MoE):
             return mlp(h)
         flat = h.flatten(0, 1)
         idx, gates, _ = mlp.gate(flat)
         e = mlp.experts
-        out = gathered_swiglu(flat, idx, gates, e.gate_proj, e.up_proj, e.down_proj).view_as(h)
+        routed = grouped_swiglu if self.grouped else gathered_swiglu
+        out = routed(flat, idx, gates, e.gate_proj, e.up_proj, e.down_proj).view_as(h)
         return out if mlp.shared_experts is None else out + mlp.shared_experts(h)
 
     def compiled(self, mode: str | None = None):

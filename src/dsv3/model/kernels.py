@@ -181,6 +181,44 @@ def gathered_swiglu(x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, w_g
     return torch.einsum("nki,nkdi->nd", gates.to(act.dtype)[..., None] * act, w_down[idx])
 
 
+def grouped_mm_runs(w_gate: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """Whether ``grouped_swiglu`` can run these experts' weights (w_gate [E, I, D], w_down [E, D, I]) inside a
+    compiled graph and a CUDA graph: ``torch._grouped_mm`` takes bf16 (its compiled form only bf16), rows of
+    whole 16-byte units, and on CUDA only compute capability 9.0 on runs it without reading the group offsets
+    back to the host (below that, a fallback does, which a CUDA graph cannot capture)."""
+    if w_gate.dtype != torch.bfloat16 or w_down.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+        return False
+    if w_gate.shape[-1] % 8 or w_gate.shape[-2] % 8:
+        return False
+    return w_gate.device.type == "cpu" or (w_gate.device.type == "cuda"
+                                           and torch.cuda.get_device_capability(w_gate.device) >= (9, 0))
+
+
+def grouped_swiglu(x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, w_gate: torch.Tensor,
+                   w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """What ``gathered_swiglu`` computes, with its static shapes, but each routed-to expert's weights read once
+    for all its rows, as the grouped path does (torchtitan's GroupedExperts; vLLM's fused MoE): the N*K (row,
+    expert) pairs sorted by expert, each expert's pairs one group of a grouped GEMM (``torch._grouped_mm``,
+    groups given by their end offsets; an expert no row chose is an empty group, its weights never read).
+    Every shape is N*K or E whatever the routing, so a compiled step and a CUDA graph keep one shape. The K
+    products of a row are summed in fp32. x [N, D], idx/gates [N, K] -> [N, D]; ``grouped_mm_runs`` says
+    where it runs."""
+    N, K = idx.shape
+    pairs = idx.flatten()  # [P]
+    order = pairs.argsort(stable=True)  # the pairs by expert
+    rows = order.div(K, rounding_mode="floor")  # [P]: the row of x each sorted pair reads
+    counts = torch.zeros(w_gate.shape[0], dtype=torch.int32, device=idx.device)
+    counts.index_add_(0, pairs, torch.ones_like(pairs, dtype=torch.int32))
+    ends = counts.cumsum(0, dtype=torch.int32)  # [E]: where each expert's group ends
+    xs = x[rows]  # [P, D]
+    act = F.silu(torch._grouped_mm(xs, w_gate.transpose(-2, -1), offs=ends)) \
+        * torch._grouped_mm(xs, w_up.transpose(-2, -1), offs=ends)  # [P, I]
+    act = act * gates.flatten()[order, None].to(act.dtype)
+    ys = torch._grouped_mm(act, w_down.transpose(-2, -1), offs=ends)  # [P, D]
+    out = torch.zeros(N, x.shape[1], dtype=torch.float32, device=x.device)
+    return out.index_add_(0, rows, ys.float()).to(x.dtype)
+
+
 # ==== the head loss =================================================================================
 
 # Next-token cross-entropy fused with the output head, one chunk of rows at a time.
