@@ -265,18 +265,20 @@ def _fp32_router(router) -> tuple[torch.Tensor, torch.Tensor | None]:
     which a copy per step and layer would write and read again)."""
     bias = router.e_score_correction_bias if router.method == "noaux_tc" else None
     tensors = [t.detach() for t in (router.weight, bias) if t is not None]
-    if any(t.dtype != torch.float32 for t in tensors) and torch.compiler.is_compiling():
-        # compiled (the static step): converted in the graph, as the copies keyed on addresses below are Python
-        # state a graph cannot hold
-        tensors = [t.float() for t in tensors]
-    elif any(t.dtype != torch.float32 for t in tensors):
-        # an inference tensor has no version counter, and cannot change outside inference mode: its address
-        key = tuple((t.data_ptr(), None if t.is_inference() else t._version, t.dtype) for t in tensors)
-        made = _ROUTER_COPIES.get(router)
-        if made is None or made[0] != key:
-            made = _ROUTER_COPIES[router] = (key, [t.float() for t in tensors])
-        tensors = made[1]
+    if any(t.dtype != torch.float32 for t in tensors):
+        # compiled (the static step), converted in the graph: the kept copies are Python state no graph holds
+        tensors = [t.float() for t in tensors] if torch.compiler.is_compiling() else _kept_copies(router, tensors)
     return tensors[0], tensors[1] if bias is not None else None
+
+
+def _kept_copies(router, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """fp32 copies of a router's tensors, made again only when the tensors change (their addresses and versions;
+    an inference tensor has no version counter, and cannot change outside inference mode: its address)."""
+    key = tuple((t.data_ptr(), None if t.is_inference() else t._version, t.dtype) for t in tensors)
+    made = _ROUTER_COPIES.get(router)
+    if made is None or made[0] != key:
+        made = _ROUTER_COPIES[router] = (key, [t.float() for t in tensors])
+    return made[1]
 
 
 def mla_decode(q: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
