@@ -96,8 +96,11 @@ def decode(model: Transformer, batch: int, bandwidth: float) -> dict:
     stats = engine.last_stats
     step_s = stats.decode_s / stats.main_forwards
     roofline_s = step_bytes(model, batch, CONTEXT + NEW_TOKENS // 2) / bandwidth
+    rungs = getattr(engine.decoder, "rungs", {})
+    experts = {"cpu ops" if static.plans is not None else "grouped" if static.grouped else "gathered"
+               for static, _ in rungs.values()}  # what ran the routed experts
     row = dict(name="engine_decode_v2_lite_shape_bf16", batch=batch, context=CONTEXT,
-               decoder=type(engine.decoder).__name__, rungs=sorted(getattr(engine.decoder, "rungs", {})),
+               decoder=type(engine.decoder).__name__, rungs=sorted(rungs), routed_experts=sorted(experts),
                first_run_s=first_s, tokens_per_s=stats.tokens / stats.decode_s, ms_per_step=step_s * 1e3,
                roofline_ms_per_step=roofline_s * 1e3, fraction_of_roofline=roofline_s / step_s)
     emit(**row)

@@ -205,3 +205,22 @@ def test_a_bf16_step_on_the_modules_runs_the_grouped_experts_in_one_graph(model)
             assert float((got.float() - want.float()).norm() / want.float().norm()) < 2e-2
     assert len(graphs) == 1
     assert sum("_grouped_mm" in target for target in graphs[0]) == 3  # one MoE layer: gate, up, down
+
+
+def test_a_grouped_gemm_that_errs_or_is_wrong_leaves_the_step_on_the_gathered_experts(monkeypatch):
+    """The probe a CUDA device must pass before the static step takes the grouped GEMM (run here on the CPU, whose
+    grouped GEMM passes it): a build whose ``torch._grouped_mm`` raises, or gives other numbers, fails it."""
+    from dsv3.model import kernels
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(kernels, "_PROBED", {})
+    assert kernels._grouped_mm_probe(cpu)
+    real = torch._grouped_mm
+
+    def raising(*args, **kwargs):
+        raise RuntimeError("no kernel image is available for execution on the device")
+
+    for broken in (raising, lambda *args, **kwargs: torch.zeros_like(real(*args, **kwargs))):
+        monkeypatch.setattr(kernels, "_PROBED", {})
+        monkeypatch.setattr(torch, "_grouped_mm", broken)
+        assert not kernels._grouped_mm_probe(cpu)
