@@ -822,10 +822,11 @@ DP_INLINE __mmask32 dp_mask(int64_t n) { return n >= 32 ? 0xFFFFFFFFu : (__mmask
  * in 256-bit VDPBF16PS (one 8-lane chain per (weight row, activation row), then hsum4); each weight vector
  * serves the C rows, each x vector the NR rows. A pair's arithmetic is the same for every C, so a row's
  * result does not depend on how many rows share the call. 512-bit steps measured slower than the AVX2 FMAs
- * at one row, where the GEMV waits on memory; 256-bit ones faster. pf: where to prefetch the bytes a step
- * reads, further on (or NULL). */
+ * at one row, where the GEMV waits on memory; 256-bit ones faster. Step j prefetches the two lines from
+ * pf + j * pfs on (pfs <= 128, the bytes a step reads; less when several passes share the prefetch, some lines
+ * then asked for twice): see dp_gemv_tiles. */
 DP_INLINE void dp_tile(int C, const uint16_t *const *rows, int64_t K, const uint16_t *x, int64_t ldx, float *res,
-                       const char *pf) {
+                       const char *pf, int64_t pfs) {
     __m256 acc[NR][DP_ROWS];
 #pragma GCC unroll 8
     for (int r = 0; r < NR; r++)
@@ -833,7 +834,8 @@ DP_INLINE void dp_tile(int C, const uint16_t *const *rows, int64_t K, const uint
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
     for (int64_t k = 0; k < K; k += 16) {
         const __mmask16 m = (__mmask16)dp_mask(K - k > 16 ? 16 : K - k);
-        if (pf) prefetch(pf + k * NR * 2, NR * 32);
+        const char *q = pf + (k >> 4) * pfs;
+        _mm_prefetch(q, _MM_HINT_T0), _mm_prefetch(q + 64, _MM_HINT_T0);
         __m256i w[NR];
 #pragma GCC unroll 8
         for (int r = 0; r < NR; r++) w[r] = _mm256_maskz_loadu_epi16(m, rows[r] + k);
@@ -848,32 +850,44 @@ DP_INLINE void dp_tile(int C, const uint16_t *const *rows, int64_t K, const uint
     for (int c = 0; c < C; c++) _mm_storeu_ps(res + c * NR, hsum4(acc[0][c], acc[1][c], acc[2][c], acc[3][c]));
 }
 
+/* dp_tile with the activation rows (1 to DP_ROWS) as constants, prefetching PFS bytes a step. */
+#define DP_TILE_CASES(PFS)                                                                                      \
+    switch (mb) {                                                                                               \
+        case 1: dp_tile(1, rows, K, xa, K, res, p, PFS); break;                                                \
+        case 2: dp_tile(2, rows, K, xa, K, res, p, PFS); break;                                                \
+        case 3: dp_tile(3, rows, K, xa, K, res, p, PFS); break;                                                \
+        case 4: dp_tile(4, rows, K, xa, K, res, p, PFS); break;                                                \
+        case 5: dp_tile(5, rows, K, xa, K, res, p, PFS); break;                                                \
+        default: dp_tile(6, rows, K, xa, K, res, p, PFS); break;                                               \
+    }
+
 /* gemv_tiles for bf16 weights w [N, K] and bf16 activations x [M, K]: y[m, n] for the rows n of tiles
  * [t0, t1) (a partial last tile repeats its last row, computed, not stored), DP_ROWS activation rows at a
- * time; the first micro-tile of each tile prefetches the weights PF_BYTES (or a tile) ahead. */
+ * time: a pass over the tile each. The weights PF_BYTES (or a tile) ahead are prefetched in slices, one per
+ * pass, spread over its steps: when only the first pass prefetched, memory stood idle while the others
+ * computed, and a seventh row (a second pass) halved the GB/s of six (decode_kernels_speed.py --rows 6,7). */
 static DP_TARGET void dp_gemv_tiles(const uint16_t *w, int64_t N, int64_t K, const uint16_t *x, int64_t M, float *y,
                                     int64_t ldy, int64_t t0, int64_t t1) {
     const size_t row_bytes = (size_t)K * 2, tile_bytes = NR * row_bytes;
     const size_t ahead = tile_bytes > PF_BYTES ? tile_bytes : PF_BYTES;
+    /* pass g of a tile prefetches slice g of the next, spread over its steps (one pass: a step's own bytes) */
+    const int64_t passes = (M + DP_ROWS - 1) / DP_ROWS, steps = (K + 15) / 16;
+    const int64_t slice = ((int64_t)tile_bytes + passes - 1) / passes, pfs = (slice + steps - 1) / steps;
     for (int64_t t = t0; t < t1; t++) {
         const int64_t n = t * NR;
         const int nr = N - n < NR ? (int)(N - n) : NR;
         const uint16_t *rows[NR];
         for (int r = 0; r < NR; r++) rows[r] = w + (size_t)(n + (r < nr ? r : nr - 1)) * K;
         const char *pf = (const char *)w + n * row_bytes + ahead;
-        for (int64_t m0 = 0; m0 < M;) {
+        for (int64_t m0 = 0, g = 0; m0 < M; g++) {
             const int mb = M - m0 < DP_ROWS ? (int)(M - m0) : DP_ROWS;
             float res[DP_ROWS * NR];
             const uint16_t *xa = x + m0 * K;
-            const char *p = m0 ? NULL : pf;
-            switch (mb) {
-                case 1: dp_tile(1, rows, K, xa, K, res, p); break;
-                case 2: dp_tile(2, rows, K, xa, K, res, p); break;
-                case 3: dp_tile(3, rows, K, xa, K, res, p); break;
-                case 4: dp_tile(4, rows, K, xa, K, res, p); break;
-                case 5: dp_tile(5, rows, K, xa, K, res, p); break;
-                default: dp_tile(6, rows, K, xa, K, res, p); break;
-            }
+            const char *p = pf + g * slice;
+            if (passes == 1) /* a step's own bytes: the constant lets the compiler shift, not multiply */
+                DP_TILE_CASES(NR * 32)
+            else
+                DP_TILE_CASES(pfs)
             for (int i = 0; i < mb; i++)
                 for (int r = 0; r < nr; r++) y[(m0 + i) * ldy + n + r] = res[i * NR + r];
             m0 += mb;
@@ -957,9 +971,10 @@ static int fp8_dots(void) {
 #define USE_DOT_FP8(kind, xkind) ((kind) == W_FP8 && (xkind) == A_BF16 && fp8_dots())
 
 /* res[c * NR + r] = sum_k rows[r][k] x[c * ldx + k] for C (1 or 2) activation rows of FP8 weights (K columns)
- * and bf16 activations in fp8_dot_order; scale[b]: the tile's scale of 128-column block b. */
+ * and bf16 activations in fp8_dot_order; scale[b]: the tile's scale of 128-column block b. Group j (64 columns)
+ * prefetches pfs bytes from pf + j * pfs on (see dp8_gemv_tiles). */
 DP8_INLINE void dp8_tile(int C, const uint8_t *const *rows, int64_t K, const float *scale, const uint16_t *x,
-                         int64_t ldx, float *res, const char *pf) {
+                         int64_t ldx, float *res, const char *pf, int64_t pfs) {
     const __m512i lo_a = _mm512_loadu_si512((const void *)fp8_bf16_lo), lo_b = _mm512_loadu_si512((const void *)(fp8_bf16_lo + 64));
     const __m512i hi_a = _mm512_loadu_si512((const void *)fp8_bf16_hi), hi_b = _mm512_loadu_si512((const void *)(fp8_bf16_hi + 64));
     const __m512i sign = _mm512_set1_epi8((char)0x80);
@@ -977,7 +992,7 @@ DP8_INLINE void dp8_tile(int C, const uint8_t *const *rows, int64_t K, const flo
             for (int c = 0; c < C; c++) blk[r][c] = _mm512_setzero_ps();
         for (int64_t k = k0; k < k1; k += FP8_GROUP) {
             const __mmask64 m = k1 - k >= FP8_GROUP ? ~(__mmask64)0 : (((__mmask64)1 << (k1 - k)) - 1);
-            if (pf) prefetch(pf + k * NR, NR * FP8_GROUP);
+            prefetch(pf + (k >> 6) * pfs, (int)pfs);
             __m512i xv[DP8_ROWS][2];
 #pragma GCC unroll 8
             for (int c = 0; c < C; c++)
@@ -1016,6 +1031,10 @@ static DP8_TARGET void dp8_gemv_tiles(const uint8_t *w, const float *scales, int
     const size_t tile_bytes = NR * (size_t)K, ahead = tile_bytes > PF_BYTES ? tile_bytes : PF_BYTES;
     const char *end = (const char *)w + (t1 * NR < N ? t1 * NR : N) * K;
     prefetch_entry((const char *)w + t0 * tile_bytes, end, ahead);
+    /* pass g of a tile (DP8_ROWS activation rows) prefetches slice g of the next one, spread over its groups:
+     * when only the first pass prefetched, memory stood idle while the others computed (as in dp_gemv_tiles) */
+    const int64_t passes = (M + DP8_ROWS - 1) / DP8_ROWS, groups = (K + FP8_GROUP - 1) / FP8_GROUP;
+    const int64_t slice = ((int64_t)tile_bytes + passes - 1) / passes, pfs = (slice + groups - 1) / groups;
     float scale[kblocks]; /* the tile's row block's scales, over 256 */
     int64_t scaled_block = -1;
     for (int64_t t = t0; t < t1; t++) {
@@ -1028,14 +1047,14 @@ static DP8_TARGET void dp8_gemv_tiles(const uint8_t *w, const float *scales, int
         const uint8_t *rows[NR];
         for (int r = 0; r < NR; r++) rows[r] = w + (size_t)(n + (r < nr ? r : nr - 1)) * K;
         const char *pf = prefetch_past((const char *)w + n * K + ahead, end, next);
-        for (int64_t m0 = 0; m0 < M;) {
+        for (int64_t m0 = 0, g = 0; m0 < M; g++) {
             const int mb = M - m0 < DP8_ROWS ? (int)(M - m0) : DP8_ROWS;
             float res[DP8_ROWS * NR];
-            const char *p = m0 ? NULL : pf;
+            const char *p = pf + g * slice;
             if (mb == 1)
-                dp8_tile(1, rows, K, scale, x + m0 * K64, K64, res, p);
+                dp8_tile(1, rows, K, scale, x + m0 * K64, K64, res, p, pfs);
             else
-                dp8_tile(2, rows, K, scale, x + m0 * K64, K64, res, p);
+                dp8_tile(2, rows, K, scale, x + m0 * K64, K64, res, p, pfs);
             for (int i = 0; i < mb; i++)
                 for (int r = 0; r < nr; r++) y[(m0 + i) * ldy + n + r] = res[i * NR + r];
             m0 += mb;
