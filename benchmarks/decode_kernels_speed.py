@@ -1,14 +1,15 @@
 """How close the decode GEMV kernels (src/dsv3/kernels/decode_kernels.c) come to the memory bandwidth.
 
-For the ``small`` preset's matrices (the lm_head, the attention projections, the dense MLP and one routed
-expert as ``dsv3_swiglu_experts`` runs them) in fp32, bf16, FP8 (e4m3, 128x128 block scales) and integer
-groups (int8, int4: 32 values and an fp16 scale, ``--weights int8|int4``; their bytes count the scales), at 1
-and 2 threads: GB/s of weight bytes read by the kernel, that as a fraction of the read bandwidth measured in
-the same run (torch ``x.sum()`` over 256 MB), and torch's ``F.linear`` on the same weights beside it (FP8:
-dequantized per call, which is what runs without the kernels). ``--baseline`` adds another build of the
-kernels (an older ``decode_kernels.c`` or its ``.so``, or ``--baseline-rev REV`` for the file at a git
-revision) for a before/after comparison in one run (whole decode steps before and after a change:
-``benchmarks/decode_step_ab.py``); ``--avx2`` runs both on their AVX2 paths, as a CPU without AVX-512 would.
+For the ``small`` preset's matrices (``--shape``: another preset's, or ``large``, decode_speed.py's own larger
+shape; the lm_head, the attention projections, the dense MLP and one routed expert as ``dsv3_swiglu_experts``
+runs them) in fp32, bf16, FP8 (e4m3, 128x128 block scales) and integer groups (int8, int4: 32 values and an
+fp16 scale, ``--weights int8|int4``; their bytes count the scales), at 1 and 2 threads: GB/s of weight bytes
+read by the kernel, that as a fraction of the read bandwidth measured in the same run (torch ``x.sum()`` over
+256 MB), and torch's ``F.linear`` on the same weights beside it (FP8: dequantized per call, which is what runs
+without the kernels). ``--baseline`` adds another build of the kernels (an older ``decode_kernels.c`` or its
+``.so``, or ``--baseline-rev REV`` for the file at a git revision) for a before/after comparison in one run
+(whole decode steps before and after a change: ``benchmarks/decode_step_ab.py``); ``--avx2`` runs both on
+their AVX2 paths, as a CPU without AVX-512 would.
 
     .venv/bin/python benchmarks/decode_kernels_speed.py                      # the table
     .venv/bin/python benchmarks/decode_kernels_speed.py --baseline-rev main --rows 1,4,16 --json
@@ -39,7 +40,6 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from dsv3.config import preset
 from dsv3.errors import DSV3Error
 from dsv3.kernels import c_build
 from dsv3.kernels import decode_kernels as dk
@@ -77,8 +77,11 @@ class Case:
         return f"{self.n}x{self.k}" + ("x3" if self.op == "swiglu" else "")
 
 
-def small_cases() -> list[Case]:
-    c = preset("small")
+def cases_of(shape: str) -> list[Case]:
+    """The matrices of a shape: a config preset, or decode_speed.py's ``large``."""
+    from decode_speed import shape as model_shape  # benchmarks/ is on sys.path when a script runs
+
+    c = model_shape(shape)
     heads, qk = c.num_attention_heads, c.qk_nope_head_dim + c.qk_rope_head_dim
     return [Case("head", "linear", c.vocab_size, c.hidden_size),
             Case("q_a", "linear", c.q_lora_rank, c.hidden_size),
@@ -321,6 +324,8 @@ def main() -> None:
     ap.add_argument("--threads", default="1,2", help="comma-separated thread counts")
     ap.add_argument("--rows", default="1", help="activation rows per call, comma-separated (up to 64)")
     ap.add_argument("--kinds", default=",".join(KINDS), help=f"weight kinds: {','.join(KINDS)}")
+    ap.add_argument("--shape", default="small", help="whose matrices: a config preset or decode_speed.py's large "
+                    "(default: small)")
     ap.add_argument("--matrices", default="", help="a subset of head,q_a,q_b,kv_a,o,mlp,expert (default: all)")
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--footprint-mb", type=int, default=96, help="the copies of each matrix, together")
@@ -338,7 +343,7 @@ def main() -> None:
         kinds = [k.strip() for k in args.kinds.split(",") if k.strip()]
         if not kinds or any(k not in KINDS for k in kinds):
             raise DSV3Error(f"--kinds must list some of {','.join(KINDS)}, got {args.kinds!r}")
-        cases = small_cases()
+        cases = cases_of(args.shape)
         if args.matrices:
             wanted = [m.strip() for m in args.matrices.split(",") if m.strip()]
             unknown = sorted(set(wanted) - {c.name for c in cases})
@@ -354,8 +359,8 @@ def main() -> None:
                     if lib is not None and hasattr(lib, "dsv3_int_avx512"):
                         lib.dsv3_int_avx512.argtypes, lib.dsv3_int_avx512.restype = [ctypes.c_int], ctypes.c_int
                         lib.dsv3_int_avx512(0)
-            report = run(cases, kinds, threads, rows, args.repeats, args.footprint_mb * 2**20, base,
-                         not args.no_torch)
+            report = {"shape": args.shape, **run(cases, kinds, threads, rows, args.repeats, args.footprint_mb * 2**20,
+                                                 base, not args.no_torch)}
     except DSV3Error as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)
