@@ -980,7 +980,8 @@ static int fp8_dots(void) {
 
 /* res[c * NR + r] = sum_k rows[r][k] x[c * ldx + k] for C (1 or 2) activation rows of FP8 weights (K columns)
  * and bf16 activations in fp8_dot_order; scale[b]: the tile's scale of 128-column block b. Group j (64 columns)
- * prefetches pfs bytes from pf + j * pfs on (see dp8_gemv_tiles). */
+ * prefetches the four lines from pf + j * pfs on (pfs: the bytes a group reads, less when several passes share
+ * the prefetch of the next tile, some lines then ahead of the pass's slice; see dp8_gemv_tiles). */
 DP8_INLINE void dp8_tile(int C, const uint8_t *const *rows, int64_t K, const float *scale, const uint16_t *x,
                          int64_t ldx, float *res, const char *pf, int64_t pfs) {
     const __m512i lo_a = _mm512_loadu_si512((const void *)fp8_bf16_lo), lo_b = _mm512_loadu_si512((const void *)(fp8_bf16_lo + 64));
@@ -1000,7 +1001,7 @@ DP8_INLINE void dp8_tile(int C, const uint8_t *const *rows, int64_t K, const flo
             for (int c = 0; c < C; c++) blk[r][c] = _mm512_setzero_ps();
         for (int64_t k = k0; k < k1; k += FP8_GROUP) {
             const __mmask64 m = k1 - k >= FP8_GROUP ? ~(__mmask64)0 : (((__mmask64)1 << (k1 - k)) - 1);
-            prefetch(pf + (k >> 6) * pfs, (int)pfs);
+            prefetch_lines(pf + (k >> 6) * pfs, 4); /* a group's lines, from pfs a group on */
             __m512i xv[DP8_ROWS][2];
 #pragma GCC unroll 8
             for (int c = 0; c < C; c++)
