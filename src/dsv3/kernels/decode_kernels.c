@@ -240,10 +240,12 @@ static inline __attribute__((always_inline)) void prefetch(const char *p, int by
 }
 
 /* The n lines from p on, n a constant: a step's prefetch in the tiles' inner loops, where a loop over a byte
- * count known only at run time cost 0.8x of the GB/s at two activation rows (decode_kernels_speed.py). */
+ * count known only at run time cost 0.8x of the GB/s at two activation rows (decode_kernels_speed.py). Into
+ * L2 only: a tile of several activation rows re-reads them from L1 for every tile, and the next tile's lines
+ * brought into L1 evicted them (fp32, 3 to 16 rows: 1.2-1.8x the GB/s with the lines kept in L2). */
 static inline __attribute__((always_inline)) void prefetch_lines(const char *p, int n) {
 #pragma GCC unroll 4
-    for (int b = 0; b < n; b++) _mm_prefetch(p + 64 * b, _MM_HINT_T0);
+    for (int b = 0; b < n; b++) _mm_prefetch(p + 64 * b, _MM_HINT_T1);
 }
 
 /* A GEMV call's rows are [first, end): it fetches its own first bytes (up to ``ahead``) on entry, since a run of
@@ -834,7 +836,7 @@ DP_INLINE __mmask32 dp_mask(int64_t n) { return n >= 32 ? 0xFFFFFFFFu : (__mmask
  * pf + j * pfs on (pfs <= 128, the bytes a step reads; less when several passes share the prefetch, some lines
  * then asked for twice): see dp_gemv_tiles. */
 DP_INLINE void dp_tile(int C, const uint16_t *const *rows, int64_t K, const uint16_t *x, int64_t ldx, float *res,
-                       const char *pf, int64_t pfs) {
+                       const char *pf, int64_t pfs, int l2) {
     __m256 acc[NR][DP_ROWS];
 #pragma GCC unroll 8
     for (int r = 0; r < NR; r++)
@@ -843,7 +845,10 @@ DP_INLINE void dp_tile(int C, const uint16_t *const *rows, int64_t K, const uint
     for (int64_t k = 0; k < K; k += 16) {
         const __mmask16 m = (__mmask16)dp_mask(K - k > 16 ? 16 : K - k);
         const char *q = pf + (k >> 4) * pfs;
-        _mm_prefetch(q, _MM_HINT_T0), _mm_prefetch(q + 64, _MM_HINT_T0);
+        if (l2) /* the tile, the next one and 5 rows of x or more outgrow L1: the next one into L2 only */
+            _mm_prefetch(q, _MM_HINT_T1), _mm_prefetch(q + 64, _MM_HINT_T1);
+        else /* into L1: at 1-4 rows 0.81-0.93x the GB/s into L2 only */
+            _mm_prefetch(q, _MM_HINT_T0), _mm_prefetch(q + 64, _MM_HINT_T0);
         __m256i w[NR];
 #pragma GCC unroll 8
         for (int r = 0; r < NR; r++) w[r] = _mm256_maskz_loadu_epi16(m, rows[r] + k);
@@ -858,15 +863,15 @@ DP_INLINE void dp_tile(int C, const uint16_t *const *rows, int64_t K, const uint
     for (int c = 0; c < C; c++) _mm_storeu_ps(res + c * NR, hsum4(acc[0][c], acc[1][c], acc[2][c], acc[3][c]));
 }
 
-/* dp_tile with the activation rows (1 to DP_ROWS) as constants, prefetching PFS bytes a step. */
-#define DP_TILE_CASES(PFS)                                                                                      \
+/* dp_tile with the activation rows (1 to DP_ROWS) as constants, prefetching PFS bytes a step (into L2: L2). */
+#define DP_TILE_CASES(PFS, L2)                                                                                  \
     switch (mb) {                                                                                               \
-        case 1: dp_tile(1, rows, K, xa, K, res, p, PFS); break;                                                \
-        case 2: dp_tile(2, rows, K, xa, K, res, p, PFS); break;                                                \
-        case 3: dp_tile(3, rows, K, xa, K, res, p, PFS); break;                                                \
-        case 4: dp_tile(4, rows, K, xa, K, res, p, PFS); break;                                                \
-        case 5: dp_tile(5, rows, K, xa, K, res, p, PFS); break;                                                \
-        default: dp_tile(6, rows, K, xa, K, res, p, PFS); break;                                               \
+        case 1: dp_tile(1, rows, K, xa, K, res, p, PFS, L2); break;                                            \
+        case 2: dp_tile(2, rows, K, xa, K, res, p, PFS, L2); break;                                            \
+        case 3: dp_tile(3, rows, K, xa, K, res, p, PFS, L2); break;                                            \
+        case 4: dp_tile(4, rows, K, xa, K, res, p, PFS, L2); break;                                            \
+        case 5: dp_tile(5, rows, K, xa, K, res, p, PFS, L2); break;                                            \
+        default: dp_tile(6, rows, K, xa, K, res, p, PFS, L2); break;                                           \
     }
 
 /* gemv_tiles for bf16 weights w [N, K] and bf16 activations x [M, K]: y[m, n] for the rows n of tiles
@@ -892,10 +897,12 @@ static DP_TARGET void dp_gemv_tiles(const uint16_t *w, int64_t N, int64_t K, con
             float res[DP_ROWS * NR];
             const uint16_t *xa = x + m0 * K;
             const char *p = pf + g * slice;
-            if (passes == 1) /* a step's own bytes: the constant lets the compiler shift, not multiply */
-                DP_TILE_CASES(NR * 32)
+            if (passes == 1 && M < 5) /* a step's own bytes: the constant lets the compiler shift, not multiply */
+                DP_TILE_CASES(NR * 32, 0)
+            else if (passes == 1)
+                DP_TILE_CASES(NR * 32, 1)
             else
-                DP_TILE_CASES(pfs)
+                DP_TILE_CASES(pfs, 1)
             for (int i = 0; i < mb; i++)
                 for (int r = 0; r < nr; r++) y[(m0 + i) * ldy + n + r] = res[i * NR + r];
             m0 += mb;
@@ -1001,7 +1008,9 @@ DP8_INLINE void dp8_tile(int C, const uint8_t *const *rows, int64_t K, const flo
             for (int c = 0; c < C; c++) blk[r][c] = _mm512_setzero_ps();
         for (int64_t k = k0; k < k1; k += FP8_GROUP) {
             const __mmask64 m = k1 - k >= FP8_GROUP ? ~(__mmask64)0 : (((__mmask64)1 << (k1 - k)) - 1);
-            prefetch_lines(pf + (k >> 6) * pfs, 4); /* a group's lines, from pfs a group on */
+            const char *q = pf + (k >> 6) * pfs; /* a group's four lines, from pfs a group on; into L1 */
+            _mm_prefetch(q, _MM_HINT_T0), _mm_prefetch(q + 64, _MM_HINT_T0);
+            _mm_prefetch(q + 128, _MM_HINT_T0), _mm_prefetch(q + 192, _MM_HINT_T0);
             __m512i xv[DP8_ROWS][2];
 #pragma GCC unroll 8
             for (int c = 0; c < C; c++)
