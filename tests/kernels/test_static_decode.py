@@ -145,7 +145,8 @@ def test_grouped_experts_equal_the_reference_for_any_routing(rows):
     """The grouped path (pairs sorted by expert, one grouped GEMM) against float64 arithmetic, beside the gathered
     path it replaces, in bf16: rows that share experts, experts no row chose, and every row on the same experts;
     compiled with fullgraph=True too (no shape may depend on the routing)."""
-    from dsv3.model.kernels import gathered_swiglu, grouped_mm_runs, grouped_swiglu
+    from dsv3.kernels.static_decode import grouped_mm_runs
+    from dsv3.model.kernels import gathered_swiglu, grouped_swiglu
 
     g = torch.Generator().manual_seed(rows)
     E, I, D, K = 16, 64, 128, 4
@@ -210,7 +211,7 @@ def test_a_bf16_step_on_the_modules_runs_the_grouped_experts_in_one_graph(model)
 def test_a_grouped_gemm_that_errs_or_is_wrong_leaves_the_step_on_the_gathered_experts(monkeypatch):
     """The probe a CUDA device must pass before the static step takes the grouped GEMM (run here on the CPU, whose
     grouped GEMM passes it): a build whose ``torch._grouped_mm`` raises, or gives other numbers, fails it."""
-    from dsv3.model import kernels
+    from dsv3.kernels import static_decode as kernels
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(kernels, "_PROBED", {})

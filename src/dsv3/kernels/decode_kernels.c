@@ -248,6 +248,12 @@ static inline __attribute__((always_inline)) void prefetch_lines(const char *p, 
     for (int b = 0; b < n; b++) _mm_prefetch(p + 64 * b, _MM_HINT_T1);
 }
 
+/* The same into L1: where a tile and its rows of x leave room (one row, the dot products of few rows). */
+static inline __attribute__((always_inline)) void prefetch_lines_l1(const char *p, int n) {
+#pragma GCC unroll 4
+    for (int b = 0; b < n; b++) _mm_prefetch(p + 64 * b, _MM_HINT_T0);
+}
+
 /* A GEMV call's rows are [first, end): it fetches its own first bytes (up to ``ahead``) on entry, since a run of
  * small matrices read in turn would otherwise start each one cold, */
 static inline void prefetch_entry(const char *first, const char *end, size_t ahead) {
@@ -381,16 +387,16 @@ static inline __attribute__((always_inline)) void halfc(int kind, int C, const v
     int64_t k = off;
     if (kind == W_FP8) /* whole groups: their four blocks in turn */
         for (const int64_t groups = K / FP8_GROUP * FP8_GROUP; k - off < groups; k += 16) {
-            if (pf) prefetch_lines(pf + (k >> 4) * pfs, kind == W_F32 ? 2 : 1);
+            if (pf) prefetch_lines(pf + (k >> 4) * pfs, 1);
             HALFC_COLUMNS(GROUP_0);
             k += 16;
-            if (pf) prefetch_lines(pf + (k >> 4) * pfs, kind == W_F32 ? 2 : 1);
+            if (pf) prefetch_lines(pf + (k >> 4) * pfs, 1);
             HALFC_COLUMNS(GROUP_1);
             k += 16;
-            if (pf) prefetch_lines(pf + (k >> 4) * pfs, kind == W_F32 ? 2 : 1);
+            if (pf) prefetch_lines(pf + (k >> 4) * pfs, 1);
             HALFC_COLUMNS(GROUP_2);
             k += 16;
-            if (pf) prefetch_lines(pf + (k >> 4) * pfs, kind == W_F32 ? 2 : 1);
+            if (pf) prefetch_lines(pf + (k >> 4) * pfs, 1);
             HALFC_COLUMNS(GROUP_3);
         }
     for (; k < whole; k += 16) {
@@ -846,9 +852,9 @@ DP_INLINE void dp_tile(int C, const uint16_t *const *rows, int64_t K, const uint
         const __mmask16 m = (__mmask16)dp_mask(K - k > 16 ? 16 : K - k);
         const char *q = pf + (k >> 4) * pfs;
         if (l2) /* the tile, the next one and 5 rows of x or more outgrow L1: the next one into L2 only */
-            _mm_prefetch(q, _MM_HINT_T1), _mm_prefetch(q + 64, _MM_HINT_T1);
+            prefetch_lines(q, 2);
         else /* into L1: at 1-4 rows 0.81-0.93x the GB/s into L2 only */
-            _mm_prefetch(q, _MM_HINT_T0), _mm_prefetch(q + 64, _MM_HINT_T0);
+            prefetch_lines_l1(q, 2);
         __m256i w[NR];
 #pragma GCC unroll 8
         for (int r = 0; r < NR; r++) w[r] = _mm256_maskz_loadu_epi16(m, rows[r] + k);
@@ -897,7 +903,7 @@ static DP_TARGET void dp_gemv_tiles(const uint16_t *w, int64_t N, int64_t K, con
             float res[DP_ROWS * NR];
             const uint16_t *xa = x + m0 * K;
             const char *p = pf + g * slice;
-            if (passes == 1 && M < 5) /* a step's own bytes: the constant lets the compiler shift, not multiply */
+            if (M < 5) /* one pass, a step's own bytes: the constant lets the compiler shift, not multiply */
                 DP_TILE_CASES(NR * 32, 0)
             else if (passes == 1)
                 DP_TILE_CASES(NR * 32, 1)
@@ -1008,9 +1014,7 @@ DP8_INLINE void dp8_tile(int C, const uint8_t *const *rows, int64_t K, const flo
             for (int c = 0; c < C; c++) blk[r][c] = _mm512_setzero_ps();
         for (int64_t k = k0; k < k1; k += FP8_GROUP) {
             const __mmask64 m = k1 - k >= FP8_GROUP ? ~(__mmask64)0 : (((__mmask64)1 << (k1 - k)) - 1);
-            const char *q = pf + (k >> 6) * pfs; /* a group's four lines, from pfs a group on; into L1 */
-            _mm_prefetch(q, _MM_HINT_T0), _mm_prefetch(q + 64, _MM_HINT_T0);
-            _mm_prefetch(q + 128, _MM_HINT_T0), _mm_prefetch(q + 192, _MM_HINT_T0);
+            prefetch_lines_l1(pf + (k >> 6) * pfs, 4); /* a group's four lines, from pfs a group on */
             __m512i xv[DP8_ROWS][2];
 #pragma GCC unroll 8
             for (int c = 0; c < C; c++)

@@ -46,7 +46,7 @@ from dsv3.kernels import decode_kernels as dk
 from dsv3.kernels.decode import AttentionPlan, FeedForwardPlan, rms_norm, weight_of
 from dsv3.model.dispatch import LocalDispatcher
 from dsv3.model.experts import GroupedExperts
-from dsv3.model.kernels import gathered_swiglu, grouped_mm_runs, grouped_swiglu
+from dsv3.model.kernels import gathered_swiglu, grouped_swiglu
 from dsv3.model.mla import MLA, LatentCache
 from dsv3.model.moe import MoE
 from dsv3.model.norm import RMSNorm
@@ -65,6 +65,44 @@ def unsupported(model: Transformer) -> str | None:
             return (f"layer {i}'s experts are {type(mlp.experts).__name__} behind {type(mlp.dispatcher).__name__}; "
                     "a static step needs plain GroupedExperts with the local dispatcher")
     return None
+
+
+def grouped_mm_runs(w_gate: torch.Tensor, w_down: torch.Tensor) -> bool:
+    """Whether ``grouped_swiglu`` can run these experts' weights (w_gate [E, I, D], w_down [E, D, I]) inside a
+    compiled graph and a CUDA graph: ``torch._grouped_mm`` takes bf16 (its compiled form only bf16), rows of
+    whole 16-byte units, and on CUDA only compute capability 9.0 on runs it without reading the group offsets
+    back to the host (below that, a fallback does, which a CUDA graph cannot capture). On CUDA it must also
+    pass ``_grouped_mm_probe`` once per device."""
+    if w_gate.dtype != torch.bfloat16 or w_down.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
+        return False
+    if w_gate.shape[-1] % 8 or w_gate.shape[-2] % 8:
+        return False
+    device = w_gate.device
+    if device.type == "cpu":
+        return True
+    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+            and _grouped_mm_probe(device))
+
+
+_PROBED: dict[torch.device, bool] = {}
+
+
+def _grouped_mm_probe(device: torch.device) -> bool:
+    """Whether ``torch._grouped_mm`` on ``device`` gives per-group matmuls (transposed weights, an empty group)
+    in bf16: probed once, so that a build whose grouped GEMM fails or errs leaves the static step on
+    ``gathered_swiglu`` instead of failing it."""
+    if device not in _PROBED:
+        g = torch.Generator().manual_seed(0)
+        x = torch.randn(8, 32, generator=g).to(device, torch.bfloat16)
+        w = torch.randn(3, 48, 32, generator=g).to(device, torch.bfloat16)  # [E, N, K], read transposed
+        ends = torch.tensor([3, 3, 8], dtype=torch.int32, device=device)
+        want = torch.cat([x[:3].float() @ w[0].float().t(), x[3:].float() @ w[2].float().t()])
+        try:
+            got = torch._grouped_mm(x, w.transpose(-2, -1), offs=ends).float()
+            _PROBED[device] = bool(((got - want).norm() / want.norm()) < 1e-2)
+        except (RuntimeError, NotImplementedError):
+            _PROBED[device] = False
+    return _PROBED[device]
 
 
 class StaticDecode(nn.Module):

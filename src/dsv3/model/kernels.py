@@ -181,44 +181,6 @@ def gathered_swiglu(x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, w_g
     return torch.einsum("nki,nkdi->nd", gates.to(act.dtype)[..., None] * act, w_down[idx])
 
 
-def grouped_mm_runs(w_gate: torch.Tensor, w_down: torch.Tensor) -> bool:
-    """Whether ``grouped_swiglu`` can run these experts' weights (w_gate [E, I, D], w_down [E, D, I]) inside a
-    compiled graph and a CUDA graph: ``torch._grouped_mm`` takes bf16 (its compiled form only bf16), rows of
-    whole 16-byte units, and on CUDA only compute capability 9.0 on runs it without reading the group offsets
-    back to the host (below that, a fallback does, which a CUDA graph cannot capture). On CUDA it must also
-    pass ``_grouped_mm_probe`` once per device."""
-    if w_gate.dtype != torch.bfloat16 or w_down.dtype != torch.bfloat16 or not hasattr(torch, "_grouped_mm"):
-        return False
-    if w_gate.shape[-1] % 8 or w_gate.shape[-2] % 8:
-        return False
-    device = w_gate.device
-    if device.type == "cpu":
-        return True
-    return (device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-            and _grouped_mm_probe(device))
-
-
-_PROBED: dict[torch.device, bool] = {}
-
-
-def _grouped_mm_probe(device: torch.device) -> bool:
-    """Whether ``torch._grouped_mm`` on ``device`` gives per-group matmuls (transposed weights, an empty group)
-    in bf16: probed once, so that a build whose grouped GEMM fails or errs leaves the static step on
-    ``gathered_swiglu`` instead of failing it."""
-    if device not in _PROBED:
-        g = torch.Generator().manual_seed(0)
-        x = torch.randn(8, 32, generator=g).to(device, torch.bfloat16)
-        w = torch.randn(3, 48, 32, generator=g).to(device, torch.bfloat16)  # [E, N, K], read transposed
-        ends = torch.tensor([3, 3, 8], dtype=torch.int32, device=device)
-        want = torch.cat([x[:3].float() @ w[0].float().t(), x[3:].float() @ w[2].float().t()])
-        try:
-            got = torch._grouped_mm(x, w.transpose(-2, -1), offs=ends).float()
-            _PROBED[device] = bool(((got - want).norm() / want.norm()) < 1e-2)
-        except (RuntimeError, NotImplementedError):
-            _PROBED[device] = False
-    return _PROBED[device]
-
-
 def grouped_swiglu(x: torch.Tensor, idx: torch.Tensor, gates: torch.Tensor, w_gate: torch.Tensor,
                    w_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
     """What ``gathered_swiglu`` computes, with its static shapes, but each routed-to expert's weights read once
