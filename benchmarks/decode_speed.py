@@ -29,7 +29,7 @@ Sections: ``batch1`` (contexts x threads x implementations), ``batch`` (output t
 batch 1, context 1024), ``mtp`` (a speculative step's cost next to a plain one), ``overhead`` (tiny
 shapes vs transformers at context 2048: the fixed per-token cost), ``weights`` (resident bytes),
 ``cache_precision``; ``kernels`` says whether the C kernels ran, ``bf16_dots`` whether a bf16
-model's attention took AVX512-BF16 dot products.
+model's attention took AVX512-BF16 dot products, ``amx`` whether it and the bf16 GEMVs took AMX tiles.
 llama.cpp: ``bash benchmarks/llama_cpp_setup.sh`` builds it (a few minutes) and ``--env`` prints the
 environment that points the bindings, ``gguf`` and ``--llama-convert`` at it. Without them the llama.cpp
 rows are left out and the run says why.
@@ -62,7 +62,7 @@ from dsv3.infer.bench import cache_precision
 from dsv3.infer.engine import Engine, Request
 from dsv3.infer.fp8_weights import resident_bytes
 from dsv3.infer.loading import load_model
-from dsv3.kernels.decode_kernels import bf16_dots, kernel_status
+from dsv3.kernels.decode_kernels import amx, bf16_dots, kernel_status
 from dsv3.model import Transformer, huge_pages
 from dsv3.model.mla import MLA
 from dsv3.option_lists import parse_list
@@ -647,7 +647,7 @@ def main() -> None:
     longest = max([*args.contexts, args.batch_context]) + decoded_tokens(args.new_tokens, args.repeats) + 16
     cfg = shape(args.preset).replace(max_position_embeddings=longest)
     result = {"benchmark": "decode_speed", "preset": args.preset, "probe_mb": args.probe_mb, "kernels": kernel_status(),
-              "bf16_dots": bf16_dots(), "simd": "avx2" if args.avx2 else "native",
+              "bf16_dots": bf16_dots(), "amx": amx(), "simd": "avx2" if args.avx2 else "native",
               "llama_cpp_system_info": llama_system_info(),
               "new_tokens": args.new_tokens, "repeats": args.repeats,
               "read_bandwidth_gb_s": {t: b / 1e9 for t, b in bandwidth.items()}}
@@ -679,7 +679,7 @@ def main() -> None:
 
 def report(result: dict) -> str:
     """The tables of docs/inference.md, as text."""
-    dots = "AVX512-BF16 dots" if result.get("bf16_dots") else "fp32 FMAs"
+    dots = "AMX tiles" if result.get("amx") else "AVX512-BF16 dots" if result.get("bf16_dots") else "fp32 FMAs"
     simd = "; AVX2 paths only (--avx2)" if result.get("simd") == "avx2" else ""
     lines = [f"kernels: {result['kernels']}; bf16 attention: {dots}{simd}; "
              f"read bandwidth (GB/s): {result['read_bandwidth_gb_s']}"]

@@ -45,7 +45,8 @@ def test_avx2_runs_the_kernels_avx2_paths_or_says_why_it_cannot():
     done = run(*flags)
     assert done.returncode == 0, done.stderr
     result = json.loads(done.stdout)
-    assert result["simd"] == "avx2" and result["bf16_dots"] is False and result["batch"][0]["batch_over_1"] > 0
+    assert result["simd"] == "avx2" and result["bf16_dots"] is False and result["amx"] is False
+    assert result["batch"][0]["batch_over_1"] > 0
     off = subprocess.run([sys.executable, str(BENCH), *flags], capture_output=True, text=True, timeout=600,
                          env={**os.environ, "DSV3_DECODE_KERNELS": "0"})
     assert off.returncode == 2 and off.stdout == ""

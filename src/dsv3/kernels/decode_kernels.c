@@ -4,7 +4,8 @@
  * registers. No dequantized copy of a matrix is ever made, and a decode step's whole routed MoE is one call;
  * so is a whole block (dsv3_decode_block).
  * On CPUs that also have AVX512-BF16, bf16 weights times bf16 activations (except on Intel's, see gemv_dots) and
- * a bf16 model's attention over a bf16 cache use its bf16 dot products; with AVX-512F, integer groups, FP8
+ * a bf16 model's attention over a bf16 cache use its bf16 dot products; on CPUs with AMX-BF16 both take AMX
+ * tiles instead (amx_gemv_rows, amx_attention); with AVX-512F, integer groups, FP8
  * weights (from one activation row) and the GEMVs of several activation rows have AVX-512 paths (chosen at run
  * time; the rest of the file is AVX2 only).
  *
@@ -922,7 +923,8 @@ static DP_TARGET void dp_gemv_tiles(const uint16_t *w, int64_t N, int64_t K, con
  * 1.3-2x faster (16 rows, 2 threads: head 1.96x, MLP 1.55x, an expert 1.27x), and at one row, where memory
  * sets the pace, within 3% of the dots. Either way one path serves every row count, so a row's result does not
  * depend on the rows beside it. Other CPUs keep the dot products: the AMD EPYC these kernels were written on
- * has not been measured this way. */
+ * has not been measured this way. Where the Intel CPU has AMX-BF16, AMX tiles take such GEMVs whatever the
+ * row count (use_amx_gemv, before this). */
 static int gemv_dots(void) {
     static int intel = -1;
     if (intel < 0) {
@@ -1100,6 +1102,13 @@ typedef struct { /* a bias-free linear layer, [n, k] */
     int64_t kind, n, k;
 } BlkLinear;
 
+/* bf16 weights times bf16 activations in AMX tiles (defined with the attention's tiles, below): whether a
+ * [N, K] matrix takes them, x's rows laid out for them, and the tiles' GEMV. */
+static int use_amx_gemv(int kind, int xkind, int64_t N, int64_t K);
+static uint32_t *amx_rows_vnni(const uint16_t *x, int64_t M, int64_t K);
+static void amx_gemv_rows(const uint16_t *w, int64_t N, int64_t K, const uint32_t *xt, int64_t M, float *y,
+                          int64_t ldy, int64_t n0, int64_t n1, const char *next);
+
 /* Whether a linear of N x K runs in parallel: below this the threads' start-up costs more than they save. */
 static int linear_threads(int64_t N, int64_t K, int nthreads) { return N * K > 32768 ? nthreads : 1; }
 
@@ -1113,8 +1122,10 @@ static const char *share_of(const BlkLinear *l, int t, int nthreads) {
 /* out [M, N] = x [M, K] @ W^T, prefetching on into ``then`` (the linear read next) as the rows run out. */
 static void linear(const void *w, const void *scale, int kind, int64_t N, int64_t K, const void *x, int xkind,
                    int64_t M, void *out, int okind, int nthreads, const BlkLinear *then) {
-    const int dots = USE_DOT_GEMV(kind, xkind), dots8 = USE_DOT_FP8(kind, xkind);
-    float *xf = xkind == A_F32 || dots || dots8 ? (float *)x : to_f32(x, xkind, M * K);
+    const int tiles = use_amx_gemv(kind, xkind, N, K);
+    const int dots = !tiles && USE_DOT_GEMV(kind, xkind), dots8 = USE_DOT_FP8(kind, xkind);
+    float *xf = xkind == A_F32 || tiles || dots || dots8 ? (float *)x : to_f32(x, xkind, M * K);
+    uint32_t *xt = tiles ? amx_rows_vnni((const uint16_t *)x, M, K) : NULL;
     float *y = okind == A_F32 ? (float *)out : (float *)malloc((size_t)(M * N > 0 ? M * N : 1) * sizeof(float));
     uint16_t *x8 = dots8 ? (uint16_t *)malloc((size_t)(M * fp8_dot_padded(K) + 1) * sizeof(uint16_t)) : NULL;
     if (dots8) fp8_dot_order((const uint16_t *)x, M, K, x8);
@@ -1122,7 +1133,10 @@ static void linear(const void *w, const void *scale, int kind, int64_t N, int64_
     {
         int64_t t0, t1;
         my_tiles(tiles_of(N), &t0, &t1);
-        if (dots) {
+        if (tiles) {
+            amx_gemv_rows((const uint16_t *)w, N, K, xt, M, y, N, t0 * NR, t1 * NR < N ? t1 * NR : N,
+                          share_of(then, omp_get_thread_num(), nthreads));
+        } else if (dots) {
             dp_gemv_tiles((const uint16_t *)w, N, K, (const uint16_t *)x, M, y, N, t0, t1);
         } else if (dots8) {
             dp8_gemv_tiles((const uint8_t *)w, (const float *)scale, N, K, x8, M, y, N, t0, t1,
@@ -1135,7 +1149,7 @@ static void linear(const void *w, const void *scale, int kind, int64_t N, int64_
     }
     if (y != out) store(out, okind, y, M * N, 0), free(y);
     if (xf != x) free(xf);
-    free(x8);
+    free(x8), free(xt);
 }
 
 /* out [M, N] = x [M, K] @ W^T. Returns 0. */
@@ -1182,7 +1196,14 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const vo
     const int64_t P = M * topk;
     /* with the dot products, gate and up take x in bf16, and down the SwiGLU output rounded to bf16 (where the
      * module path rounds it too: a bf16 model's activations are bf16 tensors); else all in fp32 FMAs */
-    const int dots8 = USE_DOT_FP8(kind, xkind), dots = USE_DOT_GEMV(kind, xkind) || dots8;
+    /* AMX tiles for one expert (a dense MLP, the shared experts) where both the gate/up and the down matrices
+     * take them: x and the SwiGLU output in bf16 as for the dot products, the rows laid out as B tiles (xt, and
+     * gt filled by the gate/up pass). A stack of routed experts keeps its path: a decode step gives each of
+     * them a row or two (batch 16, top-4 of 64), which the FMAs read at the memory's pace, and there the tiles
+     * were 1.03-1.2x the time (decode_step_ab.py --phases, large, bf16); the tiles gain from 16 rows on. The
+     * choice depends on the experts, never on the rows, so a row's bits do not depend on the rows beside it. */
+    const int tiles = E == 1 && use_amx_gemv(kind, xkind, I, D) && use_amx_gemv(kind, A_BF16, D, I);
+    const int dots8 = USE_DOT_FP8(kind, xkind), dots = tiles || USE_DOT_GEMV(kind, xkind) || dots8;
     float *xf = xkind == A_F32 || dots ? (float *)x : to_f32(x, xkind, M * D);
     /* the dot products' rows of x and of the SwiGLU output: FP8's in fp8_dot_order, zero-padded */
     const int64_t DX = dots8 ? fp8_dot_padded(D) : D, IX = dots8 ? fp8_dot_padded(I) : I;
@@ -1190,7 +1211,7 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const vo
     float *g = (float *)malloc((size_t)(P * I + 1) * sizeof(float));
     float *u = (float *)malloc((size_t)(P * I + 1) * sizeof(float));
     float *ye = (float *)malloc((size_t)(P * D + 1) * sizeof(float));
-    uint16_t *gb = dots ? (uint16_t *)calloc((size_t)(P * IX + 1), sizeof(uint16_t)) : NULL; /* g in bf16 */
+    uint16_t *gb = dots && !tiles ? (uint16_t *)calloc((size_t)(P * IX + 1), sizeof(uint16_t)) : NULL; /* g in bf16 */
     int64_t *start = (int64_t *)malloc((size_t)(E + 1) * sizeof(int64_t));
     int64_t *pair = (int64_t *)malloc((size_t)(P + 1) * sizeof(int64_t));
     group_by_expert(idx, P, E, start, pair);
@@ -1209,6 +1230,24 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const vo
     int64_t *order = (int64_t *)malloc((size_t)(E + 1) * sizeof(int64_t)), R = 0; /* the experts routed to */
     for (int64_t e = 0; e < E; e++)
         if (start[e + 1] > start[e]) order[R++] = e;
+    uint32_t *xt = NULL, *gt = NULL; /* with tiles: expert e's rows of x at xt + start[e] / 16 ... (amx_tile_rows) */
+    int64_t *x_at = NULL, *g_at = NULL;
+    if (tiles) {
+        x_at = (int64_t *)malloc((size_t)(E + 1) * sizeof(int64_t)), g_at = (int64_t *)malloc((size_t)(E + 1) * sizeof(int64_t));
+        int64_t xs = 0, gs = 0;
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t e = order[r], blocks = (start[e + 1] - start[e] + 15) / 16;
+            x_at[e] = xs, g_at[e] = gs, xs += blocks * (D / 32) * 256, gs += blocks * (I / 32) * 256;
+        }
+        xt = (uint32_t *)malloc((size_t)(xs + 1) * sizeof(uint32_t));
+        gt = (uint32_t *)calloc((size_t)(gs + 1), sizeof(uint32_t));
+        for (int64_t r = 0; r < R; r++) {
+            const int64_t e = order[r], me = start[e + 1] - start[e];
+            uint32_t *t = amx_rows_vnni((const uint16_t *)xe + start[e] * D, me, D);
+            memcpy(xt + x_at[e], t, (size_t)((me + 15) / 16 * (D / 32) * 256) * sizeof(uint32_t));
+            free(t);
+        }
+    }
 #pragma omp parallel num_threads(nthreads)
     {
         float *scratch = (float *)malloc(scratch_floats(kind, most, I > D ? I : D) * sizeof(float));
@@ -1226,7 +1265,12 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const vo
             const int64_t e = order[r], j0 = start[e], me = start[e + 1] - j0;
             const size_t off = weight_bytes(kind, e * I * D);
             const char *after_up = r + 1 < R ? GATE_AT(order[r + 1]) : DOWN_AT(order[0]);
-            if (dots8) {
+            if (tiles) {
+                amx_gemv_rows((const uint16_t *)((const char *)wg + off), I, D, xt + x_at[e], me, g + j0 * I, I, i0,
+                              i1, UP_AT(e));
+                amx_gemv_rows((const uint16_t *)((const char *)wu + off), I, D, xt + x_at[e], me, u + j0 * I, I, i0,
+                              i1, after_up);
+            } else if (dots8) {
                 const uint16_t *xj = (const uint16_t *)xe + j0 * DX;
                 dp8_gemv_tiles((const uint8_t *)wg + off, (const float *)expert_scales(kind, sg, e, I, D), I, D, xj, me,
                                g + j0 * I, I, t0, t1, UP_AT(e));
@@ -1245,7 +1289,12 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const vo
             }
             for (int64_t j = j0; j < j0 + me; j++)
                 for (int64_t n = i0; n < i1; n++) g[j * I + n] = silu(g[j * I + n]) * u[j * I + n] * gates[pair[j]];
-            if (dots)
+            if (tiles) /* the SwiGLU output in bf16 as the down matrices' B tiles: this thread's channels */
+                for (int64_t j = j0; j < j0 + me; j++)
+                    for (int64_t n = i0; n < i1; n++)
+                        ((uint16_t *)(gt + g_at[e]))[(((j - j0) / 16 * (I / 32) + n / 32) * 256 + (n % 32) / 2 * 16 +
+                                                      (j - j0) % 16) * 2 + n % 2] = f32_to_bf16(g[j * I + n]);
+            else if (dots)
                 for (int64_t j = j0; j < j0 + me; j++)
                     for (int64_t n = i0; n < i1; n++) gb[j * IX + (dots8 ? fp8_dot_column(n) : n)] = f32_to_bf16(g[j * I + n]);
         }
@@ -1253,7 +1302,10 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const vo
         const int64_t d0 = d_t0 * NR, d1 = d_t1 * NR < D ? d_t1 * NR : D;
         for (int64_t r = 0; r < R; r++) {
             const int64_t e = order[r], j0 = start[e], me = start[e + 1] - j0;
-            if (dots8)
+            if (tiles)
+                amx_gemv_rows((const uint16_t *)((const char *)wd + weight_bytes(kind, e * D * I)), D, I, gt + g_at[e], me,
+                              ye + j0 * D, D, d0, d1, r + 1 < R ? DOWN_AT(order[r + 1]) : NULL);
+            else if (dots8)
                 dp8_gemv_tiles((const uint8_t *)wd + e * D * I, (const float *)expert_scales(kind, sd, e, D, I), D, I,
                                gb + j0 * IX, me, ye + j0 * D, D, d_t0, d_t1, r + 1 < R ? DOWN_AT(order[r + 1]) : NULL);
             else if (dots)
@@ -1275,6 +1327,7 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const vo
     store(out, okind, acc, M * D, accumulate);
     if (xf != x) free(xf);
     free(acc), free(xe), free(g), free(u), free(ye), free(gb), free(start), free(pair);
+    free(xt), free(gt), free(x_at), free(g_at);
     return 0;
 }
 
@@ -2250,6 +2303,88 @@ static AMX_TARGET void amx_configure(void) {
     _tile_loadconfig(&cfg);
 }
 
+/* ---- bf16 GEMVs in AMX tiles ------------------------------------------------------------------------------
+ * y [M, N] = x [M, K] @ W^T as C^T = W x^T: a tile of 16 weight rows by 32 columns, loaded straight from the
+ * matrix (A), times 16 activation rows laid out in channel pairs (B, amx_rows_vnni), into a 16 x 16 fp32 tile
+ * per 16 activation rows. Every product is exact and every sum fp32, as in the dot products; each output is
+ * its own row's chain over K in the same order whatever the other rows of the call, so a row computed with
+ * 63 others has the bits it has alone. The weights stream from memory at one TDPBF16PS (7-8 ns on the Xeon
+ * measured) per KB, far above what DRAM delivers, so one row costs what the memory does and 16 rows the same:
+ * the FMAs' micro-tiles were compute-bound there from a few rows (gemv_dots). */
+#define AMX_GEMV_BLOCKS 4 /* 16-row blocks of activations per pass over a weight tile: accumulator tiles 0-3 */
+
+static int use_amx_gemv(int kind, int xkind, int64_t N, int64_t K) {
+    return kind == W_BF16 && xkind == A_BF16 && K % 32 == 0 && N >= 16 && dsv3_amx(-1) && dsv3_bf16_dots(-1);
+}
+
+/* x [M, K] bf16 as B tiles: [ceil(M/16)][K/32][16 channel pairs][16 rows] uint32, rows past M zero. */
+static uint32_t *amx_rows_vnni(const uint16_t *x, int64_t M, int64_t K) {
+    const int64_t blocks = (M + 15) / 16, kc = K / 32;
+    uint32_t *xt = (uint32_t *)calloc((size_t)(blocks * kc * 256 + 1), sizeof(uint32_t));
+    for (int64_t m = 0; m < M; m++)
+        for (int64_t c = 0; c < kc; c++)
+            for (int pr = 0; pr < 16; pr++) {
+                const uint16_t *v = x + m * K + c * 32 + 2 * pr;
+                xt[((m / 16) * kc + c) * 256 + pr * 16 + m % 16] = (uint32_t)v[0] | (uint32_t)v[1] << 16;
+            }
+    return xt;
+}
+
+/* The rows [n0, n1) of y (ldy apart) for weights w [N, K] (N >= 16, K a multiple of 32) and x's B tiles xt.
+ * A tile of 16 weight rows that would pass N starts at N - 16 instead (its rows before n0 are not written).
+ * While a weight tile is read, the next one's bytes are prefetched, and at the last tile as many bytes from
+ * next on (where this thread reads after the call; NULL: none). */
+static AMX_TARGET void amx_gemv_rows(const uint16_t *w, int64_t N, int64_t K, const uint32_t *xt, int64_t M,
+                                     float *y, int64_t ldy, int64_t n0, int64_t n1, const char *next) {
+    if (n1 <= n0 || M <= 0) return;
+    const int64_t kc = K / 32, blocks = (M + 15) / 16, row_bytes = K * 2;
+    float c[16 * 16];
+    amx_configure();
+    for (int64_t n = n0; n < n1; n += 16) {
+        const int64_t base = n + 16 <= N ? n : N - 16;
+        const char *wt = (const char *)(w + base * K);
+        const char *pf = n + 16 < n1 ? wt + 16 * row_bytes : next;
+        for (int64_t b0 = 0; b0 < blocks; b0 += AMX_GEMV_BLOCKS) {
+            const int nb = blocks - b0 < AMX_GEMV_BLOCKS ? (int)(blocks - b0) : AMX_GEMV_BLOCKS;
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t k = 0; k < kc; k++) {
+                if (pf && b0 == 0) /* the next tile's (or next's) bytes into L2, 16 lines a step: all of them over the
+                                    * tile (into L1 they took 1.04-1.18x the time: decode_kernels_speed.py --baseline) */
+                    for (int l = 0; l < 16; l++) _mm_prefetch(pf + (k * 16 + l) * 64, _MM_HINT_T1);
+                _tile_loadd(4, wt + k * 64, row_bytes);
+                const uint32_t *bt = xt + (b0 * kc + k) * 256;
+                _tile_loadd(5, bt, 64);
+                _tile_dpbf16ps(0, 4, 5);
+                if (nb > 1) {
+                    _tile_loadd(5, bt + kc * 256, 64);
+                    _tile_dpbf16ps(1, 4, 5);
+                }
+                if (nb > 2) {
+                    _tile_loadd(5, bt + 2 * kc * 256, 64);
+                    _tile_dpbf16ps(2, 4, 5);
+                }
+                if (nb > 3) {
+                    _tile_loadd(5, bt + 3 * kc * 256, 64);
+                    _tile_dpbf16ps(3, 4, 5);
+                }
+            }
+            for (int i = 0; i < nb; i++) {
+                if (i == 0) _tile_stored(0, c, 64);
+                if (i == 1) _tile_stored(1, c, 64);
+                if (i == 2) _tile_stored(2, c, 64);
+                if (i == 3) _tile_stored(3, c, 64);
+                const int64_t m0 = (b0 + i) * 16, mr = M - m0 < 16 ? M - m0 : 16;
+                for (int64_t r = n - base; r < 16 && base + r < n1; r++)
+                    for (int64_t m = 0; m < mr; m++) y[(m0 + m) * ldy + base + r] = c[r * 16 + m];
+            }
+        }
+    }
+    _tile_release();
+}
+
 /* out [16, ldo] (its columns [0, 16)) = in [16, 16]^T, in registers. */
 static inline __attribute__((always_inline)) AMX_TARGET void transpose16(const float *in, float *out, int64_t ldo) {
     __m512 r[16], t[16];
@@ -2539,6 +2674,15 @@ static int amx_attention(const AttArgs *a, int64_t B, int64_t M, int nthreads) {
 }
 #define USE_AMX(dots) ((dots) && dsv3_amx(-1))
 #else
+static int use_amx_gemv(int kind, int xkind, int64_t N, int64_t K) {
+    (void)kind, (void)xkind, (void)N, (void)K;
+    return 0;
+}
+static uint32_t *amx_rows_vnni(const uint16_t *x, int64_t M, int64_t K) { (void)x, (void)M, (void)K; return NULL; }
+static void amx_gemv_rows(const uint16_t *w, int64_t N, int64_t K, const uint32_t *xt, int64_t M, float *y,
+                          int64_t ldy, int64_t n0, int64_t n1, const char *next) {
+    (void)w, (void)N, (void)K, (void)xt, (void)M, (void)y, (void)ldy, (void)n0, (void)n1, (void)next;
+}
 int dsv3_amx(int want) { (void)want; return 0; }
 #define USE_AMX(dots) 0
 #define amx_attention(a, B, M, nthreads) (-1)

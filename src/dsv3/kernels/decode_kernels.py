@@ -111,7 +111,10 @@ def bf16_dots(on: bool | None = None) -> bool:
 def amx(on: bool | None = None) -> bool:
     """Whether a bf16 model's attention over a bf16 cache runs in AMX tiles (Intel's TDPBF16PS, 16 x 16 x 32
     products an instruction) where the bf16 dot products are on (``bf16_dots``): the same roundings (queries
-    and softmax weights in bf16, products exact, sums fp32), summed in another order. On by default where the
+    and softmax weights in bf16, products exact, sums fp32), summed in another order. Its bf16 GEMVs of bf16
+    activations take the tiles too (the projections, the output head, a dense MLP and the shared experts, where
+    a matrix's columns are a multiple of 32; not the routed experts, which a decode step gives a row or two
+    each), whatever the row count, so a row's bits do not depend on the rows beside it. On by default where the
     CPU has AMX-BF16 and the kernel lets the process use it, off with ``DSV3_DECODE_AMX=0``. ``on`` turns it on
     (where allowed) or off for this process; returns whether the attention takes it now (false while the dot
     products are off)."""
