@@ -1199,8 +1199,8 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const vo
     /* AMX tiles for one expert (a dense MLP, the shared experts) where both the gate/up and the down matrices
      * take them: x and the SwiGLU output in bf16 as for the dot products, the rows laid out as B tiles (xt, and
      * gt filled by the gate/up pass). A stack of routed experts keeps its path: a decode step gives each of
-     * them a row or two (batch 16, top-4 of 64), which the FMAs read at the memory's pace, and there the tiles
-     * were 1.03-1.2x the time (decode_step_ab.py --phases, large, bf16); the tiles gain from 16 rows on. The
+     * them a row or two (batch 16, top-4 of 64), which the FMAs read at the memory's pace, and in a trial build
+     * the tiles took that phase 1.03-1.2x the time (decode_step_ab.py --phases, large, bf16). The
      * choice depends on the experts, never on the rows, so a row's bits do not depend on the rows beside it. */
     const int tiles = E == 1 && use_amx_gemv(kind, xkind, I, D) && use_amx_gemv(kind, A_BF16, D, I);
     const int dots8 = USE_DOT_FP8(kind, xkind), dots = tiles || USE_DOT_GEMV(kind, xkind) || dots8;
