@@ -1105,6 +1105,11 @@ typedef struct { /* a bias-free linear layer, [n, k] */
 /* bf16 weights times bf16 activations in AMX tiles (defined with the attention's tiles, below): whether a
  * [N, K] matrix takes them, x's rows laid out for them, and the tiles' GEMV. */
 static int use_amx_gemv(int kind, int xkind, int64_t N, int64_t K);
+/* Where value k of activation row m sits among the B tiles of rows [M, K] (uint16 units): tiles
+ * [ceil(M/16)][K/32] of [16 channel pairs][16 rows] pairs, the pair's even channel first. */
+static inline int64_t amx_rows_at(int64_t m, int64_t k, int64_t K) {
+    return (((m / 16) * (K / 32) + k / 32) * 256 + (k % 32) / 2 * 16 + m % 16) * 2 + k % 2;
+}
 static uint32_t *amx_rows_vnni(const uint16_t *x, int64_t M, int64_t K);
 static void amx_gemv_rows(const uint16_t *w, int64_t N, int64_t K, const uint32_t *xt, int64_t M, float *y,
                           int64_t ldy, int64_t n0, int64_t n1, const char *next);
@@ -1230,24 +1235,9 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const vo
     int64_t *order = (int64_t *)malloc((size_t)(E + 1) * sizeof(int64_t)), R = 0; /* the experts routed to */
     for (int64_t e = 0; e < E; e++)
         if (start[e + 1] > start[e]) order[R++] = e;
-    uint32_t *xt = NULL, *gt = NULL; /* with tiles: expert e's rows of x at xt + start[e] / 16 ... (amx_tile_rows) */
-    int64_t *x_at = NULL, *g_at = NULL;
-    if (tiles) {
-        x_at = (int64_t *)malloc((size_t)(E + 1) * sizeof(int64_t)), g_at = (int64_t *)malloc((size_t)(E + 1) * sizeof(int64_t));
-        int64_t xs = 0, gs = 0;
-        for (int64_t r = 0; r < R; r++) {
-            const int64_t e = order[r], blocks = (start[e + 1] - start[e] + 15) / 16;
-            x_at[e] = xs, g_at[e] = gs, xs += blocks * (D / 32) * 256, gs += blocks * (I / 32) * 256;
-        }
-        xt = (uint32_t *)malloc((size_t)(xs + 1) * sizeof(uint32_t));
-        gt = (uint32_t *)calloc((size_t)(gs + 1), sizeof(uint32_t));
-        for (int64_t r = 0; r < R; r++) {
-            const int64_t e = order[r], me = start[e + 1] - start[e];
-            uint32_t *t = amx_rows_vnni((const uint16_t *)xe + start[e] * D, me, D);
-            memcpy(xt + x_at[e], t, (size_t)((me + 15) / 16 * (D / 32) * 256) * sizeof(uint32_t));
-            free(t);
-        }
-    }
+    /* with tiles (one expert): its rows of x as B tiles, and of the SwiGLU output (filled by the gate/up pass) */
+    uint32_t *xt = tiles ? amx_rows_vnni((const uint16_t *)xe, start[E], D) : NULL;
+    uint16_t *gt = tiles ? (uint16_t *)calloc((size_t)((start[E] + 15) / 16 * (I / 32) * 512 + 1), sizeof(uint16_t)) : NULL;
 #pragma omp parallel num_threads(nthreads)
     {
         float *scratch = (float *)malloc(scratch_floats(kind, most, I > D ? I : D) * sizeof(float));
@@ -1266,10 +1256,8 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const vo
             const size_t off = weight_bytes(kind, e * I * D);
             const char *after_up = r + 1 < R ? GATE_AT(order[r + 1]) : DOWN_AT(order[0]);
             if (tiles) {
-                amx_gemv_rows((const uint16_t *)((const char *)wg + off), I, D, xt + x_at[e], me, g + j0 * I, I, i0,
-                              i1, UP_AT(e));
-                amx_gemv_rows((const uint16_t *)((const char *)wu + off), I, D, xt + x_at[e], me, u + j0 * I, I, i0,
-                              i1, after_up);
+                amx_gemv_rows((const uint16_t *)((const char *)wg + off), I, D, xt, me, g, I, i0, i1, UP_AT(e));
+                amx_gemv_rows((const uint16_t *)((const char *)wu + off), I, D, xt, me, u, I, i0, i1, after_up);
             } else if (dots8) {
                 const uint16_t *xj = (const uint16_t *)xe + j0 * DX;
                 dp8_gemv_tiles((const uint8_t *)wg + off, (const float *)expert_scales(kind, sg, e, I, D), I, D, xj, me,
@@ -1289,11 +1277,9 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const vo
             }
             for (int64_t j = j0; j < j0 + me; j++)
                 for (int64_t n = i0; n < i1; n++) g[j * I + n] = silu(g[j * I + n]) * u[j * I + n] * gates[pair[j]];
-            if (tiles) /* the SwiGLU output in bf16 as the down matrices' B tiles: this thread's channels */
+            if (tiles) /* the SwiGLU output in bf16 as the down matrix's B tiles: this thread's channels */
                 for (int64_t j = j0; j < j0 + me; j++)
-                    for (int64_t n = i0; n < i1; n++)
-                        ((uint16_t *)(gt + g_at[e]))[(((j - j0) / 16 * (I / 32) + n / 32) * 256 + (n % 32) / 2 * 16 +
-                                                      (j - j0) % 16) * 2 + n % 2] = f32_to_bf16(g[j * I + n]);
+                    for (int64_t n = i0; n < i1; n++) gt[amx_rows_at(j, n, I)] = f32_to_bf16(g[j * I + n]);
             else if (dots)
                 for (int64_t j = j0; j < j0 + me; j++)
                     for (int64_t n = i0; n < i1; n++) gb[j * IX + (dots8 ? fp8_dot_column(n) : n)] = f32_to_bf16(g[j * I + n]);
@@ -1303,8 +1289,8 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const vo
         for (int64_t r = 0; r < R; r++) {
             const int64_t e = order[r], j0 = start[e], me = start[e + 1] - j0;
             if (tiles)
-                amx_gemv_rows((const uint16_t *)((const char *)wd + weight_bytes(kind, e * D * I)), D, I, gt + g_at[e], me,
-                              ye + j0 * D, D, d0, d1, r + 1 < R ? DOWN_AT(order[r + 1]) : NULL);
+                amx_gemv_rows((const uint16_t *)((const char *)wd + weight_bytes(kind, e * D * I)), D, I, (uint32_t *)gt,
+                              me, ye, D, d0, d1, NULL);
             else if (dots8)
                 dp8_gemv_tiles((const uint8_t *)wd + e * D * I, (const float *)expert_scales(kind, sd, e, D, I), D, I,
                                gb + j0 * IX, me, ye + j0 * D, D, d_t0, d_t1, r + 1 < R ? DOWN_AT(order[r + 1]) : NULL);
@@ -1327,7 +1313,7 @@ int dsv3_swiglu_experts(const void *wg, const void *wu, const void *wd, const vo
     store(out, okind, acc, M * D, accumulate);
     if (xf != x) free(xf);
     free(acc), free(xe), free(g), free(u), free(ye), free(gb), free(start), free(pair);
-    free(xt), free(gt), free(x_at), free(g_at);
+    free(xt), free(gt);
     return 0;
 }
 
@@ -2317,19 +2303,6 @@ static int use_amx_gemv(int kind, int xkind, int64_t N, int64_t K) {
     return kind == W_BF16 && xkind == A_BF16 && K % 32 == 0 && N >= 16 && dsv3_amx(-1) && dsv3_bf16_dots(-1);
 }
 
-/* x [M, K] bf16 as B tiles: [ceil(M/16)][K/32][16 channel pairs][16 rows] uint32, rows past M zero. */
-static uint32_t *amx_rows_vnni(const uint16_t *x, int64_t M, int64_t K) {
-    const int64_t blocks = (M + 15) / 16, kc = K / 32;
-    uint32_t *xt = (uint32_t *)calloc((size_t)(blocks * kc * 256 + 1), sizeof(uint32_t));
-    for (int64_t m = 0; m < M; m++)
-        for (int64_t c = 0; c < kc; c++)
-            for (int pr = 0; pr < 16; pr++) {
-                const uint16_t *v = x + m * K + c * 32 + 2 * pr;
-                xt[((m / 16) * kc + c) * 256 + pr * 16 + m % 16] = (uint32_t)v[0] | (uint32_t)v[1] << 16;
-            }
-    return xt;
-}
-
 /* The rows [n0, n1) of y (ldy apart) for weights w [N, K] (N >= 16, K a multiple of 32) and x's B tiles xt.
  * A tile of 16 weight rows that would pass N starts at N - 16 instead (its rows before n0 are not written).
  * While a weight tile is read, the next one's bytes are prefetched, and at the last tile as many bytes from
@@ -2385,10 +2358,12 @@ static AMX_TARGET void amx_gemv_rows(const uint16_t *w, int64_t N, int64_t K, co
     _tile_release();
 }
 
-/* out [16, ldo] (its columns [0, 16)) = in [16, 16]^T, in registers. */
-static inline __attribute__((always_inline)) AMX_TARGET void transpose16(const float *in, float *out, int64_t ldo) {
+/* out [16, ldo] (its columns [0, 16)) = in [16, ldi]^T (its columns [0, 16)), in registers; only moved, so any
+ * 32-bit words go through (bf16 pairs too). */
+static inline __attribute__((always_inline)) AMX_TARGET void transpose16(const float *in, int64_t ldi, float *out,
+                                                                        int64_t ldo) {
     __m512 r[16], t[16];
-    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(in + 16 * i);
+    for (int i = 0; i < 16; i++) r[i] = _mm512_loadu_ps(in + ldi * i);
     for (int i = 0; i < 8; i++)
         t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]), t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
     for (int i = 0; i < 4; i++) { /* u[4i + k], lane L: column 4L + k of rows 4i .. 4i + 3 */
@@ -2405,6 +2380,29 @@ static inline __attribute__((always_inline)) AMX_TARGET void transpose16(const f
         _mm512_storeu_ps(out + (8 + k) * ldo, _mm512_shuffle_f32x4(x1, y1, 0x88));
         _mm512_storeu_ps(out + (12 + k) * ldo, _mm512_shuffle_f32x4(x1, y1, 0xDD));
     }
+}
+
+/* x [M, K] bf16 as B tiles (amx_rows_at), rows past M zero: each tile the transpose of 16 rows' 16 channel
+ * pairs (a pair of bf16 values is one 32-bit word). */
+static AMX_TARGET uint32_t *amx_rows_vnni(const uint16_t *x, int64_t M, int64_t K) {
+    const int64_t kc = K / 32;
+    uint32_t *xt = (uint32_t *)malloc((size_t)((M + 15) / 16 * kc * 256 + 1) * sizeof(uint32_t));
+    float rows[16 * 16]; /* a block of fewer than 16 rows, zero-padded */
+    for (int64_t m0 = 0; m0 < M; m0 += 16) {
+        const int64_t mr = M - m0 < 16 ? M - m0 : 16;
+        for (int64_t c = 0; c < kc; c++) {
+            const float *in = (const float *)(x + m0 * K + c * 32);
+            float *tile = (float *)(xt + ((m0 / 16) * kc + c) * 256);
+            if (mr == 16) {
+                transpose16(in, K / 2, tile, 16);
+                continue;
+            }
+            memset(rows, 0, sizeof(rows));
+            for (int64_t i = 0; i < mr; i++) memcpy(rows + 16 * i, in + i * (K / 2), 64);
+            transpose16(rows, 16, tile, 16);
+        }
+    }
+    return xt;
 }
 
 /* A segment task's scratch in bytes: keys copied, scores^T and scores, softmax weights, paired values, one
@@ -2560,8 +2558,8 @@ static AMX_TARGET void amx_segment(const AttArgs *a, int64_t b, int64_t m0, int 
             const AmxRows lo = amx_rows(kv_t + 32 * h, pe_t + 32 * h, r, p, W, keys + 32 * h * W);
             const AmxRows hi = amx_rows(kv_t + 32 * h + 16, pe_t + 32 * h + 16, r, p, W, keys + (32 * h + 16) * W);
             amx_scores(qt, lo, hi, wr, W, st + h * 32 * AMX_Q);
-            transpose16(st + h * 32 * AMX_Q, sc + h * 32, AMX_KEYS);
-            transpose16(st + h * 32 * AMX_Q + 16 * AMX_Q, sc + h * 32 + 16, AMX_KEYS);
+            transpose16(st + h * 32 * AMX_Q, 16, sc + h * 32, AMX_KEYS);
+            transpose16(st + h * 32 * AMX_Q + 16 * AMX_Q, 16, sc + h * 32 + 16, AMX_KEYS);
             amx_pair_values(kv_t + 32 * h, r, wr, vp + h * wr * 16);
         }
         for (int i = 0; i < mb; i++) {
