@@ -61,12 +61,15 @@ def log(msg: str) -> None:
 
 @dataclass
 class Case:
-    """One matrix (``linear``: [n, k]) or SwiGLU expert (``swiglu``: gate/up [n, k], down [k, n])."""
+    """One matrix (``linear``: [n, k]) or SwiGLU expert (``swiglu``: gate/up [n, k], down [k, n]): one expert a
+    call, as a dense MLP and the shared experts run, or with ``stack`` one picked from a stack of experts, as the
+    routed ones run (the kernels may take another path for each)."""
 
     name: str
     op: str
     n: int
     k: int
+    stack: bool = False
 
     @property
     def weights(self) -> int:
@@ -89,7 +92,7 @@ def cases_of(shape: str) -> list[Case]:
             Case("kv_a", "linear", c.kv_lora_rank + c.qk_rope_head_dim, c.hidden_size),
             Case("o", "linear", c.hidden_size, heads * c.v_head_dim),
             Case("mlp", "swiglu", c.intermediate_size, c.hidden_size),
-            Case("expert", "swiglu", c.moe_intermediate_size, c.hidden_size)]
+            Case("expert", "swiglu", c.moe_intermediate_size, c.hidden_size, stack=True)]
 
 
 # ---- kernel libraries -----------------------------------------------------------------------------
@@ -219,13 +222,18 @@ class Runner:
                                 n, k, x.data_ptr(), a, self.rows, out.data_ptr(), a, threads)
             return
         g, u, d = self.g, self.u, self.d
-        E, n, k = g.w.shape[0], self.case.n, self.case.k
+        n, k = self.case.n, self.case.k
+        scales = [self.scales(t) for t in (g, u, d)]
+        kind = scales[0][2]
         for c in range(self.copies):
-            idx = torch.full((self.rows, 1), c, dtype=torch.long)
-            (sg, _, kind), (su, _, _), (sd, _, _) = (self.scales(t) for t in (g, u, d))
-            lib.dsv3_swiglu_experts(g.w.data_ptr(), u.w.data_ptr(), d.w.data_ptr(), sg, su, sd, kind, E, n, k,
-                                    x.data_ptr(), a, self.rows, idx.data_ptr(), self.gates.data_ptr(), 1,
-                                    out.data_ptr(), a, 0, threads)
+            if self.case.stack:  # expert c of the stack
+                E, at, idx = g.w.shape[0], 0, torch.full((self.rows, 1), c, dtype=torch.long)
+            else:  # copy c alone
+                E, at, idx = 1, c, torch.zeros(self.rows, 1, dtype=torch.long)
+            w = [t.w.data_ptr() + at * t.w[0].nbytes for t in (g, u, d)]
+            sc = [None if s is None else s + at * step for s, step, _ in scales]
+            lib.dsv3_swiglu_experts(*w, *sc, kind, E, n, k, x.data_ptr(), a, self.rows, idx.data_ptr(),
+                                    self.gates.data_ptr(), 1, out.data_ptr(), a, 0, threads)
 
     def torch(self, threads: int) -> None:
         torch.set_num_threads(threads)

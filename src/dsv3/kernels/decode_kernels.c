@@ -924,7 +924,7 @@ static DP_TARGET void dp_gemv_tiles(const uint16_t *w, int64_t N, int64_t K, con
  * sets the pace, within 3% of the dots. Either way one path serves every row count, so a row's result does not
  * depend on the rows beside it. Other CPUs keep the dot products: the AMD EPYC these kernels were written on
  * has not been measured this way. Where the Intel CPU has AMX-BF16, AMX tiles take such GEMVs whatever the
- * row count (use_amx_gemv, before this). */
+ * row count (use_amx_gemv). */
 static int gemv_dots(void) {
     static int intel = -1;
     if (intel < 0) {
@@ -2294,9 +2294,9 @@ static AMX_TARGET void amx_configure(void) {
  * matrix (A), times 16 activation rows laid out in channel pairs (B, amx_rows_vnni), into a 16 x 16 fp32 tile
  * per 16 activation rows. Every product is exact and every sum fp32, as in the dot products; each output is
  * its own row's chain over K in the same order whatever the other rows of the call, so a row computed with
- * 63 others has the bits it has alone. The weights stream from memory at one TDPBF16PS (7-8 ns on the Xeon
- * measured) per KB, far above what DRAM delivers, so one row costs what the memory does and 16 rows the same:
- * the FMAs' micro-tiles were compute-bound there from a few rows (gemv_dots). */
+ * 63 others has the bits it has alone. One TDPBF16PS per KB of weights (16 x 16 x 32 products) keeps far ahead
+ * of what DRAM delivers, so one row costs what the memory does and 16 rows nearly the same: the FMAs'
+ * micro-tiles were compute-bound there from a few rows (gemv_dots; decode_kernels_speed.py --baseline-rev). */
 #define AMX_GEMV_BLOCKS 4 /* 16-row blocks of activations per pass over a weight tile: accumulator tiles 0-3 */
 
 static int use_amx_gemv(int kind, int xkind, int64_t N, int64_t K) {
